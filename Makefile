@@ -1,0 +1,50 @@
+# dtrec developer targets. Everything runs from a local virtual environment in .venv.
+#
+# Override on other platforms, e.g. a CUDA box:
+#   make TORCH_SPEC='torch==2.13.0' FBGEMM_SPEC='fbgemm-gpu==1.8.0' test
+# torch must be pinned: on a CPU machine an unpinned `torch` pulls the multi-GB CUDA build.
+
+PYTHON      ?= python3
+TORCH_SPEC  ?= torch==2.13.0
+FBGEMM_SPEC ?= fbgemm-gpu-cpu==1.8.0
+VENV        ?= .venv
+NPROC       ?= 4
+DEMO_ARGS   ?=
+PYTEST_ARGS ?=
+
+PIP   := $(VENV)/bin/pip
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.dtrec-installed
+
+.PHONY: install demo test lint bench-deps clean
+
+install: $(STAMP)
+
+# Re-run only when pyproject.toml changes; pip skips what is already satisfied.
+# fbgemm is optional (dtrec falls back to its own kernels), so its failure only warns.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install '$(TORCH_SPEC)'
+	$(PIP) install '$(FBGEMM_SPEC)' '$(TORCH_SPEC)' || \
+		echo "warning: '$(FBGEMM_SPEC)' failed to install; dtrec will use its torch/Triton kernels"
+	$(PIP) install -e '.[dev]' '$(TORCH_SPEC)'
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/demo.py $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check dtrec tests benchmarks examples
+
+# TorchRec (comparison only) must go in with --no-deps: its declared deps would
+# replace torch/fbgemm with incompatible builds.
+bench-deps: $(STAMP)
+	$(PIP) install --no-deps torchrec==1.8.0
+	$(PIP) install tensordict pyre-extensions iopath matplotlib '$(TORCH_SPEC)'
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +

@@ -1,0 +1,38 @@
+"""dtrec: DTensor-native sharding for recommendation-model embedding tables.
+
+Data flows one way: plan -> placements -> sharded module -> ops -> kernels.
+
+Example (under torchrun)::
+
+    mesh = dtrec.init_mesh("cpu", shard_group_size=2)
+    model = dtrec.distribute_module(model, mesh, {"sparse.t0": dtrec.placements.RowWise()})
+"""
+
+from dtrec import ops, placements
+from dtrec.collectives import CommStats, count_comm
+from dtrec.config import EmbeddingBagConfig
+from dtrec.distribute import distribute_module
+from dtrec.mesh import init_mesh
+from dtrec.modules import EmbeddingBagCollection
+from dtrec.placements.tensor import distribute_tensor
+from dtrec.plan import ShardingPlan, plan
+from dtrec.sharded_ebc import ShardedEmbeddingBagCollection
+from dtrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+__all__ = [
+    "CommStats",
+    "EmbeddingBagCollection",
+    "EmbeddingBagConfig",
+    "JaggedTensor",
+    "KeyedJaggedTensor",
+    "KeyedTensor",
+    "ShardedEmbeddingBagCollection",
+    "ShardingPlan",
+    "count_comm",
+    "distribute_module",
+    "distribute_tensor",
+    "init_mesh",
+    "ops",
+    "placements",
+    "plan",
+]

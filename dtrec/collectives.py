@@ -1,0 +1,142 @@
+"""Autograd-aware collectives used by the sharded step, with byte accounting.
+
+Every collective dtrec issues goes through here, so ``count_comm`` sees all of
+them (the dense part's DDP all-reduce is torch's and is not counted here).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+
+@dataclass
+class CommStats:
+    """Per-collective call counts and bytes this rank sent."""
+
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, kind: str, nbytes: int) -> None:
+        self.calls[kind] += 1
+        self.bytes_sent[kind] += nbytes
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_sent.values())
+
+    def summary(self, steps: int = 1) -> str:
+        """One line per collective: calls and bytes per step."""
+        return ", ".join(
+            f"{kind}: {self.calls[kind] / steps:g} calls {self.bytes_sent[kind] / steps:,.0f} B"
+            for kind in sorted(self.calls)
+        )
+
+
+_active: list[CommStats] = []
+
+
+@contextmanager
+def count_comm() -> Iterator[CommStats]:
+    """Count the collectives dtrec issues inside the block (forward and backward).
+
+    Example::
+
+        with count_comm() as stats:
+            model(batch).sum().backward()
+        print(stats.summary())
+    """
+    stats = CommStats()
+    _active.append(stats)
+    try:
+        yield stats
+    finally:
+        _active.remove(stats)
+
+
+def _record(kind: str, nbytes: int) -> None:
+    for stats in _active:
+        stats.record(kind, nbytes)
+
+
+def all_to_all(
+    input: Tensor,
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+    group: ProcessGroup,
+    kind: str,
+) -> Tensor:
+    """``all_to_all_single`` with uneven splits (no autograd)."""
+    output = input.new_empty(sum(output_splits))
+    me = dist.get_rank(group)
+    _record(kind, (sum(input_splits) - input_splits[me]) * input.element_size())
+    dist.all_to_all_single(
+        output, input.contiguous(), list(output_splits), list(input_splits), group=group
+    )
+    return output
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, output_splits, input_splits, group, kind):  # type: ignore[override]
+        ctx.splits = (output_splits, input_splits)
+        ctx.group, ctx.kind = group, kind
+        return all_to_all(input, output_splits, input_splits, group, kind)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        output_splits, input_splits = ctx.splits
+        grad_in = all_to_all(grad, input_splits, output_splits, ctx.group, ctx.kind + ".backward")
+        return grad_in, None, None, None, None
+
+
+def all_to_all_autograd(
+    input: Tensor,
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+    group: ProcessGroup,
+    kind: str,
+) -> Tensor:
+    """Differentiable all-to-all whose backward always runs on every rank.
+
+    A rank that sends nothing still takes part in the backward exchange: an
+    input that needs no grad is promoted to a (throwaway) leaf that does.
+    """
+    if torch.is_grad_enabled() and not input.requires_grad:
+        input = input.detach().requires_grad_()
+    return _AllToAll.apply(input, list(output_splits), list(input_splits), group, kind)
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, group, scale, kind):  # type: ignore[override]
+        ctx.group, ctx.scale, ctx.kind = group, scale, kind
+        return input.view_as(input)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        grad = grad * ctx.scale
+        size = dist.get_world_size(ctx.group)
+        if size > 1:
+            _record(ctx.kind, 2 * (size - 1) * grad.numel() * grad.element_size() // size)
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None, None, None
+
+
+def all_reduce_grad(tensor: Tensor, group: ProcessGroup, scale: float, kind: str) -> Tensor:
+    """Identity forward; backward sums the gradient over ``group`` and multiplies by ``scale``."""
+    return _AllReduceGrad.apply(tensor, group, scale, kind)
+
+
+def all_gather_object_checked(obj: object, group: ProcessGroup) -> list[object]:
+    """``all_gather_object`` over ``group`` (small control messages only)."""
+    out: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

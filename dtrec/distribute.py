@@ -1,0 +1,67 @@
+"""``distribute_module``: shard a model's embedding tables, replicate the rest."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable import replicate
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtrec.mesh import shard_axis
+from dtrec.placements import TableSpec
+from dtrec.plan import check_plan_keys, find_collections, model_tables, table_fqn
+from dtrec.plan import plan as make_plan
+from dtrec.sharded_ebc import ShardedEmbeddingBagCollection
+
+
+def distribute_module(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: Mapping[str, TableSpec] | None = None,
+) -> nn.Module:
+    """Shard every ``EmbeddingBagCollection`` of ``model`` per ``plan``; DDP the rest.
+
+    ``plan`` maps ``"<collection fqn>.<table>"`` to a spec; tables it omits,
+    and open choices like ``TableWise(rank=None)``, are planned by
+    ``dtrec.plan``. Dense parameters become data parallel over all W ranks
+    (torch's ``replicate``). Returns ``model`` itself, changed in place (or
+    the sharded collection when ``model`` is one). Collective: every rank
+    calls it with the same model config and plan.
+
+    Example::
+
+        mesh = dtrec.init_mesh("cpu", shard_group_size=2)
+        model = dtrec.distribute_module(model, mesh, {"sparse.t0": RowWise()})
+    """
+    shard_axis(mesh)
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"mesh covers {mesh.size()} ranks but the world has {dist.get_world_size()}; "
+            "build it with dtrec.init_mesh"
+        )
+    collections = find_collections(model)
+    if not collections:
+        raise ValueError("model has no dtrec.EmbeddingBagCollection to distribute")
+    check_plan_keys(dict(plan or {}), model_tables(model))
+    full_plan = make_plan(model, mesh, constraints=plan)
+
+    sharded: dict[str, ShardedEmbeddingBagCollection] = {}
+    for fqn, ebc in collections.items():
+        tables = ebc.embedding_bag_configs()
+        specs = {cfg.name: full_plan[table_fqn(fqn, cfg.name)] for cfg in tables}
+        weights = {cfg.name: ebc.embedding_bags[cfg.name].weight for cfg in tables}
+        sharded[fqn] = ShardedEmbeddingBagCollection(tables, weights, mesh, specs)
+    if "" in sharded:
+        sharded[""].sharding_plan = full_plan
+        return sharded[""]
+    for fqn, module in sharded.items():
+        parent_name, _, attr = fqn.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, module)
+
+    sharded_params = {id(p) for m in sharded.values() for p in m.parameters()}
+    if any(id(p) not in sharded_params for p in model.parameters()):
+        replicate(model, ignored_modules=list(sharded.values()))
+    model.sharding_plan = full_plan
+    return model

@@ -1,0 +1,92 @@
+"""Checks and reordering of a batch's features against a collection's tables.
+
+Shared by the unsharded and the sharded collection so both reject bad input
+with the same, specific error (naming the table, the feature and the rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from dtrec.config import EmbeddingBagConfig
+from dtrec.sparse import KeyedJaggedTensor, as_kjt
+
+
+def _where(rank: int | None) -> str:
+    return "" if rank is None else f" on rank {rank}"
+
+
+def feature_order(tables: Sequence[EmbeddingBagConfig]) -> list[str]:
+    """Features in output order: tables in config order, features in table order."""
+    return [f for cfg in tables for f in cfg.feature_names]
+
+
+def prepare_features(
+    features: object, tables: Sequence[EmbeddingBagConfig], rank: int | None = None
+) -> KeyedJaggedTensor:
+    """Validate a batch and permute it into ``feature_order(tables)``.
+
+    Raises KeyError for a feature the batch lacks, ValueError for a key no table
+    reads or per-sample weights on a mean-pooled table, IndexError for an id
+    outside ``[0, num_embeddings)``.
+    """
+    kjt = as_kjt(features)
+    order = feature_order(tables)
+    present = set(kjt.keys())
+    missing = [f for f in order if f not in present]
+    if missing:
+        owner = {f: cfg.name for cfg in tables for f in cfg.feature_names}
+        raise KeyError(
+            f"batch{_where(rank)} lacks feature(s) "
+            + ", ".join(f"{f!r} (table {owner[f]!r})" for f in missing)
+            + f"; batch keys: {kjt.keys()}"
+        )
+    known = set(order)
+    unknown = [k for k in kjt.keys() if k not in known]  # noqa: SIM118 (a KJT method)
+    if unknown:
+        raise ValueError(
+            f"batch{_where(rank)} has key(s) {unknown} that no table reads; model features: {order}"
+        )
+    if kjt.keys() != order:
+        kjt = kjt.permute(order)
+    if kjt.weights_or_none() is not None:
+        mean_tables = [cfg.name for cfg in tables if cfg.pooling == "mean"]
+        if mean_tables:
+            raise ValueError(
+                f"per-sample weights{_where(rank)} need sum pooling; "
+                f"table(s) {mean_tables} use mean pooling"
+            )
+    check_id_range(kjt, tables, rank)
+    return kjt
+
+
+def check_id_range(
+    kjt: KeyedJaggedTensor, tables: Sequence[EmbeddingBagConfig], rank: int | None = None
+) -> None:
+    """Every id of feature f lies in ``[0, rows of f's table)``; one vectorized pass."""
+    values = kjt.values()
+    if values.numel() == 0:
+        return
+    rows = torch.tensor(
+        [cfg.num_embeddings for cfg in tables for _ in cfg.feature_names], device=values.device
+    )
+    counts = torch.tensor(kjt.length_per_key(), device=values.device)
+    bound = torch.repeat_interleave(rows, counts)
+    bad = (values < 0) | (values >= bound)
+    if bool(bad.any()):
+        first = int(torch.nonzero(bad)[0])
+        key_index = int(torch.searchsorted(torch.cumsum(counts, 0), first, right=True))
+        feature = kjt.keys()[key_index]
+        table = next(cfg for cfg in tables if feature in cfg.feature_names)
+        raise IndexError(
+            f"feature {feature!r} (table {table.name!r}){_where(rank)}: id {int(values[first])} "
+            f"is outside [0, {table.num_embeddings}) ({int(bad.sum())} bad ids in the batch)"
+        )
+
+
+def bag_lengths(kjt: KeyedJaggedTensor) -> Tensor:
+    """Lengths as ``[num_features, B]``."""
+    return kjt.lengths().view(len(kjt.keys()), kjt.stride())

@@ -1,0 +1,30 @@
+"""Table sharding specs and the shard metadata they produce.
+
+Example::
+
+    plan = {"sparse.t_user": RowWise(), "sparse.t_item": TableWise(rank=1)}
+"""
+
+from dtrec.placements.layout import Block, TableLayout, chunk_bounds
+from dtrec.placements.specs import (
+    ColumnWise,
+    DataParallel,
+    Grid,
+    RowWise,
+    TableRowWise,
+    TableSpec,
+    TableWise,
+)
+
+__all__ = [
+    "Block",
+    "ColumnWise",
+    "DataParallel",
+    "Grid",
+    "RowWise",
+    "TableLayout",
+    "TableRowWise",
+    "TableSpec",
+    "TableWise",
+    "chunk_bounds",
+]

@@ -1,0 +1,71 @@
+"""Shard metadata: where each block of a table lives on the "shard" axis.
+
+A spec turns (table, mesh) into a ``TableLayout``: the shard positions that
+hold the table, the torch placements on their sub-mesh, and the blocks. Every
+later stage (input-dist, lookup, output-dist, checkpoints, planner) reads the
+blocks instead of switching on the sharding type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Placement
+
+
+def chunk_bounds(size: int, parts: int) -> list[tuple[int, int]]:
+    """``torch.chunk`` boundaries, padded with empty chunks (DTensor's Shard semantics).
+
+    Example: ``chunk_bounds(5, 4) == [(0, 2), (2, 4), (4, 5), (5, 5)]``.
+    """
+    step = -(-size // parts) if parts else 0
+    return [(min(i * step, size), min((i + 1) * step, size)) for i in range(parts)]
+
+
+@dataclass(frozen=True)
+class Block:
+    """A rectangle of a table stored at one shard-axis position (on all its replicas)."""
+
+    position: int
+    """Coordinate on the "shard" mesh axis."""
+    rows: tuple[int, int]
+    """Row range [start, end) of the global table."""
+    cols: tuple[int, int]
+    """Column range [start, end)."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+    @property
+    def num_cols(self) -> int:
+        return self.cols[1] - self.cols[0]
+
+    @property
+    def numel(self) -> int:
+        return self.num_rows * self.num_cols
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """How one table sits on the mesh."""
+
+    positions: tuple[int, ...]
+    """Shard-axis positions of the table's sub-mesh, in sub-mesh order."""
+    mesh_shape: tuple[int, ...]
+    """How ``positions`` fold into sub-mesh dims (the replicate axis is appended)."""
+    mesh_dim_names: tuple[str, ...]
+    """Names of those dims (without "replicate")."""
+    placements: tuple[Placement, ...]
+    """torch placements, one per sub-mesh dim including "replicate"."""
+    blocks: tuple[Block, ...]
+    """Non-empty blocks; together they cover the table once (per batch-owner, see batch_local)."""
+    batch_local: bool = False
+    """True when every rank looks up its own batch in its own full copy (data parallel)."""
+
+    def block_at(self, position: int) -> Block | None:
+        """The block stored at ``position`` (specs put at most one per position)."""
+        for block in self.blocks:
+            if block.position == position:
+                return block
+        return None

@@ -1,0 +1,322 @@
+"""The sharded collection: input-dist -> local lookup -> output-dist on the shard axis.
+
+Per forward, inside one sharding group (the ranks sharing a "replicate"
+coordinate):
+
+1. header all-to-all (fixed size): every rank learns its peers' batch size,
+   id counts and whether their input was valid, so a bad batch fails on all
+   ranks instead of hanging a collective;
+2. ids all-to-all: each id goes to the block(s) that hold its row;
+3. one batched lookup over all served segments and all sources;
+4. output all-to-all of ``[B, block cols]`` partials; the requester adds them
+   into its output columns (a sum over row blocks, a tiling of column blocks).
+
+Backward mirrors 4 -> 3 through autograd; each table's local gradient is then
+all-reduced over the "replicate" axis (over the whole world for data-parallel
+tables) and scaled by 1 / world size, so all ranks' gradients are averaged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtrec import ops
+from dtrec.collectives import all_reduce_grad, all_to_all, all_to_all_autograd
+from dtrec.config import EmbeddingBagConfig
+from dtrec.features import bag_lengths, feature_order, prepare_features
+from dtrec.mesh import REPLICATE, SHARD, shard_axis, shard_position
+from dtrec.placements import TableLayout, TableSpec
+from dtrec.placements.tensor import distribute_tensor
+from dtrec.routing import Routing
+from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
+
+_HEADER = 4  # status, batch size, ids sent to this peer, has per-sample weights
+_STATUS_OK, _STATUS_BAD_INPUT = 0, 1
+
+_WORLD_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _world_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """A group over all mesh ranks, separate from the default one DDP reduces on."""
+    ranks = tuple(sorted(mesh.mesh.flatten().tolist()))
+    if ranks not in _WORLD_GROUPS:
+        _WORLD_GROUPS[ranks] = dist.new_group(list(ranks))
+    return _WORLD_GROUPS[ranks]
+
+
+class ShardedTable(nn.Module):
+    """Holds one table's weight as a DTensor parameter (``embedding_bags.<t>.weight``)."""
+
+    def __init__(self, weight: nn.Parameter, spec: TableSpec, layout: TableLayout) -> None:
+        super().__init__()
+        self.weight = weight
+        self.spec = spec
+        self.layout = layout
+
+    def extra_repr(self) -> str:
+        return f"spec={self.spec!r}"
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """``EmbeddingBagCollection`` with tables sharded per a spec each.
+
+    Same forward contract on the local batch (same keys, order and values as
+    the unsharded module), same ``state_dict`` keys with DTensor values.
+    """
+
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        weights: dict[str, Tensor],
+        mesh: DeviceMesh,
+        specs: dict[str, TableSpec],
+    ) -> None:
+        super().__init__()
+        axis = shard_axis(mesh)
+        position = shard_position(mesh)
+        if position is None:
+            raise ValueError(f"rank {dist.get_rank()} is not in the mesh {mesh}")
+        self._tables = tables
+        self._dtype = weights[tables[0].name].dtype if tables else torch.float32
+        self._mesh = mesh
+        self._world_size = mesh.size()
+        self._shard_group = mesh.get_group(SHARD)
+        self._replicate_group = mesh.get_group(REPLICATE)
+        self._shard_ranks = dist.get_process_group_ranks(self._shard_group)
+        layouts = [specs[cfg.name].layout(cfg, axis) for cfg in tables]
+        self.embedding_bags = nn.ModuleDict()
+        for cfg, layout in zip(tables, layouts, strict=True):
+            dtensor = distribute_tensor(weights[cfg.name], mesh, specs[cfg.name], cfg.name)
+            block = layout.block_at(position)
+            if block is not None and tuple(dtensor.to_local().shape) != (
+                block.num_rows,
+                block.num_cols,
+            ):
+                raise AssertionError(
+                    f"table {cfg.name!r}: local shard {tuple(dtensor.to_local().shape)} does not "
+                    f"match its block {block}"
+                )
+            self.embedding_bags[cfg.name] = ShardedTable(
+                nn.Parameter(dtensor), specs[cfg.name], layout
+            )
+        self._layouts = layouts
+        self._routing = Routing(tables, layouts, axis.size, position)
+        self._dp_group = _world_group(mesh) if self._routing.local_features else None
+        self._received_cols = self._routing.received_columns(torch.device("cpu"))
+        self._local_cols = self._routing.local_columns(torch.device("cpu"))
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        """The table configs, in output order."""
+        return list(self._tables)
+
+    def specs(self) -> dict[str, TableSpec]:
+        """Table name -> spec."""
+        return {name: table.spec for name, table in self.embedding_bags.items()}
+
+    def _local_weights(self) -> dict[int, Tensor]:
+        """This rank's blocks as plain tensors whose grads are synced over replicas."""
+        out: dict[int, Tensor] = {}
+        scale = 1.0 / self._world_size
+        local_tables = set(self._routing.local_tables)
+        for t, cfg in enumerate(self._tables):
+            if t not in local_tables:
+                continue
+            local = self.embedding_bags[cfg.name].weight.to_local()
+            if self._layouts[t].batch_local:
+                out[t] = all_reduce_grad(local, self._dp_group, scale, "grad_sync.data_parallel")
+            else:
+                out[t] = all_reduce_grad(local, self._replicate_group, scale, "grad_sync.replicate")
+        return out
+
+    def forward(self, features: object) -> KeyedTensor:
+        rank = dist.get_rank()
+        routing = self._routing
+        error: Exception | None = None
+        kjt: KeyedJaggedTensor | None = None
+        try:
+            kjt = prepare_features(features, self._tables, rank)
+        except (KeyError, ValueError, IndexError, TypeError) as exc:
+            error = exc
+        if not routing.has_sharded and error is not None:
+            raise error
+
+        local = self._local_weights()
+        dtype = self._dtype
+        batch = kjt.stride() if kjt is not None else 0
+        device = kjt.values().device if kjt is not None else torch.device("cpu")
+        out: Tensor | None = None
+        if routing.has_sharded:
+            out = self._sharded_lookup(kjt, error, local, batch, device, dtype)
+        if out is None:
+            assert kjt is not None
+            out = torch.zeros(batch, routing.total_dim, dtype=dtype, device=device)
+        assert kjt is not None
+        if routing.local_features:
+            out = out.index_add(
+                1, self._local_cols.to(device), self._data_parallel_lookup(kjt, local)
+            )
+        out = out * self._pooling_scale(kjt, dtype)
+        dims = [routing.slots[k].dim for k in range(len(routing.slots))]
+        return KeyedTensor(feature_order(self._tables), dims, out)
+
+    def _pooling_scale(self, kjt: KeyedJaggedTensor, dtype: torch.dtype) -> Tensor:
+        """``[B, total_dim]`` factors: 1 / bag length on mean-pooled features, 1 elsewhere."""
+        lengths = bag_lengths(kjt).to(dtype)
+        is_mean = torch.tensor(
+            [self._tables[s.table].pooling == "mean" for s in self._routing.slots],
+            device=lengths.device,
+        ).unsqueeze(1)
+        factor = torch.where(is_mean, 1.0 / lengths.clamp(min=1), torch.ones_like(lengths))
+        dims = torch.tensor([s.dim for s in self._routing.slots], device=lengths.device)
+        return factor.t().repeat_interleave(dims, dim=1)
+
+    def _data_parallel_lookup(self, kjt: KeyedJaggedTensor, local: dict[int, Tensor]) -> Tensor:
+        routing = self._routing
+        sub = kjt.permute(routing.local_features)
+        weights = [local[routing.slots[k].table] for k in routing.local_features]
+        return ops.embedding_bag(weights, sub.values(), sub.offsets(), "sum", sub.weights_or_none())
+
+    def _bucketize(
+        self, kjt: KeyedJaggedTensor
+    ) -> tuple[list[Tensor], list[Tensor | None], list[int]]:
+        """Per destination: int64 [lengths | ids] buffer, weights, and id count."""
+        routing = self._routing
+        batch = kjt.stride()
+        lengths = bag_lengths(kjt)
+        offsets = kjt.offset_per_key()
+        values = kjt.values().long()
+        weights = kjt.weights_or_none()
+        bags: dict[int, Tensor] = {}
+        buffers: list[Tensor] = []
+        sent_weights: list[Tensor | None] = []
+        counts: list[int] = []
+        for segs in routing.segments_to:
+            seg_lengths, seg_ids, seg_weights = [], [], []
+            for seg in segs:
+                k = seg.feature
+                ids = values[offsets[k] : offsets[k + 1]]
+                w = None if weights is None else weights[offsets[k] : offsets[k + 1]]
+                rows = seg.block.rows
+                if rows == (0, self._tables[seg.table].num_embeddings):
+                    seg_lengths.append(lengths[k].long())
+                    seg_ids.append(ids)
+                else:
+                    if k not in bags:
+                        bags[k] = torch.repeat_interleave(
+                            torch.arange(batch, device=ids.device), lengths[k].long()
+                        )
+                    mask = (ids >= rows[0]) & (ids < rows[1])
+                    seg_lengths.append(torch.bincount(bags[k][mask], minlength=batch))
+                    seg_ids.append(ids[mask] - rows[0])
+                    w = None if w is None else w[mask]
+                seg_weights.append(w)
+            ids_cat = torch.cat(seg_ids) if seg_ids else values.new_zeros(0)
+            buffers.append(torch.cat([*seg_lengths, ids_cat]) if segs else values.new_zeros(0))
+            sent_weights.append(
+                None
+                if weights is None
+                else (torch.cat(seg_weights) if segs else weights.new_zeros(0))
+            )  # type: ignore[arg-type]
+            counts.append(ids_cat.numel())
+        return buffers, sent_weights, counts
+
+    def _check_peers(self, header: Tensor, batch: int) -> None:
+        """Fail on every rank of the group if any peer's batch was bad or differs."""
+        bad = [j for j in range(header.shape[0]) if int(header[j, 0]) != _STATUS_OK]
+        if bad:
+            ranks = [self._shard_ranks[j] for j in bad]
+            raise ValueError(
+                f"rank(s) {ranks} of this sharding group rejected their input batch "
+                "(see the error on those ranks); no collective was run with it"
+            )
+        sizes = header[:, 1].tolist()
+        if any(b != batch for b in sizes):
+            per_rank = {self._shard_ranks[j]: b for j, b in enumerate(sizes)}
+            raise ValueError(
+                f"batch size differs across the sharding group (rank -> batch size: {per_rank}); "
+                "every rank of a sharding group must feed the same local batch size"
+            )
+
+    def _sharded_lookup(
+        self,
+        kjt: KeyedJaggedTensor | None,
+        error: Exception | None,
+        local: dict[int, Tensor],
+        batch: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> Tensor:
+        routing = self._routing
+        group = self._shard_group
+        shards = routing.shard_size
+        header = torch.zeros(shards, _HEADER, dtype=torch.long)
+        if error is None:
+            assert kjt is not None
+            buffers, sent_weights, counts = self._bucketize(kjt)
+            header[:, 0] = _STATUS_OK
+            header[:, 1] = batch
+            header[:, 2] = torch.tensor(counts)
+            header[:, 3] = int(kjt.weights_or_none() is not None)
+        else:
+            header[:, 0] = _STATUS_BAD_INPUT
+        peer = all_to_all(
+            header.flatten(), [_HEADER] * shards, [_HEADER] * shards, group, "input_dist.header"
+        )
+        peer = peer.view(shards, _HEADER)
+        if error is not None:
+            raise error
+        assert kjt is not None
+        self._check_peers(peer, batch)
+
+        served = routing.served
+        n_served = len(served) * batch
+        peer_counts = peer[:, 2].tolist()
+        send = torch.cat(buffers).to(device)
+        recv = all_to_all(
+            send,
+            [n_served + c for c in peer_counts],
+            [b.numel() for b in buffers],
+            group,
+            "input_dist.ids",
+        )
+        psw = None
+        if bool(peer[:, 3].any()):
+            send_w = [
+                w if w is not None else torch.ones(c, dtype=torch.float32, device=device)
+                for w, c in zip(sent_weights, counts, strict=True)
+            ]
+            psw = all_to_all(
+                torch.cat(send_w).float(), peer_counts, counts, group, "input_dist.weights"
+            )
+
+        # Received layout: per source j, [lengths of served segments | ids].
+        lengths_parts, id_parts, start = [], [], 0
+        for c in peer_counts:
+            lengths_parts.append(recv[start : start + n_served])
+            id_parts.append(recv[start + n_served : start + n_served + c])
+            start += n_served + c
+        if served:
+            lengths = torch.cat(lengths_parts)
+            offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long, device=device)
+            torch.cumsum(lengths, 0, out=offsets[1:])
+            weights = [local[s.table] for _ in range(shards) for s in served]
+            pooled = ops.embedding_bag(weights, torch.cat(id_parts), offsets, "sum", psw)
+            send_back = pooled.view(batch, shards, routing.served_width).transpose(0, 1).reshape(-1)
+        else:
+            send_back = torch.zeros(0, dtype=dtype, device=device)
+        partials = all_to_all_autograd(
+            send_back,
+            [batch * w for w in routing.widths],
+            [batch * routing.served_width] * shards,
+            group,
+            "output_dist",
+        )
+        pieces = torch.split(partials, [batch * w for w in routing.widths])
+        received = torch.cat(
+            [p.view(batch, w) for p, w in zip(pieces, routing.widths, strict=True)], dim=1
+        )
+        out = torch.zeros(batch, routing.total_dim, dtype=received.dtype, device=device)
+        return out.index_add(1, self._received_cols.to(device), received)

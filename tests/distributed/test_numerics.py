@@ -1,0 +1,63 @@
+"""The numerics contract: every sharding type and mesh shape trains exactly like one device.
+
+One spawned world per world size runs every (mesh, plan, weighting) case; the
+parametrized tests then assert on its results.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.numerics import PLANS
+from tests.multiprocess import run_world
+
+# (world size, shard group size, node size)
+MESHES = {4: [(4, 2), (2, 2), (2, 4), (1, 2)], 2: [(2, 2), (1, 2)]}
+TOLERANCE = 1e-5
+
+
+def _run_world_cases(rank: int, world: int) -> dict[str, tuple]:
+    import dtrec
+    from tests.distributed.numerics import check_numerics
+
+    out = {}
+    for shards, node in MESHES[world]:
+        mesh = dtrec.init_mesh("cpu", shards, node_size=node)
+        for plan_name, plan in PLANS.items():
+            for weighted in (False, True):
+                r = check_numerics(mesh, plan, weighted)
+                out[_case(world, shards, node, plan_name, weighted)] = (
+                    r.max_weight_diff,
+                    r.max_loss_diff,
+                    r.grads_sharded_like_weights,
+                    r.notes,
+                )
+    return out
+
+
+def _case(world: int, shards: int, node: int, plan: str, weighted: bool) -> str:
+    pooling = "weighted" if weighted else "sum_mean"
+    return f"W{world}-S{shards}-R{world // shards}-node{node}-{plan}-{pooling}"
+
+
+CASES = [
+    (world, _case(world, s, n, p, w))
+    for world, meshes in MESHES.items()
+    for s, n in meshes
+    for p in PLANS
+    for w in (False, True)
+]
+
+
+@pytest.fixture(scope="module")
+def world_results() -> dict[int, list[dict]]:
+    return {world: run_world(world, _run_world_cases, timeout=900) for world in MESHES}
+
+
+@pytest.mark.parametrize(("world", "case"), CASES, ids=[c for _, c in CASES])
+def test_sharded_training_matches_unsharded(world_results, world: int, case: str) -> None:
+    for rank, results in enumerate(world_results[world]):
+        weight_diff, loss_diff, grads_ok, notes = results[case]
+        assert weight_diff < TOLERANCE, f"rank {rank}: weights differ by {weight_diff}"
+        assert loss_diff < TOLERANCE, f"rank {rank}: losses differ by {loss_diff}"
+        assert grads_ok, f"rank {rank}: gradients not sharded like weights: {notes}"

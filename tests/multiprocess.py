@@ -1,0 +1,330 @@
+"""Shared harness for multi-process (gloo, CPU) tests.
+
+:func:`run_world` spawns ``world_size`` processes, initialises a gloo process group in each,
+runs ``fn(rank, world_size, *args)`` and returns the per-rank return values, ordered by rank.
+If any rank raises (or dies without reporting, or the overall timeout passes) the remaining
+ranks are terminated straight away and :class:`WorldError` (an ``AssertionError``) is raised
+with every failed rank's traceback. No process is ever left behind.
+
+Rules for ``fn``
+----------------
+* It must be a **module-level function** (the "spawn" start method pickles it by qualified
+  name and the child re-imports its module). Lambdas, closures and nested functions fail.
+  Test modules are importable as ``tests.<name>`` (``tests/__init__.py`` exists and the
+  repo root is on ``sys.path``), so worker functions may live in the test module itself.
+* ``args`` and the return value must be picklable. Return plain data (floats, lists, dicts,
+  CPU tensors), not DTensors or objects tied to the process group.
+* Child processes are daemonic, so ``fn`` cannot start processes of its own (e.g. DataLoader
+  workers).
+
+Recommended pattern: one world, many configurations
+---------------------------------------------------
+Starting a world costs seconds here (spawn + ``import torch`` + rendezvous on a 2-core
+machine), so do **not** call :func:`run_world` once per parametrized case. Instead, run every
+configuration inside one spawned world, return a dict ``{config_name: result}`` from each
+rank, and let parametrized tests assert on it through a module-scoped fixture::
+
+    import pytest
+    from tests.multiprocess import run_world
+
+    CONFIGS = {
+        "row_wise_sum": dict(num_embeddings=10, dim=4, mode="sum"),
+        "col_wise_mean": dict(num_embeddings=7, dim=8, mode="mean"),
+    }
+
+    def _check_one(rank, world_size, num_embeddings, dim, mode):
+        ...  # build the sharded module, compare with a dense reference
+        return {"max_abs_err": err}
+
+    def _run_all(rank, world_size, configs):  # module level: picklable by spawn
+        return {name: _check_one(rank, world_size, **cfg) for name, cfg in configs.items()}
+
+    @pytest.fixture(scope="module")
+    def world_results():
+        return run_world(2, _run_all, CONFIGS)  # list indexed by rank
+
+    @pytest.mark.parametrize("name", sorted(CONFIGS))
+    def test_config(world_results, name):
+        for rank, per_rank in enumerate(world_results):
+            assert per_rank[name]["max_abs_err"] < 1e-6, f"rank {rank}"
+
+An exception in any configuration fails the whole world (and therefore every test using the
+fixture), with the traceback in the message. If you want failures isolated per configuration,
+catch exceptions in ``_run_all`` and return the formatted traceback as that configuration's
+result -- but only when a failure is guaranteed to happen on all ranks alike; otherwise ranks
+fall out of step in later collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["WorldError", "free_port", "run_world"]
+
+_POLL_S = 0.1  # how long the parent blocks on the result queue between liveness checks
+_GRACE_S = 2.0  # time between SIGTERM and SIGKILL when tearing a world down
+_SETTLE_S = 1.0  # after a first failure, how long to keep collecting failures of other ranks
+
+
+class WorldError(AssertionError):
+    """A multi-process world failed: a rank raised, died, or the world timed out."""
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    env: dict[str, str],
+    collective_timeout: float,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    result_queue: Any,
+) -> None:
+    """Child entry point: init gloo, run ``fn``, report ``("ok", bytes)`` or ``("err", tb)``.
+
+    The outcome is reported *before* ``destroy_process_group`` so that the failing rank's
+    traceback reaches the parent ahead of the secondary "connection reset" errors on its peers.
+    """
+    dist = None
+    try:
+        os.environ.update(env)
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=collective_timeout),
+        )
+        result = fn(rank, world_size, *args)
+        # Pickle here, not in the queue's feeder thread, so that an unpicklable result is
+        # reported as this rank's error instead of being lost silently.
+        payload = pickle.dumps(result)
+        result_queue.put((rank, "ok", payload))
+    except BaseException:  # noqa: B036 - also report SystemExit / KeyboardInterrupt
+        result_queue.put((rank, "err", traceback.format_exc()))
+    finally:
+        if dist is not None and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _patched_environ(env: dict[str, str]) -> Iterator[None]:
+    """Temporarily set ``env`` in this process so spawned children inherit it from birth.
+
+    Needed because the child imports torch (via the pickled ``fn``) before ``_worker`` runs,
+    and settings such as ``OMP_NUM_THREADS`` must be in place before that import.
+    """
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-exitcode).name} (exit code {exitcode})"
+        except ValueError:
+            return f"killed by signal {-exitcode} (exit code {exitcode})"
+    return f"exit code {exitcode}"
+
+
+def _teardown(procs: list[Any]) -> None:
+    """Terminate, then kill after a grace period, then join every process."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join()
+
+
+def run_world(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 300.0,
+    collective_timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    Args:
+        world_size: number of processes (ranks) to spawn.
+        fn: a **module-level** function (picklable under "spawn"); its return value must be
+            picklable.
+        *args: extra positional arguments passed to ``fn`` on every rank (must be picklable).
+        timeout: overall wall-clock limit in seconds for the whole world, startup included.
+        collective_timeout: ``timeout`` given to ``init_process_group`` (per collective).
+        env: extra environment variables for the children (applied on top of
+            ``MASTER_ADDR``/``MASTER_PORT``/``OMP_NUM_THREADS=1``).
+
+    Raises:
+        WorldError: a rank raised (message has ``"rank i: <traceback>"`` per failed rank),
+            exited without reporting (message has its exit code), or ``timeout`` passed
+            (message lists the ranks that had not finished). Remaining ranks are terminated
+            immediately in every case.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    child_env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "OMP_NUM_THREADS": "1",
+        **{str(k): str(v) for k, v in (env or {}).items()},
+    }
+    ctx = mp.get_context("spawn")
+    result_queue = ctx.Queue()
+    procs: list[Any] = []
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    order: list[int] = []  # failed ranks in the order their failure was noticed
+    start = time.monotonic()
+    deadline = start + timeout
+
+    def add_error(rank: int, text: str) -> None:
+        if rank not in errors:
+            order.append(rank)
+        errors[rank] = text
+
+    def handle(msg: tuple[int, str, Any]) -> None:
+        rank, kind, data = msg
+        if kind == "ok":
+            try:
+                results[rank] = pickle.loads(data)
+            except Exception:
+                add_error(
+                    rank, "result could not be unpickled in the parent:\n" + traceback.format_exc()
+                )
+        else:
+            add_error(rank, data)
+
+    def drain(wait: float) -> None:
+        """Read every message available now (waiting up to ``wait`` s for the first)."""
+        while True:
+            try:
+                handle(result_queue.get(timeout=wait) if wait > 0 else result_queue.get_nowait())
+            except queue_mod.Empty:
+                return
+            wait = 0.0
+
+    def check_dead() -> None:
+        """Record ranks that exited without reporting anything."""
+        dead = [
+            r
+            for r, p in enumerate(procs)
+            if r not in results and r not in errors and p.exitcode is not None
+        ]
+        if not dead:
+            return
+        # A message sent just before exiting may still be in the pipe: read it first.
+        drain(_POLL_S)
+        for r in dead:
+            if r not in results and r not in errors:
+                add_error(
+                    r,
+                    f"exited without reporting a result ({_describe_exit(procs[r].exitcode)}); "
+                    "its stderr above may say why",
+                )
+
+    def fail(header: str) -> WorldError:
+        parts = [header]
+        parts += [f"rank {r}: {errors[r].rstrip()}" for r in sorted(errors)]
+        return WorldError("\n\n".join(parts))
+
+    try:
+        with _patched_environ(child_env):
+            for rank in range(world_size):
+                p = ctx.Process(
+                    target=_worker,
+                    args=(rank, world_size, child_env, collective_timeout, fn, args, result_queue),
+                    name=f"dtrec-rank{rank}",
+                    daemon=True,
+                )
+                p.start()
+                procs.append(p)
+
+        # Phase 1: collect one message per rank, until the first failure or the deadline.
+        while len(results) + len(errors) < world_size and not errors:
+            drain(min(_POLL_S, max(0.0, deadline - time.monotonic())))
+            check_dead()
+            if errors:
+                break
+            if time.monotonic() >= deadline:
+                drain(0.0)
+                if len(results) + len(errors) == world_size:
+                    break
+                pending = [r for r in range(world_size) if r not in results and r not in errors]
+                _teardown(procs)
+                raise fail(
+                    f"world of {world_size} timed out after {timeout:.1f}s; "
+                    f"ranks not finished: {pending}"
+                )
+
+        if errors:
+            # A failure on one rank usually makes others fail too (gloo notices the closed
+            # connection) or die. Collect what happens within a short settling window so the
+            # root cause is in the report, then kill the survivors: they are likely blocked
+            # in a collective.
+            settle_end = time.monotonic() + _SETTLE_S
+            while time.monotonic() < settle_end and len(results) + len(errors) < world_size:
+                drain(_POLL_S)
+                check_dead()
+            _teardown(procs)
+            raise fail(
+                f"world of {world_size}: rank(s) {sorted(errors)} failed "
+                f"(first noticed: rank {order[0]})"
+            )
+
+        # Phase 2: every rank reported success; wait for clean exits.
+        for p in procs:
+            p.join(max(_GRACE_S, deadline - time.monotonic()))
+        stuck = [r for r, p in enumerate(procs) if p.exitcode is None]
+        if stuck:
+            _teardown(procs)
+            raise fail(
+                f"world of {world_size}: ranks {stuck} returned results but did not exit "
+                f"by the {timeout:.1f}s timeout (hung in destroy_process_group?)"
+            )
+        for r, p in enumerate(procs):
+            if p.exitcode != 0:
+                add_error(r, f"returned a result but then {_describe_exit(p.exitcode)}")
+        if errors:
+            raise fail(f"world of {world_size}: rank(s) {sorted(errors)} exited abnormally")
+        return [results[r] for r in range(world_size)]
+    finally:
+        _teardown(procs)
+        result_queue.close()
+        result_queue.cancel_join_thread()
