@@ -45,7 +45,7 @@ def prepare_features(
             + f"; batch keys: {kjt.keys()}"
         )
     known = set(order)
-    unknown = [k for k in kjt.keys() if k not in known]  # noqa: SIM118 (a KJT method)
+    unknown = [k for k in kjt.keys() if k not in known]
     if unknown:
         raise ValueError(
             f"batch{_where(rank)} has key(s) {unknown} that no table reads; model features: {order}"

@@ -1,0 +1,246 @@
+"""distribute_tensor / distribute_module on a real gloo world: round trips, comm, bad input.
+
+One world of 4 ranks runs every check; each returns plain data per rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.multiprocess import run_world
+
+
+def _error(fn) -> str:
+    """Run fn; return 'ExcType: message' or 'ok'."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the type is part of what we assert
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def _round_trips(rank: int) -> dict:
+    import torch
+
+    import dtrec
+    from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
+
+    out = {}
+    for shards in (4, 2):
+        mesh = dtrec.init_mesh("cpu", shards, node_size=2)
+        specs = [DataParallel(), TableWise(rank=1), RowWise(), ColumnWise(), TableRowWise(node=0)]
+        for spec in [*specs, Grid()]:
+            torch.manual_seed(0)
+            weight = torch.randn(11, 6)
+            d = dtrec.distribute_tensor(weight, mesh, spec, "t")
+            member = d.device_mesh.get_coordinate() is not None
+            full = d.full_tensor() if member else None
+            out[(shards, str(spec))] = (
+                member,
+                tuple(d.placements),
+                None if full is None else bool(torch.equal(full, weight)),
+            )
+    return out
+
+
+def _model(weighted: bool = False):
+    import torch
+
+    from tests.distributed.numerics import TinyModel, make_tables
+
+    torch.manual_seed(0)
+    return TinyModel(make_tables(weighted))
+
+
+def _batch(rank: int, batch: int = 3):
+    import torch
+
+    from tests.distributed.numerics import make_batch, make_tables
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    return make_batch(make_tables(False), batch, False, gen)[0]
+
+
+def _comm_counts(rank: int) -> dict:
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import dtrec
+    from dtrec.placements import RowWise
+
+    mesh = dtrec.init_mesh("cpu", 4)
+    model = dtrec.distribute_module(_model(), mesh, {f"sparse.t{i}": RowWise() for i in range(4)})
+    kjt = _batch(rank)
+    with CommDebugMode() as debug, dtrec.count_comm() as stats:
+        out = model.sparse(kjt).values()
+    forward = {str(k): v for k, v in debug.get_comm_counts().items()}
+    with dtrec.count_comm() as bstats:
+        out.sum().backward()
+    return {
+        "forward_c10d": forward,
+        "forward_calls": dict(stats.calls),
+        "backward_calls": dict(bstats.calls),
+        # A position with no rows of a table (t1 has 3 rows on 4 positions) gets no grad.
+        "grad_local_rows": {
+            n: tuple(t.weight.grad.to_local().shape)
+            for n, t in model.sparse.embedding_bags.items()
+            if t.weight.grad is not None
+        },
+        "weight_local_rows": {
+            n: tuple(t.weight.to_local().shape)
+            for n, t in model.sparse.embedding_bags.items()
+            if t.weight.to_local().numel() > 0
+        },
+        "dtype": str(torch.get_default_dtype()),
+    }
+
+
+def _bad_input(rank: int) -> dict:
+    import torch
+
+    import dtrec
+    from dtrec.placements import ColumnWise, RowWise, TableRowWise, TableWise
+
+    out = {}
+    mesh = dtrec.init_mesh("cpu", 4)
+    plan = {"sparse.t0": RowWise(), "sparse.t1": TableWise(rank=0), "sparse.t2": ColumnWise()}
+    model = dtrec.distribute_module(_model(), mesh, plan)
+    before = {n: t.weight.to_local().clone() for n, t in model.sparse.embedding_bags.items()}
+    good = _batch(rank)
+
+    # An out-of-range id on rank 1 fails the step on every rank of its sharding group.
+    bad = good
+    if rank == 1:
+        values = good.values().clone()
+        values[-1] = 10_000
+        bad = dtrec.KeyedJaggedTensor(good.keys(), values, good.lengths())
+    out["out_of_range"] = _error(lambda: model(bad).sum().backward())
+    out["weights_unchanged"] = all(
+        torch.equal(t.weight.to_local(), before[n]) for n, t in model.sparse.embedding_bags.items()
+    )
+    # A rank with a different batch size.
+    out["batch_size"] = _error(lambda: model(_batch(rank, 3 if rank != 2 else 4)))
+    # A rank missing a feature.
+    missing = good.permute([k for k in good.keys() if k != "f3"]) if rank == 3 else good
+    out["missing_key"] = _error(lambda: model(missing))
+    # After all that, the ranks are still in step: a good batch works everywhere.
+    out["recovers"] = _error(lambda: model(good).sum().backward())
+
+    # Plans that do not fit.
+    out["unknown_table"] = _error(
+        lambda: dtrec.distribute_module(_model(), mesh, {"sparse.nope": RowWise()})
+    )
+    narrow = dtrec.EmbeddingBagCollection([dtrec.EmbeddingBagConfig("narrow", 10, 3)])
+    out["narrow_cw"] = _error(
+        lambda: dtrec.distribute_module(narrow, mesh, {"narrow": ColumnWise()})
+    )
+    out["trw_without_nodes"] = _error(
+        lambda: dtrec.distribute_module(_model(), mesh, {"sparse.t3": TableRowWise()})
+    )
+    out["tw_rank_out_of_range"] = _error(
+        lambda: dtrec.distribute_module(_model(), mesh, {"sparse.t3": TableWise(rank=4)})
+    )
+    out["not_a_spec"] = _error(lambda: dtrec.distribute_module(_model(), mesh, {"sparse.t3": "RW"}))
+    out["no_collection"] = _error(lambda: dtrec.distribute_module(torch.nn.Linear(2, 2), mesh, {}))
+    return out
+
+
+def _plans(rank: int) -> dict:
+    import dtrec
+    from dtrec.placements import RowWise, TableWise
+
+    mesh = dtrec.init_mesh("cpu", 2)
+    auto = dtrec.plan(_model(), mesh)
+    pinned = dtrec.plan(_model(), mesh, {"sparse.t2": RowWise(), "sparse.t0": TableWise(rank=1)})
+    model = dtrec.distribute_module(_model(), mesh, {"sparse.t1": TableWise()})
+    return {
+        "auto": {k: str(v) for k, v in auto.items()},
+        "pinned": {k: str(v) for k, v in pinned.items()},
+        "resolved": {k: str(v) for k, v in model.sharding_plan.items()},
+        "printed": str(model.sharding_plan),
+    }
+
+
+def _all_checks(rank: int, world: int) -> dict:
+    return {
+        "round_trips": _round_trips(rank),
+        "comm": _comm_counts(rank),
+        "bad_input": _bad_input(rank),
+        "plans": _plans(rank),
+    }
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_world(4, _all_checks, timeout=600, collective_timeout=60)
+
+
+def test_distribute_tensor_round_trips(results) -> None:
+    for rank, r in enumerate(results):
+        for (shards, spec), (member, _placements, equal) in r["round_trips"].items():
+            if member:
+                assert equal, f"rank {rank} S={shards} {spec}: full_tensor differs"
+            else:
+                # Only table-wise / table-row-wise tables leave ranks out of their sub-mesh.
+                assert spec.startswith(("TW", "TRW")), (rank, shards, spec)
+    # RW on S=4 is (Shard(0), Replicate()) on the 2D mesh.
+    assert "Shard(dim=0)" in str(results[0]["round_trips"][(4, "RW")][1])
+
+
+def test_row_wise_forward_collectives_and_sharded_grads(results) -> None:
+    for rank, r in enumerate(results):
+        comm = r["comm"]
+        # header + ids + pooled output: three all-to-alls, nothing else (no all-gather).
+        assert comm["forward_calls"] == {
+            "input_dist.header": 1,
+            "input_dist.ids": 1,
+            "output_dist": 1,
+        }, rank
+        assert sum(comm["forward_c10d"].values()) == 3, comm["forward_c10d"]
+        assert all("all_to_all" in k or "alltoall" in k for k in comm["forward_c10d"]), comm
+        # backward: one all-to-all for the partials; R=1 so no replicate all-reduce.
+        assert comm["backward_calls"] == {"output_dist.backward": 1}, rank
+        # No rank ever holds a full-size gradient of a row-wise table.
+        assert comm["grad_local_rows"] == comm["weight_local_rows"]
+        for name, shape in comm["grad_local_rows"].items():
+            assert shape[0] <= 97 // 4 + 1, (name, shape)
+
+
+def test_bad_batch_fails_every_rank_cleanly(results) -> None:
+    by_rank = [r["bad_input"] for r in results]
+    assert by_rank[1]["out_of_range"].startswith("IndexError")
+    assert "table 't" in by_rank[1]["out_of_range"] and "on rank 1" in by_rank[1]["out_of_range"]
+    for rank in (0, 2, 3):
+        assert by_rank[rank]["out_of_range"].startswith("ValueError"), by_rank[rank]
+        assert "rank(s) [1]" in by_rank[rank]["out_of_range"]
+    for rank in range(4):
+        assert by_rank[rank]["weights_unchanged"]
+        assert "batch size differs" in by_rank[rank]["batch_size"]
+        assert "3: 4" in by_rank[rank]["batch_size"] or "2: 4" in by_rank[rank]["batch_size"]
+        assert by_rank[rank]["recovers"] == "ok", by_rank[rank]
+    assert by_rank[3]["missing_key"].startswith("KeyError") and "'f3'" in by_rank[3]["missing_key"]
+    assert "rank(s) [3]" in by_rank[0]["missing_key"]
+
+
+def test_plans_that_do_not_fit_are_clear_errors(results) -> None:
+    r = results[0]["bad_input"]
+    assert r["unknown_table"].startswith("KeyError") and "sparse.nope" in r["unknown_table"]
+    assert r["narrow_cw"].startswith("ValueError") and "'narrow'" in r["narrow_cw"]
+    assert "RowWise()" in r["narrow_cw"]
+    assert r["trw_without_nodes"].startswith("ValueError") and "node_size" in r["trw_without_nodes"]
+    assert "TableWise(rank=4)" in r["tw_rank_out_of_range"]
+    assert r["not_a_spec"].startswith("TypeError") and "sparse.t3" in r["not_a_spec"]
+    assert "no dtrec.EmbeddingBagCollection" in r["no_collection"]
+
+
+def test_planner_fills_and_resolves(results) -> None:
+    plans = [r["plans"] for r in results]
+    assert all(p == plans[0] for p in plans), "ranks computed different plans"
+    p = plans[0]
+    assert set(p["auto"]) == {"sparse.t0", "sparse.t1", "sparse.t2", "sparse.t3"}
+    assert all(v.startswith("TW(") and v != "TW(?)" for v in p["auto"].values())
+    assert p["pinned"]["sparse.t2"] == "RW" and p["pinned"]["sparse.t0"] == "TW(1)"
+    assert p["resolved"]["sparse.t1"] in ("TW(0)", "TW(1)")
+    assert "sparse.t1" in p["printed"]
+    # Both positions used: the greedy planner balances the four tables.
+    assert {v for v in p["auto"].values()} == {"TW(0)", "TW(1)"}
