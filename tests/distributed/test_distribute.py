@@ -153,7 +153,13 @@ def _plans(rank: int) -> dict:
     auto = dtrec.plan(_model(), mesh)
     pinned = dtrec.plan(_model(), mesh, {"sparse.t2": RowWise(), "sparse.t0": TableWise(rank=1)})
     model = dtrec.distribute_module(_model(), mesh, {"sparse.t1": TableWise()})
+    state = model.state_dict()
     return {
+        "state_keys": sorted(state),
+        "unsharded_keys": sorted(_model().state_dict()),
+        "table_values_are_dtensors": all(
+            type(v).__name__ == "DTensor" for k, v in state.items() if "embedding_bags" in k
+        ),
         "auto": {k: str(v) for k, v in auto.items()},
         "pinned": {k: str(v) for k, v in pinned.items()},
         "resolved": {k: str(v) for k, v in model.sharding_plan.items()},
@@ -242,5 +248,9 @@ def test_planner_fills_and_resolves(results) -> None:
     assert p["pinned"]["sparse.t2"] == "RW" and p["pinned"]["sparse.t0"] == "TW(1)"
     assert p["resolved"]["sparse.t1"] in ("TW(0)", "TW(1)")
     assert "sparse.t1" in p["printed"]
+    # state_dict: the unsharded model's keys, DTensor values for tables.
+    assert p["state_keys"] == p["unsharded_keys"]
+    assert "sparse.embedding_bags.t0.weight" in p["state_keys"]
+    assert p["table_values_are_dtensors"]
     # Both positions used: the greedy planner balances the four tables.
     assert {v for v in p["auto"].values()} == {"TW(0)", "TW(1)"}
