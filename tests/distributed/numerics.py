@@ -88,6 +88,7 @@ def check_numerics(
     batch: int = 3,
     lr: float = 0.5,
     seed: int = 0,
+    optimizer: str = "sgd",
 ) -> Result:
     """Train sharded and unsharded side by side; return the largest differences."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -97,8 +98,12 @@ def check_numerics(
     sharded = dtrec.distribute_module(
         copy.deepcopy(reference), mesh, {f"sparse.{k}": v for k, v in plan.items()}
     )
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
-    opt = torch.optim.SGD(sharded.parameters(), lr=lr)
+    make_opt = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=lr),
+        "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=lr),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=lr / 10),
+    }[optimizer]
+    ref_opt, opt = make_opt(reference.parameters()), make_opt(sharded.parameters())
     result = Result()
     gen = torch.Generator().manual_seed(seed + 1)
     for step in range(steps):

@@ -14,6 +14,8 @@ from tests.multiprocess import run_world
 # (world size, shard group size, node size)
 MESHES = {4: [(4, 2), (2, 2), (2, 4), (1, 2)], 2: [(2, 2), (1, 2)]}
 TOLERANCE = 1e-5
+# torch optimizers other than SGD, run on DTensor table parameters (mixed plan only).
+OPTIMIZERS = ("adagrad", "adam")
 
 
 def _run_world_cases(rank: int, world: int) -> dict[str, tuple]:
@@ -26,13 +28,15 @@ def _run_world_cases(rank: int, world: int) -> dict[str, tuple]:
         for plan_name, plan in PLANS.items():
             for weighted in (False, True):
                 r = check_numerics(mesh, plan, weighted)
-                out[_case(world, shards, node, plan_name, weighted)] = (
-                    r.max_weight_diff,
-                    r.max_loss_diff,
-                    r.grads_sharded_like_weights,
-                    r.notes,
-                )
+                out[_case(world, shards, node, plan_name, weighted)] = _summary(r)
+        for optimizer in OPTIMIZERS:
+            r = check_numerics(mesh, PLANS["mixed"], weighted=False, optimizer=optimizer)
+            out[_case(world, shards, node, f"mixed_{optimizer}", False)] = _summary(r)
     return out
+
+
+def _summary(r) -> tuple:
+    return r.max_weight_diff, r.max_loss_diff, r.grads_sharded_like_weights, r.notes
 
 
 def _case(world: int, shards: int, node: int, plan: str, weighted: bool) -> str:
@@ -46,6 +50,11 @@ CASES = [
     for s, n in meshes
     for p in PLANS
     for w in (False, True)
+] + [
+    (world, _case(world, s, n, f"mixed_{o}", False))
+    for world, meshes in MESHES.items()
+    for s, n in meshes
+    for o in OPTIMIZERS
 ]
 
 
