@@ -103,3 +103,26 @@ def test_broken_fbgemm_falls_back_and_warns_with_reason(tmp_path):
     assert category == "RuntimeWarning"
     assert "OSError" in message and "undefined symbol: fake" in message
     assert "install fbgemm-gpu-cpu / fbgemm-gpu" in message
+
+
+def test_dtrec_imports_and_runs_with_broken_fbgemm(tmp_path):
+    """``import dtrec`` and a lookup must not depend on fbgemm loading."""
+    fake = tmp_path / "fake_site" / "fbgemm_gpu"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise OSError("undefined symbol: fake")\n')
+    repo = str(MODULE_PATH.parents[1])
+    script = textwrap.dedent(
+        """
+        import torch, dtrec
+        ebc = dtrec.EmbeddingBagCollection([dtrec.EmbeddingBagConfig("t", 10, 4)])
+        kjt = dtrec.KeyedJaggedTensor(["t"], torch.tensor([1, 2, 3]), torch.tensor([2, 1]))
+        print(tuple(ebc(kjt).values().shape))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DTREC_DISABLE_FBGEMM"}
+    env["PYTHONPATH"] = os.pathsep.join([str(fake.parent), repo])
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "(2, 4)"
