@@ -8,7 +8,7 @@ Example (under torchrun)::
     model = dtrec.distribute_module(model, mesh, {"sparse.t0": dtrec.placements.RowWise()})
 """
 
-from dtrec import ops, placements
+from dtrec import ops, optim, placements
 from dtrec.collectives import CommStats, count_comm
 from dtrec.config import EmbeddingBagConfig
 from dtrec.distribute import distribute_module
@@ -33,6 +33,7 @@ __all__ = [
     "distribute_tensor",
     "init_mesh",
     "ops",
+    "optim",
     "placements",
     "plan",
 ]

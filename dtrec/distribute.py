@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import replicate
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtrec.mesh import shard_axis
+from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.plan import check_plan_keys, find_collections, model_tables, table_fqn
 from dtrec.plan import plan as make_plan
@@ -20,15 +22,18 @@ def distribute_module(
     model: nn.Module,
     mesh: DeviceMesh,
     plan: Mapping[str, TableSpec] | None = None,
+    optimizer: FusedOptimizer | None = None,
 ) -> nn.Module:
     """Shard every ``EmbeddingBagCollection`` of ``model`` per ``plan``; DDP the rest.
 
     ``plan`` maps ``"<collection fqn>.<table>"`` to a spec; tables it omits,
     and open choices like ``TableWise(rank=None)``, are planned by
     ``dtrec.plan``. Dense parameters become data parallel over all W ranks
-    (torch's ``replicate``). Returns ``model`` itself, changed in place (or
-    the sharded collection when ``model`` is one). Collective: every rank
-    calls it with the same model config and plan.
+    (torch's ``replicate``). With ``optimizer`` (a ``dtrec.optim`` config)
+    the table update is fused into backward: table weights get no ``.grad``
+    and ``model.fused_optimizer`` holds the state. Returns ``model`` itself,
+    changed in place (or the sharded collection when ``model`` is one).
+    Collective: every rank calls it with the same model config and plan.
 
     Example::
 
@@ -41,6 +46,11 @@ def distribute_module(
             f"mesh covers {mesh.size()} ranks but the world has {dist.get_world_size()}; "
             "build it with dtrec.init_mesh"
         )
+    if optimizer is not None and not isinstance(optimizer, FusedOptimizer):
+        raise TypeError(
+            f"optimizer must be a dtrec.optim fused optimizer (SGD, RowWiseAdagrad, Adam) or "
+            f"None, got {type(optimizer).__name__}; pass torch optimizers to the model params"
+        )
     collections = find_collections(model)
     if not collections:
         raise ValueError("model has no dtrec.EmbeddingBagCollection to distribute")
@@ -52,9 +62,11 @@ def distribute_module(
         tables = ebc.embedding_bag_configs()
         specs = {cfg.name: full_plan[table_fqn(fqn, cfg.name)] for cfg in tables}
         weights = {cfg.name: ebc.embedding_bags[cfg.name].weight for cfg in tables}
-        sharded[fqn] = ShardedEmbeddingBagCollection(tables, weights, mesh, specs)
+        sharded[fqn] = ShardedEmbeddingBagCollection(tables, weights, mesh, specs, optimizer)
+    fused = FusedOptimizerView(sharded) if optimizer is not None else None
     if "" in sharded:
         sharded[""].sharding_plan = full_plan
+        sharded[""].fused_optimizer = fused
         return sharded[""]
     for fqn, module in sharded.items():
         parent_name, _, attr = fqn.rpartition(".")
@@ -64,4 +76,46 @@ def distribute_module(
     if any(id(p) not in sharded_params for p in model.parameters()):
         replicate(model, ignored_modules=list(sharded.values()))
     model.sharding_plan = full_plan
+    model.fused_optimizer = fused
     return model
+
+
+class FusedOptimizerView:
+    """The fused optimizer of a distributed model: its state per table, for checkpoints.
+
+    ``state_dict()`` maps ``"<collection fqn>.<table>"`` to that table's local
+    state tensors (row-shaped or shaped like the local shard).
+    """
+
+    def __init__(self, collections: dict[str, ShardedEmbeddingBagCollection]) -> None:
+        self._collections = collections
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {
+            table_fqn(fqn, name): {k: v.detach().clone() for k, v in state.items()}
+            for fqn, ebc in self._collections.items()
+            for name, state in ebc.fused_optimizer_state().items()
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        current = {
+            table_fqn(fqn, name): state
+            for fqn, ebc in self._collections.items()
+            for name, state in ebc.fused_optimizer_state().items()
+        }
+        missing = sorted(set(current) - set(state_dict))
+        unknown = sorted(set(state_dict) - set(current))
+        if missing or unknown:
+            raise KeyError(f"fused optimizer state: missing tables {missing}, unknown {unknown}")
+        for key, state in current.items():
+            for name, tensor in state.items():
+                given = state_dict[key].get(name)
+                got = None if given is None else tuple(given.shape)
+                if got != tuple(tensor.shape):
+                    raise ValueError(
+                        f"fused optimizer state {key}.{name}: expected shape "
+                        f"{tuple(tensor.shape)}, got {got}"
+                    )
+        for key, state in current.items():
+            for name, tensor in state.items():
+                tensor.copy_(state_dict[key][name])

@@ -23,11 +23,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtrec import ops
 from dtrec.collectives import all_reduce_grad, all_to_all, all_to_all_autograd
 from dtrec.config import EmbeddingBagConfig
 from dtrec.features import bag_lengths, feature_order, prepare_features
+from dtrec.fused import FusedUpdater, TableUpdate, fused_lookup
 from dtrec.mesh import REPLICATE, SHARD, shard_axis, shard_position
+from dtrec.ops.op import EmbeddingBagFunction
+from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableLayout, TableSpec
 from dtrec.placements.tensor import distribute_tensor
 from dtrec.routing import Routing
@@ -36,15 +38,43 @@ from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
 _HEADER = 4  # status, batch size, ids sent to this peer, has per-sample weights
 _STATUS_OK, _STATUS_BAD_INPUT = 0, 1
 
-_WORLD_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _group(ranks: list[int]) -> dist.ProcessGroup:
+    """A cached process group over ``ranks``. Collective: every rank calls it in the same order."""
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(key))
+    return _GROUPS[key]
 
 
 def _world_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     """A group over all mesh ranks, separate from the default one DDP reduces on."""
-    ranks = tuple(sorted(mesh.mesh.flatten().tolist()))
-    if ranks not in _WORLD_GROUPS:
-        _WORLD_GROUPS[ranks] = dist.new_group(list(ranks))
-    return _WORLD_GROUPS[ranks]
+    return _group(sorted(mesh.mesh.flatten().tolist()))
+
+
+def _column_groups(
+    mesh: DeviceMesh, layouts: list[TableLayout], position: int
+) -> dict[int, dist.ProcessGroup]:
+    """Per table: the group of this rank's column-shard peers (same rows, other columns)."""
+    coord = mesh.get_coordinate()
+    assert coord is not None
+    out: dict[int, dist.ProcessGroup] = {}
+    for t, layout in enumerate(layouts):
+        if layout.batch_local:
+            continue
+        by_rows: dict[tuple[int, int], list[int]] = {}
+        for block in layout.blocks:
+            by_rows.setdefault(block.rows, []).append(block.position)
+        for _, positions in sorted(by_rows.items()):
+            if len(positions) < 2:
+                continue
+            for c in range(mesh.size(1)):
+                group = _group([int(mesh.mesh[p, c]) for p in positions])
+                if position in positions and c == coord[1]:
+                    out[t] = group
+    return out
 
 
 class ShardedTable(nn.Module):
@@ -73,6 +103,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         weights: dict[str, Tensor],
         mesh: DeviceMesh,
         specs: dict[str, TableSpec],
+        optimizer: FusedOptimizer | None = None,
     ) -> None:
         super().__init__()
         axis = shard_axis(mesh)
@@ -100,13 +131,39 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     f"match its block {block}"
                 )
             self.embedding_bags[cfg.name] = ShardedTable(
-                nn.Parameter(dtensor), specs[cfg.name], layout
+                nn.Parameter(dtensor, requires_grad=optimizer is None), specs[cfg.name], layout
             )
         self._layouts = layouts
         self._routing = Routing(tables, layouts, axis.size, position)
         self._dp_group = _world_group(mesh) if self._routing.local_features else None
+        self.optimizer = optimizer
+        self._updater = None if optimizer is None else self._make_updater(optimizer, position)
         self._received_cols = self._routing.received_columns(torch.device("cpu"))
         self._local_cols = self._routing.local_columns(torch.device("cpu"))
+
+    def _make_updater(self, optimizer: FusedOptimizer, position: int) -> FusedUpdater:
+        columns = (
+            _column_groups(self._mesh, self._layouts, position)
+            if optimizer.needs_row_sq_sum
+            else {}
+        )
+        updates = {}
+        for t in self._routing.local_tables:
+            cfg = self._tables[t]
+            replicas = self._dp_group if self._layouts[t].batch_local else self._replicate_group
+            weight = self.embedding_bags[cfg.name].weight.to_local()
+            updates[t] = TableUpdate(weight, replicas, columns.get(t), cfg.embedding_dim)
+        state = {
+            t: optimizer.init_state(self.embedding_bags[cfg.name].weight.to_local())
+            for t, cfg in enumerate(self._tables)
+        }
+        return FusedUpdater(optimizer, updates, state, self._world_size)
+
+    def fused_optimizer_state(self) -> dict[str, dict[str, Tensor]]:
+        """Table name -> its fused optimizer state (local tensors, shaped like the shard)."""
+        if self._updater is None:
+            return {}
+        return {cfg.name: self._updater.state[t] for t, cfg in enumerate(self._tables)}
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         """The table configs, in output order."""
@@ -125,7 +182,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if t not in local_tables:
                 continue
             local = self.embedding_bags[cfg.name].weight.to_local()
-            if self._layouts[t].batch_local:
+            if self._updater is not None:
+                out[t] = local  # updated in place by the fused optimizer
+            elif self._layouts[t].batch_local:
                 out[t] = all_reduce_grad(local, self._dp_group, scale, "grad_sync.data_parallel")
             else:
                 out[t] = all_reduce_grad(local, self._replicate_group, scale, "grad_sync.replicate")
@@ -173,11 +232,35 @@ class ShardedEmbeddingBagCollection(nn.Module):
         dims = torch.tensor([s.dim for s in self._routing.slots], device=lengths.device)
         return factor.t().repeat_interleave(dims, dim=1)
 
+    def _lookup(
+        self,
+        entry_tables: list[int],
+        local: dict[int, Tensor],
+        values: Tensor,
+        offsets: Tensor,
+        psw: Tensor | None,
+    ) -> Tensor:
+        """Sum-pooled lookup of entries (by collection table index) on local shards.
+
+        Ids were range-checked before routing; with a fused optimizer the
+        backward updates the tables instead of returning their gradients.
+        """
+        table_ids = sorted(set(entry_tables))
+        index = {t: i for i, t in enumerate(table_ids)}
+        tables = [local[t] for t in table_ids]
+        entry_table = [index[t] for t in entry_tables]
+        mean = [False] * len(entry_tables)
+        if self._updater is not None:
+            return fused_lookup(
+                self._updater, table_ids, tables, entry_table, mean, values, offsets, psw
+            )
+        return EmbeddingBagFunction.apply(entry_table, mean, False, values, offsets, psw, *tables)
+
     def _data_parallel_lookup(self, kjt: KeyedJaggedTensor, local: dict[int, Tensor]) -> Tensor:
         routing = self._routing
         sub = kjt.permute(routing.local_features)
-        weights = [local[routing.slots[k].table] for k in routing.local_features]
-        return ops.embedding_bag(weights, sub.values(), sub.offsets(), "sum", sub.weights_or_none())
+        entries = [routing.slots[k].table for k in routing.local_features]
+        return self._lookup(entries, local, sub.values(), sub.offsets(), sub.weights_or_none())
 
     def _bucketize(
         self, kjt: KeyedJaggedTensor
@@ -302,8 +385,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             lengths = torch.cat(lengths_parts)
             offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long, device=device)
             torch.cumsum(lengths, 0, out=offsets[1:])
-            weights = [local[s.table] for _ in range(shards) for s in served]
-            pooled = ops.embedding_bag(weights, torch.cat(id_parts), offsets, "sum", psw)
+            entries = [s.table for _ in range(shards) for s in served]
+            pooled = self._lookup(entries, local, torch.cat(id_parts), offsets, psw)
             send_back = pooled.view(batch, shards, routing.served_width).transpose(0, 1).reshape(-1)
         else:
             send_back = torch.zeros(0, dtype=dtype, device=device)

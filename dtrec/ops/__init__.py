@@ -6,37 +6,29 @@ sharded modules; ``set_backend`` picks the implementation.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
-from dtrec.ops.embedding_bag import _pooling_per_table, embedding_bag_torch
+from dtrec.ops.backend import get_backend, set_backend
+from dtrec.ops.embedding_bag import check_embedding_bag_args, pooling_flags
+from dtrec.ops.op import EmbeddingBagFunction
 
 __all__ = ["embedding_bag", "get_backend", "set_backend"]
 
-_BACKENDS = ("auto", "torch")
-_backend = os.environ.get("DTREC_BACKEND", "auto")
 
-
-def set_backend(name: str) -> None:
-    """Choose the lookup implementation: ``"auto"`` (best available) or ``"torch"``.
-
-    Example::
-
-        dtrec.ops.set_backend("torch")   # or DTREC_BACKEND=torch in the environment
-    """
-    global _backend
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; available: {_BACKENDS}")
-    _backend = name
-
-
-def get_backend() -> str:
-    """The backend ``embedding_bag`` dispatches to now."""
-    if _backend not in _BACKENDS:
-        raise ValueError(f"DTREC_BACKEND={_backend!r} is not one of {_BACKENDS}")
-    return _backend
+def distinct_tables(weights: Sequence[Tensor]) -> tuple[list[Tensor], list[int]]:
+    """Split a per-entry table list into distinct tables (by identity) + entry -> table."""
+    index: dict[int, int] = {}
+    tables: list[Tensor] = []
+    entry_table = []
+    for w in weights:
+        if id(w) not in index:
+            index[id(w)] = len(tables)
+            tables.append(w)
+        entry_table.append(index[id(w)])
+    return tables, entry_table
 
 
 def embedding_bag(
@@ -45,16 +37,30 @@ def embedding_bag(
     offsets: Tensor,
     pooling: str | Sequence[str] = "sum",
     per_sample_weights: Tensor | None = None,
+    bounds_check: str = "on",
 ) -> Tensor:
     """Pooled lookup over T tables at once; returns ``[B, sum D]``.
 
     Bags are table-major (bag ``t * B + b``) and ``offsets`` has ``T * B + 1``
-    entries into ``values``; ``pooling`` is one mode or one per table.
+    entries into ``values``; ``pooling`` is one mode or one per table. The same
+    tensor may appear several times in ``weights`` (it is looked up once per
+    appearance and gets one gradient). ``bounds_check="off"`` skips the id range
+    check for callers that validate upstream (an out-of-range id is then
+    undefined behaviour).
 
     Example::
 
         out = dtrec.ops.embedding_bag([w0, w1], ids, offsets, pooling=["sum", "mean"])
     """
-    modes = _pooling_per_table(pooling, len(weights))
-    get_backend()
-    return embedding_bag_torch(list(weights), values, offsets, modes, per_sample_weights)
+    mean = pooling_flags(pooling, len(weights))
+    tables, entry_table = distinct_tables(weights)
+    batch = check_embedding_bag_args(tables, entry_table, values, offsets, mean, per_sample_weights)
+    if bounds_check not in ("on", "off"):
+        raise ValueError(f"bounds_check must be 'on' or 'off', got {bounds_check!r}")
+    if not entry_table or batch == 0:
+        width = sum(w.shape[1] for w in weights)
+        dtype = weights[0].dtype if weights else torch.float32
+        return values.new_zeros((batch, width), dtype=dtype)
+    return EmbeddingBagFunction.apply(
+        entry_table, mean, bounds_check == "on", values, offsets, per_sample_weights, *tables
+    )

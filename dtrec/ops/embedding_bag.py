@@ -1,14 +1,15 @@
-"""Batched multi-table pooled lookup: the op every module calls.
+"""Batched multi-table pooled lookup: layout, argument checks and the torch backend.
 
 Layout (shared by every backend):
-  * ``weights``: list of T 2-D tables ``[rows_t, D_t]`` (row-major, rows contiguous).
-    The same tensor may appear several times (one entry per feature or per
-    source rank); each appearance is its own "table entry".
-  * ``values``: 1-D int32/int64 ids, entry-major then bag-major.
-  * ``offsets``: ``T * B + 1`` offsets into ``values``; bag ``t * B + b`` is
-    ``values[offsets[t*B + b] : offsets[t*B + b + 1]]``.
-  * output ``[B, sum_t D_t]``: entry t fills columns ``sum_{u<t} D_u .. + D_t``;
-    ``out[b, cols_t] = pool_t(weights[t][ids of bag t*B+b] * per_sample_weights)``.
+  * ``weights``: the U distinct 2-D tables ``[rows_u, D_u]`` (row-major).
+  * E *entries*: entry e reads table ``entry_table[e]`` (a table read by two
+    features, or by several source ranks after input-dist, has several entries)
+    and pools with mean (``mean[e]``) or sum.
+  * ``values``: 1-D int32/int64 ids, entry-major then bag-major; ``offsets``
+    has ``E * B + 1`` entries; bag ``e * B + b`` is
+    ``values[offsets[e*B + b] : offsets[e*B + b + 1]]``.
+  * output ``[B, sum_e D_{entry_table[e]}]``; entry e fills the next ``D`` columns:
+    ``out[b, cols_e] = pool_e(weights[entry_table[e]][ids] * per_sample_weights)``.
 """
 
 from __future__ import annotations
@@ -22,21 +23,23 @@ from torch import Tensor
 from dtrec.config import POOLING_MODES
 
 
-def _pooling_per_table(pooling: str | Sequence[str], num_tables: int) -> list[str]:
-    modes = [pooling] * num_tables if isinstance(pooling, str) else list(pooling)
-    if len(modes) != num_tables:
-        raise ValueError(f"pooling has {len(modes)} entries for {num_tables} tables")
+def pooling_flags(pooling: str | Sequence[str], num_entries: int) -> list[bool]:
+    """One mean flag per entry from one mode or one mode per entry."""
+    modes = [pooling] * num_entries if isinstance(pooling, str) else list(pooling)
+    if len(modes) != num_entries:
+        raise ValueError(f"pooling has {len(modes)} entries for {num_entries} tables")
     for mode in modes:
         if mode not in POOLING_MODES:
             raise ValueError(f"pooling must be one of {POOLING_MODES}, got {mode!r}")
-    return modes
+    return [m == "mean" for m in modes]
 
 
 def check_embedding_bag_args(
     weights: Sequence[Tensor],
+    entry_table: Sequence[int],
     values: Tensor,
     offsets: Tensor,
-    modes: list[str],
+    mean: Sequence[bool],
     per_sample_weights: Tensor | None,
 ) -> int:
     """Validate the op's inputs; returns the batch size B."""
@@ -44,20 +47,31 @@ def check_embedding_bag_args(
         raise TypeError(f"values must be 1-D int32/int64, got {values.dtype} {tuple(values.shape)}")
     if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"offsets must be 1-D int32/int64, got {offsets.dtype}")
-    num_tables = len(weights)
-    if num_tables == 0:
-        if offsets.numel() > 1:
-            raise ValueError("offsets given for zero tables")
+    num_entries = len(entry_table)
+    if len(mean) != num_entries:
+        raise ValueError(f"{len(mean)} pooling flags for {num_entries} entries")
+    if num_entries == 0:
         return 0
-    if (offsets.numel() - 1) % num_tables != 0:
+    if (offsets.numel() - 1) % num_entries != 0:
         raise ValueError(
-            f"offsets has {offsets.numel()} entries; expected T * B + 1 with T={num_tables}"
+            f"offsets has {offsets.numel()} entries; expected T * B + 1 with T={num_entries}"
+        )
+    dtypes = {w.dtype for w in weights}
+    if len(dtypes) > 1:
+        raise TypeError(
+            f"all tables of one lookup must share a dtype, got {sorted(map(str, dtypes))}"
         )
     for t, w in enumerate(weights):
         if w.dim() != 2:
-            raise ValueError(f"table entry {t}: weight must be 2-D, got shape {tuple(w.shape)}")
+            raise ValueError(f"table {t}: weight must be 2-D, got shape {tuple(w.shape)}")
         if w.device != values.device:
-            raise ValueError(f"table entry {t}: weight on {w.device}, values on {values.device}")
+            raise ValueError(f"table {t}: weight on {w.device}, values on {values.device}")
+        if not w.is_floating_point():
+            raise TypeError(f"table {t}: weight must be floating point, got {w.dtype}")
+    if any(not 0 <= t < len(weights) for t in entry_table):
+        raise ValueError(
+            f"entry_table {list(entry_table)} names a table outside 0..{len(weights) - 1}"
+        )
     if per_sample_weights is not None:
         if per_sample_weights.shape != values.shape:
             raise ValueError(
@@ -68,72 +82,174 @@ def check_embedding_bag_args(
             raise TypeError(
                 f"per_sample_weights must be floating point, got {per_sample_weights.dtype}"
             )
-        bad = [t for t, m in enumerate(modes) if m != "sum"]
+        bad = [e for e, m in enumerate(mean) if m]
         if bad:
             raise ValueError(
                 f"per_sample_weights need sum pooling; table entries {bad} use mean pooling"
             )
-    return (offsets.numel() - 1) // num_tables
+    return (offsets.numel() - 1) // num_entries
 
 
-def embedding_bag_torch(
+def check_bounds(
+    weights: Sequence[Tensor], entry_table: Sequence[int], values: Tensor, offsets: Tensor
+) -> None:
+    """Every id of entry e lies in ``[0, rows of its table)``; one vectorized pass."""
+    if values.numel() == 0:
+        return
+    num_entries = len(entry_table)
+    batch = (offsets.numel() - 1) // num_entries
+    rows = torch.tensor([weights[t].shape[0] for t in entry_table], device=values.device)
+    ends = offsets[batch::batch] if batch else offsets.new_zeros(num_entries)
+    counts = torch.diff(torch.cat([offsets[:1], ends]))
+    bound = torch.repeat_interleave(rows, counts.long(), output_size=values.numel())
+    bad = (values < 0) | (values >= bound)
+    if bool(bad.any()):
+        first = int(torch.nonzero(bad)[0])
+        entry = int(torch.searchsorted(ends.long(), first, right=True))
+        table = entry_table[entry]
+        raise IndexError(
+            f"table {table} (entry {entry}): id {int(values[first])} is outside "
+            f"[0, {weights[table].shape[0]}) ({int(bad.sum())} bad ids)"
+        )
+
+
+def entry_columns(weights: Sequence[Tensor], entry_table: Sequence[int]) -> list[int]:
+    """First output column of each entry (and the total width last)."""
+    cols = [0]
+    for t in entry_table:
+        cols.append(cols[-1] + weights[t].shape[1])
+    return cols
+
+
+def _entries_by_table(
+    entry_table: Sequence[int], mean: Sequence[bool]
+) -> dict[tuple[int, bool], list[int]]:
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for e, t in enumerate(entry_table):
+        groups.setdefault((t, bool(mean[e])), []).append(e)
+    return groups
+
+
+def _gather_entries(
+    entries: list[int], values: Tensor, offsets: Tensor, batch: int, psw: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The ids, bag offsets and weights of some entries, concatenated in entry order."""
+    if len(entries) == 1:
+        e = entries[0]
+        lo, hi = int(offsets[e * batch]), int(offsets[(e + 1) * batch])
+        local_offsets = offsets[e * batch : (e + 1) * batch + 1] - lo
+        return values[lo:hi], local_offsets, None if psw is None else psw[lo:hi]
+    spans = [(int(offsets[e * batch]), int(offsets[(e + 1) * batch])) for e in entries]
+    ids = torch.cat([values[s:e] for s, e in spans])
+    weights = None if psw is None else torch.cat([psw[s:e] for s, e in spans])
+    lengths = torch.cat([torch.diff(offsets[e * batch : (e + 1) * batch + 1]) for e in entries])
+    local_offsets = torch.zeros(lengths.numel() + 1, dtype=offsets.dtype, device=offsets.device)
+    torch.cumsum(lengths, 0, out=local_offsets[1:])
+    return ids, local_offsets, weights
+
+
+def forward_torch(
     weights: Sequence[Tensor],
+    entry_table: Sequence[int],
     values: Tensor,
     offsets: Tensor,
-    modes: list[str],
+    mean: Sequence[bool],
     per_sample_weights: Tensor | None,
 ) -> Tensor:
-    """Pure-torch backend: one ``F.embedding_bag`` call per distinct (table, pooling).
-
-    Entries that share a tensor (a table read by several features, or by
-    several source ranks after input-dist) are gathered into one call, so the
-    dense backward writes each table's gradient once.
-    """
-    num_tables = len(weights)
-    batch = check_embedding_bag_args(weights, values, offsets, modes, per_sample_weights)
-    if num_tables == 0 or batch == 0:
-        width = sum(w.shape[1] for w in weights)
-        dtype = weights[0].dtype if num_tables else torch.float32
-        return values.new_zeros((batch, width), dtype=dtype)
+    """One ``F.embedding_bag`` call per (table, pooling); no autograd of its own."""
+    batch = (offsets.numel() - 1) // len(entry_table)
     offsets = offsets.to(values.dtype)
-    groups: dict[tuple[int, str], list[int]] = {}
-    for t, w in enumerate(weights):
-        groups.setdefault((id(w), modes[t]), []).append(t)
-
-    pooled: list[Tensor | None] = [None] * num_tables
-    bag_starts = offsets[:-1].view(num_tables, batch)
-    bag_ends = offsets[1:].view(num_tables, batch)
-    for (_, mode), entries in groups.items():
-        w = weights[entries[0]]
-        idx = torch.tensor(entries, device=values.device)
-        # Values of the group's entries, concatenated in entry order.
-        starts, ends = bag_starts[idx, 0], bag_ends[idx, -1]
-        if len(entries) == 1:
-            lo, hi = int(starts[0]), int(ends[0])
-            ids = values[lo:hi]
-            psw = per_sample_weights[lo:hi] if per_sample_weights is not None else None
-            local_offsets = offsets[entries[0] * batch : (entries[0] + 1) * batch + 1] - lo
-        else:
-            spans = [(int(s), int(e)) for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
-            ids = torch.cat([values[s:e] for s, e in spans])
-            psw = (
-                torch.cat([per_sample_weights[s:e] for s, e in spans])
-                if per_sample_weights is not None
-                else None
-            )
-            lengths = (bag_ends[idx] - bag_starts[idx]).reshape(-1)
-            local_offsets = torch.zeros(
-                lengths.numel() + 1, dtype=values.dtype, device=values.device
-            )
-            torch.cumsum(lengths, 0, out=local_offsets[1:])
+    pooled: list[Tensor | None] = [None] * len(entry_table)
+    for (t, is_mean), entries in _entries_by_table(entry_table, mean).items():
+        w = weights[t]
+        ids, local_offsets, psw = _gather_entries(
+            entries, values, offsets, batch, per_sample_weights
+        )
         out = F.embedding_bag(
             ids,
             w,
             local_offsets,
-            mode=mode,
+            mode="mean" if is_mean else "sum",
             per_sample_weights=None if psw is None else psw.to(w.dtype),
             include_last_offset=True,
         )
-        for k, t in enumerate(entries):
-            pooled[t] = out[k * batch : (k + 1) * batch]
+        for k, e in enumerate(entries):
+            pooled[e] = out[k * batch : (k + 1) * batch]
     return torch.cat(pooled, dim=1)  # type: ignore[arg-type]
+
+
+def occurrence_scale(
+    offsets: Tensor, mean: Sequence[bool], per_sample_weights: Tensor | None, num_values: int
+) -> tuple[Tensor, Tensor]:
+    """Per id: its bag index (global, e*B+b) and the factor its row is pooled with."""
+    lengths = torch.diff(offsets.long())
+    bag = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=num_values
+    )
+    num_entries = len(mean)
+    batch = lengths.numel() // num_entries
+    mean_t = torch.tensor(list(mean), device=offsets.device).repeat_interleave(batch)
+    inv_len = torch.where(mean_t, 1.0 / lengths.clamp(min=1).float(), torch.ones(()))
+    scale = inv_len[bag]
+    if per_sample_weights is not None:
+        scale = scale * per_sample_weights.float()
+    return bag, scale
+
+
+def backward_rows_torch(
+    weights: Sequence[Tensor],
+    entry_table: Sequence[int],
+    values: Tensor,
+    offsets: Tensor,
+    mean: Sequence[bool],
+    per_sample_weights: Tensor | None,
+    grad_out: Tensor,
+) -> list[tuple[Tensor, Tensor]]:
+    """Row-sparse gradients: per table, (sorted unique row ids, summed fp32 grad rows).
+
+    Deterministic: contributions are added per unique row in id order with
+    ``index_add_`` on CPU (sequential).
+    """
+    batch = (offsets.numel() - 1) // len(entry_table)
+    bag, scale = occurrence_scale(offsets, mean, per_sample_weights, values.numel())
+    cols = entry_columns(weights, entry_table)
+    grad_out = grad_out.float()
+    per_table: list[list[tuple[Tensor, Tensor]]] = [[] for _ in weights]
+    for e, t in enumerate(entry_table):
+        lo, hi = int(offsets[e * batch]), int(offsets[(e + 1) * batch])
+        if hi == lo:
+            continue
+        rows = grad_out[bag[lo:hi] - e * batch, cols[e] : cols[e + 1]]
+        per_table[t].append((values[lo:hi].long(), rows * scale[lo:hi, None]))
+    result = []
+    for t, parts in enumerate(per_table):
+        dim = weights[t].shape[1]
+        if not parts:
+            result.append((values.new_zeros(0, dtype=torch.long), grad_out.new_zeros(0, dim)))
+            continue
+        ids = torch.cat([p[0] for p in parts])
+        contrib = torch.cat([p[1] for p in parts])
+        unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        grad_rows = grad_out.new_zeros(unique.numel(), dim).index_add_(0, inverse, contrib)
+        result.append((unique, grad_rows))
+    return result
+
+
+def per_sample_weights_grad_torch(
+    weights: Sequence[Tensor],
+    entry_table: Sequence[int],
+    values: Tensor,
+    offsets: Tensor,
+    grad_out: Tensor,
+) -> Tensor:
+    """d out / d psw: for each id, <grad_out[bag, cols_e], weight row>."""
+    batch = (offsets.numel() - 1) // len(entry_table)
+    cols = entry_columns(weights, entry_table)
+    grads = []
+    for e, t in enumerate(entry_table):
+        lo, hi = int(offsets[e * batch]), int(offsets[(e + 1) * batch])
+        lengths = torch.diff(offsets[e * batch : (e + 1) * batch + 1].long())
+        bag = torch.repeat_interleave(torch.arange(batch, device=values.device), lengths)
+        g = grad_out[bag, cols[e] : cols[e + 1]]
+        grads.append((g * weights[t][values[lo:hi].long()]).sum(1))
+    return torch.cat(grads) if grads else grad_out.new_zeros(0)

@@ -16,6 +16,22 @@ MESHES = {4: [(4, 2), (2, 2), (2, 4), (1, 2)], 2: [(2, 2), (1, 2)]}
 TOLERANCE = 1e-5
 # torch optimizers other than SGD, run on DTensor table parameters (mixed plan only).
 OPTIMIZERS = ("adagrad", "adam")
+# Fused optimizers, on plans that exercise replicas, column shards (exact row-wise
+# Adagrad needs the row's full sum of squares) and grid (rows and columns split).
+FUSED_PLANS = ("mixed", "column_wise", "grid")
+
+
+def _fused() -> dict:
+    import dtrec
+
+    return {
+        "sgd": dtrec.optim.SGD(lr=0.5),
+        "rowwise_adagrad": dtrec.optim.RowWiseAdagrad(lr=0.1),
+        "adam": dtrec.optim.Adam(lr=0.05),
+    }
+
+
+FUSED = _fused()
 
 
 def _run_world_cases(rank: int, world: int) -> dict[str, tuple]:
@@ -32,6 +48,12 @@ def _run_world_cases(rank: int, world: int) -> dict[str, tuple]:
         for optimizer in OPTIMIZERS:
             r = check_numerics(mesh, PLANS["mixed"], weighted=False, optimizer=optimizer)
             out[_case(world, shards, node, f"mixed_{optimizer}", False)] = _summary(r)
+        for fused_name, fused in FUSED.items():
+            for plan_name in FUSED_PLANS:
+                r = check_numerics(mesh, PLANS[plan_name], weighted=False, fused=fused)
+                out[_case(world, shards, node, f"{plan_name}_fused_{fused_name}", False)] = (
+                    _summary(r)
+                )
     return out
 
 
@@ -44,18 +66,28 @@ def _case(world: int, shards: int, node: int, plan: str, weighted: bool) -> str:
     return f"W{world}-S{shards}-R{world // shards}-node{node}-{plan}-{pooling}"
 
 
-CASES = [
-    (world, _case(world, s, n, p, w))
-    for world, meshes in MESHES.items()
-    for s, n in meshes
-    for p in PLANS
-    for w in (False, True)
-] + [
-    (world, _case(world, s, n, f"mixed_{o}", False))
-    for world, meshes in MESHES.items()
-    for s, n in meshes
-    for o in OPTIMIZERS
-]
+CASES = (
+    [
+        (world, _case(world, s, n, p, w))
+        for world, meshes in MESHES.items()
+        for s, n in meshes
+        for p in PLANS
+        for w in (False, True)
+    ]
+    + [
+        (world, _case(world, s, n, f"mixed_{o}", False))
+        for world, meshes in MESHES.items()
+        for s, n in meshes
+        for o in OPTIMIZERS
+    ]
+    + [
+        (world, _case(world, s, n, f"{p}_fused_{f}", False))
+        for world, meshes in MESHES.items()
+        for s, n in meshes
+        for f in FUSED
+        for p in FUSED_PLANS
+    ]
+)
 
 
 @pytest.fixture(scope="module")

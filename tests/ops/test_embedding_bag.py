@@ -107,3 +107,52 @@ def test_errors() -> None:
         dtrec.ops.embedding_bag([w, w], ids, torch.tensor([0, 1, 2, 2]))
     with pytest.raises(ValueError, match="unknown backend"):
         dtrec.ops.set_backend("cuda-magic")
+
+
+def test_per_sample_weight_gradients() -> None:
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(9, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    values, offsets = _inputs([4, 4], [9, 9], batch=3, max_len=4, gen=gen)
+    psw = torch.rand(values.numel(), generator=gen, dtype=torch.float64, requires_grad=True)
+    out = dtrec.ops.embedding_bag([w, w], values, offsets, "sum", psw)
+    grad = torch.randn_like(out)
+    (gw, gp) = torch.autograd.grad(out, [w, psw], grad)
+    rw, rp = w.detach().clone().requires_grad_(), psw.detach().clone().requires_grad_()
+    ref = _reference([rw, rw], values, offsets, ["sum", "sum"], rp)
+    (rgw, rgp) = torch.autograd.grad(ref, [rw, rp], grad)
+    torch.testing.assert_close(gw, rgw)
+    torch.testing.assert_close(gp, rgp)
+
+
+def test_out_of_range_id_is_an_index_error_unless_checks_are_off() -> None:
+    w = torch.randn(4, 3)
+    values, offsets = torch.tensor([0, 4]), torch.tensor([0, 1, 2])
+    with pytest.raises(IndexError, match="id 4 is outside \\[0, 4\\)"):
+        dtrec.ops.embedding_bag([w], values, offsets)
+    with pytest.raises(IndexError, match="id -1"):
+        dtrec.ops.embedding_bag([w], torch.tensor([-1, 0]), offsets)
+    ok = dtrec.ops.embedding_bag([w], torch.tensor([0, 3]), offsets, bounds_check="off")
+    torch.testing.assert_close(ok, w[[0, 3]])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(backend: str) -> None:
+    """The op traces without graph breaks (fake impls), forward and backward."""
+    gen = torch.Generator().manual_seed(5)
+    w0 = torch.randn(9, 4, generator=gen, requires_grad=True)
+    w1 = torch.randn(7, 3, generator=gen, requires_grad=True)
+    values, offsets = _inputs([4, 3, 4], [9, 7, 9], batch=3, max_len=3, gen=gen)
+
+    def step(a, b, v, o):
+        return dtrec.ops.embedding_bag([a, b, a], v, o, ["sum", "mean", "sum"]).square().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    loss = compiled(w0, w1, values, offsets)
+    loss.backward()
+    grads = (w0.grad.clone(), w1.grad.clone())
+    w0.grad = w1.grad = None
+    eager = step(w0, w1, values, offsets)
+    eager.backward()
+    torch.testing.assert_close(loss, eager)
+    torch.testing.assert_close(grads[0], w0.grad)
+    torch.testing.assert_close(grads[1], w1.grad)

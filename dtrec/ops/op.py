@@ -1,0 +1,146 @@
+"""``dtrec::embedding_bag``: the lookup registered with PyTorch (eager, autograd, compile).
+
+The op takes the distinct tables plus an entry -> table map, so a table read by
+many features (or by many source ranks after input-dist) is passed once and
+gets one gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from dtrec.ops import embedding_bag as torch_impl
+from dtrec.ops.backend import resolve_backend
+
+
+def lookup_forward(
+    weights: Sequence[Tensor],
+    entry_table: Sequence[int],
+    values: Tensor,
+    offsets: Tensor,
+    mean: Sequence[bool],
+    per_sample_weights: Tensor | None,
+) -> Tensor:
+    """Forward on the selected backend, no autograd."""
+    backend = resolve_backend(values.device)
+    if backend == "triton":
+        from dtrec.ops import triton_backend
+
+        return triton_backend.forward(
+            weights, entry_table, values, offsets, mean, per_sample_weights
+        )
+    if backend == "fbgemm":
+        from dtrec.ops import fbgemm_backend
+
+        out = fbgemm_backend.forward(
+            weights, entry_table, values, offsets, mean, per_sample_weights
+        )
+        if out is not None:
+            return out
+    return torch_impl.forward_torch(weights, entry_table, values, offsets, mean, per_sample_weights)
+
+
+def lookup_backward_rows(
+    weights: Sequence[Tensor],
+    entry_table: Sequence[int],
+    values: Tensor,
+    offsets: Tensor,
+    mean: Sequence[bool],
+    per_sample_weights: Tensor | None,
+    grad_out: Tensor,
+) -> list[tuple[Tensor, Tensor]]:
+    """Per table: (sorted unique rows touched, their summed fp32 gradient rows)."""
+    if resolve_backend(values.device) == "triton":
+        from dtrec.ops import triton_backend
+
+        return triton_backend.backward_rows(
+            weights, entry_table, values, offsets, mean, per_sample_weights, grad_out
+        )
+    return torch_impl.backward_rows_torch(
+        weights, entry_table, values, offsets, mean, per_sample_weights, grad_out
+    )
+
+
+@torch.library.custom_op("dtrec::embedding_bag", mutates_args=())
+def embedding_bag_op(
+    weights: list[Tensor],
+    entry_table: list[int],
+    values: Tensor,
+    offsets: Tensor,
+    mean: list[bool],
+    per_sample_weights: Tensor | None,
+    check_ids: bool,
+) -> Tensor:
+    """Pooled lookup of E entries over U tables -> ``[B, sum D]`` (see embedding_bag.py).
+
+    ``check_ids`` raises IndexError for an id outside its table (inside the op,
+    so it also holds under ``torch.compile``).
+    """
+    if check_ids:
+        torch_impl.check_bounds(weights, entry_table, values, offsets)
+    return lookup_forward(weights, entry_table, values, offsets, mean, per_sample_weights)
+
+
+@embedding_bag_op.register_fake
+def _embedding_bag_fake(weights, entry_table, values, offsets, mean, per_sample_weights, check_ids):
+    batch = (offsets.shape[0] - 1) // len(entry_table)
+    width = sum(weights[t].shape[1] for t in entry_table)
+    return weights[0].new_empty(batch, width)
+
+
+@torch.library.custom_op("dtrec::embedding_bag_backward", mutates_args=())
+def embedding_bag_backward_op(
+    weights: list[Tensor],
+    entry_table: list[int],
+    values: Tensor,
+    offsets: Tensor,
+    mean: list[bool],
+    per_sample_weights: Tensor | None,
+    grad_out: Tensor,
+) -> list[Tensor]:
+    """Dense per-table weight gradients (built from the row-sparse ones)."""
+    rows = lookup_backward_rows(
+        weights, entry_table, values, offsets, mean, per_sample_weights, grad_out
+    )
+    return [
+        torch.zeros_like(w).index_copy_(0, ids, grad_rows.to(w.dtype))
+        for w, (ids, grad_rows) in zip(weights, rows, strict=True)
+    ]
+
+
+@embedding_bag_backward_op.register_fake
+def _embedding_bag_backward_fake(weights, entry_table, values, offsets, mean, psw, grad_out):
+    return [torch.empty_like(w) for w in weights]
+
+
+class EmbeddingBagFunction(torch.autograd.Function):
+    """Autograd for the op: dense weight grads and per-sample-weight grads."""
+
+    @staticmethod
+    def forward(ctx, entry_table, mean, check_ids, values, offsets, per_sample_weights, *weights):  # type: ignore[override]
+        ctx.entry_table, ctx.mean = entry_table, mean
+        ctx.save_for_backward(values, offsets, per_sample_weights, *weights)
+        return embedding_bag_op(
+            list(weights), entry_table, values, offsets, mean, per_sample_weights, check_ids
+        )
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        values, offsets, psw, *weights = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grads: list[Tensor | None] = [None] * len(weights)
+        if any(needs[6:]):
+            grads = list(
+                embedding_bag_backward_op(
+                    weights, ctx.entry_table, values, offsets, ctx.mean, psw, grad_out.contiguous()
+                )
+            )
+        grad_psw = None
+        if needs[5]:
+            grad_psw = torch_impl.per_sample_weights_grad_torch(
+                weights, ctx.entry_table, values, offsets, grad_out
+            ).to(psw.dtype)
+        return (None, None, None, None, None, grad_psw, *grads)

@@ -1,0 +1,405 @@
+"""Triton kernels vs their pure-torch references (and vs torch's own ops).
+
+By default the kernels run on CPU tensors under the Triton interpreter, which is slow:
+shapes are kept small (B <= 3, a handful of entries, short bags but one long one). With
+``TRITON_INTERPRET=0`` and a GPU the kernels run on CUDA (references stay on the CPU).
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from dtrec.ops import triton_kernels as K  # noqa: E402
+
+INTERPRET = os.environ["TRITON_INTERPRET"] not in ("0", "", "false", "False")
+DEVICE = torch.device("cuda" if not INTERPRET and torch.cuda.is_available() else "cpu")
+
+DIMS = [1, 3, 127, 129, 256]
+ROWS = [5, 6, 7, 4, 3]
+# entries 2/5 share table 2 and 1/6 share table 1; out_cols are laid out in reverse order
+ENTRY_TABLE = [0, 1, 2, 3, 4, 2, 1]
+ENTRY_MEAN = [0, 1, 0, 1, 0, 1, 0]
+B = 3
+
+# The Triton interpreter rounds fp32 -> bf16 toward zero (GPUs round to nearest even), so
+# a bf16 result may sit one bf16 ulp (<= 2**-7 relative) from the torch reference.
+BF16_ULP = {"atol": 1e-6, "rtol": 2**-7}
+FP32 = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def dev(*tensors):
+    """The tensors on the device the kernels run on (other arguments unchanged)."""
+    moved = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in tensors]
+    return moved[0] if len(moved) == 1 else moved
+
+
+class Case:
+    """Packed tables + a jagged batch in the layout of dtrec.ops.triton_kernels (CPU)."""
+
+    def __init__(
+        self,
+        dims=DIMS,
+        rows=ROWS,
+        entry_table=ENTRY_TABLE,
+        entry_mean=ENTRY_MEAN,
+        batch_size=B,
+        lengths=None,
+        dtype=torch.float32,
+        idx_dtype=torch.int64,
+        weighted=False,
+        seed=0,
+    ):
+        g = torch.Generator().manual_seed(seed)
+        self.B, self.num_entries = batch_size, len(entry_table)
+        self.dims = torch.tensor(dims, dtype=torch.int32)
+        self.rows = torch.tensor(rows, dtype=torch.int64)
+        sizes = self.rows * self.dims
+        self.table_offsets = torch.cumsum(sizes, 0) - sizes
+        self.weights = torch.randn(int(sizes.sum()), generator=g).to(dtype)
+        self.entry_table = torch.tensor(entry_table, dtype=torch.int32)
+        self.mean = torch.tensor(entry_mean, dtype=torch.int8)
+        entry_dims = self.dims[self.entry_table.long()].long()
+        rev_cols = torch.cumsum(entry_dims.flip(0), 0) - entry_dims.flip(0)
+        self.out_cols = rev_cols.flip(0).to(torch.int32)
+        self.total_dim = int(entry_dims.sum())
+        if lengths is None:
+            lengths = torch.randint(1, 4, (self.num_entries * batch_size,), generator=g)
+            if self.num_entries > 2:
+                lengths[1] = 0  # an empty bag (entry 0 is sum-pooled)
+                lengths[batch_size + 1] = 0  # an empty mean-pooled bag
+                lengths[2 * batch_size] = 5  # a bag of one repeated id (below)
+        self.lengths = torch.as_tensor(lengths, dtype=torch.int64)
+        self.offsets = torch.cat([torch.zeros(1, dtype=torch.int64), self.lengths.cumsum(0)])
+        ids = []
+        for bag, n in enumerate(self.lengths.tolist()):
+            num_rows = rows[entry_table[bag // batch_size]]
+            ids.append(torch.randint(0, num_rows, (n,), generator=g))
+        if self.num_entries > 2 and self.lengths[2 * batch_size] > 0:
+            ids[2 * batch_size].fill_(int(ids[2 * batch_size][0]))
+        self.values = torch.cat(ids).to(idx_dtype)
+        self.psw = torch.rand(self.values.numel(), generator=g) + 0.5 if weighted else None
+
+    def layout(self, weights=None):
+        """Arguments shared by the forward launcher and its reference."""
+        w = self.weights if weights is None else weights
+        return (w, self.table_offsets, self.dims, self.entry_table, self.out_cols,
+                self.values, self.offsets, self.B, self.total_dim, self.mean)  # fmt: skip
+
+    def bwd_args(self, grad_out):
+        return (grad_out, self.dims, self.rows, self.entry_table, self.out_cols, self.values,
+                self.offsets, self.B, self.total_dim, self.mean, self.psw)  # fmt: skip
+
+    def tables(self, weights=None, dtype=torch.float64):
+        """Per-table ``[rows, dim]`` copies of a packed buffer (default: the weights)."""
+        w = self.weights if weights is None else weights
+        return [
+            w[int(o) : int(o) + int(r) * int(d)].view(int(r), int(d)).to(dtype)
+            for o, r, d in zip(self.table_offsets, self.rows, self.dims)
+        ]
+
+    def torch_forward(self, tables):
+        """Pooled output ``[B, total_dim]`` from F.embedding_bag on each entry."""
+        out = torch.zeros(self.B, self.total_dim, dtype=tables[0].dtype)
+        for e in range(self.num_entries):
+            t = int(self.entry_table[e])
+            lo, hi = e * self.B, (e + 1) * self.B
+            bag_offsets = self.offsets[lo : hi + 1]
+            ids = self.values[bag_offsets[0] : bag_offsets[-1]].long()
+            psw = None
+            if self.psw is not None:
+                psw = self.psw[bag_offsets[0] : bag_offsets[-1]].to(tables[0].dtype)
+            pooled = F.embedding_bag(
+                ids, tables[t], bag_offsets[:-1] - bag_offsets[0], mode="sum",
+                per_sample_weights=psw,
+            )  # fmt: skip
+            if self.mean[e]:
+                pooled = pooled / self.lengths[lo:hi].clamp(min=1)[:, None]
+            col = int(self.out_cols[e])
+            out[:, col : col + tables[t].shape[1]] = pooled
+        return out
+
+
+def fwd(case, weights=None, **kwargs):
+    """Run the Triton forward on DEVICE; results back on the CPU."""
+    psw = kwargs.pop("per_sample_weights", case.psw)
+    result = K.embedding_bag_fwd(*dev(*case.layout(weights), psw), **kwargs)
+    return tuple(r.cpu() for r in result) if isinstance(result, tuple) else result.cpu()
+
+
+def bwd(case, grad_out):
+    got = K.embedding_bag_bwd_rows(*dev(*case.bwd_args(grad_out)))
+    return K.RowGrads(*(t.cpu() for t in got))
+
+
+FWD_CASES = [
+    (torch.float32, torch.int64, False),
+    (torch.float32, torch.int32, True),
+    (torch.bfloat16, torch.int64, True),
+    (torch.bfloat16, torch.int32, False),
+]
+
+
+@pytest.mark.parametrize("dtype,idx_dtype,weighted", FWD_CASES)
+def test_fwd_matches_reference_and_embedding_bag(dtype, idx_dtype, weighted):
+    case = Case(dtype=dtype, idx_dtype=idx_dtype, weighted=weighted, seed=1)
+    out = fwd(case)
+    assert out.dtype == dtype and out.shape == (B, case.total_dim)
+    ref = K.embedding_bag_fwd_reference(*case.layout(), per_sample_weights=case.psw)
+    exact = case.torch_forward(case.tables())
+    tol = FP32 if dtype == torch.float32 else BF16_ULP
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    # bf16 output is exact up to its own rounding (one ulp, see BF16_ULP)
+    torch.testing.assert_close(out.double(), exact, **(FP32 if dtype == torch.float32 else
+                                                       {"atol": 1e-5, "rtol": 2**-7}))  # fmt: skip
+    # fp32 output of bf16 tables: only the fp32 accumulation's error remains
+    out32 = fwd(case, out_dtype=torch.float32, max_dim=256)
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32.double(), exact, **FP32)
+
+
+def test_fwd_long_bag():
+    case = Case(
+        dims=[129, 3], rows=[50, 8], entry_table=[0, 1], entry_mean=[0, 0], batch_size=2,
+        lengths=[1000, 0, 3, 2], weighted=True, seed=2,
+    )  # fmt: skip
+    torch.testing.assert_close(fwd(case).double(), case.torch_forward(case.tables()), **FP32)
+    case.mean[0], case.psw = 1, None  # mean over the long bag
+    torch.testing.assert_close(fwd(case).double(), case.torch_forward(case.tables()), **FP32)
+
+
+def test_fwd_bounds_flag_and_no_out_of_bounds_read():
+    case = Case(seed=3)
+    # Surround the packed tables with NaN: any read past either end poisons the output.
+    n, pad = case.weights.numel(), 512
+    guarded = torch.full((n + 2 * pad,), float("nan"))
+    guarded[pad : pad + n] = case.weights
+    guarded = dev(guarded)
+    weights = guarded[pad : pad + n]
+    bounds = case.rows.clone()
+
+    out, error = fwd(case, weights, bounds=dev(bounds))
+    assert error.tolist() == [0, 0]
+    torch.testing.assert_close(out, fwd(case, weights))
+
+    bad_entry = 4  # reads the last table: its row ROWS[4] lies just past the buffer
+    lo = int(case.offsets[bad_entry * B])
+    assert case.lengths[bad_entry * B] > 0 and case.lengths[0] > 0
+    case.values[lo] = ROWS[4]
+    case.values[0] = -1  # entry 0 reads the first table: its row -1 lies before the buffer
+    assert fwd(case, weights).isnan().any()  # the guard works: unchecked, the NaN is read
+    out, error = fwd(case, weights, bounds=dev(bounds))
+    assert error.tolist() == [1, bad_entry]
+    assert torch.isfinite(out).all()
+    ref, ref_bad = K.embedding_bag_fwd_reference(*case.layout(), bounds=bounds)
+    assert bool(ref_bad)
+    torch.testing.assert_close(out, ref)
+
+
+def test_empty_batch():
+    case = Case(dims=[3], rows=[4], entry_table=[0], entry_mean=[1], batch_size=2, lengths=[0, 0])
+    torch.testing.assert_close(fwd(case), torch.zeros(2, 3))
+    got = bwd(case, torch.randn(2, 3))
+    assert got.unique_keys.numel() == 0 and got.grad_rows.numel() == 0
+
+
+@pytest.mark.parametrize(
+    "idx_dtype,weighted", [(torch.int64, False), (torch.int32, True)], ids=["i64", "i32-psw"]
+)
+def test_bwd_rows_matches_reference_and_autograd(idx_dtype, weighted):
+    case = Case(idx_dtype=idx_dtype, weighted=weighted, seed=4)
+    grad_out = torch.randn(B, case.total_dim)
+    got = bwd(case, grad_out)
+    ref = K.embedding_bag_bwd_rows_reference(*case.bwd_args(grad_out))
+    for name in ("unique_keys", "row_table", "row_ids", "grad_offsets"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    torch.testing.assert_close(got.grad_rows, ref.grad_rows, **FP32)
+
+    tables = [t.requires_grad_() for t in case.tables()]
+    case.torch_forward(tables).backward(grad_out.double())
+    for k in range(got.unique_keys.numel()):
+        t, r = int(got.row_table[k]), int(got.row_ids[k])
+        off, dim = int(got.grad_offsets[k]), int(case.dims[t])
+        torch.testing.assert_close(got.grad_rows[off : off + dim].double(), tables[t].grad[r],
+                                   **FP32)  # fmt: skip
+    # the dense gradient is zero outside the reported rows
+    for t, table in enumerate(tables):
+        untouched = torch.ones(table.shape[0], dtype=torch.bool)
+        untouched[got.row_ids[got.row_table == t]] = False
+        assert not table.grad[untouched].any()
+
+
+def test_bwd_rows_deterministic_with_hot_rows():
+    # table 0 has 2 rows: its ~40 occurrences fall on two segments longer than BLOCK_L
+    case = Case(
+        dims=[129, 3], rows=[2, 5], entry_table=[0, 0, 1, 1], entry_mean=[0, 1, 0, 0],
+        batch_size=2, lengths=[9, 12, 0, 11, 3, 1, 2, 0], weighted=True, seed=5,
+    )  # fmt: skip
+    grad_out = torch.randn(2, case.total_dim)
+    first, second = bwd(case, grad_out), bwd(case, grad_out)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    ref = K.embedding_bag_bwd_rows_reference(*case.bwd_args(grad_out))
+    torch.testing.assert_close(first.grad_rows, ref.grad_rows, **FP32)
+
+
+# --------------------------------------------------------------------------- optimizers
+
+
+def _touched(case, seed):
+    """Random distinct touched rows of every table with random fp32 grads, as RowGrads."""
+    g = torch.Generator().manual_seed(seed)
+    tables, ids = [], []
+    for t, r in enumerate(case.rows.tolist()):
+        pick = torch.randperm(r, generator=g)[: max(1, r // 2)].sort().values
+        ids.append(pick)
+        tables.append(torch.full_like(pick, t))
+    row_table = torch.cat(tables).to(torch.int32)
+    row_dim = case.dims.long()[row_table.long()]
+    grad_offsets = torch.cumsum(row_dim, 0) - row_dim
+    grad_rows = torch.randn(int(row_dim.sum()), generator=g)
+    return K.RowGrads(None, row_table, torch.cat(ids), grad_offsets, grad_rows)
+
+
+def _dense_grads(case, grads):
+    dense = [torch.zeros(int(r), int(d)) for r, d in zip(case.rows, case.dims)]
+    for k in range(grads.row_table.numel()):
+        t, r, off = int(grads.row_table[k]), int(grads.row_ids[k]), int(grads.grad_offsets[k])
+        dense[t][r] = grads.grad_rows[off : off + int(case.dims[t])]
+    return dense
+
+
+def _rows_args(case, grads):
+    return (case.table_offsets, case.dims, grads.row_table, grads.row_ids, grads.grad_rows,
+            grads.grad_offsets)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sgd_update_rows(dtype):
+    case = Case(dtype=dtype, seed=6)
+    grads = _touched(case, seed=7)
+    w, w_ref = dev(case.weights.clone()), case.weights.clone()
+    K.sgd_update_rows(w, *dev(*_rows_args(case, grads)), 0.1)
+    K.sgd_update_rows_reference(w_ref, *_rows_args(case, grads), 0.1)
+    tol = BF16_ULP if dtype == torch.bfloat16 else FP32  # a GPU may fuse w - lr * g to an fma
+    torch.testing.assert_close(w.cpu().float(), w_ref.float(), **tol)
+    for new, old, g in zip(case.tables(w.cpu(), torch.float32), case.tables(dtype=torch.float32),
+                           _dense_grads(case, grads)):  # fmt: skip
+        torch.testing.assert_close(new, (old - 0.1 * g).to(dtype).float(), **tol)
+
+
+def _dense_rowwise_adagrad(table, state, grad, lr, eps):
+    """Hand-written exact row-wise Adagrad on the rows with a nonzero gradient."""
+    touched = (grad != 0).any(1)
+    state = state + torch.where(touched, (grad * grad).mean(1), 0.0)
+    step = lr * grad / (state.sqrt() + eps)[:, None]
+    return torch.where(touched[:, None], table - step, table), state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rowwise_adagrad_update_rows(dtype):
+    case = Case(dtype=dtype, seed=8)
+    grads = _touched(case, seed=9)
+    state_offsets = torch.cumsum(case.rows, 0) - case.rows
+    state0 = torch.rand(int(case.rows.sum())) * 0.1
+    w, state = dev(case.weights.clone(), state0.clone())
+    w_ref, state_ref = case.weights.clone(), state0.clone()
+    lr, eps = 0.05, 1e-8
+    K.rowwise_adagrad_update_rows(w, state, *dev(state_offsets, *_rows_args(case, grads)), lr,
+                                  eps)  # fmt: skip
+    K.rowwise_adagrad_update_rows_reference(
+        w_ref, state_ref, state_offsets, *_rows_args(case, grads), lr, eps
+    )
+    w, state = w.cpu(), state.cpu()
+    torch.testing.assert_close(state, state_ref, atol=1e-6, rtol=1e-6)
+    tol = BF16_ULP if dtype == torch.bfloat16 else {"atol": 1e-6, "rtol": 1e-5}
+    torch.testing.assert_close(w.float(), w_ref.float(), **tol)
+    if dtype == torch.float32:
+        tables = case.tables(dtype=torch.float32)
+        for t, g in enumerate(_dense_grads(case, grads)):
+            rows = slice(int(state_offsets[t]), int(state_offsets[t] + case.rows[t]))
+            want_w, want_s = _dense_rowwise_adagrad(tables[t], state0[rows], g, lr, eps)
+            torch.testing.assert_close(case.tables(w, torch.float32)[t], want_w)
+            torch.testing.assert_close(state[rows], want_s)
+
+
+def test_rowwise_adagrad_column_shards_match_full_table():
+    """Two column shards given the all-reduced row_sq_sum update like the whole table."""
+    dims, rows = [129, 6], [4, 3]
+    full = Case(dims=dims, rows=rows, entry_table=[0, 1], entry_mean=[0, 0], seed=10)
+    grads = _touched(full, seed=11)
+    state_offsets = torch.tensor([0, rows[0]])
+    state0 = torch.rand(sum(rows)) * 0.1
+    lr, eps = 0.05, 1e-8
+    want, want_state = full.weights.clone(), state0.clone()
+    K.rowwise_adagrad_update_rows_reference(
+        want, want_state, state_offsets, *_rows_args(full, grads), lr, eps
+    )
+
+    dense = _dense_grads(full, grads)
+    touched = list(zip(grads.row_table.tolist(), grads.row_ids.tolist()))
+    row_sq_sum = torch.stack([dense[t][r].pow(2).sum() for t, r in touched])
+    tables = full.tables(dtype=torch.float32)
+    split = [[(0, 65), (65, 129)], [(0, 3), (3, 6)]]  # per table: column range of each shard
+    pieces = []
+    for s in range(2):
+        cols = [slice(*split[t][s]) for t in range(2)]
+        shard = Case(dims=[c.stop - c.start for c in cols], rows=rows, entry_table=[0, 1],
+                     entry_mean=[0, 0])  # fmt: skip
+        shard.weights = torch.cat([tables[t][:, cols[t]].flatten() for t in range(2)])
+        row_dim = shard.dims.long()[grads.row_table.long()]
+        shard_grads = grads._replace(
+            grad_rows=torch.cat([dense[t][r][cols[t]] for t, r in touched]),
+            grad_offsets=torch.cumsum(row_dim, 0) - row_dim,
+        )
+        w, state = dev(shard.weights, state0.clone())
+        K.rowwise_adagrad_update_rows(
+            w, state, *dev(state_offsets, *_rows_args(shard, shard_grads)), lr, eps,
+            row_sq_sum=dev(row_sq_sum), full_dims=dev(full.dims),
+        )  # fmt: skip
+        torch.testing.assert_close(state.cpu(), want_state, atol=1e-6, rtol=1e-6)
+        pieces.append(shard.tables(w.cpu(), torch.float32))
+    for t in range(2):
+        got = torch.cat([pieces[0][t], pieces[1][t]], dim=1)
+        torch.testing.assert_close(got, full.tables(want, torch.float32)[t], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adam_update_rows_matches_reference(dtype):
+    case = Case(dtype=dtype, seed=12)
+    grads = _touched(case, seed=13)
+    n = case.weights.numel()
+    m0, v0 = torch.randn(n) * 0.1, torch.rand(n) * 0.01
+    w, m, v = dev(case.weights.clone(), m0.clone(), v0.clone())
+    w_ref, m_ref, v_ref = case.weights.clone(), m0.clone(), v0.clone()
+    hyper = (0.1, 0.9, 0.999, 1e-8, 3)
+    K.adam_update_rows(w, m, v, *dev(*_rows_args(case, grads)), *hyper)
+    K.adam_update_rows_reference(w_ref, m_ref, v_ref, *_rows_args(case, grads), *hyper)
+    torch.testing.assert_close(m.cpu(), m_ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(v.cpu(), v_ref, atol=1e-7, rtol=1e-5)
+    tol = BF16_ULP if dtype == torch.bfloat16 else FP32
+    torch.testing.assert_close(w.cpu().float(), w_ref.float(), **tol)
+
+
+def test_adam_update_rows_matches_torch_adam():
+    """Same rows touched every step: equals torch.optim.Adam on the dense gradients."""
+    case = Case(seed=14)
+    grads = _touched(case, seed=15)
+    n = case.weights.numel()
+    w, m, v = dev(case.weights.clone(), torch.zeros(n), torch.zeros(n))
+    params = [t.to(torch.float32).clone().requires_grad_() for t in case.tables()]
+    opt = torch.optim.Adam(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8)
+    for step in range(1, 4):
+        grads = grads._replace(grad_rows=grads.grad_rows * (1.0 + step))
+        K.adam_update_rows(w, m, v, *dev(*_rows_args(case, grads)), 1e-2, 0.9, 0.99, 1e-8, step)
+        for p, g in zip(params, _dense_grads(case, grads)):
+            p.grad = g
+        opt.step()
+    for got, want in zip(case.tables(w.cpu(), torch.float32), params):
+        torch.testing.assert_close(got, want.detach(), atol=1e-6, rtol=1e-5)
