@@ -62,7 +62,9 @@ def distribute_module(
         tables = ebc.embedding_bag_configs()
         specs = {cfg.name: full_plan[table_fqn(fqn, cfg.name)] for cfg in tables}
         weights = {cfg.name: ebc.embedding_bags[cfg.name].weight for cfg in tables}
-        sharded[fqn] = ShardedEmbeddingBagCollection(tables, weights, mesh, specs, optimizer)
+        sharded[fqn] = ShardedEmbeddingBagCollection(
+            tables, weights, mesh, specs, optimizer, ebc.bounds_check
+        )
     fused = FusedOptimizerView(sharded) if optimizer is not None else None
     if "" in sharded:
         sharded[""].sharding_plan = full_plan

@@ -24,14 +24,28 @@ def feature_order(tables: Sequence[EmbeddingBagConfig]) -> list[str]:
     return [f for cfg in tables for f in cfg.feature_names]
 
 
+BOUNDS_CHECK_MODES = ("on", "off")
+
+
+def check_bounds_mode(mode: str) -> str:
+    """``"on"`` (default) or ``"off"`` for users who validate ids upstream."""
+    if mode not in BOUNDS_CHECK_MODES:
+        raise ValueError(f"bounds_check must be one of {BOUNDS_CHECK_MODES}, got {mode!r}")
+    return mode
+
+
 def prepare_features(
-    features: object, tables: Sequence[EmbeddingBagConfig], rank: int | None = None
+    features: object,
+    tables: Sequence[EmbeddingBagConfig],
+    rank: int | None = None,
+    bounds_check: str = "on",
 ) -> KeyedJaggedTensor:
     """Validate a batch and permute it into ``feature_order(tables)``.
 
     Raises KeyError for a feature the batch lacks, ValueError for a key no table
     reads or per-sample weights on a mean-pooled table, IndexError for an id
-    outside ``[0, num_embeddings)``.
+    outside ``[0, num_embeddings)`` (unless ``bounds_check="off"``: an
+    out-of-range id is then undefined behaviour).
     """
     kjt = as_kjt(features)
     order = feature_order(tables)
@@ -59,7 +73,8 @@ def prepare_features(
                 f"per-sample weights{_where(rank)} need sum pooling; "
                 f"table(s) {mean_tables} use mean pooling"
             )
-    check_id_range(kjt, tables, rank)
+    if bounds_check == "on":
+        check_id_range(kjt, tables, rank)
     return kjt
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from dtrec import ops
 from dtrec.config import EmbeddingBagConfig, validate_tables
-from dtrec.features import feature_order, prepare_features
+from dtrec.features import check_bounds_mode, feature_order, prepare_features
 from dtrec.sparse import KeyedTensor
 
 
@@ -18,7 +18,9 @@ class EmbeddingBagCollection(nn.Module):
     """Pooled embedding tables looked up by a ``KeyedJaggedTensor``.
 
     ``state_dict`` keys are ``embedding_bags.<table>.weight`` (TorchRec's), so
-    checkpoints move between this module and its sharded form.
+    checkpoints move between this module and its sharded form. Ids are checked
+    against their table's rows (IndexError naming table and feature) unless
+    ``bounds_check="off"``; the sharded form inherits the setting.
 
     Example::
 
@@ -27,12 +29,16 @@ class EmbeddingBagCollection(nn.Module):
     """
 
     def __init__(
-        self, tables: Sequence[EmbeddingBagConfig], device: torch.device | str | None = None
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        device: torch.device | str | None = None,
+        bounds_check: str = "on",
     ) -> None:
         super().__init__()
         tables = list(tables)
         validate_tables(tables)
         self._tables = tables
+        self.bounds_check = check_bounds_mode(bounds_check)
         self.embedding_bags = nn.ModuleDict(
             {
                 cfg.name: nn.EmbeddingBag(
@@ -57,7 +63,7 @@ class EmbeddingBagCollection(nn.Module):
         return list(self._tables)
 
     def forward(self, features: object) -> KeyedTensor:
-        kjt = prepare_features(features, self._tables)
+        kjt = prepare_features(features, self._tables, bounds_check=self.bounds_check)
         weights, modes, dims = [], [], []
         for cfg in self._tables:
             for _ in cfg.feature_names:
@@ -65,6 +71,6 @@ class EmbeddingBagCollection(nn.Module):
                 modes.append(cfg.pooling)
                 dims.append(cfg.embedding_dim)
         values = ops.embedding_bag(
-            weights, kjt.values(), kjt.offsets(), modes, kjt.weights_or_none()
+            weights, kjt.values(), kjt.offsets(), modes, kjt.weights_or_none(), bounds_check="off"
         )
         return KeyedTensor(feature_order(self._tables), dims, values)

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dtrec.collectives import all_reduce_grad, all_to_all, all_to_all_autograd
 from dtrec.config import EmbeddingBagConfig
-from dtrec.features import bag_lengths, feature_order, prepare_features
+from dtrec.features import bag_lengths, check_bounds_mode, feature_order, prepare_features
 from dtrec.fused import FusedUpdater, TableUpdate, fused_lookup
 from dtrec.mesh import REPLICATE, SHARD, shard_axis, shard_position
 from dtrec.ops.op import EmbeddingBagFunction
@@ -104,8 +104,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         mesh: DeviceMesh,
         specs: dict[str, TableSpec],
         optimizer: FusedOptimizer | None = None,
+        bounds_check: str = "on",
     ) -> None:
         super().__init__()
+        self.bounds_check = check_bounds_mode(bounds_check)
         axis = shard_axis(mesh)
         position = shard_position(mesh)
         if position is None:
@@ -196,7 +198,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         error: Exception | None = None
         kjt: KeyedJaggedTensor | None = None
         try:
-            kjt = prepare_features(features, self._tables, rank)
+            kjt = prepare_features(features, self._tables, rank, self.bounds_check)
         except (KeyError, ValueError, IndexError, TypeError) as exc:
             error = exc
         if not routing.has_sharded and error is not None:

@@ -110,3 +110,12 @@ def test_config_errors() -> None:
 def test_meta_device_collection_has_no_storage() -> None:
     ebc = dtrec.EmbeddingBagCollection([dtrec.EmbeddingBagConfig("x", 10**9, 128)], device="meta")
     assert ebc.embedding_bags["x"].weight.is_meta
+
+
+def test_bounds_check_off_skips_the_id_check() -> None:
+    ebc = _ebc()
+    ebc_off = dtrec.EmbeddingBagCollection(ebc.embedding_bag_configs(), bounds_check="off")
+    ebc_off.load_state_dict(ebc.state_dict())
+    torch.testing.assert_close(ebc_off(_kjt()).values(), ebc(_kjt()).values())
+    with pytest.raises(ValueError, match="bounds_check must be one of"):
+        dtrec.EmbeddingBagCollection(ebc.embedding_bag_configs(), bounds_check="maybe")

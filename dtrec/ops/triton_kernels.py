@@ -62,8 +62,8 @@ def _max_dim(dims: Tensor, max_dim: int | None) -> int:
 
 
 def _nonempty(t: Tensor) -> Tensor:
-    # An empty tensor may have a null data pointer, which a launch rejects; kernels
-    # never read it, so any one-element tensor of the same dtype will do.
+    # An empty tensor may have a null data pointer, which a launch may reject; the kernels
+    # never read it then, so any one-element tensor of the same dtype will do.
     return t if t.numel() > 0 else t.new_zeros(1)
 
 
@@ -373,7 +373,7 @@ def embedding_bag_bwd_rows(
     module docstring; ``num_rows`` int64 ``[U]`` is rows per table). Ids must be in range
     (check the forward's ``error``). Occurrences are stably sorted by row key and each
     unique row's segment is summed in that order by one program: no float atomics, and two
-    runs give bit-identical results. Syncs the device once (number of unique rows).
+    runs give bit-identical results. Syncs the device (unique rows, grad buffer size).
 
     Example::
 

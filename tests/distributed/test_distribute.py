@@ -167,8 +167,47 @@ def _plans(rank: int) -> dict:
     }
 
 
+def _fused(rank: int) -> dict:
+    import torch
+
+    import dtrec
+    from dtrec.placements import ColumnWise, RowWise, TableWise
+
+    mesh = dtrec.init_mesh("cpu", 2)
+    plan = {"sparse.t0": RowWise(), "sparse.t1": TableWise(rank=1), "sparse.t2": ColumnWise()}
+    model = dtrec.distribute_module(_model(), mesh, plan, optimizer=dtrec.optim.RowWiseAdagrad(0.1))
+    before = {n: t.weight.to_local().clone() for n, t in model.sparse.embedding_bags.items()}
+    model(_batch(rank)).sum().backward()
+    state = model.fused_optimizer.state_dict()
+    changed = {
+        n: not torch.equal(t.weight.to_local(), before[n])
+        for n, t in model.sparse.embedding_bags.items()
+        if t.weight.to_local().numel()
+    }
+    local_rows = {
+        n: t.weight.to_local().shape[0] if t.weight.to_local().dim() == 2 else 0
+        for n, t in model.sparse.embedding_bags.items()
+    }
+    # Round trip, then a mismatch.
+    model.fused_optimizer.load_state_dict(state)
+    bad = {k: dict(v) for k, v in state.items()}
+    bad["sparse.t0"]["sum"] = torch.zeros(1000)
+    return {
+        "keys": sorted(state),
+        "sum_rows": {k: tuple(v["sum"].shape) for k, v in state.items()},
+        "local_rows": local_rows,
+        "no_grads": all(t.weight.grad is None for t in model.sparse.embedding_bags.values()),
+        "changed": changed,
+        "mismatch": _error(lambda: model.fused_optimizer.load_state_dict(bad)),
+        "torch_optimizer": _error(
+            lambda: dtrec.distribute_module(_model(), mesh, plan, optimizer=torch.optim.SGD)
+        ),
+    }
+
+
 def _all_checks(rank: int, world: int) -> dict:
     return {
+        "fused": _fused(rank),
         "round_trips": _round_trips(rank),
         "comm": _comm_counts(rank),
         "bad_input": _bad_input(rank),
@@ -254,3 +293,15 @@ def test_planner_fills_and_resolves(results) -> None:
     assert p["table_values_are_dtensors"]
     # Both positions used: the greedy planner balances the four tables.
     assert {v for v in p["auto"].values()} == {"TW(0)", "TW(1)"}
+
+
+def test_fused_optimizer_state_and_no_grads(results) -> None:
+    for rank, r in enumerate(results):
+        f = r["fused"]
+        assert f["keys"] == ["sparse.t0", "sparse.t1", "sparse.t2", "sparse.t3"]
+        assert f["no_grads"], rank
+        assert all(f["changed"].values()), (rank, f["changed"])
+        for table, rows in f["local_rows"].items():
+            assert f["sum_rows"][f"sparse.{table}"] == (rows,), (rank, table)
+        assert f["mismatch"].startswith("ValueError") and "sparse.t0.sum" in f["mismatch"]
+        assert f["torch_optimizer"].startswith("TypeError")
