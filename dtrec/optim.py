@@ -44,6 +44,26 @@ class FusedOptimizer(ABC):
         """Apply one step to ``weight[rows]`` given their fp32 gradient rows."""
 
 
+def _triton_rows(weight: Tensor, rows: Tensor, grad_rows: Tensor) -> dict | None:
+    """Single-table kernel arguments when the Triton backend serves ``weight``'s device."""
+    from dtrec.ops.backend import resolve_backend
+
+    if resolve_backend(weight.device) != "triton" or not weight.is_contiguous():
+        return None
+    dim = weight.shape[1]
+    device = weight.device
+    return {
+        "weights": weight.view(-1),
+        "table_offsets": torch.zeros(1, dtype=torch.int64, device=device),
+        "dims": torch.tensor([dim], dtype=torch.int32, device=device),
+        "row_table": torch.zeros(rows.numel(), dtype=torch.int32, device=device),
+        "row_ids": rows,
+        "grad_rows": grad_rows.contiguous().view(-1),
+        "grad_offsets": torch.arange(rows.numel(), device=device) * dim,
+        "max_dim": dim,
+    }
+
+
 def _check_lr(lr: float, name: str) -> None:
     if not isinstance(lr, (int, float)) or lr < 0:
         raise ValueError(f"{name}: lr must be a non-negative number, got {lr!r}")
@@ -62,6 +82,11 @@ class SGD(FusedOptimizer):
         return {}
 
     def update_rows(self, weight, state, rows, grad_rows, row_sq_sum=None, full_dim=None) -> None:
+        if rows.numel() and (args := _triton_rows(weight, rows, grad_rows)) is not None:
+            from dtrec.ops.triton_kernels import sgd_update_rows
+
+            sgd_update_rows(lr=self.lr, **args)
+            return
         new = weight[rows].float() - self.lr * grad_rows
         weight.index_copy_(0, rows, new.to(weight.dtype))
 
@@ -86,9 +111,22 @@ class RowWiseAdagrad(FusedOptimizer):
         return {"sum": torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)}
 
     def update_rows(self, weight, state, rows, grad_rows, row_sq_sum=None, full_dim=None) -> None:
+        dim = full_dim if full_dim is not None else grad_rows.shape[1]
+        if rows.numel() and (args := _triton_rows(weight, rows, grad_rows)) is not None:
+            from dtrec.ops.triton_kernels import rowwise_adagrad_update_rows
+
+            rowwise_adagrad_update_rows(
+                state=state["sum"],
+                state_offsets=torch.zeros(1, dtype=torch.int64, device=weight.device),
+                lr=self.lr,
+                eps=self.eps,
+                row_sq_sum=row_sq_sum,
+                full_dims=torch.tensor([dim], dtype=torch.int32, device=weight.device),
+                **args,
+            )
+            return
         if row_sq_sum is None:
             row_sq_sum = grad_rows.square().sum(1)
-        dim = full_dim if full_dim is not None else grad_rows.shape[1]
         acc = state["sum"][rows] + row_sq_sum / max(dim, 1)
         state["sum"].index_copy_(0, rows, acc)
         step = grad_rows / (acc.sqrt() + self.eps).unsqueeze(1)
@@ -120,6 +158,20 @@ class Adam(FusedOptimizer):
         b1, b2 = self.betas
         state["step"] += 1
         step = float(state["step"])
+        if rows.numel() and (args := _triton_rows(weight, rows, grad_rows)) is not None:
+            from dtrec.ops.triton_kernels import adam_update_rows
+
+            adam_update_rows(
+                exp_avg=state["exp_avg"].view(-1),
+                exp_avg_sq=state["exp_avg_sq"].view(-1),
+                lr=self.lr,
+                beta1=b1,
+                beta2=b2,
+                eps=self.eps,
+                step=int(step),
+                **args,
+            )
+            return
         m = state["exp_avg"][rows].mul_(b1).add_(grad_rows, alpha=1 - b1)
         v = state["exp_avg_sq"][rows].mul_(b2).addcmul_(grad_rows, grad_rows, value=1 - b2)
         state["exp_avg"].index_copy_(0, rows, m)

@@ -154,6 +154,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, help="dense (MLP) learning rate")
     parser.add_argument("--emb-lr", type=float, help="embedding learning rate")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of samples/s")
+    parser.add_argument(
+        "--fused",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fuse RowWiseAdagrad into the embedding backward (default); --no-fused trains the "
+        "DTensor table parameters with the torch optimizer instead",
+    )
     args = parser.parse_args()
     default_lr, default_emb_lr = OPTIMIZERS[args.optimizer][1:]
     args.lr = default_lr if args.lr is None else args.lr
@@ -178,12 +185,15 @@ def run(args: argparse.Namespace, rank: int, world: int, lead: bool) -> None:
         raise ValueError("need --steps >= 20 and --warmup < --steps")
     mesh = dtrec.init_mesh("cpu", shard_group_size=args.shard_group_size)
     torch.manual_seed(0)  # same initial weights on every rank
-    model = dtrec.distribute_module(DLRM(), mesh, PLAN)
+    fused = dtrec.optim.RowWiseAdagrad(lr=args.emb_lr) if args.fused else None
+    model = dtrec.distribute_module(DLRM(), mesh, PLAN, optimizer=fused)
 
     emb_params = [p for p in model.parameters() if isinstance(p, DTensor)]
     dense_params = [p for p in model.parameters() if not isinstance(p, DTensor)]
-    groups = [{"params": dense_params, "lr": args.lr}, {"params": emb_params, "lr": args.emb_lr}]
-    opt = OPTIMIZERS[args.optimizer][0](groups)  # embedding weights are DTensor parameters
+    groups = [{"params": dense_params, "lr": args.lr}]
+    if not args.fused:  # embedding weights are DTensor parameters: any torch optimizer works
+        groups.append({"params": emb_params, "lr": args.emb_lr})
+    opt = OPTIMIZERS[args.optimizer][0](groups)
     loss_fn = nn.BCEWithLogitsLoss()
     teacher = Teacher()
 
@@ -199,10 +209,16 @@ def run(args: argparse.Namespace, rank: int, world: int, lead: bool) -> None:
             f"{sum(len(t[3]) for t in TABLES)} sparse features, {NUM_DENSE} dense; "
             f"dense MLP params {dense_bytes // 4:,}"
         )
-        print(
-            f"optimizer: torch.optim.{type(opt).__name__} (dense lr {args.lr}, embedding lr "
-            f"{args.emb_lr}) over model.parameters()"
-        )
+        if args.fused:
+            print(
+                f"optimizer: dense torch.optim.{type(opt).__name__} (lr {args.lr}); tables: "
+                f"{fused} fused into backward (row-sparse, sparse replica sync)"
+            )
+        else:
+            print(
+                f"optimizer: torch.optim.{type(opt).__name__} (dense lr {args.lr}, embedding lr "
+                f"{args.emb_lr}) over model.parameters()"
+            )
         print("sharding plan (model.sharding_plan):")
         print(model.sharding_plan)
 

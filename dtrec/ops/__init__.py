@@ -14,6 +14,7 @@ from torch import Tensor
 from dtrec.ops.backend import get_backend, set_backend
 from dtrec.ops.embedding_bag import check_embedding_bag_args, pooling_flags
 from dtrec.ops.op import EmbeddingBagFunction
+from dtrec.ops.sharding_rules import register_dtensor_rules as register_dtensor_rules
 
 __all__ = ["embedding_bag", "get_backend", "set_backend"]
 
