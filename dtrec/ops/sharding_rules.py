@@ -127,6 +127,13 @@ def _bind(op_call: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str
     return bound
 
 
+def _tables(bound: dict[str, object]) -> tuple[list[DTensor], list[int]]:
+    entry_table = [int(t) for t in bound["entry_table"]]  # type: ignore[union-attr]
+    if not entry_table:
+        raise ValueError("dtrec.embedding_bag: a DTensor lookup needs at least one table entry")
+    return list(bound["weights"]), entry_table  # type: ignore[call-overload]
+
+
 def _weights_layout(weights: Sequence[object]) -> tuple[DeviceMesh, Placements]:
     if not weights or not all(isinstance(w, DTensor) for w in weights):
         raise TypeError("dtrec.embedding_bag: mixes DTensor and plain-tensor weights")
@@ -141,11 +148,12 @@ def _weights_layout(weights: Sequence[object]) -> tuple[DeviceMesh, Placements]:
     return mesh, placements
 
 
-def _inputs_layout(mesh: DeviceMesh, named: dict[str, object]) -> Placements:
+def _inputs_layout(mesh: DeviceMesh, bound: dict[str, object]) -> Placements:
     """The common placements of values / offsets / per-sample weights."""
     implicit = DTensor._op_dispatcher._allow_implicit_replication
     found: dict[str, Placements] = {}
-    for name, t in named.items():
+    for name in ("values", "offsets", "per_sample_weights"):
+        t = bound[name]
         if t is None:
             continue
         if isinstance(t, DTensor):
@@ -167,7 +175,7 @@ def _inputs_layout(mesh: DeviceMesh, named: dict[str, object]) -> Placements:
     return placements.pop()
 
 
-def _local(t: object) -> Tensor | None:
+def _local(t: object) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t  # type: ignore[return-value]
 
 
@@ -193,9 +201,8 @@ def _local_call(
     check_ids: bool,
 ) -> _LocalCall:
     values, offsets = _local(bound["values"]), _local(bound["offsets"])
-    psw = _local(bound["per_sample_weights"])
+    psw = _local(bound["per_sample_weights"]) if bound["per_sample_weights"] is not None else None
     mean = [bool(m) for m in bound["mean"]]  # type: ignore[union-attr]
-    assert values is not None and offsets is not None
     if psw is not None and any(mean):
         raise ValueError("per_sample_weights need sum pooling; some entries use mean pooling")
     num_entries = len(entry_table)
@@ -296,8 +303,9 @@ def _gather_columns(
     return torch.cat(gathered, dim=1)
 
 
-def _non_participating(dtype: torch.dtype, device: torch.device) -> Tensor:
-    return torch.empty(0, dtype=dtype, device=device)
+def _nothing(like: Tensor) -> Tensor:
+    """The local tensor of a rank outside the tables' (sub-)mesh (as DTensor's own ops do)."""
+    return torch.empty(0, dtype=like.dtype, device=like.device)
 
 
 # --------------------------------------------------------------------------- handlers
@@ -305,19 +313,17 @@ def _non_participating(dtype: torch.dtype, device: torch.device) -> Tensor:
 
 def _embedding_bag_handler(op_call, args, kwargs):
     bound = _bind(op_call, args, kwargs)
-    weights: list[DTensor] = list(bound["weights"])  # type: ignore[arg-type]
-    entry_table = list(bound["entry_table"])  # type: ignore[arg-type]
+    weights, entry_table = _tables(bound)
     mesh, weight_placements = _weights_layout(weights)
-    inputs = {k: bound[k] for k in ("values", "offsets", "per_sample_weights")}
-    input_placements = _inputs_layout(mesh, inputs)
+    input_placements = _inputs_layout(mesh, bound)
     out_placements = embedding_bag_strategy(weight_placements, input_placements, len(entry_table))
     width = sum(_entry_widths(weights, entry_table))
-    call = _local_call(
-        mesh, weights, entry_table, bound, input_placements, bool(bound["check_ids"])
-    )
     if mesh.get_coordinate() is None:
-        local = _non_participating(weights[0].dtype, weights[0].device)
-    elif call.offsets.numel() <= 1:
+        batch = (bound["offsets"].shape[0] - 1) // len(entry_table)  # type: ignore[union-attr]
+        return _dtensor(_nothing(weights[0]), mesh, out_placements, (batch, width))
+    check_ids = bool(bound["check_ids"])
+    call = _local_call(mesh, weights, entry_table, bound, input_placements, check_ids)
+    if call.offsets.numel() <= 1:  # no bags on this rank
         local = call.weights[0].new_zeros(0, sum(_entry_widths(call.weights, entry_table)))
     else:
         local = op_call(
@@ -336,40 +342,38 @@ def _embedding_bag_handler(op_call, args, kwargs):
 
 def _embedding_bag_backward_handler(op_call, args, kwargs):
     bound = _bind(op_call, args, kwargs)
-    weights: list[DTensor] = list(bound["weights"])  # type: ignore[arg-type]
-    entry_table = list(bound["entry_table"])  # type: ignore[arg-type]
+    weights, entry_table = _tables(bound)
     mesh, weight_placements = _weights_layout(weights)
-    inputs = {k: bound[k] for k in ("values", "offsets", "per_sample_weights")}
-    input_placements = _inputs_layout(mesh, inputs)
+    input_placements = _inputs_layout(mesh, bound)
     grad_out = bound["grad_out"]
     if not isinstance(grad_out, DTensor):
         raise TypeError("dtrec.embedding_bag_backward: grad_out must be a DTensor")
     need, grad_placements = embedding_bag_backward_strategy(
         weight_placements, input_placements, len(entry_table), grad_out.placements
     )
+    if mesh.get_coordinate() is None:
+        return [_dtensor(_nothing(w), mesh, grad_placements, w.shape) for w in weights]
     if grad_out.placements != need:
         grad_out = grad_out.redistribute(mesh, need)
     call = _local_call(mesh, weights, entry_table, bound, input_placements, check_ids=False)
-    if mesh.get_coordinate() is None:
-        locals_ = [_non_participating(w.dtype, w.device) for w in weights]
+    local_grad_out = grad_out.to_local()
+    if len(entry_table) > 1 and any(_is_shard(p, 1) for p in weight_placements):
+        local_grad_out = _local_columns(local_grad_out, weights, entry_table, mesh)
+    if call.offsets.numel() <= 1:
+        local_grads = [torch.zeros_like(w) for w in call.weights]
     else:
-        local_grad_out = grad_out.to_local()
-        if len(entry_table) > 1 and any(_is_shard(p, 1) for p in weight_placements):
-            local_grad_out = _local_columns(local_grad_out, weights, entry_table, mesh)
-        if call.offsets.numel() <= 1:
-            locals_ = [torch.zeros_like(w) for w in call.weights]
-        else:
-            locals_ = op_call(
-                call.weights,
-                entry_table,
-                call.values,
-                call.offsets,
-                call.mean,
-                call.per_sample_weights,
-                local_grad_out.contiguous(),
-            )
+        local_grads = op_call(
+            call.weights,
+            entry_table,
+            call.values,
+            call.offsets,
+            call.mean,
+            call.per_sample_weights,
+            local_grad_out.contiguous(),
+        )
     return [
-        _dtensor(g, mesh, grad_placements, w.shape) for g, w in zip(locals_, weights, strict=True)
+        _dtensor(g, mesh, grad_placements, w.shape)
+        for g, w in zip(local_grads, weights, strict=True)
     ]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,11 +11,15 @@ import torch.nn.functional as F
 import dtrec
 from dtrec.ops.backend import triton_available
 
-BACKENDS = ["torch"] + (["triton"] if triton_available() else [])
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Triton runs on CUDA tensors, or on CPU tensors in its interpreter (tests/conftest.py).
+CASES = [("torch", "cpu")]
+if torch.cuda.is_available():
+    CASES += [("torch", "cuda")] + ([("triton", "cuda")] if triton_available() else [])
+elif triton_available() and os.environ.get("TRITON_INTERPRET") == "1":
+    CASES += [("triton", "cpu")]
 
 
-@pytest.fixture(params=[(b, d) for b in BACKENDS for d in DEVICES], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(params=CASES, ids=lambda p: f"{p[0]}-{p[1]}")
 def device(request):
     """Run the test on each (backend, device); yields the device."""
     backend, dev = request.param

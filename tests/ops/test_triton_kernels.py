@@ -1,15 +1,13 @@
 """Triton kernels vs their pure-torch references (and vs torch's own ops).
 
-By default the kernels run on CPU tensors under the Triton interpreter, which is slow:
-shapes are kept small (B <= 3, a handful of entries, short bags but one long one). With
-``TRITON_INTERPRET=0`` and a GPU the kernels run on CUDA (references stay on the CPU).
+With a GPU the kernels run on CUDA (references stay on the CPU); without one, on CPU
+tensors under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), which is
+slow: shapes are kept small (B <= 3, a handful of entries, short bags but one long one).
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
+import pytest
 
 pytest.importorskip("triton")
 
@@ -18,7 +16,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from dtrec.ops import triton_kernels as K  # noqa: E402
 
-INTERPRET = os.environ["TRITON_INTERPRET"] not in ("0", "", "false", "False")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
 DEVICE = torch.device("cuda" if not INTERPRET and torch.cuda.is_available() else "cpu")
 
 DIMS = [1, 3, 127, 129, 256]
