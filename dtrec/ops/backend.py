@@ -15,8 +15,8 @@ def set_backend(name: str) -> None:
 
     ``"auto"``: Triton on CUDA, torch on CPU; ``"triton"``: the Triton kernels
     everywhere (CPU tensors need ``TRITON_INTERPRET=1``, which is how CI checks
-    them); ``"torch"``: ``F.embedding_bag`` + index_add; ``"fbgemm"``: fbgemm's
-    table-batched forward where it loads. Also settable with ``DTREC_BACKEND``.
+    them); ``"torch"``: ``F.embedding_bag`` + index_add (deterministic on CPU, not
+    on CUDA where index_add_ uses atomics). Also settable with ``DTREC_BACKEND``.
 
     Example::
 

@@ -12,7 +12,8 @@ per-sample weights) placement I:
 
 "Batch-sharded" inputs are jagged: each rank's local values/offsets are its
 own batch (``DTensor.from_local(..., run_check=False)``); the output's global
-batch is the local batch times the batch axes' sizes. With several entries a
+batch is the local batch times the batch axes' sizes (so local batches must be
+equal, as torch's Shard(0) of the output needs). With several entries a
 column split of the weights is not a column split of the concatenated output,
 so each entry's block is all-gathered over the Shard(1) axes (the output is
 Replicate there). Any other combination is a ValueError naming the axis.

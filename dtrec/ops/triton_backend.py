@@ -12,8 +12,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dtrec.ops import triton_kernels as k
-
 
 def pack_tables(weights: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
     """A flat buffer holding every table, and each table's element offset in it.
@@ -54,6 +52,8 @@ def forward(
     per_sample_weights: Tensor | None,
 ) -> Tensor:
     """One kernel launch for every entry."""
+    from dtrec.ops import triton_kernels as k
+
     flat, table_offsets = pack_tables(weights)
     dims, entries, out_cols, mean_t, total, max_dim = _layout(weights, entry_table, mean)
     batch = (offsets.numel() - 1) // len(entry_table)
@@ -83,6 +83,8 @@ def backward_rows(
     grad_out: Tensor,
 ) -> list[tuple[Tensor, Tensor]]:
     """Per table: (sorted unique rows, fp32 grad rows ``[U_t, D_t]``), deterministic."""
+    from dtrec.ops import triton_kernels as k
+
     dims, entries, out_cols, mean_t, total, max_dim = _layout(weights, entry_table, mean)
     num_rows = torch.tensor([w.shape[0] for w in weights], dtype=torch.int64, device=values.device)
     batch = (offsets.numel() - 1) // len(entry_table)

@@ -10,6 +10,7 @@ from torch.distributed.tensor import distribute_tensor as _torch_distribute_tens
 
 from dtrec.config import EmbeddingBagConfig
 from dtrec.mesh import positions_mesh, shard_axis
+from dtrec.ops.sharding_rules import register_dtensor_rules
 from dtrec.placements.layout import TableLayout
 from dtrec.placements.specs import TableSpec
 
@@ -44,5 +45,6 @@ def distribute_tensor(
     if rows == 0:
         raise ValueError(f"table {name!r}: has no rows")
     sub = table_mesh(mesh, layout)
+    register_dtensor_rules()  # so dtrec's ops run on the result through DTensor dispatch
     with torch.no_grad():
         return _torch_distribute_tensor(weight.detach(), sub, list(layout.placements))

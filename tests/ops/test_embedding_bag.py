@@ -12,7 +12,7 @@ import dtrec
 from dtrec.ops.backend import triton_available
 
 # Triton runs on CUDA tensors, or on CPU tensors in its interpreter (tests/conftest.py).
-CASES = [("torch", "cpu")]
+CASES = [("torch", "cpu"), ("fbgemm", "cpu")]
 if torch.cuda.is_available():
     CASES += [("torch", "cuda")] + ([("triton", "cuda")] if triton_available() else [])
 elif triton_available() and os.environ.get("TRITON_INTERPRET") == "1":
@@ -116,6 +116,9 @@ def test_adversarial_bags(device) -> None:
 
 
 def test_backward_is_deterministic(device) -> None:
+    """By construction on the Triton backend and on CPU; torch's CUDA index_add_ uses atomics."""
+    if device.type == "cuda" and dtrec.ops.get_backend() == "torch":
+        pytest.skip("the torch backend on CUDA is not deterministic (documented exception)")
     gen = torch.Generator().manual_seed(9)
     w = torch.randn(20, 16, generator=gen).to(device).requires_grad_()
     values = torch.randint(0, 3, (400,), generator=gen).to(device)  # hot rows
