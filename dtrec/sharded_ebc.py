@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from dtrec.collectives import all_reduce_grad, all_to_all, all_to_all_autograd
 from dtrec.config import EmbeddingBagConfig
@@ -137,11 +138,44 @@ class ShardedEmbeddingBagCollection(nn.Module):
             )
         self._layouts = layouts
         self._routing = Routing(tables, layouts, axis.size, position)
+        self._pack_local_shards()
         self._dp_group = _world_group(mesh) if self._routing.local_features else None
         self.optimizer = optimizer
         self._updater = None if optimizer is None else self._make_updater(optimizer, position)
         self._received_cols = self._routing.received_columns(torch.device("cpu"))
         self._local_cols = self._routing.local_columns(torch.device("cpu"))
+
+    def _pack_local_shards(self) -> None:
+        """Put this rank's shards in one flat buffer, each parameter a view of it.
+
+        Lookup kernels then read every local table in place with one launch
+        (no per-call packing copy); in-place optimizer updates and
+        ``load_state_dict`` keep writing through the views.
+        """
+        tables = [self.embedding_bags[self._tables[t].name] for t in self._routing.local_tables]
+        locals_ = [table.weight.to_local() for table in tables]
+        if len(locals_) < 2:
+            return
+        flat = torch.empty(
+            sum(w.numel() for w in locals_), dtype=locals_[0].dtype, device=locals_[0].device
+        )
+        start = 0
+        for table, local in zip(tables, locals_, strict=True):
+            view = flat[start : start + local.numel()].view(local.shape)
+            view.copy_(local)
+            start += local.numel()
+            old = table.weight
+            table.weight = nn.Parameter(
+                DTensor.from_local(
+                    view,
+                    old.device_mesh,
+                    old.placements,
+                    shape=old.shape,
+                    stride=old.stride(),
+                    run_check=False,
+                ),
+                requires_grad=old.requires_grad,
+            )
 
     def _make_updater(self, optimizer: FusedOptimizer, position: int) -> FusedUpdater:
         columns = (

@@ -188,11 +188,18 @@ def _fused(rank: int) -> dict:
         n: t.weight.to_local().shape[0] if t.weight.to_local().dim() == 2 else 0
         for n, t in model.sparse.embedding_bags.items()
     }
+    locals_ = [
+        t.weight.to_local()
+        for t in model.sparse.embedding_bags.values()
+        if t.weight.to_local().numel()
+    ]
+    storages = {w.untyped_storage().data_ptr() for w in locals_}
     # Round trip, then a mismatch.
     model.fused_optimizer.load_state_dict(state)
     bad = {k: dict(v) for k, v in state.items()}
     bad["sparse.t0"]["sum"] = torch.zeros(1000)
     return {
+        "one_storage": len(locals_) < 2 or len(storages) == 1,
         "keys": sorted(state),
         "sum_rows": {k: tuple(v["sum"].shape) for k, v in state.items()},
         "local_rows": local_rows,
@@ -300,6 +307,7 @@ def test_fused_optimizer_state_and_no_grads(results) -> None:
         f = r["fused"]
         assert f["keys"] == ["sparse.t0", "sparse.t1", "sparse.t2", "sparse.t3"]
         assert f["no_grads"], rank
+        assert f["one_storage"], f"rank {rank}: local shards are not packed in one buffer"
         assert all(f["changed"].values()), (rank, f["changed"])
         for table, rows in f["local_rows"].items():
             assert f["sum_rows"][f"sparse.{table}"] == (rows,), (rank, table)
