@@ -23,15 +23,23 @@ def lookup_forward(
     offsets: Tensor,
     mean: Sequence[bool],
     per_sample_weights: Tensor | None,
+    check_ids: bool = False,
 ) -> Tensor:
-    """Forward on the selected backend, no autograd."""
+    """Forward on the selected backend, no autograd.
+
+    ``check_ids``: IndexError for an id outside its table. The Triton kernel
+    raises a flag while it gathers (no extra pass over the ids); other
+    backends check first with one vectorized pass.
+    """
     backend = resolve_backend(values.device)
     if backend == "triton":
         from dtrec.ops import triton_backend
 
         return triton_backend.forward(
-            weights, entry_table, values, offsets, mean, per_sample_weights
+            weights, entry_table, values, offsets, mean, per_sample_weights, check_ids
         )
+    if check_ids:
+        torch_impl.check_bounds(weights, entry_table, values, offsets)
     if backend == "fbgemm":
         from dtrec.ops import fbgemm_backend
 
@@ -79,9 +87,9 @@ def embedding_bag_op(
     ``check_ids`` raises IndexError for an id outside its table (inside the op,
     so it also holds under ``torch.compile``).
     """
-    if check_ids:
-        torch_impl.check_bounds(weights, entry_table, values, offsets)
-    return lookup_forward(weights, entry_table, values, offsets, mean, per_sample_weights)
+    return lookup_forward(
+        weights, entry_table, values, offsets, mean, per_sample_weights, check_ids
+    )
 
 
 @embedding_bag_op.register_fake

@@ -50,14 +50,18 @@ def forward(
     offsets: Tensor,
     mean: Sequence[bool],
     per_sample_weights: Tensor | None,
+    check_ids: bool = False,
 ) -> Tensor:
-    """One kernel launch for every entry."""
+    """One kernel launch for every entry; with ``check_ids`` the kernel flags bad ids."""
     from dtrec.ops import triton_kernels as k
 
     flat, table_offsets = pack_tables(weights)
     dims, entries, out_cols, mean_t, total, max_dim = _layout(weights, entry_table, mean)
     batch = (offsets.numel() - 1) // len(entry_table)
-    return k.embedding_bag_fwd(
+    bounds = None
+    if check_ids:
+        bounds = torch.tensor([w.shape[0] for w in weights], dtype=torch.int64, device=flat.device)
+    result = k.embedding_bag_fwd(
         flat,
         table_offsets,
         dims,
@@ -69,8 +73,19 @@ def forward(
         total,
         mean_t,
         None if per_sample_weights is None else per_sample_weights.float(),
+        bounds,
         max_dim=max_dim,
     )
+    if bounds is None:
+        return result
+    out, error = result
+    if int(error[0]):  # one small device->host read, no extra pass over the ids
+        entry = int(error[1])
+        table = entry_table[entry]
+        raise IndexError(
+            f"table {table} (entry {entry}): an id is outside [0, {weights[table].shape[0]})"
+        )
+    return out
 
 
 def backward_rows(

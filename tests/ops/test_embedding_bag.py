@@ -163,14 +163,21 @@ def test_per_sample_weight_gradients() -> None:
     torch.testing.assert_close(gp, rgp)
 
 
-def test_out_of_range_id_is_an_index_error_unless_checks_are_off() -> None:
-    w = torch.randn(4, 3)
-    values, offsets = torch.tensor([0, 4]), torch.tensor([0, 1, 2])
-    with pytest.raises(IndexError, match="id 4 is outside \\[0, 4\\)"):
-        dtrec.ops.embedding_bag([w], values, offsets)
-    with pytest.raises(IndexError, match="id -1"):
-        dtrec.ops.embedding_bag([w], torch.tensor([-1, 0]), offsets)
-    ok = dtrec.ops.embedding_bag([w], torch.tensor([0, 3]), offsets, bounds_check="off")
+def test_out_of_range_id_is_an_index_error_unless_checks_are_off(device) -> None:
+    w = torch.randn(4, 3, device=device)  # table 0: entries 0, 1
+    other = torch.randn(6, 3, device=device)  # table 1: entries 2, 3
+    offsets = torch.tensor([0, 1, 2, 3, 4], device=device)
+    cases = {
+        (0, 1, 1, 6): "table 1 .*outside \\[0, 6\\)",
+        (0, 4, 1, 1): "table 0 .*outside \\[0, 4\\)",
+    }
+    cases[(-1, 0, 0, 0)] = "table 0 .*outside \\[0, 4\\)"
+    for ids, message in cases.items():
+        with pytest.raises(IndexError, match=message):
+            dtrec.ops.embedding_bag([w, w, other, other], torch.tensor(ids, device=device), offsets)
+    ok = dtrec.ops.embedding_bag(
+        [w], torch.tensor([0, 3], device=device), offsets[:3], bounds_check="off"
+    )
     torch.testing.assert_close(ok, w[[0, 3]])
 
 
