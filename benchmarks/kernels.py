@@ -161,15 +161,58 @@ def run_config(
             "forward_backward_optimizer_s": timed(torch_step, iters, device),
         }
         del params, adagrad
-    for impl in [k for k in ("dtrec", "pytorch") if k in result]:
+    tbe = _fbgemm_split_tbe(weights) if device.type == "cpu" else None
+    if tbe is not None:
+        grad_cpu = grad_out
+
+        def fbgemm_step():
+            tbe(values, offsets).backward(grad_cpu)
+
+        with torch.no_grad():
+            result["fbgemm"] = {"forward_s": timed(lambda: tbe(values, offsets), iters, device)}
+        result["fbgemm"]["forward_backward_optimizer_s"] = timed(fbgemm_step, iters, device)
+    for impl in [k for k in IMPLS if k in result]:
         for phase in ("forward", "forward_backward_optimizer"):
             result[impl][f"{phase}_GBps"] = bytes_moved[phase] / result[impl][f"{phase}_s"] / 1e9
-    if "pytorch" in result:
-        result["speedup_vs_pytorch"] = {
-            phase: result["pytorch"][f"{phase}_s"] / result["dtrec"][f"{phase}_s"]
+    for other in [k for k in IMPLS[1:] if k in result]:
+        result[f"speedup_vs_{other}"] = {
+            phase: result[other][f"{phase}_s"] / result["dtrec"][f"{phase}_s"]
             for phase in ("forward", "forward_backward_optimizer")
         }
     return result
+
+
+IMPLS = ("dtrec", "pytorch", "fbgemm")
+
+
+def _fbgemm_split_tbe(weights: list[torch.Tensor]):
+    """fbgemm's CPU TBE with fused exact row-wise Adagrad, or None without fbgemm."""
+    from dtrec._fbgemm import fbgemm_available
+
+    if not fbgemm_available() or weights[0].dtype != torch.float32:
+        return None
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        BoundsCheckMode,
+        EmbeddingLocation,
+        PoolingMode,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(w.shape[0], w.shape[1], EmbeddingLocation.HOST, ComputeDevice.CPU) for w in weights],
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=0.01,
+        pooling_mode=PoolingMode.SUM,
+        bounds_check_mode=BoundsCheckMode.NONE,
+    )
+    with torch.no_grad():
+        for dst, src in zip(tbe.split_embedding_weights(), weights):
+            dst.copy_(src)
+    return tbe
 
 
 def main() -> None:
@@ -218,7 +261,7 @@ def main() -> None:
     results = []
     for cfg in configs:
         r = run_config(cfg, device, dtype, args.iters, not args.no_baseline)
-        for impl in [k for k in ("dtrec", "pytorch") if k in r]:
+        for impl in [k for k in IMPLS if k in r]:
             for phase in ("forward", "forward_backward_optimizer"):
                 r[impl][f"{phase}_of_copy"] = r[impl][f"{phase}_GBps"] / copy_gbps
         results.append(r)
@@ -229,9 +272,10 @@ def main() -> None:
             f"({d['forward_of_copy']:.0%} of copy) | fwd+bwd+opt {d[fb + '_s'] * 1e3:8.2f} ms "
             f"{d[fb + '_GBps']:7.0f} GB/s ({d[fb + '_of_copy']:.0%})"
         )
-        if "speedup_vs_pytorch" in r:
-            s = r["speedup_vs_pytorch"]
-            line += f" | vs PyTorch x{s['forward']:.2f} fwd, x{s[fb]:.2f} step"
+        for other in IMPLS[1:]:
+            if f"speedup_vs_{other}" in r:
+                s = r[f"speedup_vs_{other}"]
+                line += f" | vs {other} x{s['forward']:.2f} fwd, x{s[fb]:.2f} step"
         print(line, flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()

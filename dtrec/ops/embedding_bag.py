@@ -207,32 +207,47 @@ def backward_rows_torch(
 ) -> list[tuple[Tensor, Tensor]]:
     """Row-sparse gradients: per table, (sorted unique row ids, summed fp32 grad rows).
 
-    Deterministic: contributions are added per unique row in id order with
-    ``index_add_`` on CPU (sequential).
+    Vectorized over all tables of one embedding dim at once: each id occurrence
+    gets the key ``row_base[table] + id``, gathers its ``grad_out`` row and is
+    summed per unique key with ``index_add_`` (sequential on CPU, so
+    deterministic; on CUDA prefer the Triton backend).
     """
-    batch = (offsets.numel() - 1) // len(entry_table)
+    num_entries = len(entry_table)
+    batch = (offsets.numel() - 1) // num_entries
+    device = values.device
     bag, scale = occurrence_scale(offsets, mean, per_sample_weights, values.numel())
-    cols = entry_columns(weights, entry_table)
+    entry = bag // batch
+    rows = [w.shape[0] for w in weights]
+    row_base = torch.tensor([0, *rows[:-1]], device=device).cumsum(0)
+    table_of_entry = torch.tensor(list(entry_table), device=device)
+    dims = torch.tensor([w.shape[1] for w in weights], device=device)
+    occ_table = table_of_entry[entry]
+    occ_dim = dims[occ_table]
     grad_out = grad_out.float()
-    per_table: list[list[tuple[Tensor, Tensor]]] = [[] for _ in weights]
-    for e, t in enumerate(entry_table):
-        lo, hi = int(offsets[e * batch]), int(offsets[(e + 1) * batch])
-        if hi == lo:
-            continue
-        rows = grad_out[bag[lo:hi] - e * batch, cols[e] : cols[e + 1]]
-        per_table[t].append((values[lo:hi].long(), rows * scale[lo:hi, None]))
-    result = []
-    for t, parts in enumerate(per_table):
-        dim = weights[t].shape[1]
-        if not parts:
-            result.append((values.new_zeros(0, dtype=torch.long), grad_out.new_zeros(0, dim)))
-            continue
-        ids = torch.cat([p[0] for p in parts])
-        contrib = torch.cat([p[1] for p in parts])
-        unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-        grad_rows = grad_out.new_zeros(unique.numel(), dim).index_add_(0, inverse, contrib)
-        result.append((unique, grad_rows))
-    return result
+    entry_cols = entry_columns(weights, entry_table)
+    result: list[tuple[Tensor, Tensor] | None] = [None] * len(weights)
+    for dim in sorted({w.shape[1] for w in weights}):
+        # grad_out's column blocks of this dim's entries as rows [B * E_dim, dim].
+        dim_entries = [e for e, t in enumerate(entry_table) if weights[t].shape[1] == dim]
+        slot = torch.full((num_entries,), -1, dtype=torch.long, device=device)
+        slot[dim_entries] = torch.arange(len(dim_entries), device=device)
+        blocks = torch.stack(
+            [grad_out[:, entry_cols[e] : entry_cols[e] + dim] for e in dim_entries], 1
+        )
+        sel = torch.nonzero(occ_dim == dim).squeeze(1)
+        src = (bag[sel] - entry[sel] * batch) * len(dim_entries) + slot[entry[sel]]
+        contrib = blocks.reshape(-1, dim).index_select(0, src).mul_(scale[sel, None])
+        keys = row_base[occ_table[sel]] + values[sel].long()
+        unique, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+        grad_rows = contrib.new_zeros(unique.numel(), dim).index_add_(0, inverse, contrib)
+        key_table = torch.searchsorted(row_base, unique, right=True) - 1
+        counts = torch.bincount(key_table, minlength=len(weights)).tolist()
+        start = 0
+        for t, n in enumerate(counts):
+            if weights[t].shape[1] == dim:
+                result[t] = (unique[start : start + n] - row_base[t], grad_rows[start : start + n])
+            start += n
+    return result  # type: ignore[return-value]
 
 
 def per_sample_weights_grad_torch(
