@@ -69,7 +69,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["WorldError", "free_port", "run_world"]
+__all__ = ["WorldError", "error_of", "free_port", "run_world"]
 
 _POLL_S = 0.1  # how long the parent blocks on the result queue between liveness checks
 _GRACE_S = 2.0  # time between SIGTERM and SIGKILL when tearing a world down
@@ -328,3 +328,15 @@ def run_world(
         _teardown(procs)
         result_queue.close()
         result_queue.cancel_join_thread()
+
+
+def error_of(fn: Callable[[], object]) -> str:
+    """Run ``fn`` (inside a rank); ``"ExcType: message"`` if it raised, else ``"ok"``.
+
+    Lets a worker return expected failures as plain data for the parent to assert on.
+    """
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the type is part of what callers assert
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"

@@ -226,7 +226,11 @@ def backward_rows_torch(
     grad_out = grad_out.float()
     entry_cols = entry_columns(weights, entry_table)
     result: list[tuple[Tensor, Tensor] | None] = [None] * len(weights)
-    for dim in sorted({w.shape[1] for w in weights}):
+    empty_ids = torch.zeros(0, dtype=torch.long, device=device)
+    for t, w in enumerate(weights):
+        if w.shape[1] == 0:  # an empty column shard has no gradient
+            result[t] = (empty_ids, grad_out.new_zeros(0, 0))
+    for dim in sorted({w.shape[1] for w in weights} - {0}):
         # grad_out's column blocks of this dim's entries as rows [B * E_dim, dim].
         dim_entries = [e for e, t in enumerate(entry_table) if weights[t].shape[1] == dim]
         slot = torch.full((num_entries,), -1, dtype=torch.long, device=device)

@@ -277,33 +277,166 @@ class RowGrads(NamedTuple):
     grad_rows: Tensor  # fp32 [sum_k dims[row_table[k]]]
 
 
+# Backward tuning (see benchmarks/kernels.py and the H100 numbers in the kernel docstrings).
+_SEG_CHUNK = 1024  # a hot row's occurrences are split into sub-segments of this many
+_SHORT_SEG = 32  # rows with at most this many occurrences go to the row-block kernel
+_BWD_TILE = 4096  # elements of the row-block kernel's [rows, BLOCK_D] tile
+_BWD_WARPS = 4
+_BWD_BLOCK_L = 32  # occurrences per step of the long-segment kernel
+_BWD_LONG_WARPS = 4
+_BLOCK_C = 16  # partials per step of the partial-sum kernel
+_INT32_KEYS = 2**31 - 1  # sort int32 keys when the tables hold at most this many rows
+
+
 @triton.jit
-def _segment_grad_kernel(
+def _occurrence_keys_kernel(
+    values_ptr,
+    offsets_ptr,
+    entry_table_ptr,
+    row_base_ptr,
+    keys_ptr,
+    bag_of_ptr,
+    batch_size,
+    BLOCK: tl.constexpr,
+):
+    """keys[i] = row_base[entry_table[e]] + values[i] and bag_of[i] = bag, for each id i.
+
+    Grid ``(E * B,)``: program ``bag = e * B + b`` walks ``offsets[bag] .. offsets[bag + 1]``
+    BLOCK ids at a time. ``row_base`` int64 ``[U]`` is the exclusive cumsum of the tables'
+    row counts, so a key orders occurrences by table then row; ``keys`` is int32 or int64
+    (the launcher picks int32 when every key fits), ``bag_of`` int32.
+    """
+    bag = tl.program_id(0)
+    entry = bag // batch_size
+    base = tl.load(row_base_ptr + tl.load(entry_table_ptr + entry))
+    start = tl.load(offsets_ptr + bag)
+    end = tl.load(offsets_ptr + bag + 1)
+    for l0 in range(start, end, BLOCK):
+        pos = l0 + tl.arange(0, BLOCK)
+        mask = pos < end
+        ids = tl.load(values_ptr + pos, mask=mask, other=0).to(tl.int64)
+        tl.store(keys_ptr + pos, (base + ids).to(keys_ptr.dtype.element_ty), mask=mask)
+        tl.store(bag_of_ptr + pos, tl.zeros([BLOCK], dtype=tl.int32) + bag, mask=mask)
+
+
+@triton.jit
+def _occurrence_src(
+    j, mask, perm_ptr, bag_of_ptr, bag_scale_ptr, psw_ptr, out_cols_ptr, batch_size, total_dim,
+    HAS_PSW: tl.constexpr,
+):  # fmt: skip
+    """(grad_out element offset, scale) of the sorted occurrences ``j`` (a block of them)."""
+    occ = tl.load(perm_ptr + j, mask=mask, other=0)
+    bag = tl.load(bag_of_ptr + occ, mask=mask, other=0)
+    entry = bag // batch_size
+    b = (bag - entry * batch_size).to(tl.int64)
+    src = b * total_dim + tl.load(out_cols_ptr + entry, mask=mask, other=0).to(tl.int64)
+    scale = tl.load(bag_scale_ptr + bag, mask=mask, other=0.0)
+    if HAS_PSW:
+        scale = scale * tl.load(psw_ptr + occ, mask=mask, other=0.0)
+    return src, scale
+
+
+@triton.jit
+def _short_segments_kernel(
     grad_out_ptr,
-    occ_src_ptr,
-    occ_scale_ptr,
+    perm_ptr,
+    bag_of_ptr,
+    bag_scale_ptr,
+    psw_ptr,
+    out_cols_ptr,
     seg_bounds_ptr,
     row_dim_ptr,
     grad_offsets_ptr,
     grad_rows_ptr,
+    num_segs,
+    batch_size,
+    total_dim,
+    SHORT: tl.constexpr,
+    HAS_PSW: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """grad_rows[grad_offsets[k] + d] = sum_j scale[j] * grad_out_flat[src[j] + d], short k.
+
+    Grid ``(cdiv(K, BLOCK_R), cdiv(max_dim, BLOCK_D))``: program (p, c) owns the unique rows
+    ``k = p * BLOCK_R ...`` with at most SHORT occurrences (``seg_bounds[k] ..
+    seg_bounds[k + 1]`` of the sorted occurrences) and columns ``c * BLOCK_D ...`` below
+    ``row_dim[k]``. Step ``l`` adds every owned row's l-th occurrence: a ``[BLOCK_R, BLOCK_D]``
+    tile, so one program keeps BLOCK_R row gathers in flight; each row sums its occurrences
+    in sorted order. Sorted occurrence ``j`` is id ``perm[j]`` of bag ``bag_of[perm[j]] =
+    e * B + b``: ``src = b * total_dim + out_cols[e]`` in the row-major ``[B, total_dim]``
+    grad_out, ``scale = bag_scale[bag] * psw[perm[j]]``. Longer rows are left to
+    ``_long_segments_kernel``. One writer per output element, no atomics: deterministic.
+    """
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    d0 = tl.program_id(1) * BLOCK_D
+    in_range = rows < num_segs
+    start = tl.load(seg_bounds_ptr + rows, mask=in_range, other=0)
+    count = (tl.load(seg_bounds_ptr + rows + 1, mask=in_range, other=0) - start).to(tl.int32)
+    dim = tl.load(row_dim_ptr + rows, mask=in_range, other=0)
+    mine = in_range & (count <= SHORT) & (d0 < dim)
+    count = tl.where(mine, count, 0)
+    cols = d0 + tl.arange(0, BLOCK_D)
+    tile_mask = mine[:, None] & (cols[None, :] < dim[:, None])
+
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for step in range(0, tl.max(count, axis=0)):
+        live = step < count
+        src, scale = _occurrence_src(
+            start + step, live, perm_ptr, bag_of_ptr, bag_scale_ptr, psw_ptr, out_cols_ptr,
+            batch_size, total_dim, HAS_PSW,
+        )  # fmt: skip
+        g = tl.load(
+            grad_out_ptr + src[:, None] + cols[None, :], mask=live[:, None] & tile_mask, other=0.0
+        )
+        acc += g.to(tl.float32) * scale[:, None]
+
+    goff = tl.load(grad_offsets_ptr + rows, mask=mine, other=0)
+    tl.store(grad_rows_ptr + goff[:, None] + cols[None, :], acc, mask=tile_mask)
+
+
+@triton.jit
+def _long_segments_kernel(
+    grad_out_ptr,
+    perm_ptr,
+    bag_of_ptr,
+    bag_scale_ptr,
+    psw_ptr,
+    out_cols_ptr,
+    seg_bounds_ptr,
+    row_dim_ptr,
+    grad_offsets_ptr,
+    grad_rows_ptr,
+    item_seg_ptr,
+    item_chunk_ptr,
+    partials_ptr,
+    part_stride,
+    batch_size,
+    total_dim,
+    CHUNK: tl.constexpr,
+    HAS_PSW: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """grad_rows[grad_offsets[k] + d] = sum_j occ_scale[j] * grad_out_flat[occ_src[j] + d].
+    """One sub-segment of a long row: the sum of up to CHUNK of its occurrences.
 
-    Grid ``(K, cdiv(max_dim, BLOCK_D))``: program (k, c) sums the occurrences ``j`` in
-    ``seg_bounds[k] .. seg_bounds[k + 1]`` of unique row k, in their (stable) sorted order,
-    for columns ``c * BLOCK_D ...`` below ``row_dim[k]``. ``grad_out_flat`` is the row-major
-    ``[B, total_dim]`` output gradient (d contiguous); ``occ_src[j] = b * total_dim +
-    out_cols[e]`` for the bag (e, b) of occurrence j; ``occ_scale[j] = psw * (1/len if mean)``.
-    Each output element is written by exactly one program in a fixed order: deterministic,
-    no atomics.
+    Grid ``(n_items, cdiv(max_dim, BLOCK_D))``: item i is chunk ``c = item_chunk[i]`` of
+    unique row ``k = item_seg[i]``, the sorted occurrences ``seg_bounds[k] + c * CHUNK ...``
+    (up to CHUNK, within the row's segment), summed as in ``_short_segments_kernel`` but
+    BLOCK_L occurrences per step (a ``[BLOCK_L, BLOCK_D]`` tile reduced at the end). A row
+    of at most CHUNK occurrences has one chunk, stored straight to
+    ``grad_rows[grad_offsets[k] + d]``; a longer row's chunks (consecutive items, in chunk
+    order) store fp32 partials to ``partials[i * part_stride + d]``, which
+    ``_sum_partials_kernel`` adds up.
     """
-    seg = tl.program_id(0)
+    item = tl.program_id(0)
     d0 = tl.program_id(1) * BLOCK_D
+    seg = tl.load(item_seg_ptr + item)
+    seg_start = tl.load(seg_bounds_ptr + seg)
+    seg_end = tl.load(seg_bounds_ptr + seg + 1)
+    start = seg_start + tl.load(item_chunk_ptr + item).to(tl.int64) * CHUNK
+    end = tl.minimum(start + CHUNK, seg_end)
     dim = tl.load(row_dim_ptr + seg)
-    start = tl.load(seg_bounds_ptr + seg)
-    end = tl.load(seg_bounds_ptr + seg + 1)
     stop = tl.where(d0 < dim, end, start)
     cols = d0 + tl.arange(0, BLOCK_D)
     col_mask = cols < dim
@@ -311,45 +444,74 @@ def _segment_grad_kernel(
     acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
     for l0 in range(start, stop, BLOCK_L):
         pos = l0 + tl.arange(0, BLOCK_L)
-        l_mask = pos < stop
-        src = tl.load(occ_src_ptr + pos, mask=l_mask, other=0)
-        scale = tl.load(occ_scale_ptr + pos, mask=l_mask, other=0.0)
-        g_ptrs = grad_out_ptr + src[:, None] + cols[None, :]
-        g = tl.load(g_ptrs, mask=l_mask[:, None] & col_mask[None, :], other=0.0)
+        live = pos < stop
+        src, scale = _occurrence_src(
+            pos, live, perm_ptr, bag_of_ptr, bag_scale_ptr, psw_ptr, out_cols_ptr,
+            batch_size, total_dim, HAS_PSW,
+        )  # fmt: skip
+        g = tl.load(
+            grad_out_ptr + src[:, None] + cols[None, :],
+            mask=live[:, None] & col_mask[None, :],
+            other=0.0,
+        )
         acc += g.to(tl.float32) * scale[:, None]
 
+    total = tl.sum(acc, axis=0)
+    # Masks from column limits (the interpreter mishandles tensor & scalar-bool masks).
+    whole_dim = tl.where(seg_end - seg_start <= CHUNK, dim, 0)
     goff = tl.load(grad_offsets_ptr + seg)
-    tl.store(grad_rows_ptr + goff + cols, tl.sum(acc, axis=0), mask=col_mask)
+    tl.store(grad_rows_ptr + goff + cols, total, mask=cols < whole_dim)
+    part = partials_ptr + item.to(tl.int64) * part_stride + cols
+    tl.store(part, total, mask=cols < dim - whole_dim)
 
 
-def _occurrences(
-    dims: Tensor,
-    num_rows: Tensor,
-    entry_table: Tensor,
-    out_cols: Tensor,
-    values: Tensor,
-    offsets: Tensor,
-    batch_size: int,
-    total_dim: int,
-    mean: Tensor,
-    per_sample_weights: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per id occurrence: (row key, table, grad_out source offset, scale)."""
-    device = values.device
-    lengths = offsets[1:] - offsets[:-1]
-    bag = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=device), lengths, output_size=values.numel()
-    )
-    entry = bag // batch_size
-    table = entry_table.long()[entry]
-    row_base = torch.cumsum(num_rows.long(), 0) - num_rows.long()
-    keys = row_base[table] + values.long()
-    src = (bag - entry * batch_size) * total_dim + out_cols.long()[entry]
-    inv_len = 1.0 / lengths.view(-1, batch_size).clamp(min=1).float()
-    scale = torch.where(mean.bool()[:, None], inv_len, 1.0).reshape(-1)[bag]
-    if per_sample_weights is not None:
-        scale = scale * per_sample_weights.float()
-    return keys, table, src, scale
+@triton.jit
+def _sum_partials_kernel(
+    partials_ptr,
+    part_stride,
+    item_seg_ptr,
+    item_chunk_ptr,
+    seg_bounds_ptr,
+    row_dim_ptr,
+    grad_offsets_ptr,
+    grad_rows_ptr,
+    CHUNK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """grad_rows[grad_offsets[k] + d] = sum_c partials[(i + c) * part_stride + d], split k.
+
+    Grid as ``_long_segments_kernel``'s: only the program of a split row's first chunk
+    (item i, ``item_chunk[i] == 0``) works; its ``n = cdiv(count, CHUNK)`` partials are
+    items ``i .. i + n - 1``, read BLOCK_C at a time into a ``[BLOCK_C, BLOCK_D]`` tile and
+    reduced at the end: a fixed order, so two runs agree bit for bit.
+    """
+    item = tl.program_id(0)
+    d0 = tl.program_id(1) * BLOCK_D
+    seg = tl.load(item_seg_ptr + item)
+    count = tl.load(seg_bounds_ptr + seg + 1) - tl.load(seg_bounds_ptr + seg)
+    num_chunks = (count + CHUNK - 1) // CHUNK
+    dim = tl.load(row_dim_ptr + seg)
+    lead = (tl.load(item_chunk_ptr + item) == 0) & (num_chunks > 1) & (d0 < dim)
+    stop = tl.where(lead, num_chunks, 0)
+    cols = d0 + tl.arange(0, BLOCK_D)
+    col_mask = cols < dim
+
+    acc = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
+    for c0 in range(0, stop, BLOCK_C):
+        chunk = c0 + tl.arange(0, BLOCK_C)
+        rows = (item + chunk).to(tl.int64) * part_stride
+        mask = (chunk < stop)[:, None] & col_mask[None, :]
+        acc += tl.load(partials_ptr + rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    goff = tl.load(grad_offsets_ptr + seg)
+    tl.store(grad_rows_ptr + goff + cols, tl.sum(acc, axis=0), mask=cols < tl.where(lead, dim, 0))
+
+
+def _bwd_blocks(max_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_D, column blocks, rows per program of the row-block kernel)."""
+    block_d = min(2 * _MAX_BLOCK_D, triton.next_power_of_2(max(int(max_dim), 1)))
+    block_r = max(1, min(128, _BWD_TILE // block_d))
+    return block_d, triton.cdiv(max(int(max_dim), 1), block_d), block_r
 
 
 def embedding_bag_bwd_rows(
@@ -366,14 +528,18 @@ def embedding_bag_bwd_rows(
     per_sample_weights: Tensor | None = None,
     *,
     max_dim: int | None = None,
+    chunk_size: int | None = None,
 ) -> RowGrads:
     """Deterministic row-sparse gradient of :func:`embedding_bag_fwd` w.r.t. the tables.
 
     ``grad_out`` is ``[B, total_dim]``; the other arguments are the forward's (layout in the
     module docstring; ``num_rows`` int64 ``[U]`` is rows per table). Ids must be in range
-    (check the forward's ``error``). Occurrences are stably sorted by row key and each
-    unique row's segment is summed in that order by one program: no float atomics, and two
-    runs give bit-identical results. Syncs the device (unique rows, grad buffer size).
+    (check the forward's ``error``). Occurrences are stably sorted by row key; a row with
+    at most ``chunk_size`` occurrences (default 1024) is summed in that order by one
+    program (many short rows share a program), a hotter row's occurrences are split into
+    chunks of ``chunk_size`` summed in parallel into fp32 partials, then added up in a
+    fixed order. No float atomics: two runs give bit-identical results. Syncs the device
+    three times (table sizes, unique rows, buffer sizes).
 
     Example::
 
@@ -387,42 +553,77 @@ def embedding_bag_bwd_rows(
     if values.numel() == 0:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         return RowGrads(empty, empty.int(), empty, empty, empty.float())
-    keys, table, src, scale = _occurrences(
-        dims,
-        num_rows,
-        entry_table,
-        out_cols,
-        values,
-        offsets,
-        batch_size,
-        total_dim,
-        mean,
-        per_sample_weights,
-    )
+    chunk = int(chunk_size or _SEG_CHUNK)
+    short = max(1, min(_SHORT_SEG, chunk // 2))
+    offsets = offsets.to(torch.int64)
+    num_rows = num_rows.to(torch.int64)
+    row_end = torch.cumsum(num_rows, 0)
+    row_base = row_end - num_rows
+    num_bags = offsets.numel() - 1
+
+    # Sort key per occurrence (int32 halves the radix sort when every key fits).
+    small = int(row_end[-1]) <= _INT32_KEYS
+    keys = torch.empty(values.numel(), dtype=torch.int32 if small else torch.int64, device=device)
+    bag_of = torch.empty(values.numel(), dtype=torch.int32, device=device)
+    _occurrence_keys_kernel[(num_bags,)](
+        values, offsets, entry_table.to(torch.int32), row_base, keys, bag_of, batch_size,
+        BLOCK=128,
+    )  # fmt: skip
+    lengths = (offsets[1:] - offsets[:-1]).view(-1, batch_size)
+    inv_len = 1.0 / lengths.clamp(min=1).float()
+    bag_scale = torch.where(mean.bool()[:, None], inv_len, 1.0).reshape(-1).contiguous()
     sorted_keys, perm = torch.sort(keys, stable=True)
+    del keys
     unique_keys, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
+    del sorted_keys
+    unique_keys = unique_keys.long()
     seg_bounds = torch.zeros(unique_keys.numel() + 1, dtype=torch.int64, device=device)
     torch.cumsum(counts, 0, out=seg_bounds[1:])
-    row_table = table[perm[seg_bounds[:-1]]].to(torch.int32)
-    row_base = torch.cumsum(num_rows.long(), 0) - num_rows.long()
+    row_table = torch.searchsorted(row_end, unique_keys, right=True).to(torch.int32)
     row_ids = unique_keys - row_base[row_table.long()]
     row_dim = dims[row_table.long()]
     grad_offsets = torch.cumsum(row_dim.long(), 0) - row_dim.long()
-    grad_rows = torch.empty(int(row_dim.sum().item()), dtype=torch.float32, device=device)
-    if unique_keys.numel() > 0 and grad_rows.numel() > 0:
-        block_d, col_blocks, num_warps = _dim_blocks(_max_dim(dims, max_dim))
-        _segment_grad_kernel[(unique_keys.numel(), col_blocks)](
-            grad_out.contiguous(),
-            src[perm].contiguous(),
-            scale[perm].contiguous(),
-            seg_bounds,
-            row_dim,
-            grad_offsets,
-            grad_rows,
-            BLOCK_L=_BLOCK_L,
-            BLOCK_D=block_d,
-            num_warps=num_warps,
+    num_chunks = torch.where(counts > short, (counts + chunk - 1) // chunk, 0)
+    stats = torch.stack([row_dim.long().sum(), num_chunks.sum(), num_chunks.max()])
+    grad_size, num_items, max_chunks = stats.tolist()
+    grad_rows = torch.empty(grad_size, dtype=torch.float32, device=device)
+    num_segs = unique_keys.numel()
+    if num_segs == 0 or grad_size == 0:
+        return RowGrads(unique_keys, row_table, row_ids, grad_offsets, grad_rows)
+
+    max_d = _max_dim(dims, max_dim)
+    block_d, col_blocks, block_r = _bwd_blocks(max_d)
+    grad_out = grad_out.contiguous()
+    psw = bag_scale if per_sample_weights is None else per_sample_weights.float().contiguous()
+    out_cols = out_cols.to(torch.int64)
+    _short_segments_kernel[(triton.cdiv(num_segs, block_r), col_blocks)](
+        grad_out, perm, bag_of, bag_scale, psw, out_cols, seg_bounds, row_dim, grad_offsets,
+        grad_rows, num_segs, batch_size, total_dim,
+        SHORT=short, HAS_PSW=per_sample_weights is not None, BLOCK_R=block_r, BLOCK_D=block_d,
+        num_warps=_BWD_WARPS,
+    )  # fmt: skip
+    if num_items > 0:
+        item_seg = torch.repeat_interleave(
+            torch.arange(num_segs, device=device), num_chunks, output_size=num_items
         )
+        first = torch.cumsum(num_chunks, 0) - num_chunks
+        item_chunk = (torch.arange(num_items, device=device) - first[item_seg]).to(torch.int32)
+        # One max_d-wide partial per item (single-chunk items leave theirs unused).
+        split = max_chunks > 1
+        partials = torch.empty((num_items if split else 1) * max_d, dtype=torch.float32,
+                               device=device)  # fmt: skip
+        _long_segments_kernel[(num_items, col_blocks)](
+            grad_out, perm, bag_of, bag_scale, psw, out_cols, seg_bounds, row_dim,
+            grad_offsets, grad_rows, item_seg, item_chunk, partials, max_d, batch_size,
+            total_dim, CHUNK=chunk, HAS_PSW=per_sample_weights is not None,
+            BLOCK_L=_BWD_BLOCK_L, BLOCK_D=block_d,
+            num_warps=_BWD_LONG_WARPS,
+        )  # fmt: skip
+        if split:
+            _sum_partials_kernel[(num_items, col_blocks)](
+                partials, max_d, item_seg, item_chunk, seg_bounds, row_dim, grad_offsets,
+                grad_rows, CHUNK=chunk, BLOCK_C=_BLOCK_C, BLOCK_D=block_d, num_warps=4,
+            )  # fmt: skip
     return RowGrads(unique_keys, row_table, row_ids, grad_offsets, grad_rows)
 
 
@@ -476,6 +677,10 @@ def embedding_bag_bwd_rows_reference(
 
 
 # --------------------------------------------------------------------------- optimizers
+
+_ADAGRAD_MAX_BLOCK_D = 512  # wider rows: one program per row, column blocks in a loop
+_ADAGRAD_TILE = 4096  # elements of the row-block kernel's [rows, BLOCK_D] tile
+_ADAGRAD_WARPS = 4
 
 
 @triton.jit
@@ -561,6 +766,57 @@ def _rowwise_adagrad_update_rows_kernel(
         w = tl.load(weights_ptr + w_off + cols, mask=mask, other=0.0).to(tl.float32)
         w = w - multiplier * g
         tl.store(weights_ptr + w_off + cols, w.to(weights_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rowwise_adagrad_row_block_kernel(
+    weights_ptr,
+    state_ptr,
+    state_offsets_ptr,
+    table_offsets_ptr,
+    dims_ptr,
+    full_dims_ptr,
+    row_table_ptr,
+    row_ids_ptr,
+    grad_rows_ptr,
+    grad_offsets_ptr,
+    row_sq_sum_ptr,
+    num_rows,
+    lr,
+    eps,
+    HAS_ROW_SQ_SUM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """``_rowwise_adagrad_update_rows_kernel``'s update, BLOCK_R whole rows per program.
+
+    Grid ``(cdiv(K, BLOCK_R),)`` with ``BLOCK_D >= max_dim``: program p updates the touched
+    rows ``k = p * BLOCK_R ...`` as one ``[BLOCK_R, BLOCK_D]`` tile (each row's gradient is
+    read once, its sum of squares reduced along the tile's columns). Same math and layouts.
+    """
+    ks = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = ks < num_rows
+    table = tl.load(row_table_ptr + ks, mask=live, other=0)
+    row = tl.load(row_ids_ptr + ks, mask=live, other=0).to(tl.int64)
+    dim = tl.load(dims_ptr + table, mask=live, other=0)
+    w_off = tl.load(table_offsets_ptr + table, mask=live, other=0) + row * dim
+    g_off = tl.load(grad_offsets_ptr + ks, mask=live, other=0)
+    cols = tl.arange(0, BLOCK_D)
+    mask = live[:, None] & (cols[None, :] < dim[:, None])
+    g = tl.load(grad_rows_ptr + g_off[:, None] + cols[None, :], mask=mask, other=0.0)
+    if HAS_ROW_SQ_SUM:
+        sq = tl.load(row_sq_sum_ptr + ks, mask=live, other=0.0).to(tl.float32)
+    else:
+        sq = tl.sum(g * g, axis=1)
+    s_ptrs = state_ptr + tl.load(state_offsets_ptr + table, mask=live, other=0) + row
+    full_dim = tl.load(full_dims_ptr + table, mask=live, other=1).to(tl.float32)
+    s = tl.load(s_ptrs, mask=live, other=0.0) + sq / full_dim
+    tl.store(s_ptrs, s, mask=live)
+    multiplier = lr / (tl.sqrt_rn(s) + eps)
+    w_ptrs = weights_ptr + w_off[:, None] + cols[None, :]
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    w = w - multiplier[:, None] * g
+    tl.store(w_ptrs, w.to(weights_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -685,10 +941,10 @@ def rowwise_adagrad_update_rows(
                                     g.grad_rows, g.grad_offsets, lr=0.1, eps=1e-8)
     """
     _check_packed(weights=weights, state=state)
-    if row_table.numel() == 0:
+    num_rows = row_table.numel()
+    if num_rows == 0:
         return
-    block_d, _, num_warps = _dim_blocks(_max_dim(dims, max_dim))
-    _rowwise_adagrad_update_rows_kernel[(row_table.numel(),)](
+    args = (
         weights,
         state,
         state_offsets.to(torch.int64),
@@ -700,12 +956,21 @@ def rowwise_adagrad_update_rows(
         grad_rows.float(),
         grad_offsets.to(torch.int64),
         grad_rows if row_sq_sum is None else row_sq_sum.float(),
-        float(lr),
-        float(eps),
-        HAS_ROW_SQ_SUM=row_sq_sum is not None,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
     )
+    dim = _max_dim(dims, max_dim)
+    if dim <= _ADAGRAD_MAX_BLOCK_D:  # whole rows in one tile, several rows per program
+        block_d = triton.next_power_of_2(max(dim, 1))
+        block_r = max(1, min(64, _ADAGRAD_TILE // block_d))
+        _rowwise_adagrad_row_block_kernel[(triton.cdiv(num_rows, block_r),)](
+            *args, num_rows, float(lr), float(eps), HAS_ROW_SQ_SUM=row_sq_sum is not None,
+            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=_ADAGRAD_WARPS,
+        )  # fmt: skip
+        return
+    block_d, _, num_warps = _dim_blocks(dim)
+    _rowwise_adagrad_update_rows_kernel[(num_rows,)](
+        *args, float(lr), float(eps), HAS_ROW_SQ_SUM=row_sq_sum is not None, BLOCK_D=block_d,
+        num_warps=num_warps,
+    )  # fmt: skip
 
 
 def adam_update_rows(

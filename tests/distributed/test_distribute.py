@@ -7,16 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multiprocess import run_world
-
-
-def _error(fn) -> str:
-    """Run fn; return 'ExcType: message' or 'ok'."""
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the type is part of what we assert
-        return f"{type(exc).__name__}: {exc}"
-    return "ok"
+from tests.multiprocess import error_of, run_world
 
 
 def _round_trips(rank: int) -> dict:
@@ -114,34 +105,38 @@ def _bad_input(rank: int) -> dict:
         values = good.values().clone()
         values[-1] = 10_000
         bad = dtrec.KeyedJaggedTensor(good.keys(), values, good.lengths())
-    out["out_of_range"] = _error(lambda: model(bad).sum().backward())
+    out["out_of_range"] = error_of(lambda: model(bad).sum().backward())
     out["weights_unchanged"] = all(
         torch.equal(t.weight.to_local(), before[n]) for n, t in model.sparse.embedding_bags.items()
     )
     # A rank with a different batch size.
-    out["batch_size"] = _error(lambda: model(_batch(rank, 3 if rank != 2 else 4)))
+    out["batch_size"] = error_of(lambda: model(_batch(rank, 3 if rank != 2 else 4)))
     # A rank missing a feature.
     missing = good.permute([k for k in good.keys() if k != "f3"]) if rank == 3 else good
-    out["missing_key"] = _error(lambda: model(missing))
+    out["missing_key"] = error_of(lambda: model(missing))
     # After all that, the ranks are still in step: a good batch works everywhere.
-    out["recovers"] = _error(lambda: model(good).sum().backward())
+    out["recovers"] = error_of(lambda: model(good).sum().backward())
 
     # Plans that do not fit.
-    out["unknown_table"] = _error(
+    out["unknown_table"] = error_of(
         lambda: dtrec.distribute_module(_model(), mesh, {"sparse.nope": RowWise()})
     )
     narrow = dtrec.EmbeddingBagCollection([dtrec.EmbeddingBagConfig("narrow", 10, 3)])
-    out["narrow_cw"] = _error(
+    out["narrow_cw"] = error_of(
         lambda: dtrec.distribute_module(narrow, mesh, {"narrow": ColumnWise()})
     )
-    out["trw_without_nodes"] = _error(
+    out["trw_without_nodes"] = error_of(
         lambda: dtrec.distribute_module(_model(), mesh, {"sparse.t3": TableRowWise()})
     )
-    out["tw_rank_out_of_range"] = _error(
+    out["tw_rank_out_of_range"] = error_of(
         lambda: dtrec.distribute_module(_model(), mesh, {"sparse.t3": TableWise(rank=4)})
     )
-    out["not_a_spec"] = _error(lambda: dtrec.distribute_module(_model(), mesh, {"sparse.t3": "RW"}))
-    out["no_collection"] = _error(lambda: dtrec.distribute_module(torch.nn.Linear(2, 2), mesh, {}))
+    out["not_a_spec"] = error_of(
+        lambda: dtrec.distribute_module(_model(), mesh, {"sparse.t3": "RW"})
+    )
+    out["no_collection"] = error_of(
+        lambda: dtrec.distribute_module(torch.nn.Linear(2, 2), mesh, {})
+    )
     return out
 
 
@@ -205,8 +200,8 @@ def _fused(rank: int) -> dict:
         "local_rows": local_rows,
         "no_grads": all(t.weight.grad is None for t in model.sparse.embedding_bags.values()),
         "changed": changed,
-        "mismatch": _error(lambda: model.fused_optimizer.load_state_dict(bad)),
-        "torch_optimizer": _error(
+        "mismatch": error_of(lambda: model.fused_optimizer.load_state_dict(bad)),
+        "torch_optimizer": error_of(
             lambda: dtrec.distribute_module(_model(), mesh, plan, optimizer=torch.optim.SGD)
         ),
     }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multiprocess import run_world
+from tests.multiprocess import error_of, run_world
 
 R, S0, S1, P = "R", "S0", "S1", "P"
 
@@ -247,14 +247,6 @@ def _check_case(rank, mesh, cfg) -> dict:
     }
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the type is part of what we assert
-        return f"{type(exc).__name__}: {exc}"
-    return "ok"
-
-
 def _check_direct_ops(mesh) -> dict:
     """torch.ops.dtrec.* called on DTensors directly: forward and the backward op."""
     import torch
@@ -329,12 +321,12 @@ def _check_errors(mesh) -> dict:
     local_v = DTensor.from_local(values, mesh, [Shard(0), Replicate()], run_check=False)
     local_o = DTensor.from_local(offsets, mesh, [Shard(0), Replicate()], run_check=False)
     return {
-        "mixed_placements": _error(lambda: dtrec.ops.embedding_bag([w_rw, w_cw], dv, do)),
-        "plain_inputs": _error(lambda: dtrec.ops.embedding_bag([w_rw], values, offsets)),
-        "rows_and_batch_on_one_axis": _error(
+        "mixed_placements": error_of(lambda: dtrec.ops.embedding_bag([w_rw, w_cw], dv, do)),
+        "plain_inputs": error_of(lambda: dtrec.ops.embedding_bag([w_rw], values, offsets)),
+        "rows_and_batch_on_one_axis": error_of(
             lambda: dtrec.ops.embedding_bag([w_rw], local_v, local_o)
         ),
-        "id_out_of_range": _error(lambda: dtrec.ops.embedding_bag([w_rw], bad, do)),
+        "id_out_of_range": error_of(lambda: dtrec.ops.embedding_bag([w_rw], bad, do)),
     }
 
 

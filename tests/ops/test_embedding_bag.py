@@ -202,3 +202,15 @@ def test_torch_compile_fullgraph(backend: str) -> None:
     torch.testing.assert_close(loss, eager)
     torch.testing.assert_close(grads[0], w0.grad)
     torch.testing.assert_close(grads[1], w1.grad)
+
+
+def test_zero_width_table_shard(device) -> None:
+    """An empty column shard ([rows, 0]) pools to nothing and gets an empty gradient."""
+    w = torch.randn(5, 3, device=device, requires_grad=True)
+    z = torch.zeros(4, 0, device=device, requires_grad=True)
+    values = torch.tensor([1, 2, 0, 3], device=device)
+    offsets = torch.tensor([0, 1, 2, 3, 4], device=device)
+    out = dtrec.ops.embedding_bag([w, z], values, offsets)
+    assert out.shape == (2, 3)
+    out.sum().backward()
+    assert z.grad.shape == (4, 0) and w.grad[1:3].abs().sum() > 0

@@ -131,8 +131,8 @@ def fwd(case, weights=None, **kwargs):
     return tuple(r.cpu() for r in result) if isinstance(result, tuple) else result.cpu()
 
 
-def bwd(case, grad_out):
-    got = K.embedding_bag_bwd_rows(*dev(*case.bwd_args(grad_out)))
+def bwd(case, grad_out, **kwargs):
+    got = K.embedding_bag_bwd_rows(*dev(*case.bwd_args(grad_out)), **kwargs)
     return K.RowGrads(*(t.cpu() for t in got))
 
 
@@ -247,6 +247,44 @@ def test_bwd_rows_deterministic_with_hot_rows():
     torch.testing.assert_close(first.grad_rows, ref.grad_rows, **FP32)
 
 
+def _hot_row_case(seed):
+    """Table 0 (dim 300: two column blocks) has rows read 37, 6 and 2 times; table 1 is cold."""
+    case = Case(
+        dims=[300, 5], rows=[3, 40], entry_table=[0, 1, 0], entry_mean=[0, 1, 1], batch_size=2,
+        lengths=[30, 0, 9, 3, 5, 10], weighted=True, seed=seed,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    hot = torch.tensor([0] * 37 + [1] * 6 + [2] * 2)
+    hot = hot[torch.randperm(hot.numel(), generator=g)].to(case.values.dtype)
+    case.values[:30], case.values[42:] = hot[:30], hot[30:]  # entries 0 and 2 read table 0
+    return case
+
+
+@pytest.mark.parametrize("int32_keys", [True, False], ids=["i32-keys", "i64-keys"])
+def test_bwd_rows_hot_row_split_into_chunks(monkeypatch, int32_keys):
+    """chunk_size=8: row 0 (37 ids) is summed as 5 chunks + partials, row 1 (6) as one long
+    segment, row 2 (2) and table 1's rows by the row-block kernel; all match the reference."""
+    if not int32_keys:
+        monkeypatch.setattr(K, "_INT32_KEYS", 0)
+    case = _hot_row_case(seed=16)
+    grad_out = torch.randn(2, case.total_dim)
+    ref = K.embedding_bag_bwd_rows_reference(*case.bwd_args(grad_out))
+    assert ref.row_table.tolist()[:3] == [0, 0, 0]
+    for chunk_size in (8, 16, None):
+        got = bwd(case, grad_out, chunk_size=chunk_size)
+        for name in ("unique_keys", "row_table", "row_ids", "grad_offsets"):
+            assert torch.equal(getattr(got, name), getattr(ref, name)), name
+        torch.testing.assert_close(got.grad_rows, ref.grad_rows, **FP32)
+
+
+def test_bwd_rows_deterministic_with_split_rows():
+    case = _hot_row_case(seed=17)
+    grad_out = torch.randn(2, case.total_dim)
+    first, second = bwd(case, grad_out, chunk_size=8), bwd(case, grad_out, chunk_size=8)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
 # --------------------------------------------------------------------------- optimizers
 
 
@@ -300,8 +338,14 @@ def _dense_rowwise_adagrad(table, state, grad, lr, eps):
     return torch.where(touched[:, None], table - step, table), state
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rowwise_adagrad_update_rows(dtype):
+@pytest.mark.parametrize(
+    "dtype,row_blocks",
+    [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False)],
+    ids=["fp32", "bf16", "fp32-column-loop"],
+)
+def test_rowwise_adagrad_update_rows(monkeypatch, dtype, row_blocks):
+    if not row_blocks:  # rows wider than the row-block kernel's limit: one program per row
+        monkeypatch.setattr(K, "_ADAGRAD_MAX_BLOCK_D", 128)
     case = Case(dtype=dtype, seed=8)
     grads = _touched(case, seed=9)
     state_offsets = torch.cumsum(case.rows, 0) - case.rows
