@@ -162,6 +162,10 @@ def forward_torch(
     pooled: list[Tensor | None] = [None] * len(entry_table)
     for (t, is_mean), entries in _entries_by_table(entry_table, mean).items():
         w = weights[t]
+        if w.shape[1] == 0:  # an empty column shard
+            for e in entries:
+                pooled[e] = w.new_zeros(batch, 0)
+            continue
         ids, local_offsets, psw = _gather_entries(
             entries, values, offsets, batch, per_sample_weights
         )
