@@ -28,6 +28,7 @@ from dtrec.collectives import all_reduce_grad, all_to_all, all_to_all_autograd
 from dtrec.config import EmbeddingBagConfig
 from dtrec.features import bag_lengths, check_bounds_mode, feature_order, prepare_features
 from dtrec.fused import FusedUpdater, TableUpdate, fused_lookup
+from dtrec.groups import column_groups, world_group
 from dtrec.mesh import REPLICATE, SHARD, shard_axis, shard_position
 from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.optim import FusedOptimizer
@@ -38,44 +39,6 @@ from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 _HEADER = 4  # status, batch size, ids sent to this peer, has per-sample weights
 _STATUS_OK, _STATUS_BAD_INPUT = 0, 1
-
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
-def _group(ranks: list[int]) -> dist.ProcessGroup:
-    """A cached process group over ``ranks``. Collective: every rank calls it in the same order."""
-    key = tuple(ranks)
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(key))
-    return _GROUPS[key]
-
-
-def _world_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """A group over all mesh ranks, separate from the default one DDP reduces on."""
-    return _group(sorted(mesh.mesh.flatten().tolist()))
-
-
-def _column_groups(
-    mesh: DeviceMesh, layouts: list[TableLayout], position: int
-) -> dict[int, dist.ProcessGroup]:
-    """Per table: the group of this rank's column-shard peers (same rows, other columns)."""
-    coord = mesh.get_coordinate()
-    assert coord is not None
-    out: dict[int, dist.ProcessGroup] = {}
-    for t, layout in enumerate(layouts):
-        if layout.batch_local:
-            continue
-        by_rows: dict[tuple[int, int], list[int]] = {}
-        for block in layout.blocks:
-            by_rows.setdefault(block.rows, []).append(block.position)
-        for _, positions in sorted(by_rows.items()):
-            if len(positions) < 2:
-                continue
-            for c in range(mesh.size(1)):
-                group = _group([int(mesh.mesh[p, c]) for p in positions])
-                if position in positions and c == coord[1]:
-                    out[t] = group
-    return out
 
 
 class ShardedTable(nn.Module):
@@ -139,7 +102,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._layouts = layouts
         self._routing = Routing(tables, layouts, axis.size, position)
         self._pack_local_shards()
-        self._dp_group = _world_group(mesh) if self._routing.local_features else None
+        self._dp_group = world_group(mesh) if self._routing.local_features else None
         self.optimizer = optimizer
         self._updater = None if optimizer is None else self._make_updater(optimizer, position)
         self._received_cols = self._routing.received_columns(torch.device("cpu"))
@@ -179,9 +142,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def _make_updater(self, optimizer: FusedOptimizer, position: int) -> FusedUpdater:
         columns = (
-            _column_groups(self._mesh, self._layouts, position)
-            if optimizer.needs_row_sq_sum
-            else {}
+            column_groups(self._mesh, self._layouts, position) if optimizer.needs_row_sq_sum else {}
         )
         updates = {}
         for t in self._routing.local_tables:

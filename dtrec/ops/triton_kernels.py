@@ -285,6 +285,9 @@ _BWD_WARPS = 4
 _BWD_BLOCK_L = 32  # occurrences per step of the long-segment kernel
 _BWD_LONG_WARPS = 4
 _BLOCK_C = 16  # partials per step of the partial-sum kernel
+_BWD_FLAT = True  # tiles of sorted occurrences + segmented scan (else row blocks + chunks)
+_FLAT_TILE = 64
+_FLAT_WARPS = 8
 _INT32_KEYS = 2**31 - 1  # sort int32 keys when the tables hold at most this many rows
 
 
@@ -507,6 +510,125 @@ def _sum_partials_kernel(
     tl.store(grad_rows_ptr + goff + cols, tl.sum(acc, axis=0), mask=cols < tl.where(lead, dim, 0))
 
 
+@triton.jit
+def _segmented_sum(f1, s1, f2, s2):
+    """Combine of a segmented inclusive scan: a set flag starts a new segment."""
+    return f1 | f2, tl.where(f2 != 0, s2, s1 + s2)
+
+
+@triton.jit
+def _occurrence_tiles_kernel(
+    grad_out_ptr,
+    perm_ptr,
+    bag_of_ptr,
+    bag_scale_ptr,
+    psw_ptr,
+    out_cols_ptr,
+    seg_of_ptr,
+    seg_bounds_ptr,
+    row_dim_ptr,
+    grad_offsets_ptr,
+    grad_rows_ptr,
+    partials_ptr,
+    part_stride,
+    num_occ,
+    batch_size,
+    total_dim,
+    HAS_PSW: tl.constexpr,
+    TILE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Sums of the sorted occurrences, TILE at a time: ``sum_j scale[j] * grad_out[src[j]]``.
+
+    Grid ``(cdiv(N, TILE), cdiv(max_dim, BLOCK_D))``: program (t, c) gathers the scaled
+    grad_out rows of sorted occurrences ``t * TILE ...`` (columns ``c * BLOCK_D ...``) as one
+    ``[TILE, BLOCK_D]`` tile, every lane busy whatever the rows' lengths, and reduces each
+    run of one row (``seg_of[j] = k``, its unique row) with a segmented scan along the
+    tile. A row whose segment ``seg_bounds[k] .. seg_bounds[k + 1]`` lies inside the tile
+    is stored to ``grad_rows[grad_offsets[k] + d]``; the piece of a row crossing the tile's
+    edge goes to fp32 ``partials[(2 t + s) * part_stride + d]``, s = 0 when the row began in
+    an earlier tile, else 1, for ``_occurrence_tiles_fixup_kernel``. Occurrence j's
+    ``src``/``scale`` as in ``_short_segments_kernel``. Fixed order, no atomics.
+    """
+    tile = tl.program_id(0)
+    d0 = tl.program_id(1) * BLOCK_D
+    lo = tile.to(tl.int64) * TILE
+    hi = tl.minimum(lo + TILE, num_occ)
+    idx = tl.arange(0, TILE)
+    pos = lo + idx
+    valid = pos < hi
+    seg = tl.load(seg_of_ptr + pos, mask=valid, other=-1)
+    prev = tl.load(seg_of_ptr + pos - 1, mask=valid & (idx > 0), other=-1)
+    after = tl.load(seg_of_ptr + pos + 1, mask=pos + 1 < hi, other=-1)
+    last = valid & (seg != after)
+    dim = tl.load(row_dim_ptr + seg, mask=valid, other=0)
+    cols = d0 + tl.arange(0, BLOCK_D)
+    mask = valid[:, None] & (cols[None, :] < dim[:, None])
+    src, scale = _occurrence_src(
+        pos, valid, perm_ptr, bag_of_ptr, bag_scale_ptr, psw_ptr, out_cols_ptr, batch_size,
+        total_dim, HAS_PSW,
+    )  # fmt: skip
+    g = tl.load(grad_out_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0)
+    g = g.to(tl.float32) * scale[:, None]
+    starts = tl.broadcast_to((seg != prev).to(tl.int32)[:, None], [TILE, BLOCK_D])
+    _, sums = tl.associative_scan((starts, g), axis=0, combine_fn=_segmented_sum)
+
+    start = tl.load(seg_bounds_ptr + seg, mask=last, other=0)
+    end = tl.load(seg_bounds_ptr + seg + 1, mask=last, other=0)
+    inside = last & (start >= lo) & (end <= hi)
+    goff = tl.load(grad_offsets_ptr + seg, mask=inside, other=0)
+    tl.store(grad_rows_ptr + goff[:, None] + cols[None, :], sums, mask=mask & inside[:, None])
+    slot = (2 * lo // TILE + tl.where(start < lo, 0, 1)) * part_stride
+    crossing = last & ((start < lo) | (end > hi))
+    tl.store(partials_ptr + slot[:, None] + cols[None, :], sums, mask=mask & crossing[:, None])
+
+
+@triton.jit
+def _occurrence_tiles_fixup_kernel(
+    partials_ptr,
+    part_stride,
+    seg_of_ptr,
+    seg_bounds_ptr,
+    row_dim_ptr,
+    grad_offsets_ptr,
+    grad_rows_ptr,
+    num_occ,
+    TILE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """grad_rows of the rows crossing a tile edge: their tiles' partials, added in order.
+
+    Grid as ``_occurrence_tiles_kernel``'s: program t owns the row k whose segment starts
+    in tile t and runs past its end; the sum is tile t's partial (slot ``2 t + 1``) plus
+    those of tiles ``t + 1 .. (seg_bounds[k + 1] - 1) // TILE`` (slots ``2 t' ``), read
+    BLOCK_C at a time into a ``[BLOCK_C, BLOCK_D]`` tile reduced at the end.
+    """
+    tile = tl.program_id(0)
+    d0 = tl.program_id(1) * BLOCK_D
+    lo = tile.to(tl.int64) * TILE
+    hi = tl.minimum(lo + TILE, num_occ)
+    seg = tl.load(seg_of_ptr + hi - 1)
+    start = tl.load(seg_bounds_ptr + seg)
+    end = tl.load(seg_bounds_ptr + seg + 1)
+    dim = tl.load(row_dim_ptr + seg)
+    mine = (start >= lo) & (end > hi) & (d0 < dim)
+    heads = tl.where(mine, (end - 1) // TILE - tile, 0)
+    cols = d0 + tl.arange(0, BLOCK_D)
+    col_mask = cols < dim
+    own_dim = tl.where(mine, dim, 0)  # a mask from a limit (see _long_segments_kernel)
+    total = tl.load(partials_ptr + (2 * lo // TILE + 1) * part_stride + cols,
+                    mask=cols < own_dim, other=0.0)  # fmt: skip
+    acc = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
+    for c0 in range(0, heads, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        slots = 2 * (tile.to(tl.int64) + 1 + c) * part_stride
+        m = (c < heads)[:, None] & col_mask[None, :]
+        acc += tl.load(partials_ptr + slots[:, None] + cols[None, :], mask=m, other=0.0)
+    goff = tl.load(grad_offsets_ptr + seg)
+    tl.store(grad_rows_ptr + goff + cols, total + tl.sum(acc, axis=0), mask=cols < own_dim)
+
+
 def _bwd_blocks(max_dim: int) -> tuple[int, int, int]:
     """(BLOCK_D, column blocks, rows per program of the row-block kernel)."""
     block_d = min(2 * _MAX_BLOCK_D, triton.next_power_of_2(max(int(max_dim), 1)))
@@ -574,7 +696,12 @@ def embedding_bag_bwd_rows(
     bag_scale = torch.where(mean.bool()[:, None], inv_len, 1.0).reshape(-1).contiguous()
     sorted_keys, perm = torch.sort(keys, stable=True)
     del keys
-    unique_keys, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
+    if _BWD_FLAT:
+        unique_keys, seg_of, counts = torch.unique_consecutive(
+            sorted_keys, return_inverse=True, return_counts=True
+        )
+    else:
+        unique_keys, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
     del sorted_keys
     unique_keys = unique_keys.long()
     seg_bounds = torch.zeros(unique_keys.numel() + 1, dtype=torch.int64, device=device)
@@ -596,6 +723,23 @@ def embedding_bag_bwd_rows(
     grad_out = grad_out.contiguous()
     psw = bag_scale if per_sample_weights is None else per_sample_weights.float().contiguous()
     out_cols = out_cols.to(torch.int64)
+    if _BWD_FLAT:
+        tile = triton.next_power_of_2(int(chunk_size or _FLAT_TILE))
+        num_occ = values.numel()
+        num_tiles = triton.cdiv(num_occ, tile)
+        partials = torch.empty(2 * num_tiles * max_d, dtype=torch.float32, device=device)
+        _occurrence_tiles_kernel[(num_tiles, col_blocks)](
+            grad_out, perm, bag_of, bag_scale, psw, out_cols, seg_of, seg_bounds, row_dim,
+            grad_offsets, grad_rows, partials, max_d, num_occ, batch_size, total_dim,
+            HAS_PSW=per_sample_weights is not None, TILE=tile, BLOCK_D=block_d,
+            num_warps=_FLAT_WARPS,
+        )  # fmt: skip
+        if num_tiles > 1:
+            _occurrence_tiles_fixup_kernel[(num_tiles, col_blocks)](
+                partials, max_d, seg_of, seg_bounds, row_dim, grad_offsets, grad_rows, num_occ,
+                TILE=tile, BLOCK_C=_BLOCK_C, BLOCK_D=block_d, num_warps=4,
+            )  # fmt: skip
+        return RowGrads(unique_keys, row_table, row_ids, grad_offsets, grad_rows)
     _short_segments_kernel[(triton.cdiv(num_segs, block_r), col_blocks)](
         grad_out, perm, bag_of, bag_scale, psw, out_cols, seg_bounds, row_dim, grad_offsets,
         grad_rows, num_segs, batch_size, total_dim,

@@ -1,0 +1,51 @@
+"""Process groups dtrec needs beyond the mesh's own dims.
+
+Every function here creates groups collectively: all ranks must call it with
+the same arguments in the same order (they do: plans are identical on all
+ranks). Groups are cached by their rank list.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtrec.placements import TableLayout
+
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _group(ranks: list[int]) -> dist.ProcessGroup:
+    """A cached process group over ``ranks``. Collective: every rank calls it in the same order."""
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(key))
+    return _GROUPS[key]
+
+
+def world_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """A group over all mesh ranks, separate from the default one DDP reduces on."""
+    return _group(sorted(mesh.mesh.flatten().tolist()))
+
+
+def column_groups(
+    mesh: DeviceMesh, layouts: list[TableLayout], position: int
+) -> dict[int, dist.ProcessGroup]:
+    """Per table: the group of this rank's column-shard peers (same rows, other columns)."""
+    coord = mesh.get_coordinate()
+    assert coord is not None
+    out: dict[int, dist.ProcessGroup] = {}
+    for t, layout in enumerate(layouts):
+        if layout.batch_local:
+            continue
+        by_rows: dict[tuple[int, int], list[int]] = {}
+        for block in layout.blocks:
+            by_rows.setdefault(block.rows, []).append(block.position)
+        for _, positions in sorted(by_rows.items()):
+            if len(positions) < 2:
+                continue
+            for c in range(mesh.size(1)):
+                group = _group([int(mesh.mesh[p, c]) for p in positions])
+                if position in positions and c == coord[1]:
+                    out[t] = group
+    return out
