@@ -277,17 +277,16 @@ class RowGrads(NamedTuple):
     grad_rows: Tensor  # fp32 [sum_k dims[row_table[k]]]
 
 
-# Backward tuning (see benchmarks/kernels.py and the H100 numbers in the kernel docstrings).
+# Backward tuning, swept on an H100 (26 tables, D=128, B=16384, L=80, 34M ids: uniform 18 ms,
+# Zipf(1.1) 11 ms vs 43 / 56 ms for one program per unique row). Small tiles and few warps
+# win: the row gathers are latency-bound, so more resident programs beat wider ones.
 _SEG_CHUNK = 1024  # a hot row's occurrences are split into sub-segments of this many
-_SHORT_SEG = 32  # rows with at most this many occurrences go to the row-block kernel
-_BWD_TILE = 4096  # elements of the row-block kernel's [rows, BLOCK_D] tile
-_BWD_WARPS = 4
-_BWD_BLOCK_L = 32  # occurrences per step of the long-segment kernel
+_SHORT_SEG = 16  # rows with at most this many occurrences go to the row-block kernel
+_BWD_TILE = 2048  # elements of the row-block kernel's [rows, BLOCK_D] tile
+_BWD_WARPS = 2
+_BWD_BLOCK_L = 16  # occurrences per step of the long-segment kernel
 _BWD_LONG_WARPS = 4
 _BLOCK_C = 16  # partials per step of the partial-sum kernel
-_BWD_FLAT = True  # tiles of sorted occurrences + segmented scan (else row blocks + chunks)
-_FLAT_TILE = 64
-_FLAT_WARPS = 8
 _INT32_KEYS = 2**31 - 1  # sort int32 keys when the tables hold at most this many rows
 
 
@@ -323,12 +322,31 @@ def _occurrence_keys_kernel(
 
 
 @triton.jit
-def _occurrence_src(
-    j, mask, perm_ptr, bag_of_ptr, bag_scale_ptr, psw_ptr, out_cols_ptr, batch_size, total_dim,
+def _sorted_occurrences_kernel(
+    perm_ptr,
+    bag_of_ptr,
+    bag_scale_ptr,
+    psw_ptr,
+    out_cols_ptr,
+    src_ptr,
+    scale_ptr,
+    num_occ,
+    batch_size,
+    total_dim,
     HAS_PSW: tl.constexpr,
-):  # fmt: skip
-    """(grad_out element offset, scale) of the sorted occurrences ``j`` (a block of them)."""
-    occ = tl.load(perm_ptr + j, mask=mask, other=0)
+    BLOCK: tl.constexpr,
+):
+    """src[j], scale[j] of sorted occurrence j: its grad_out row and its factor.
+
+    Grid ``(cdiv(N, BLOCK),)``. Occurrence j is id ``i = perm[j]`` of bag ``bag_of[i] = e * B
+    + b``: ``src[j] = b * total_dim + out_cols[e]`` (element offset of its row in the
+    row-major ``[B, total_dim]`` grad_out; int32 or int64) and ``scale[j] = bag_scale[bag] *
+    psw[i]`` (``bag_scale`` = 1/len for mean entries, else 1). Streaming these once keeps
+    the summing kernels' dependent loads to two (src, then the row).
+    """
+    pos = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = pos < num_occ
+    occ = tl.load(perm_ptr + pos, mask=mask, other=0)
     bag = tl.load(bag_of_ptr + occ, mask=mask, other=0)
     entry = bag // batch_size
     b = (bag - entry * batch_size).to(tl.int64)
@@ -336,40 +354,34 @@ def _occurrence_src(
     scale = tl.load(bag_scale_ptr + bag, mask=mask, other=0.0)
     if HAS_PSW:
         scale = scale * tl.load(psw_ptr + occ, mask=mask, other=0.0)
-    return src, scale
+    tl.store(src_ptr + pos, src.to(src_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + pos, scale, mask=mask)
 
 
 @triton.jit
 def _short_segments_kernel(
     grad_out_ptr,
-    perm_ptr,
-    bag_of_ptr,
-    bag_scale_ptr,
-    psw_ptr,
-    out_cols_ptr,
+    src_ptr,
+    scale_ptr,
     seg_bounds_ptr,
     row_dim_ptr,
     grad_offsets_ptr,
     grad_rows_ptr,
     num_segs,
-    batch_size,
-    total_dim,
     SHORT: tl.constexpr,
-    HAS_PSW: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """grad_rows[grad_offsets[k] + d] = sum_j scale[j] * grad_out_flat[src[j] + d], short k.
 
     Grid ``(cdiv(K, BLOCK_R), cdiv(max_dim, BLOCK_D))``: program (p, c) owns the unique rows
-    ``k = p * BLOCK_R ...`` with at most SHORT occurrences (``seg_bounds[k] ..
-    seg_bounds[k + 1]`` of the sorted occurrences) and columns ``c * BLOCK_D ...`` below
-    ``row_dim[k]``. Step ``l`` adds every owned row's l-th occurrence: a ``[BLOCK_R, BLOCK_D]``
-    tile, so one program keeps BLOCK_R row gathers in flight; each row sums its occurrences
-    in sorted order. Sorted occurrence ``j`` is id ``perm[j]`` of bag ``bag_of[perm[j]] =
-    e * B + b``: ``src = b * total_dim + out_cols[e]`` in the row-major ``[B, total_dim]``
-    grad_out, ``scale = bag_scale[bag] * psw[perm[j]]``. Longer rows are left to
-    ``_long_segments_kernel``. One writer per output element, no atomics: deterministic.
+    ``k = p * BLOCK_R ...`` with at most SHORT occurrences (sorted occurrences
+    ``seg_bounds[k] .. seg_bounds[k + 1]``) and columns ``c * BLOCK_D ...`` below
+    ``row_dim[k]``. Step ``l`` adds every owned row's l-th occurrence as one ``[BLOCK_R,
+    BLOCK_D]`` tile (BLOCK_R row gathers in flight; the next step's src/scale are loaded
+    meanwhile), so each row sums its occurrences in sorted order. ``src``/``scale`` from
+    ``_sorted_occurrences_kernel``; grad_out is row-major ``[B, total_dim]``. Longer rows
+    are left to ``_long_segments_kernel``. One writer per element, no atomics.
     """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d0 = tl.program_id(1) * BLOCK_D
@@ -382,17 +394,19 @@ def _short_segments_kernel(
     cols = d0 + tl.arange(0, BLOCK_D)
     tile_mask = mine[:, None] & (cols[None, :] < dim[:, None])
 
+    live = count > 0
+    src = tl.load(src_ptr + start, mask=live, other=0)
+    scale = tl.load(scale_ptr + start, mask=live, other=0.0)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for step in range(0, tl.max(count, axis=0)):
-        live = step < count
-        src, scale = _occurrence_src(
-            start + step, live, perm_ptr, bag_of_ptr, bag_scale_ptr, psw_ptr, out_cols_ptr,
-            batch_size, total_dim, HAS_PSW,
-        )  # fmt: skip
         g = tl.load(
             grad_out_ptr + src[:, None] + cols[None, :], mask=live[:, None] & tile_mask, other=0.0
         )
+        live_next = step + 1 < count
+        src_next = tl.load(src_ptr + start + step + 1, mask=live_next, other=0)
+        scale_next = tl.load(scale_ptr + start + step + 1, mask=live_next, other=0.0)
         acc += g.to(tl.float32) * scale[:, None]
+        src, scale, live = src_next, scale_next, live_next
 
     goff = tl.load(grad_offsets_ptr + rows, mask=mine, other=0)
     tl.store(grad_rows_ptr + goff[:, None] + cols[None, :], acc, mask=tile_mask)
@@ -401,11 +415,8 @@ def _short_segments_kernel(
 @triton.jit
 def _long_segments_kernel(
     grad_out_ptr,
-    perm_ptr,
-    bag_of_ptr,
-    bag_scale_ptr,
-    psw_ptr,
-    out_cols_ptr,
+    src_ptr,
+    scale_ptr,
     seg_bounds_ptr,
     row_dim_ptr,
     grad_offsets_ptr,
@@ -414,10 +425,7 @@ def _long_segments_kernel(
     item_chunk_ptr,
     partials_ptr,
     part_stride,
-    batch_size,
-    total_dim,
     CHUNK: tl.constexpr,
-    HAS_PSW: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -444,20 +452,23 @@ def _long_segments_kernel(
     cols = d0 + tl.arange(0, BLOCK_D)
     col_mask = cols < dim
 
+    pos = start + tl.arange(0, BLOCK_L)
+    live = pos < stop
+    src = tl.load(src_ptr + pos, mask=live, other=0)
+    scale = tl.load(scale_ptr + pos, mask=live, other=0.0)
     acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
     for l0 in range(start, stop, BLOCK_L):
-        pos = l0 + tl.arange(0, BLOCK_L)
-        live = pos < stop
-        src, scale = _occurrence_src(
-            pos, live, perm_ptr, bag_of_ptr, bag_scale_ptr, psw_ptr, out_cols_ptr,
-            batch_size, total_dim, HAS_PSW,
-        )  # fmt: skip
         g = tl.load(
             grad_out_ptr + src[:, None] + cols[None, :],
             mask=live[:, None] & col_mask[None, :],
             other=0.0,
         )
+        pos = l0 + BLOCK_L + tl.arange(0, BLOCK_L)
+        live_next = pos < stop
+        src_next = tl.load(src_ptr + pos, mask=live_next, other=0)
+        scale_next = tl.load(scale_ptr + pos, mask=live_next, other=0.0)
         acc += g.to(tl.float32) * scale[:, None]
+        src, scale, live = src_next, scale_next, live_next
 
     total = tl.sum(acc, axis=0)
     # Masks from column limits (the interpreter mishandles tensor & scalar-bool masks).
@@ -510,125 +521,6 @@ def _sum_partials_kernel(
     tl.store(grad_rows_ptr + goff + cols, tl.sum(acc, axis=0), mask=cols < tl.where(lead, dim, 0))
 
 
-@triton.jit
-def _segmented_sum(f1, s1, f2, s2):
-    """Combine of a segmented inclusive scan: a set flag starts a new segment."""
-    return f1 | f2, tl.where(f2 != 0, s2, s1 + s2)
-
-
-@triton.jit
-def _occurrence_tiles_kernel(
-    grad_out_ptr,
-    perm_ptr,
-    bag_of_ptr,
-    bag_scale_ptr,
-    psw_ptr,
-    out_cols_ptr,
-    seg_of_ptr,
-    seg_bounds_ptr,
-    row_dim_ptr,
-    grad_offsets_ptr,
-    grad_rows_ptr,
-    partials_ptr,
-    part_stride,
-    num_occ,
-    batch_size,
-    total_dim,
-    HAS_PSW: tl.constexpr,
-    TILE: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Sums of the sorted occurrences, TILE at a time: ``sum_j scale[j] * grad_out[src[j]]``.
-
-    Grid ``(cdiv(N, TILE), cdiv(max_dim, BLOCK_D))``: program (t, c) gathers the scaled
-    grad_out rows of sorted occurrences ``t * TILE ...`` (columns ``c * BLOCK_D ...``) as one
-    ``[TILE, BLOCK_D]`` tile, every lane busy whatever the rows' lengths, and reduces each
-    run of one row (``seg_of[j] = k``, its unique row) with a segmented scan along the
-    tile. A row whose segment ``seg_bounds[k] .. seg_bounds[k + 1]`` lies inside the tile
-    is stored to ``grad_rows[grad_offsets[k] + d]``; the piece of a row crossing the tile's
-    edge goes to fp32 ``partials[(2 t + s) * part_stride + d]``, s = 0 when the row began in
-    an earlier tile, else 1, for ``_occurrence_tiles_fixup_kernel``. Occurrence j's
-    ``src``/``scale`` as in ``_short_segments_kernel``. Fixed order, no atomics.
-    """
-    tile = tl.program_id(0)
-    d0 = tl.program_id(1) * BLOCK_D
-    lo = tile.to(tl.int64) * TILE
-    hi = tl.minimum(lo + TILE, num_occ)
-    idx = tl.arange(0, TILE)
-    pos = lo + idx
-    valid = pos < hi
-    seg = tl.load(seg_of_ptr + pos, mask=valid, other=-1)
-    prev = tl.load(seg_of_ptr + pos - 1, mask=valid & (idx > 0), other=-1)
-    after = tl.load(seg_of_ptr + pos + 1, mask=pos + 1 < hi, other=-1)
-    last = valid & (seg != after)
-    dim = tl.load(row_dim_ptr + seg, mask=valid, other=0)
-    cols = d0 + tl.arange(0, BLOCK_D)
-    mask = valid[:, None] & (cols[None, :] < dim[:, None])
-    src, scale = _occurrence_src(
-        pos, valid, perm_ptr, bag_of_ptr, bag_scale_ptr, psw_ptr, out_cols_ptr, batch_size,
-        total_dim, HAS_PSW,
-    )  # fmt: skip
-    g = tl.load(grad_out_ptr + src[:, None] + cols[None, :], mask=mask, other=0.0)
-    g = g.to(tl.float32) * scale[:, None]
-    starts = tl.broadcast_to((seg != prev).to(tl.int32)[:, None], [TILE, BLOCK_D])
-    _, sums = tl.associative_scan((starts, g), axis=0, combine_fn=_segmented_sum)
-
-    start = tl.load(seg_bounds_ptr + seg, mask=last, other=0)
-    end = tl.load(seg_bounds_ptr + seg + 1, mask=last, other=0)
-    inside = last & (start >= lo) & (end <= hi)
-    goff = tl.load(grad_offsets_ptr + seg, mask=inside, other=0)
-    tl.store(grad_rows_ptr + goff[:, None] + cols[None, :], sums, mask=mask & inside[:, None])
-    slot = (2 * lo // TILE + tl.where(start < lo, 0, 1)) * part_stride
-    crossing = last & ((start < lo) | (end > hi))
-    tl.store(partials_ptr + slot[:, None] + cols[None, :], sums, mask=mask & crossing[:, None])
-
-
-@triton.jit
-def _occurrence_tiles_fixup_kernel(
-    partials_ptr,
-    part_stride,
-    seg_of_ptr,
-    seg_bounds_ptr,
-    row_dim_ptr,
-    grad_offsets_ptr,
-    grad_rows_ptr,
-    num_occ,
-    TILE: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """grad_rows of the rows crossing a tile edge: their tiles' partials, added in order.
-
-    Grid as ``_occurrence_tiles_kernel``'s: program t owns the row k whose segment starts
-    in tile t and runs past its end; the sum is tile t's partial (slot ``2 t + 1``) plus
-    those of tiles ``t + 1 .. (seg_bounds[k + 1] - 1) // TILE`` (slots ``2 t' ``), read
-    BLOCK_C at a time into a ``[BLOCK_C, BLOCK_D]`` tile reduced at the end.
-    """
-    tile = tl.program_id(0)
-    d0 = tl.program_id(1) * BLOCK_D
-    lo = tile.to(tl.int64) * TILE
-    hi = tl.minimum(lo + TILE, num_occ)
-    seg = tl.load(seg_of_ptr + hi - 1)
-    start = tl.load(seg_bounds_ptr + seg)
-    end = tl.load(seg_bounds_ptr + seg + 1)
-    dim = tl.load(row_dim_ptr + seg)
-    mine = (start >= lo) & (end > hi) & (d0 < dim)
-    heads = tl.where(mine, (end - 1) // TILE - tile, 0)
-    cols = d0 + tl.arange(0, BLOCK_D)
-    col_mask = cols < dim
-    own_dim = tl.where(mine, dim, 0)  # a mask from a limit (see _long_segments_kernel)
-    total = tl.load(partials_ptr + (2 * lo // TILE + 1) * part_stride + cols,
-                    mask=cols < own_dim, other=0.0)  # fmt: skip
-    acc = tl.zeros([BLOCK_C, BLOCK_D], dtype=tl.float32)
-    for c0 in range(0, heads, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        slots = 2 * (tile.to(tl.int64) + 1 + c) * part_stride
-        m = (c < heads)[:, None] & col_mask[None, :]
-        acc += tl.load(partials_ptr + slots[:, None] + cols[None, :], mask=m, other=0.0)
-    goff = tl.load(grad_offsets_ptr + seg)
-    tl.store(grad_rows_ptr + goff + cols, total + tl.sum(acc, axis=0), mask=cols < own_dim)
-
-
 def _bwd_blocks(max_dim: int) -> tuple[int, int, int]:
     """(BLOCK_D, column blocks, rows per program of the row-block kernel)."""
     block_d = min(2 * _MAX_BLOCK_D, triton.next_power_of_2(max(int(max_dim), 1)))
@@ -661,7 +553,7 @@ def embedding_bag_bwd_rows(
     program (many short rows share a program), a hotter row's occurrences are split into
     chunks of ``chunk_size`` summed in parallel into fp32 partials, then added up in a
     fixed order. No float atomics: two runs give bit-identical results. Syncs the device
-    three times (table sizes, unique rows, buffer sizes).
+    three times (table sizes, unique rows, buffer sizes; once more without ``max_dim``).
 
     Example::
 
@@ -696,12 +588,7 @@ def embedding_bag_bwd_rows(
     bag_scale = torch.where(mean.bool()[:, None], inv_len, 1.0).reshape(-1).contiguous()
     sorted_keys, perm = torch.sort(keys, stable=True)
     del keys
-    if _BWD_FLAT:
-        unique_keys, seg_of, counts = torch.unique_consecutive(
-            sorted_keys, return_inverse=True, return_counts=True
-        )
-    else:
-        unique_keys, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
+    unique_keys, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
     del sorted_keys
     unique_keys = unique_keys.long()
     seg_bounds = torch.zeros(unique_keys.numel() + 1, dtype=torch.int64, device=device)
@@ -720,31 +607,20 @@ def embedding_bag_bwd_rows(
 
     max_d = _max_dim(dims, max_dim)
     block_d, col_blocks, block_r = _bwd_blocks(max_d)
-    grad_out = grad_out.contiguous()
+    num_occ = values.numel()
+    src_dtype = torch.int32 if batch_size * total_dim < 2**31 else torch.int64
+    src = torch.empty(num_occ, dtype=src_dtype, device=device)
+    scale = torch.empty(num_occ, dtype=torch.float32, device=device)
     psw = bag_scale if per_sample_weights is None else per_sample_weights.float().contiguous()
-    out_cols = out_cols.to(torch.int64)
-    if _BWD_FLAT:
-        tile = triton.next_power_of_2(int(chunk_size or _FLAT_TILE))
-        num_occ = values.numel()
-        num_tiles = triton.cdiv(num_occ, tile)
-        partials = torch.empty(2 * num_tiles * max_d, dtype=torch.float32, device=device)
-        _occurrence_tiles_kernel[(num_tiles, col_blocks)](
-            grad_out, perm, bag_of, bag_scale, psw, out_cols, seg_of, seg_bounds, row_dim,
-            grad_offsets, grad_rows, partials, max_d, num_occ, batch_size, total_dim,
-            HAS_PSW=per_sample_weights is not None, TILE=tile, BLOCK_D=block_d,
-            num_warps=_FLAT_WARPS,
-        )  # fmt: skip
-        if num_tiles > 1:
-            _occurrence_tiles_fixup_kernel[(num_tiles, col_blocks)](
-                partials, max_d, seg_of, seg_bounds, row_dim, grad_offsets, grad_rows, num_occ,
-                TILE=tile, BLOCK_C=_BLOCK_C, BLOCK_D=block_d, num_warps=4,
-            )  # fmt: skip
-        return RowGrads(unique_keys, row_table, row_ids, grad_offsets, grad_rows)
+    _sorted_occurrences_kernel[(triton.cdiv(num_occ, 1024),)](
+        perm, bag_of, bag_scale, psw, out_cols.to(torch.int64), src, scale, num_occ, batch_size,
+        total_dim, HAS_PSW=per_sample_weights is not None, BLOCK=1024,
+    )  # fmt: skip
+    del perm, bag_of
+    grad_out = grad_out.contiguous()
     _short_segments_kernel[(triton.cdiv(num_segs, block_r), col_blocks)](
-        grad_out, perm, bag_of, bag_scale, psw, out_cols, seg_bounds, row_dim, grad_offsets,
-        grad_rows, num_segs, batch_size, total_dim,
-        SHORT=short, HAS_PSW=per_sample_weights is not None, BLOCK_R=block_r, BLOCK_D=block_d,
-        num_warps=_BWD_WARPS,
+        grad_out, src, scale, seg_bounds, row_dim, grad_offsets, grad_rows, num_segs,
+        SHORT=short, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=_BWD_WARPS,
     )  # fmt: skip
     if num_items > 0:
         item_seg = torch.repeat_interleave(
@@ -757,10 +633,8 @@ def embedding_bag_bwd_rows(
         partials = torch.empty((num_items if split else 1) * max_d, dtype=torch.float32,
                                device=device)  # fmt: skip
         _long_segments_kernel[(num_items, col_blocks)](
-            grad_out, perm, bag_of, bag_scale, psw, out_cols, seg_bounds, row_dim,
-            grad_offsets, grad_rows, item_seg, item_chunk, partials, max_d, batch_size,
-            total_dim, CHUNK=chunk, HAS_PSW=per_sample_weights is not None,
-            BLOCK_L=_BWD_BLOCK_L, BLOCK_D=block_d,
+            grad_out, src, scale, seg_bounds, row_dim, grad_offsets, grad_rows, item_seg,
+            item_chunk, partials, max_d, CHUNK=chunk, BLOCK_L=_BWD_BLOCK_L, BLOCK_D=block_d,
             num_warps=_BWD_LONG_WARPS,
         )  # fmt: skip
         if split:
@@ -822,9 +696,11 @@ def embedding_bag_bwd_rows_reference(
 
 # --------------------------------------------------------------------------- optimizers
 
+# Row-wise Adagrad on an H100 (15.8M rows of 128): 15 ms with [8, 128] tiles on 2 warps, 24-28
+# ms with one 4-warp program per row.
 _ADAGRAD_MAX_BLOCK_D = 512  # wider rows: one program per row, column blocks in a loop
-_ADAGRAD_TILE = 4096  # elements of the row-block kernel's [rows, BLOCK_D] tile
-_ADAGRAD_WARPS = 4
+_ADAGRAD_TILE = 1024  # elements of the row-block kernel's [rows, BLOCK_D] tile
+_ADAGRAD_WARPS = 2
 
 
 @triton.jit
@@ -948,17 +824,18 @@ def _rowwise_adagrad_row_block_kernel(
     cols = tl.arange(0, BLOCK_D)
     mask = live[:, None] & (cols[None, :] < dim[:, None])
     g = tl.load(grad_rows_ptr + g_off[:, None] + cols[None, :], mask=mask, other=0.0)
+    # Every load before the state store, which the compiler may not move loads across.
+    w_ptrs = weights_ptr + w_off[:, None] + cols[None, :]
+    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+    s_ptrs = state_ptr + tl.load(state_offsets_ptr + table, mask=live, other=0) + row
+    s = tl.load(s_ptrs, mask=live, other=0.0)
     if HAS_ROW_SQ_SUM:
         sq = tl.load(row_sq_sum_ptr + ks, mask=live, other=0.0).to(tl.float32)
     else:
         sq = tl.sum(g * g, axis=1)
-    s_ptrs = state_ptr + tl.load(state_offsets_ptr + table, mask=live, other=0) + row
-    full_dim = tl.load(full_dims_ptr + table, mask=live, other=1).to(tl.float32)
-    s = tl.load(s_ptrs, mask=live, other=0.0) + sq / full_dim
+    s = s + sq / tl.load(full_dims_ptr + table, mask=live, other=1).to(tl.float32)
     tl.store(s_ptrs, s, mask=live)
     multiplier = lr / (tl.sqrt_rn(s) + eps)
-    w_ptrs = weights_ptr + w_off[:, None] + cols[None, :]
-    w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
     w = w - multiplier[:, None] * g
     tl.store(w_ptrs, w.to(weights_ptr.dtype.element_ty), mask=mask)
 
