@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import dtrec
+from dtrec.ops.embedding_bag import Lookup
 from dtrec.ops.op import lookup_backward_rows, lookup_forward
 
 
@@ -112,12 +113,14 @@ def run_config(
     opt = dtrec.optim.RowWiseAdagrad(lr=0.01)
     states = [opt.init_state(w) for w in weights]
 
+    lookup = Lookup(weights, entry_table, values, offsets, mean)
+
     def dtrec_forward():
-        return lookup_forward(weights, entry_table, values, offsets, mean, None)
+        return lookup_forward(lookup)
 
     def dtrec_step():
-        lookup_forward(weights, entry_table, values, offsets, mean, None)
-        rows = lookup_backward_rows(weights, entry_table, values, offsets, mean, None, grad_out)
+        lookup_forward(lookup)
+        rows = lookup_backward_rows(lookup, grad_out)
         for w, st, (ids, g) in zip(weights, states, rows):
             opt.update_rows(w, st, ids, g)
 

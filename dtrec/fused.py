@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from dtrec.collectives import _record
+from dtrec.ops.embedding_bag import Lookup
 from dtrec.ops.op import lookup_backward_rows, lookup_forward
 from dtrec.optim import FusedOptimizer
 
@@ -140,14 +141,13 @@ class FusedLookup(torch.autograd.Function):
         ctx.updater, ctx.table_ids = updater, table_ids
         ctx.tables, ctx.entry_table, ctx.mean = tables, entry_table, mean
         ctx.save_for_backward(values, offsets, psw)
-        return lookup_forward(tables, entry_table, values, offsets, mean, psw)
+        return lookup_forward(Lookup(tables, entry_table, values, offsets, mean, psw))
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         values, offsets, psw = ctx.saved_tensors
-        rows = lookup_backward_rows(
-            ctx.tables, ctx.entry_table, values, offsets, ctx.mean, psw, grad_out.contiguous()
-        )
+        lookup = Lookup(ctx.tables, ctx.entry_table, values, offsets, ctx.mean, psw)
+        rows = lookup_backward_rows(lookup, grad_out.contiguous())
         for t, (ids, grad_rows) in zip(ctx.table_ids, rows, strict=True):
             ctx.updater.stash(t, ids, grad_rows)
         return (None,) * 9

@@ -15,12 +15,34 @@ Layout (shared by every backend):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from dtrec.config import POOLING_MODES
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """One batched lookup's inputs, in the layout above; what every backend takes."""
+
+    weights: Sequence[Tensor]
+    entry_table: Sequence[int]
+    values: Tensor
+    offsets: Tensor
+    mean: Sequence[bool]
+    per_sample_weights: Tensor | None = None
+
+    @property
+    def batch(self) -> int:
+        """B: bags per entry."""
+        return (self.offsets.numel() - 1) // len(self.entry_table)
+
+    def columns(self) -> list[int]:
+        """First output column of each entry, and the total width last."""
+        return entry_columns(self.weights, self.entry_table)
 
 
 def pooling_flags(pooling: str | Sequence[str], num_entries: int) -> list[bool]:
@@ -148,17 +170,16 @@ def _gather_entries(
     return ids, local_offsets, weights
 
 
-def forward_torch(
-    weights: Sequence[Tensor],
-    entry_table: Sequence[int],
-    values: Tensor,
-    offsets: Tensor,
-    mean: Sequence[bool],
-    per_sample_weights: Tensor | None,
-) -> Tensor:
+def forward_torch(lookup: Lookup) -> Tensor:
     """One ``F.embedding_bag`` call per (table, pooling); no autograd of its own."""
-    batch = (offsets.numel() - 1) // len(entry_table)
-    offsets = offsets.to(values.dtype)
+    weights, entry_table, values, mean = (
+        lookup.weights,
+        lookup.entry_table,
+        lookup.values,
+        lookup.mean,
+    )
+    per_sample_weights, batch = lookup.per_sample_weights, lookup.batch
+    offsets = lookup.offsets.to(values.dtype)
     pooled: list[Tensor | None] = [None] * len(entry_table)
     for (t, is_mean), entries in _entries_by_table(entry_table, mean).items():
         w = weights[t]
@@ -200,15 +221,7 @@ def occurrence_scale(
     return bag, scale
 
 
-def backward_rows_torch(
-    weights: Sequence[Tensor],
-    entry_table: Sequence[int],
-    values: Tensor,
-    offsets: Tensor,
-    mean: Sequence[bool],
-    per_sample_weights: Tensor | None,
-    grad_out: Tensor,
-) -> list[tuple[Tensor, Tensor]]:
+def backward_rows_torch(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     """Row-sparse gradients: per table, (sorted unique row ids, summed fp32 grad rows).
 
     Vectorized over all tables of one embedding dim at once: each id occurrence
@@ -216,10 +229,14 @@ def backward_rows_torch(
     summed per unique key with ``index_add_`` (sequential on CPU, so
     deterministic; on CUDA prefer the Triton backend).
     """
-    num_entries = len(entry_table)
-    batch = (offsets.numel() - 1) // num_entries
-    device = values.device
-    bag, scale = occurrence_scale(offsets, mean, per_sample_weights, values.numel())
+    weights, entry_table, values, offsets = (
+        lookup.weights,
+        lookup.entry_table,
+        lookup.values,
+        lookup.offsets,
+    )
+    num_entries, batch, device = len(entry_table), lookup.batch, values.device
+    bag, scale = occurrence_scale(offsets, lookup.mean, lookup.per_sample_weights, values.numel())
     entry = bag // batch
     rows = [w.shape[0] for w in weights]
     row_base = torch.tensor([0, *rows[:-1]], device=device).cumsum(0)
@@ -228,7 +245,7 @@ def backward_rows_torch(
     occ_table = table_of_entry[entry]
     occ_dim = dims[occ_table]
     grad_out = grad_out.float()
-    entry_cols = entry_columns(weights, entry_table)
+    entry_cols = lookup.columns()
     result: list[tuple[Tensor, Tensor] | None] = [None] * len(weights)
     empty_ids = torch.zeros(0, dtype=torch.long, device=device)
     for t, w in enumerate(weights):
@@ -258,16 +275,11 @@ def backward_rows_torch(
     return result  # type: ignore[return-value]
 
 
-def per_sample_weights_grad_torch(
-    weights: Sequence[Tensor],
-    entry_table: Sequence[int],
-    values: Tensor,
-    offsets: Tensor,
-    grad_out: Tensor,
-) -> Tensor:
+def per_sample_weights_grad_torch(lookup: Lookup, grad_out: Tensor) -> Tensor:
     """d out / d psw: for each id, <grad_out[bag, cols_e], weight row>."""
-    batch = (offsets.numel() - 1) // len(entry_table)
-    cols = entry_columns(weights, entry_table)
+    weights, values, offsets, batch = lookup.weights, lookup.values, lookup.offsets, lookup.batch
+    entry_table = lookup.entry_table
+    cols = lookup.columns()
     grads = []
     for e, t in enumerate(entry_table):
         lo, hi = int(offsets[e * batch]), int(offsets[(e + 1) * batch])

@@ -10,26 +10,26 @@ the torch backend.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from itertools import accumulate
 
 import torch
 from torch import Tensor
 
 from dtrec._fbgemm import fbgemm_ops
+from dtrec.ops.embedding_bag import Lookup
 
 _SUM, _MEAN = 0, 1  # fbgemm PoolingMode values
 
 
-def forward(
-    weights: Sequence[Tensor],
-    entry_table: Sequence[int],
-    values: Tensor,
-    offsets: Tensor,
-    mean: Sequence[bool],
-    per_sample_weights: Tensor | None,
-) -> Tensor | None:
+def forward(lookup: Lookup) -> Tensor | None:
     """Pooled lookup via fbgemm, or None when fbgemm cannot serve this call."""
+    weights, entry_table, values, mean = (
+        lookup.weights,
+        lookup.entry_table,
+        lookup.values,
+        lookup.mean,
+    )
+    offsets, per_sample_weights = lookup.offsets, lookup.per_sample_weights
     ops = fbgemm_ops()
     if ops is None or len(set(mean)) > 1 or weights[0].dtype != torch.float32:
         return None

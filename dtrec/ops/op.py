@@ -7,69 +7,44 @@ gets one gradient.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
 from dtrec.ops import embedding_bag as torch_impl
 from dtrec.ops.backend import resolve_backend
+from dtrec.ops.embedding_bag import Lookup
 
 
-def lookup_forward(
-    weights: Sequence[Tensor],
-    entry_table: Sequence[int],
-    values: Tensor,
-    offsets: Tensor,
-    mean: Sequence[bool],
-    per_sample_weights: Tensor | None,
-    check_ids: bool = False,
-) -> Tensor:
+def lookup_forward(lookup: Lookup, check_ids: bool = False) -> Tensor:
     """Forward on the selected backend, no autograd.
 
     ``check_ids``: IndexError for an id outside its table. The Triton kernel
     raises a flag while it gathers (no extra pass over the ids); other
     backends check first with one vectorized pass.
     """
-    backend = resolve_backend(values.device)
+    backend = resolve_backend(lookup.values.device)
     if backend == "triton":
         from dtrec.ops import triton_backend
 
-        return triton_backend.forward(
-            weights, entry_table, values, offsets, mean, per_sample_weights, check_ids
-        )
+        return triton_backend.forward(lookup, check_ids)
     if check_ids:
-        torch_impl.check_bounds(weights, entry_table, values, offsets)
+        torch_impl.check_bounds(lookup.weights, lookup.entry_table, lookup.values, lookup.offsets)
     if backend == "fbgemm":
         from dtrec.ops import fbgemm_backend
 
-        out = fbgemm_backend.forward(
-            weights, entry_table, values, offsets, mean, per_sample_weights
-        )
+        out = fbgemm_backend.forward(lookup)
         if out is not None:
             return out
-    return torch_impl.forward_torch(weights, entry_table, values, offsets, mean, per_sample_weights)
+    return torch_impl.forward_torch(lookup)
 
 
-def lookup_backward_rows(
-    weights: Sequence[Tensor],
-    entry_table: Sequence[int],
-    values: Tensor,
-    offsets: Tensor,
-    mean: Sequence[bool],
-    per_sample_weights: Tensor | None,
-    grad_out: Tensor,
-) -> list[tuple[Tensor, Tensor]]:
+def lookup_backward_rows(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     """Per table: (sorted unique rows touched, their summed fp32 gradient rows)."""
-    if resolve_backend(values.device) == "triton":
+    if resolve_backend(lookup.values.device) == "triton":
         from dtrec.ops import triton_backend
 
-        return triton_backend.backward_rows(
-            weights, entry_table, values, offsets, mean, per_sample_weights, grad_out
-        )
-    return torch_impl.backward_rows_torch(
-        weights, entry_table, values, offsets, mean, per_sample_weights, grad_out
-    )
+        return triton_backend.backward_rows(lookup, grad_out)
+    return torch_impl.backward_rows_torch(lookup, grad_out)
 
 
 @torch.library.custom_op("dtrec::embedding_bag", mutates_args=())
@@ -87,9 +62,8 @@ def embedding_bag_op(
     ``check_ids`` raises IndexError for an id outside its table (inside the op,
     so it also holds under ``torch.compile``).
     """
-    return lookup_forward(
-        weights, entry_table, values, offsets, mean, per_sample_weights, check_ids
-    )
+    lookup = Lookup(weights, entry_table, values, offsets, mean, per_sample_weights)
+    return lookup_forward(lookup, check_ids)
 
 
 @embedding_bag_op.register_fake
@@ -110,9 +84,8 @@ def embedding_bag_backward_op(
     grad_out: Tensor,
 ) -> list[Tensor]:
     """Dense per-table weight gradients (built from the row-sparse ones)."""
-    rows = lookup_backward_rows(
-        weights, entry_table, values, offsets, mean, per_sample_weights, grad_out
-    )
+    lookup = Lookup(weights, entry_table, values, offsets, mean, per_sample_weights)
+    rows = lookup_backward_rows(lookup, grad_out)
     return [
         torch.zeros_like(w).index_copy_(0, ids, grad_rows.to(w.dtype))
         for w, (ids, grad_rows) in zip(weights, rows, strict=True)
@@ -149,6 +122,6 @@ class EmbeddingBagFunction(torch.autograd.Function):
         grad_psw = None
         if needs[5]:
             grad_psw = torch_impl.per_sample_weights_grad_torch(
-                weights, ctx.entry_table, values, offsets, grad_out
+                Lookup(weights, ctx.entry_table, values, offsets, ctx.mean, psw), grad_out
             ).to(psw.dtype)
         return (None, None, None, None, None, grad_psw, *grads)

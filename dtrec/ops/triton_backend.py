@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from dtrec.ops.embedding_bag import Lookup
+
 
 def pack_tables(weights: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
     """A flat buffer holding every table, and each table's element offset in it.
@@ -30,93 +32,57 @@ def pack_tables(weights: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
     return torch.cat([w.reshape(-1) for w in weights]), starts
 
 
-def _layout(weights: Sequence[Tensor], entry_table: Sequence[int], mean: Sequence[bool]):
-    device = weights[0].device
-    dims_list = [w.shape[1] for w in weights]
-    cols = [0]
-    for t in entry_table:
-        cols.append(cols[-1] + dims_list[t])
-    dims = torch.tensor(dims_list, dtype=torch.int32, device=device)
-    entries = torch.tensor(list(entry_table), dtype=torch.int32, device=device)
-    out_cols = torch.tensor(cols[:-1], dtype=torch.int64, device=device)
-    mean_t = torch.tensor(list(mean), dtype=torch.bool, device=device)
-    return dims, entries, out_cols, mean_t, cols[-1], max(dims_list)
+def _layout(lookup: Lookup) -> dict:
+    """The kernels' layout arguments shared by forward and backward."""
+    weights, device = lookup.weights, lookup.values.device
+    cols = lookup.columns()
+    return {
+        "dims": torch.tensor([w.shape[1] for w in weights], dtype=torch.int32, device=device),
+        "entry_table": torch.tensor(list(lookup.entry_table), dtype=torch.int32, device=device),
+        "out_cols": torch.tensor(cols[:-1], dtype=torch.int64, device=device),
+        "values": lookup.values,
+        "offsets": lookup.offsets.long(),
+        "batch_size": lookup.batch,
+        "total_dim": cols[-1],
+        "mean": torch.tensor(list(lookup.mean), dtype=torch.bool, device=device),
+        "per_sample_weights": None
+        if lookup.per_sample_weights is None
+        else lookup.per_sample_weights.float(),
+        "max_dim": max(w.shape[1] for w in weights),
+    }
 
 
-def forward(
-    weights: Sequence[Tensor],
-    entry_table: Sequence[int],
-    values: Tensor,
-    offsets: Tensor,
-    mean: Sequence[bool],
-    per_sample_weights: Tensor | None,
-    check_ids: bool = False,
-) -> Tensor:
+def forward(lookup: Lookup, check_ids: bool = False) -> Tensor:
     """One kernel launch for every entry; with ``check_ids`` the kernel flags bad ids."""
     from dtrec.ops import triton_kernels as k
 
+    weights = lookup.weights
     flat, table_offsets = pack_tables(weights)
-    dims, entries, out_cols, mean_t, total, max_dim = _layout(weights, entry_table, mean)
-    batch = (offsets.numel() - 1) // len(entry_table)
     bounds = None
     if check_ids:
         bounds = torch.tensor([w.shape[0] for w in weights], dtype=torch.int64, device=flat.device)
-    result = k.embedding_bag_fwd(
-        flat,
-        table_offsets,
-        dims,
-        entries,
-        out_cols,
-        values,
-        offsets.long(),
-        batch,
-        total,
-        mean_t,
-        None if per_sample_weights is None else per_sample_weights.float(),
-        bounds,
-        max_dim=max_dim,
-    )
+    result = k.embedding_bag_fwd(flat, table_offsets, bounds=bounds, **_layout(lookup))
     if bounds is None:
         return result
     out, error = result
     if int(error[0]):  # one small device->host read, no extra pass over the ids
         entry = int(error[1])
-        table = entry_table[entry]
+        table = lookup.entry_table[entry]
         raise IndexError(
             f"table {table} (entry {entry}): an id is outside [0, {weights[table].shape[0]})"
         )
     return out
 
 
-def backward_rows(
-    weights: Sequence[Tensor],
-    entry_table: Sequence[int],
-    values: Tensor,
-    offsets: Tensor,
-    mean: Sequence[bool],
-    per_sample_weights: Tensor | None,
-    grad_out: Tensor,
-) -> list[tuple[Tensor, Tensor]]:
+def backward_rows(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     """Per table: (sorted unique rows, fp32 grad rows ``[U_t, D_t]``), deterministic."""
     from dtrec.ops import triton_kernels as k
 
-    dims, entries, out_cols, mean_t, total, max_dim = _layout(weights, entry_table, mean)
-    num_rows = torch.tensor([w.shape[0] for w in weights], dtype=torch.int64, device=values.device)
-    batch = (offsets.numel() - 1) // len(entry_table)
-    g = k.embedding_bag_bwd_rows(
-        grad_out.contiguous(),
-        dims,
-        num_rows,
-        entries,
-        out_cols,
-        values,
-        offsets.long(),
-        batch,
-        total,
-        mean_t,
-        None if per_sample_weights is None else per_sample_weights.float(),
-        max_dim=max_dim,
+    weights = lookup.weights
+    num_rows = torch.tensor(
+        [w.shape[0] for w in weights], dtype=torch.int64, device=grad_out.device
     )
+    g = k.embedding_bag_bwd_rows(grad_out.contiguous(), num_rows=num_rows, **_layout(lookup))
     # Rows come sorted by table, so each table's rows and grads are contiguous.
     counts = torch.bincount(g.row_table.long(), minlength=len(weights)).tolist()
     result, start, grad_start = [], 0, 0
