@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import dtrec
 from dtrec.ops.embedding_bag import Lookup
 from dtrec.ops.op import lookup_backward_rows, lookup_forward
+from dtrec.optim import RowUpdate
 
 
 @dataclass
@@ -111,7 +112,7 @@ def run_config(
     bytes_moved = traffic(cfg, values.numel(), unique_rows, flat.element_size(), 8)
     grad_out = torch.randn(cfg.batch, tables * cfg.dim, device=device, generator=gen)
     opt = dtrec.optim.RowWiseAdagrad(lr=0.01)
-    states = [opt.init_state(w) for w in weights]
+    states = opt.init_states(weights)
 
     lookup = Lookup(weights, entry_table, values, offsets, mean)
 
@@ -121,8 +122,9 @@ def run_config(
     def dtrec_step():
         lookup_forward(lookup)
         rows = lookup_backward_rows(lookup, grad_out)
-        for w, st, (ids, g) in zip(weights, states, rows):
-            opt.update_rows(w, st, ids, g)
+        opt.update_tables(
+            [RowUpdate(w, st, ids, g) for w, st, (ids, g) in zip(weights, states, rows)]
+        )
 
     result = {"config": asdict(cfg) | {"rows": cfg.rows}, "num_ids": values.numel()}
     result["unique_rows"] = unique_rows

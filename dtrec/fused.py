@@ -27,7 +27,7 @@ from torch.distributed import ProcessGroup
 from dtrec.collectives import _record
 from dtrec.ops.embedding_bag import Lookup
 from dtrec.ops.op import lookup_backward_rows, lookup_forward
-from dtrec.optim import FusedOptimizer
+from dtrec.optim import FusedOptimizer, RowUpdate
 
 
 def sum_by_row(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
@@ -107,7 +107,9 @@ class FusedUpdater:
         self._pending.setdefault(table, []).append((rows, grad_rows))
 
     def apply_pending(self) -> None:
+        """Sync every pending table (in table order), then update them all at once."""
         pending, self._pending = self._pending, {}
+        updates = []
         for t in sorted(pending):
             update = self.tables[t]
             rows, grads = merge_rows(pending[t])
@@ -121,10 +123,11 @@ class FusedUpdater:
                 size = dist.get_world_size(update.column_group)
                 _record("optim.row_sq_sum", 2 * (size - 1) * row_sq_sum.numel() * 4 // size)
                 dist.all_reduce(row_sq_sum, group=update.column_group)
-            with torch.no_grad():
-                self.optimizer.update_rows(
-                    update.weight, self.state[t], rows, grads, row_sq_sum, update.full_dim
-                )
+            updates.append(
+                RowUpdate(update.weight, self.state[t], rows, grads, row_sq_sum, update.full_dim)
+            )
+        with torch.no_grad():
+            self.optimizer.update_tables(updates)
 
 
 class FusedLookup(torch.autograd.Function):

@@ -1,7 +1,7 @@
 """Optimizers fused into the embedding backward: typed configs that update touched rows.
 
 A fused optimizer never materialises a table-sized gradient: backward yields
-(unique rows, summed gradient rows) per table, and ``update_rows`` changes only
+(unique rows, summed gradient rows) per table, and ``update_tables`` changes only
 those rows of the weight and of the optimizer state. Rows no batch touched keep
 their weights and state (FBGEMM's semantics; for Adam this is "lazy" Adam with
 a per-table step count for bias correction).
@@ -20,18 +20,55 @@ import torch
 from torch import Tensor
 
 
+@dataclass
+class RowUpdate:
+    """One table's share of a fused step: its touched rows and their gradients."""
+
+    weight: Tensor
+    """The local shard ``[rows, cols]``, updated in place."""
+    state: dict[str, Tensor]
+    """Its optimizer state (from ``init_states``)."""
+    rows: Tensor
+    """Sorted unique local row ids touched."""
+    grad_rows: Tensor
+    """fp32 ``[len(rows), cols]``: their summed gradients."""
+    row_sq_sum: Tensor | None = None
+    """Per row, the sum of squared gradients over the FULL row (column shards all-reduce it)."""
+    full_dim: int | None = None
+    """The table's full embedding dim (the shard's cols when None)."""
+
+
 class FusedOptimizer(ABC):
-    """An update rule applied to the touched rows of one table (shard) in place."""
+    """An update rule applied to the touched rows of tables (shards) in place."""
 
     #: True when the update needs each row's sum of squared gradients over the
-    #: FULL row: column shards then all-reduce it before calling ``update_rows``.
+    #: FULL row: column shards then all-reduce it before calling ``update_tables``.
     needs_row_sq_sum: bool = False
 
     @abstractmethod
     def init_state(self, weight: Tensor) -> dict[str, Tensor]:
         """Zero state for a local shard ``[rows, cols]``: row-shaped or weight-shaped tensors."""
 
-    @abstractmethod
+    def init_states(self, weights: list[Tensor]) -> list[dict[str, Tensor]]:
+        """States for several shards, each state kind packed in one buffer (views per table).
+
+        With the weights packed the same way, the Triton path updates every
+        table in one launch per kind.
+        """
+        states = [self.init_state(w) for w in weights]
+        for key in states[0] if states else []:
+            parts = [st[key] for st in states]
+            if parts[0].dim() == 0:
+                continue
+            flat = torch.zeros(
+                sum(p.numel() for p in parts), dtype=parts[0].dtype, device=parts[0].device
+            )
+            start = 0
+            for st, part in zip(states, parts, strict=True):
+                st[key] = flat[start : start + part.numel()].view(part.shape)
+                start += part.numel()
+        return states
+
     def update_rows(
         self,
         weight: Tensor,
@@ -42,26 +79,80 @@ class FusedOptimizer(ABC):
         full_dim: int | None = None,
     ) -> None:
         """Apply one step to ``weight[rows]`` given their fp32 gradient rows."""
+        self.update_tables([RowUpdate(weight, state, rows, grad_rows, row_sq_sum, full_dim)])
+
+    def update_tables(self, updates: list[RowUpdate]) -> None:
+        """One step on several tables: one Triton launch when they share storage."""
+        updates = [u for u in updates if u.rows.numel()] + [
+            u for u in updates if not u.rows.numel() and self._counts_empty_steps
+        ]
+        if not updates:
+            return
+        args = _triton_tables(updates)
+        if args is not None and self._update_triton(updates, args):
+            return
+        for u in updates:
+            self._update_torch(u)
+
+    #: Whether a table with no touched rows still advances (Adam's step count).
+    _counts_empty_steps: bool = False
+
+    @abstractmethod
+    def _update_torch(self, u: RowUpdate) -> None:
+        """Reference update of one table with torch index ops (any device)."""
+
+    @abstractmethod
+    def _update_triton(self, updates: list[RowUpdate], args: dict) -> bool:
+        """Update all tables with one kernel launch; False if their state is not packed."""
 
 
-def _triton_rows(weight: Tensor, rows: Tensor, grad_rows: Tensor) -> dict | None:
-    """Single-table kernel arguments when the Triton backend serves ``weight``'s device."""
+def _shared_offsets(tensors: list[Tensor]) -> tuple[Tensor, list[int]] | None:
+    """A flat view over the storage the tensors share, and their element offsets in it."""
+    first = tensors[0]
+    ptr = first.untyped_storage().data_ptr()
+    if not all(t.is_contiguous() and t.untyped_storage().data_ptr() == ptr for t in tensors):
+        return None
+    numel = first.untyped_storage().nbytes() // first.element_size()
+    flat = first.new_empty(0).set_(first.untyped_storage(), 0, (numel,))
+    return flat, [t.storage_offset() for t in tensors]
+
+
+def _triton_tables(updates: list[RowUpdate]) -> dict | None:
+    """Packed kernel arguments when the Triton backend serves these shards, else None."""
     from dtrec.ops.backend import resolve_backend
 
-    if resolve_backend(weight.device) != "triton" or not weight.is_contiguous():
+    weight = updates[0].weight
+    if resolve_backend(weight.device) != "triton":
         return None
-    dim = weight.shape[1]
+    shared = _shared_offsets([u.weight for u in updates])
+    if shared is None:
+        return None
+    flat, offsets = shared
     device = weight.device
+    dims = [u.weight.shape[1] for u in updates]
+    counts = torch.tensor([u.rows.numel() for u in updates], device=device)
+    row_dims = torch.tensor(dims, device=device).repeat_interleave(counts)
     return {
-        "weights": weight.view(-1),
-        "table_offsets": torch.zeros(1, dtype=torch.int64, device=device),
-        "dims": torch.tensor([dim], dtype=torch.int32, device=device),
-        "row_table": torch.zeros(rows.numel(), dtype=torch.int32, device=device),
-        "row_ids": rows,
-        "grad_rows": grad_rows.contiguous().view(-1),
-        "grad_offsets": torch.arange(rows.numel(), device=device) * dim,
-        "max_dim": dim,
+        "weights": flat,
+        "table_offsets": torch.tensor(offsets, dtype=torch.int64, device=device),
+        "dims": torch.tensor(dims, dtype=torch.int32, device=device),
+        "row_table": torch.arange(len(updates), dtype=torch.int32, device=device).repeat_interleave(
+            counts
+        ),
+        "row_ids": torch.cat([u.rows for u in updates]),
+        "grad_rows": torch.cat([u.grad_rows.reshape(-1) for u in updates]),
+        "grad_offsets": torch.cumsum(row_dims, 0) - row_dims,
+        "max_dim": max(dims),
     }
+
+
+def _state_offsets(updates: list[RowUpdate], key: str, args: dict) -> tuple[Tensor, Tensor] | None:
+    """A packed state kind: (flat buffer, per-table offsets), or None if not packed."""
+    shared = _shared_offsets([u.state[key] for u in updates])
+    if shared is None:
+        return None
+    flat, offsets = shared
+    return flat, torch.tensor(offsets, dtype=torch.int64, device=flat.device)
 
 
 def _check_lr(lr: float, name: str) -> None:
@@ -81,14 +172,15 @@ class SGD(FusedOptimizer):
     def init_state(self, weight: Tensor) -> dict[str, Tensor]:
         return {}
 
-    def update_rows(self, weight, state, rows, grad_rows, row_sq_sum=None, full_dim=None) -> None:
-        if rows.numel() and (args := _triton_rows(weight, rows, grad_rows)) is not None:
-            from dtrec.ops.triton_kernels import sgd_update_rows
+    def _update_triton(self, updates: list[RowUpdate], args: dict) -> bool:
+        from dtrec.ops.triton_kernels import sgd_update_rows
 
-            sgd_update_rows(lr=self.lr, **args)
-            return
-        new = weight[rows].float() - self.lr * grad_rows
-        weight.index_copy_(0, rows, new.to(weight.dtype))
+        sgd_update_rows(lr=self.lr, **args)
+        return True
+
+    def _update_torch(self, u: RowUpdate) -> None:
+        new = u.weight[u.rows].float() - self.lr * u.grad_rows
+        u.weight.index_copy_(0, u.rows, new.to(u.weight.dtype))
 
 
 @dataclass(frozen=True)
@@ -110,27 +202,36 @@ class RowWiseAdagrad(FusedOptimizer):
     def init_state(self, weight: Tensor) -> dict[str, Tensor]:
         return {"sum": torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)}
 
-    def update_rows(self, weight, state, rows, grad_rows, row_sq_sum=None, full_dim=None) -> None:
-        dim = full_dim if full_dim is not None else grad_rows.shape[1]
-        if rows.numel() and (args := _triton_rows(weight, rows, grad_rows)) is not None:
-            from dtrec.ops.triton_kernels import rowwise_adagrad_update_rows
+    def _update_triton(self, updates: list[RowUpdate], args: dict) -> bool:
+        from dtrec.ops.triton_kernels import rowwise_adagrad_update_rows
 
-            rowwise_adagrad_update_rows(
-                state=state["sum"],
-                state_offsets=torch.zeros(1, dtype=torch.int64, device=weight.device),
-                lr=self.lr,
-                eps=self.eps,
-                row_sq_sum=row_sq_sum,
-                full_dims=torch.tensor([dim], dtype=torch.int32, device=weight.device),
-                **args,
-            )
-            return
-        if row_sq_sum is None:
-            row_sq_sum = grad_rows.square().sum(1)
-        acc = state["sum"][rows] + row_sq_sum / max(dim, 1)
-        state["sum"].index_copy_(0, rows, acc)
-        step = grad_rows / (acc.sqrt() + self.eps).unsqueeze(1)
-        weight.index_copy_(0, rows, (weight[rows].float() - self.lr * step).to(weight.dtype))
+        state = _state_offsets(updates, "sum", args)
+        if state is None:
+            return False
+        sq = [
+            u.row_sq_sum if u.row_sq_sum is not None else u.grad_rows.square().sum(1)
+            for u in updates
+        ]
+        full = [u.full_dim or u.weight.shape[1] for u in updates]
+        rowwise_adagrad_update_rows(
+            state=state[0],
+            state_offsets=state[1],
+            lr=self.lr,
+            eps=self.eps,
+            row_sq_sum=torch.cat(sq),
+            full_dims=torch.tensor(full, dtype=torch.int32, device=state[0].device),
+            **args,
+        )
+        return True
+
+    def _update_torch(self, u: RowUpdate) -> None:
+        dim = u.full_dim or u.grad_rows.shape[1]
+        row_sq_sum = u.row_sq_sum if u.row_sq_sum is not None else u.grad_rows.square().sum(1)
+        acc = u.state["sum"][u.rows] + row_sq_sum / max(dim, 1)
+        u.state["sum"].index_copy_(0, u.rows, acc)
+        step = u.grad_rows / (acc.sqrt() + self.eps).unsqueeze(1)
+        new = u.weight[u.rows].float() - self.lr * step
+        u.weight.index_copy_(0, u.rows, new.to(u.weight.dtype))
 
 
 @dataclass(frozen=True)
@@ -154,31 +255,46 @@ class Adam(FusedOptimizer):
             "step": torch.zeros((), dtype=torch.float32, device=weight.device),
         }
 
-    def update_rows(self, weight, state, rows, grad_rows, row_sq_sum=None, full_dim=None) -> None:
+    _counts_empty_steps = True
+
+    def update_tables(self, updates: list[RowUpdate]) -> None:
+        for u in updates:
+            u.state["step"] += 1
+        super().update_tables(updates)
+
+    def _update_triton(self, updates: list[RowUpdate], args: dict) -> bool:
+        from dtrec.ops.triton_kernels import adam_update_rows
+
+        m, v = _state_offsets(updates, "exp_avg", args), _state_offsets(updates, "exp_avg_sq", args)
+        steps = {float(u.state["step"]) for u in updates}
+        same_layout = m is not None and v is not None and torch.equal(m[1], args["table_offsets"])
+        if not same_layout or not torch.equal(v[1], args["table_offsets"]) or len(steps) != 1:
+            return False  # the kernel reads m and v at the weights' offsets, with one step
         b1, b2 = self.betas
-        state["step"] += 1
-        step = float(state["step"])
-        if rows.numel() and (args := _triton_rows(weight, rows, grad_rows)) is not None:
-            from dtrec.ops.triton_kernels import adam_update_rows
+        adam_update_rows(
+            exp_avg=m[0],
+            exp_avg_sq=v[0],
+            lr=self.lr,
+            beta1=b1,
+            beta2=b2,
+            eps=self.eps,
+            step=int(steps.pop()),
+            **args,
+        )
+        return True
 
-            adam_update_rows(
-                exp_avg=state["exp_avg"].view(-1),
-                exp_avg_sq=state["exp_avg_sq"].view(-1),
-                lr=self.lr,
-                beta1=b1,
-                beta2=b2,
-                eps=self.eps,
-                step=int(step),
-                **args,
-            )
+    def _update_torch(self, u: RowUpdate) -> None:
+        if not u.rows.numel():
             return
-        m = state["exp_avg"][rows].mul_(b1).add_(grad_rows, alpha=1 - b1)
-        v = state["exp_avg_sq"][rows].mul_(b2).addcmul_(grad_rows, grad_rows, value=1 - b2)
-        state["exp_avg"].index_copy_(0, rows, m)
-        state["exp_avg_sq"].index_copy_(0, rows, v)
+        b1, b2 = self.betas
+        step = float(u.state["step"])
+        m = u.state["exp_avg"][u.rows].mul_(b1).add_(u.grad_rows, alpha=1 - b1)
+        v = u.state["exp_avg_sq"][u.rows].mul_(b2).addcmul_(u.grad_rows, u.grad_rows, value=1 - b2)
+        u.state["exp_avg"].index_copy_(0, u.rows, m)
+        u.state["exp_avg_sq"].index_copy_(0, u.rows, v)
         denom = (v / (1 - b2**step)).sqrt_().add_(self.eps)
-        new = weight[rows].float() - (self.lr / (1 - b1**step)) * m / denom
-        weight.index_copy_(0, rows, new.to(weight.dtype))
+        new = u.weight[u.rows].float() - (self.lr / (1 - b1**step)) * m / denom
+        u.weight.index_copy_(0, u.rows, new.to(u.weight.dtype))
 
 
-__all__ = ["SGD", "Adam", "FusedOptimizer", "RowWiseAdagrad"]
+__all__ = ["SGD", "Adam", "FusedOptimizer", "RowUpdate", "RowWiseAdagrad"]

@@ -150,10 +150,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
             replicas = self._dp_group if self._layouts[t].batch_local else self._replicate_group
             weight = self.embedding_bags[cfg.name].weight.to_local()
             updates[t] = TableUpdate(weight, replicas, columns.get(t), cfg.embedding_dim)
-        state = {
-            t: optimizer.init_state(self.embedding_bags[cfg.name].weight.to_local())
-            for t, cfg in enumerate(self._tables)
-        }
+        # Local tables' states packed in the order their weights are packed.
+        local = self._routing.local_tables
+        others = [t for t in range(len(self._tables)) if t not in updates]
+        weights = [self.embedding_bags[self._tables[t].name].weight.to_local() for t in local]
+        state = dict(zip(local, optimizer.init_states(weights), strict=True))
+        for t in others:  # ranks without a shard of the table keep empty state
+            state[t] = optimizer.init_state(
+                self.embedding_bags[self._tables[t].name].weight.to_local()
+            )
         return FusedUpdater(optimizer, updates, state, self._world_size)
 
     def fused_optimizer_state(self) -> dict[str, dict[str, Tensor]]:
