@@ -132,16 +132,26 @@ def _triton_tables(updates: list[RowUpdate]) -> dict | None:
     dims = [u.weight.shape[1] for u in updates]
     counts = torch.tensor([u.rows.numel() for u in updates], device=device)
     row_dims = torch.tensor(dims, device=device).repeat_interleave(counts)
+    first_row = torch.cumsum(counts, 0) - counts
+    grads = _shared_offsets([u.grad_rows for u in updates])
+    if grads is None:  # pack the gradient rows (one copy)
+        grad_flat = torch.cat([u.grad_rows.reshape(-1) for u in updates])
+        grad_offsets = torch.cumsum(row_dims, 0) - row_dims
+    else:  # backward's rows already live in one buffer: read them in place
+        grad_flat, starts = grads
+        index_in_table = torch.arange(int(counts.sum()), device=device)
+        index_in_table -= first_row.repeat_interleave(counts)
+        base = torch.tensor(starts, dtype=torch.int64, device=device).repeat_interleave(counts)
+        grad_offsets = base + index_in_table * row_dims
+    table_ids = torch.arange(len(updates), dtype=torch.int32, device=device)
     return {
         "weights": flat,
         "table_offsets": torch.tensor(offsets, dtype=torch.int64, device=device),
         "dims": torch.tensor(dims, dtype=torch.int32, device=device),
-        "row_table": torch.arange(len(updates), dtype=torch.int32, device=device).repeat_interleave(
-            counts
-        ),
+        "row_table": table_ids.repeat_interleave(counts),
         "row_ids": torch.cat([u.rows for u in updates]),
-        "grad_rows": torch.cat([u.grad_rows.reshape(-1) for u in updates]),
-        "grad_offsets": torch.cumsum(row_dims, 0) - row_dims,
+        "grad_rows": grad_flat,
+        "grad_offsets": grad_offsets,
         "max_dim": max(dims),
     }
 
@@ -208,17 +218,21 @@ class RowWiseAdagrad(FusedOptimizer):
         state = _state_offsets(updates, "sum", args)
         if state is None:
             return False
-        sq = [
-            u.row_sq_sum if u.row_sq_sum is not None else u.grad_rows.square().sum(1)
-            for u in updates
-        ]
+        row_sq_sum = None  # the kernel sums squares itself unless a caller reduced them
+        if any(u.row_sq_sum is not None for u in updates):
+            row_sq_sum = torch.cat(
+                [
+                    u.row_sq_sum if u.row_sq_sum is not None else u.grad_rows.square().sum(1)
+                    for u in updates
+                ]
+            )
         full = [u.full_dim or u.weight.shape[1] for u in updates]
         rowwise_adagrad_update_rows(
             state=state[0],
             state_offsets=state[1],
             lr=self.lr,
             eps=self.eps,
-            row_sq_sum=torch.cat(sq),
+            row_sq_sum=row_sq_sum,
             full_dims=torch.tensor(full, dtype=torch.int32, device=state[0].device),
             **args,
         )

@@ -44,9 +44,20 @@ def test_batched_update_matches_per_table_reference(backend_device, optimizer) -
     try:
         for _ in range(3):
             updates, ref_updates = [], []
-            for w, st, rw, rst in zip(weights, states, reference, ref_states):
-                rows = torch.unique(torch.randint(0, w.shape[0], (4,), generator=gen)).to(device)
-                grads = torch.randn(rows.numel(), w.shape[1], generator=gen).to(device)
+            all_rows = [
+                torch.unique(torch.randint(0, w.shape[0], (4,), generator=gen)) for w in weights
+            ]
+            sizes = [r.numel() * w.shape[1] for r, w in zip(all_rows, weights)]
+            grad_buffer = torch.randn(sum(sizes), generator=gen).to(
+                device
+            )  # like backward's output
+            grad_views = [
+                g.view(r.numel(), -1) for g, r in zip(torch.split(grad_buffer, sizes), all_rows)
+            ]
+            for w, st, rw, rst, rows, grads in zip(
+                weights, states, reference, ref_states, all_rows, grad_views
+            ):
+                rows = rows.to(device)
                 updates.append(RowUpdate(w, st, rows, grads, full_dim=w.shape[1]))
                 ref_updates.append(RowUpdate(rw, rst, rows, grads, full_dim=w.shape[1]))
             optimizer.update_tables(updates)
