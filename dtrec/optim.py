@@ -183,7 +183,7 @@ class SGD(FusedOptimizer):
         return {}
 
     def _update_triton(self, updates: list[RowUpdate], args: dict) -> bool:
-        from dtrec.ops.triton_kernels import sgd_update_rows
+        from dtrec.ops.triton_update_kernels import sgd_update_rows
 
         sgd_update_rows(lr=self.lr, **args)
         return True
@@ -213,7 +213,7 @@ class RowWiseAdagrad(FusedOptimizer):
         return {"sum": torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)}
 
     def _update_triton(self, updates: list[RowUpdate], args: dict) -> bool:
-        from dtrec.ops.triton_kernels import rowwise_adagrad_update_rows
+        from dtrec.ops.triton_update_kernels import rowwise_adagrad_update_rows
 
         state = _state_offsets(updates, "sum", args)
         if state is None:
@@ -277,7 +277,7 @@ class Adam(FusedOptimizer):
         super().update_tables(updates)
 
     def _update_triton(self, updates: list[RowUpdate], args: dict) -> bool:
-        from dtrec.ops.triton_kernels import adam_update_rows
+        from dtrec.ops.triton_update_kernels import adam_update_rows
 
         m, v = _state_offsets(updates, "exp_avg", args), _state_offsets(updates, "exp_avg_sq", args)
         steps = {float(u.state["step"]) for u in updates}

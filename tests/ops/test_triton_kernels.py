@@ -15,6 +15,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dtrec.ops import triton_kernels as K  # noqa: E402
+from dtrec.ops import triton_reference as R  # noqa: E402
+from dtrec.ops import triton_update_kernels as U  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
 DEVICE = torch.device("cuda" if not INTERPRET and torch.cuda.is_available() else "cpu")
@@ -149,7 +151,7 @@ def test_fwd_matches_reference_and_embedding_bag(dtype, idx_dtype, weighted):
     case = Case(dtype=dtype, idx_dtype=idx_dtype, weighted=weighted, seed=1)
     out = fwd(case)
     assert out.dtype == dtype and out.shape == (B, case.total_dim)
-    ref = K.embedding_bag_fwd_reference(*case.layout(), per_sample_weights=case.psw)
+    ref = R.embedding_bag_fwd_reference(*case.layout(), per_sample_weights=case.psw)
     exact = case.torch_forward(case.tables())
     tol = FP32 if dtype == torch.float32 else BF16_ULP
     torch.testing.assert_close(out.float(), ref.float(), **tol)
@@ -195,7 +197,7 @@ def test_fwd_bounds_flag_and_no_out_of_bounds_read():
     out, error = fwd(case, weights, bounds=dev(bounds))
     assert error.tolist() == [1, bad_entry]
     assert torch.isfinite(out).all()
-    ref, ref_bad = K.embedding_bag_fwd_reference(*case.layout(), bounds=bounds)
+    ref, ref_bad = R.embedding_bag_fwd_reference(*case.layout(), bounds=bounds)
     assert bool(ref_bad)
     torch.testing.assert_close(out, ref)
 
@@ -214,7 +216,7 @@ def test_bwd_rows_matches_reference_and_autograd(idx_dtype, weighted):
     case = Case(idx_dtype=idx_dtype, weighted=weighted, seed=4)
     grad_out = torch.randn(B, case.total_dim)
     got = bwd(case, grad_out)
-    ref = K.embedding_bag_bwd_rows_reference(*case.bwd_args(grad_out))
+    ref = R.embedding_bag_bwd_rows_reference(*case.bwd_args(grad_out))
     for name in ("unique_keys", "row_table", "row_ids", "grad_offsets"):
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
     torch.testing.assert_close(got.grad_rows, ref.grad_rows, **FP32)
@@ -243,7 +245,7 @@ def test_bwd_rows_deterministic_with_hot_rows():
     first, second = bwd(case, grad_out), bwd(case, grad_out)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
-    ref = K.embedding_bag_bwd_rows_reference(*case.bwd_args(grad_out))
+    ref = R.embedding_bag_bwd_rows_reference(*case.bwd_args(grad_out))
     torch.testing.assert_close(first.grad_rows, ref.grad_rows, **FP32)
 
 
@@ -268,7 +270,7 @@ def test_bwd_rows_hot_row_split_into_chunks(monkeypatch, int32_keys):
         monkeypatch.setattr(K, "_INT32_KEYS", 0)
     case = _hot_row_case(seed=16)
     grad_out = torch.randn(2, case.total_dim)
-    ref = K.embedding_bag_bwd_rows_reference(*case.bwd_args(grad_out))
+    ref = R.embedding_bag_bwd_rows_reference(*case.bwd_args(grad_out))
     assert ref.row_table.tolist()[:3] == [0, 0, 0]
     for chunk_size in (8, 16, None):
         got = bwd(case, grad_out, chunk_size=chunk_size)
@@ -321,8 +323,8 @@ def test_sgd_update_rows(dtype):
     case = Case(dtype=dtype, seed=6)
     grads = _touched(case, seed=7)
     w, w_ref = dev(case.weights.clone()), case.weights.clone()
-    K.sgd_update_rows(w, *dev(*_rows_args(case, grads)), 0.1)
-    K.sgd_update_rows_reference(w_ref, *_rows_args(case, grads), 0.1)
+    U.sgd_update_rows(w, *dev(*_rows_args(case, grads)), 0.1)
+    R.sgd_update_rows_reference(w_ref, *_rows_args(case, grads), 0.1)
     tol = BF16_ULP if dtype == torch.bfloat16 else FP32  # a GPU may fuse w - lr * g to an fma
     torch.testing.assert_close(w.cpu().float(), w_ref.float(), **tol)
     for new, old, g in zip(case.tables(w.cpu(), torch.float32), case.tables(dtype=torch.float32),
@@ -345,7 +347,7 @@ def _dense_rowwise_adagrad(table, state, grad, lr, eps):
 )
 def test_rowwise_adagrad_update_rows(monkeypatch, dtype, row_blocks):
     if not row_blocks:  # rows wider than the row-block kernel's limit: one program per row
-        monkeypatch.setattr(K, "_ADAGRAD_MAX_BLOCK_D", 128)
+        monkeypatch.setattr(U, "_ADAGRAD_MAX_BLOCK_D", 128)
     case = Case(dtype=dtype, seed=8)
     grads = _touched(case, seed=9)
     state_offsets = torch.cumsum(case.rows, 0) - case.rows
@@ -353,9 +355,9 @@ def test_rowwise_adagrad_update_rows(monkeypatch, dtype, row_blocks):
     w, state = dev(case.weights.clone(), state0.clone())
     w_ref, state_ref = case.weights.clone(), state0.clone()
     lr, eps = 0.05, 1e-8
-    K.rowwise_adagrad_update_rows(w, state, *dev(state_offsets, *_rows_args(case, grads)), lr,
+    U.rowwise_adagrad_update_rows(w, state, *dev(state_offsets, *_rows_args(case, grads)), lr,
                                   eps)  # fmt: skip
-    K.rowwise_adagrad_update_rows_reference(
+    R.rowwise_adagrad_update_rows_reference(
         w_ref, state_ref, state_offsets, *_rows_args(case, grads), lr, eps
     )
     w, state = w.cpu(), state.cpu()
@@ -380,7 +382,7 @@ def test_rowwise_adagrad_column_shards_match_full_table():
     state0 = torch.rand(sum(rows)) * 0.1
     lr, eps = 0.05, 1e-8
     want, want_state = full.weights.clone(), state0.clone()
-    K.rowwise_adagrad_update_rows_reference(
+    R.rowwise_adagrad_update_rows_reference(
         want, want_state, state_offsets, *_rows_args(full, grads), lr, eps
     )
 
@@ -401,7 +403,7 @@ def test_rowwise_adagrad_column_shards_match_full_table():
             grad_offsets=torch.cumsum(row_dim, 0) - row_dim,
         )
         w, state = dev(shard.weights, state0.clone())
-        K.rowwise_adagrad_update_rows(
+        U.rowwise_adagrad_update_rows(
             w, state, *dev(state_offsets, *_rows_args(shard, shard_grads)), lr, eps,
             row_sq_sum=dev(row_sq_sum), full_dims=dev(full.dims),
         )  # fmt: skip
@@ -421,8 +423,8 @@ def test_adam_update_rows_matches_reference(dtype):
     w, m, v = dev(case.weights.clone(), m0.clone(), v0.clone())
     w_ref, m_ref, v_ref = case.weights.clone(), m0.clone(), v0.clone()
     hyper = (0.1, 0.9, 0.999, 1e-8, 3)
-    K.adam_update_rows(w, m, v, *dev(*_rows_args(case, grads)), *hyper)
-    K.adam_update_rows_reference(w_ref, m_ref, v_ref, *_rows_args(case, grads), *hyper)
+    U.adam_update_rows(w, m, v, *dev(*_rows_args(case, grads)), *hyper)
+    R.adam_update_rows_reference(w_ref, m_ref, v_ref, *_rows_args(case, grads), *hyper)
     torch.testing.assert_close(m.cpu(), m_ref, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(v.cpu(), v_ref, atol=1e-7, rtol=1e-5)
     tol = BF16_ULP if dtype == torch.bfloat16 else FP32
@@ -439,7 +441,7 @@ def test_adam_update_rows_matches_torch_adam():
     opt = torch.optim.Adam(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8)
     for step in range(1, 4):
         grads = grads._replace(grad_rows=grads.grad_rows * (1.0 + step))
-        K.adam_update_rows(w, m, v, *dev(*_rows_args(case, grads)), 1e-2, 0.9, 0.99, 1e-8, step)
+        U.adam_update_rows(w, m, v, *dev(*_rows_args(case, grads)), 1e-2, 0.9, 0.99, 1e-8, step)
         for p, g in zip(params, _dense_grads(case, grads)):
             p.grad = g
         opt.step()
