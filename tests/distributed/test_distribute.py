@@ -207,8 +207,49 @@ def _fused(rank: int) -> dict:
     }
 
 
+def _bf16(rank: int) -> dict:
+    """bf16 tables through the sharded step, against fp32 math on the same (rounded) weights."""
+    import torch
+
+    import dtrec
+    from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
+
+    mesh = dtrec.init_mesh("cpu", 2)
+    plan = {
+        "sparse.t0": RowWise(),
+        "sparse.t1": TableWise(rank=1),
+        "sparse.t2": ColumnWise(),
+        "sparse.t3": DataParallel(),
+    }
+    out = {}
+    for name, fused in (("plain", None), ("fused_sgd", dtrec.optim.SGD(lr=0.5))):
+        reference = _model().to(torch.bfloat16).float()  # fp32 copy of the bf16 weights
+        model = _model().to(torch.bfloat16)
+        model = dtrec.distribute_module(model, mesh, plan, optimizer=fused)
+        kjt = _batch(rank)
+        y = model.sparse(kjt).values()
+        want = reference.sparse(kjt).values()
+        before = {n: t.weight.to_local().clone() for n, t in model.sparse.embedding_bags.items()}
+        y.float().square().sum().backward()
+        if fused is None:
+            torch.optim.SGD(model.parameters(), lr=0.5).step()
+        out[name] = {
+            "dtype": str(y.dtype),
+            "max_rel_err": ((y.float() - want).abs().max() / want.abs().max()).item(),
+            "weights_bf16": all(
+                t.weight.dtype == torch.bfloat16 for t in model.sparse.embedding_bags.values()
+            ),
+            "updated": any(
+                not torch.equal(t.weight.to_local(), before[n])
+                for n, t in model.sparse.embedding_bags.items()
+            ),
+        }
+    return out
+
+
 def _all_checks(rank: int, world: int) -> dict:
     return {
+        "bf16": _bf16(rank),
         "fused": _fused(rank),
         "round_trips": _round_trips(rank),
         "comm": _comm_counts(rank),
@@ -308,3 +349,11 @@ def test_fused_optimizer_state_and_no_grads(results) -> None:
             assert f["sum_rows"][f"sparse.{table}"] == (rows,), (rank, table)
         assert f["mismatch"].startswith("ValueError") and "sparse.t0.sum" in f["mismatch"]
         assert f["torch_optimizer"].startswith("TypeError")
+
+
+def test_bf16_tables(results) -> None:
+    for rank, r in enumerate(results):
+        for name, b in r["bf16"].items():
+            assert b["dtype"] == "torch.bfloat16", (rank, name)
+            assert b["max_rel_err"] < 1e-2, (rank, name, b["max_rel_err"])
+            assert b["weights_bf16"] and b["updated"], (rank, name, b)
