@@ -97,6 +97,26 @@ def _embedding_bag_backward_fake(weights, entry_table, values, offsets, mean, ps
     return [torch.empty_like(w) for w in weights]
 
 
+@torch.library.custom_op("dtrec::embedding_bag_psw_backward", mutates_args=())
+def embedding_bag_psw_backward_op(
+    weights: list[Tensor],
+    entry_table: list[int],
+    values: Tensor,
+    offsets: Tensor,
+    grad_out: Tensor,
+) -> Tensor:
+    """Gradient w.r.t. per-sample weights (sum pooling): ``<grad_out[bag, cols_e], row>`` per id."""
+    mean = [False] * len(entry_table)
+    return torch_impl.per_sample_weights_grad_torch(
+        Lookup(weights, entry_table, values, offsets, mean), grad_out
+    )
+
+
+@embedding_bag_psw_backward_op.register_fake
+def _embedding_bag_psw_backward_fake(weights, entry_table, values, offsets, grad_out):
+    return grad_out.new_empty(values.shape[0])
+
+
 class EmbeddingBagFunction(torch.autograd.Function):
     """Autograd for the op: dense weight grads and per-sample-weight grads."""
 
@@ -121,7 +141,7 @@ class EmbeddingBagFunction(torch.autograd.Function):
             )
         grad_psw = None
         if needs[5]:
-            grad_psw = torch_impl.per_sample_weights_grad_torch(
-                Lookup(weights, ctx.entry_table, values, offsets, ctx.mean, psw), grad_out
+            grad_psw = embedding_bag_psw_backward_op(
+                weights, ctx.entry_table, values, offsets, grad_out.contiguous()
             ).to(psw.dtype)
         return (None, None, None, None, None, grad_psw, *grads)

@@ -154,7 +154,7 @@ def _inputs_layout(mesh: DeviceMesh, bound: dict[str, object]) -> Placements:
     implicit = DTensor._op_dispatcher._allow_implicit_replication
     found: dict[str, Placements] = {}
     for name in ("values", "offsets", "per_sample_weights"):
-        t = bound[name]
+        t = bound.get(name)
         if t is None:
             continue
         if isinstance(t, DTensor):
@@ -391,6 +391,81 @@ def _local_columns(
     return torch.cat(pieces, dim=1)
 
 
+def embedding_bag_psw_backward_strategy(
+    weight_placements: Placements, input_placements: Placements, num_entries: int
+) -> tuple[Placements, Placements]:
+    """(placements grad_out is redistributed to, psw-grad placements).
+
+    A row (Shard(0)) or column (Shard(1)) shard only sees part of each id's
+    dot product, so the per-id gradient is Partial there; batch-sharded
+    inputs give a batch-sharded (jagged, Shard(0)) gradient.
+
+    Example::
+
+        embedding_bag_psw_backward_strategy((Shard(0),), (Replicate(),), 1)
+        # -> ((Replicate(),), (Partial(sum),))
+    """
+    grad_out: list[Placement] = []
+    grad_psw: list[Placement] = []
+    rules = zip(weight_placements, input_placements, strict=True)
+    for axis, (w, i) in enumerate(rules):
+        _, need, _ = _axis_rule(axis, w, i, num_entries)
+        grad_out.append(need)
+        grad_psw.append(
+            Shard(0) if _is_shard(i, 0) else Replicate() if isinstance(w, Replicate) else Partial()
+        )
+    return tuple(grad_out), tuple(grad_psw)
+
+
+def _embedding_bag_psw_backward_handler(op_call, args, kwargs):
+    bound = _bind(op_call, args, kwargs)
+    weights, entry_table = _tables(bound)
+    mesh, weight_placements = _weights_layout(weights)
+    input_placements = _inputs_layout(mesh, bound)
+    values, offsets, grad_out = bound["values"], bound["offsets"], bound["grad_out"]
+    if not isinstance(grad_out, DTensor):
+        raise TypeError("dtrec.embedding_bag_psw_backward: grad_out must be a DTensor")
+    need, out_placements = embedding_bag_psw_backward_strategy(
+        weight_placements, input_placements, len(entry_table)
+    )
+    if mesh.get_coordinate() is None:
+        return _dtensor(
+            _nothing(weights[0]).view(-1)[:0].float(), mesh, out_placements, values.shape
+        )
+    if grad_out.placements != need:
+        grad_out = grad_out.redistribute(mesh, need)
+    local_grad_out = grad_out.to_local()
+    if len(entry_table) > 1 and any(_is_shard(p, 1) for p in weight_placements):
+        local_grad_out = _local_columns(local_grad_out, weights, entry_table, mesh)
+    local_values, local_offsets = _local(values), _local(offsets)
+    local_weights = [w.to_local() for w in weights]
+    if any(_is_shard(p, 0) for p in weight_placements):
+        # Ids outside this rank's rows contribute 0 here (another shard has them).
+        row_start = []
+        for w in weights:
+            _, offset = compute_local_shape_and_global_offset(w.shape, mesh, w.placements)
+            row_start.append(offset[0])
+        batch = (local_offsets.numel() - 1) // len(entry_table)
+        lengths = torch.diff(local_offsets.long()).view(len(entry_table), batch).sum(1)
+        table_of_id = torch.tensor(entry_table, device=local_values.device).repeat_interleave(
+            lengths
+        )
+        start = torch.tensor(row_start, device=local_values.device)[table_of_id]
+        rows = torch.tensor([w.shape[0] for w in local_weights], device=local_values.device)[
+            table_of_id
+        ]
+        shifted = local_values.long() - start
+        inside = (shifted >= 0) & (shifted < rows)
+        local_values = torch.where(inside, shifted, torch.zeros_like(shifted))
+        # A shard without rows still needs a row 0 to index (its ids are all masked).
+        safe = [w if w.shape[0] else w.new_zeros(1, w.shape[1]) for w in local_weights]
+        local = op_call(safe, entry_table, local_values, local_offsets, local_grad_out)
+        local = local * inside
+    else:
+        local = op_call(local_weights, entry_table, local_values, local_offsets, local_grad_out)
+    return _dtensor(local, mesh, out_placements, values.shape)
+
+
 def register_dtensor_rules() -> None:
     """Teach DTensor the dtrec ops; idempotent, call once before using DTensor tables.
 
@@ -404,3 +479,6 @@ def register_dtensor_rules() -> None:
     handlers = DTensor._op_dispatcher._custom_op_handlers
     handlers[torch.ops.dtrec.embedding_bag.default] = _embedding_bag_handler
     handlers[torch.ops.dtrec.embedding_bag_backward.default] = _embedding_bag_backward_handler
+    handlers[torch.ops.dtrec.embedding_bag_psw_backward.default] = (
+        _embedding_bag_psw_backward_handler
+    )

@@ -182,10 +182,11 @@ def _check_case(rank, mesh, cfg) -> dict:
     batches = [_make_batch(gen, tables, entry_table, 3, empty, weighted) for _ in range(num_shards)]
     g_values, g_offsets, g_psw = _concat_batches(batches)
 
-    # the unsharded reference on the global batch
+    # the unsharded reference on the global batch (per-sample weights learn too)
     ref_w = [w.clone().requires_grad_() for w in weights]
+    ref_psw = None if g_psw is None else g_psw.clone().requires_grad_()
     ref = dtrec.ops.embedding_bag(
-        [ref_w[t] for t in entry_table], g_values, g_offsets, pooling, g_psw
+        [ref_w[t] for t in entry_table], g_values, g_offsets, pooling, ref_psw
     )
     upstream = torch.randn(ref.shape, generator=gen)
     (ref * upstream).sum().backward()
@@ -212,10 +213,12 @@ def _check_case(rank, mesh, cfg) -> dict:
             return DTensor.from_local(t, mesh, in_pl, run_check=False, shape=(size,), stride=(1,))
 
         d_values, d_offsets = shard(values, g_values.numel()), shard(offsets, total)
-        d_psw = None if psw is None else shard(psw, g_values.numel())
+        psw_leaf = None if psw is None else psw.clone().requires_grad_()
+        d_psw = None if psw is None else shard(psw_leaf, g_values.numel())
     else:
         d_values, d_offsets = (distribute_tensor(t, mesh, in_pl) for t in (g_values, g_offsets))
-        d_psw = None if g_psw is None else distribute_tensor(g_psw, mesh, in_pl)
+        psw_leaf = None if g_psw is None else distribute_tensor(g_psw, mesh, in_pl)
+        d_psw = None if psw_leaf is None else psw_leaf.requires_grad_()
 
     with CommDebugMode() as fwd:
         out = dtrec.ops.embedding_bag(
@@ -237,7 +240,23 @@ def _check_case(rank, mesh, cfg) -> dict:
             local_shapes.append(
                 (tuple(w.grad.to_local().shape), tuple(w.to_local().shape), tuple(w.shape))
             )
+    psw_grad_err = 0.0
+    if ref_psw is not None:
+        got = psw_leaf.grad
+        if batch_axes:  # each rank's own ids: pick them out of the entry-major global batch
+            pieces, pos = [], 0
+            for e in range(len(entry_table)):
+                for shard_index, b in enumerate(batches):
+                    n = b[e][0].numel()
+                    if shard_index == index:
+                        pieces.append(ref_psw.grad[pos : pos + n])
+                    pos += n
+            want = torch.cat(pieces)
+        else:
+            got, want = got.full_tensor(), ref_psw.grad
+        psw_grad_err = (got - want).abs().max().item()
     return {
+        "psw_grad_err": psw_grad_err,
         "fwd_err": (full_out - ref).abs().max().item(),
         "grad_err": grad_err,
         "out_placements": tuple(map(str, out.placements)),
@@ -360,6 +379,9 @@ def test_matches_unsharded(world, name):
         r = res[name]
         assert r["fwd_err"] < 1e-5, f"rank {rank}: forward off by {r['fwd_err']}"
         assert r["grad_err"] < 1e-5, f"rank {rank}: grad off by {r['grad_err']}"
+        assert r["psw_grad_err"] < 1e-5, (
+            f"rank {rank}: per-sample weight grad off by {r['psw_grad_err']}"
+        )
         assert r["out_placements"] == expect_out, f"rank {rank}"
         assert all(g == expect_grad for g in r["grad_placements"]), f"rank {rank}"
         for grad_local, weight_local, full in r["local_shapes"]:
