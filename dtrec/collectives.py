@@ -133,10 +133,3 @@ class _AllReduceGrad(torch.autograd.Function):
 def all_reduce_grad(tensor: Tensor, group: ProcessGroup, scale: float, kind: str) -> Tensor:
     """Identity forward; backward sums the gradient over ``group`` and multiplies by ``scale``."""
     return _AllReduceGrad.apply(tensor, group, scale, kind)
-
-
-def all_gather_object_checked(obj: object, group: ProcessGroup) -> list[object]:
-    """``all_gather_object`` over ``group`` (small control messages only)."""
-    out: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
