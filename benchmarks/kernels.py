@@ -25,8 +25,7 @@ import torch.nn.functional as F
 
 import dtrec
 from dtrec.ops.embedding_bag import Lookup
-from dtrec.ops.op import lookup_backward_rows, lookup_forward
-from dtrec.optim import RowUpdate
+from dtrec.ops.op import lookup_forward
 
 
 @dataclass
@@ -119,12 +118,9 @@ def run_config(
     def dtrec_forward():
         return lookup_forward(lookup)
 
-    def dtrec_step():
+    def dtrec_step():  # backward + update fused in one pass where the backend can
         lookup_forward(lookup)
-        rows = lookup_backward_rows(lookup, grad_out)
-        opt.update_tables(
-            [RowUpdate(w, st, ids, g) for w, st, (ids, g) in zip(weights, states, rows)]
-        )
+        opt.backward_update(lookup, grad_out, states)
 
     result = {"config": asdict(cfg) | {"rows": cfg.rows}, "num_ids": values.numel()}
     result["unique_rows"] = unique_rows

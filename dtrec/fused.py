@@ -1,7 +1,10 @@
 """Fused-optimizer backward: row-sparse grads -> replica sync -> update, at the end of backward.
 
-Lookups only *stash* their (rows, grad rows) per table during backward; one
-callback queued on the autograd engine then, for each table in table order:
+Lookups only *stash* their backward input during backward; one callback
+queued on the autograd engine then updates the tables. A table read by one
+lookup and owned by this rank alone (no replicas, no column shards) gets the
+optimizer's fused backward + step: one pass, no gradient buffer. For the
+others, in table order:
 
 1. merges the stashed parts and averages over the world (1 / W);
 2. sums them over the table's replicas with a sparse all-gather (bytes grow
@@ -17,6 +20,7 @@ group (replicas, column shards, the data-parallel world) in step.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -98,21 +102,47 @@ class FusedUpdater:
         self.tables = tables
         self.state = state
         self.world_size = world_size
-        self._pending: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        self._pending: list[tuple[list[int], Lookup, Tensor]] = []
 
-    def stash(self, table: int, rows: Tensor, grad_rows: Tensor) -> None:
-        """Record a backward's rows for ``table``; the update runs when backward ends."""
+    def stash(self, table_ids: list[int], lookup: Lookup, grad_out: Tensor) -> None:
+        """Record a lookup's backward input; the sync and update run when backward ends."""
         if not self._pending:
             torch.autograd.Variable._execution_engine.queue_callback(self.apply_pending)
-        self._pending.setdefault(table, []).append((rows, grad_rows))
+        self._pending.append((table_ids, lookup, grad_out))
+
+    def _syncs(self, t: int) -> bool:
+        """Whether table ``t``'s gradient is summed over other ranks before its update."""
+        update = self.tables[t]
+        group = update.replica_group
+        return update.column_group is not None or (
+            group is not None and dist.get_world_size(group) > 1
+        )
 
     def apply_pending(self) -> None:
-        """Sync every pending table (in table order), then update them all at once."""
-        pending, self._pending = self._pending, {}
+        """Update every table touched by this backward.
+
+        A lookup whose tables need no sync and appear in no other lookup gets the fused
+        backward + step (one pass on the Triton backend). The other tables' row grads are
+        synced in table order, then updated all at once.
+        """
+        pending, self._pending = self._pending, []
+        uses = Counter(t for table_ids, _, _ in pending for t in table_ids)
+        parts: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        for table_ids, lookup, grad_out in pending:
+            if not any(uses[t] > 1 or self._syncs(t) for t in table_ids):
+                with torch.no_grad():
+                    self.optimizer.backward_update(
+                        lookup, grad_out, [self.state[t] for t in table_ids], 1 / self.world_size
+                    )
+                continue
+            rows = lookup_backward_rows(lookup, grad_out)
+            for t, part in zip(table_ids, rows, strict=True):
+                parts.setdefault(t, []).append(part)
         updates = []
-        for t in sorted(pending):
+        for t in sorted(parts):
+            pending_t = parts[t]
             update = self.tables[t]
-            rows, grads = merge_rows(pending[t])
+            rows, grads = merge_rows(pending_t)
             grads = grads / self.world_size
             rows, grads = sparse_all_reduce_rows(
                 rows, grads, update.replica_group, "grad_sync.replicate.sparse"
@@ -150,9 +180,7 @@ class FusedLookup(torch.autograd.Function):
     def backward(ctx, grad_out):  # type: ignore[override]
         values, offsets, psw = ctx.saved_tensors
         lookup = Lookup(ctx.tables, ctx.entry_table, values, offsets, ctx.mean, psw)
-        rows = lookup_backward_rows(lookup, grad_out.contiguous())
-        for t, (ids, grad_rows) in zip(ctx.table_ids, rows, strict=True):
-            ctx.updater.stash(t, ids, grad_rows)
+        ctx.updater.stash(ctx.table_ids, lookup, grad_out.contiguous())
         return (None,) * 9
 
 

@@ -15,9 +15,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from dtrec.ops.device_lists import device_list
+from dtrec.ops.embedding_bag import Lookup
+
+if TYPE_CHECKING:  # the Triton modules load only when the Triton backend runs
+    from dtrec.ops.triton_row_updates import FusedRowUpdate
 
 
 @dataclass
@@ -83,9 +90,46 @@ class FusedOptimizer(ABC):
 
     def update_tables(self, updates: list[RowUpdate]) -> None:
         """One step on several tables: one Triton launch when they share storage."""
-        updates = [u for u in updates if u.rows.numel()] + [
-            u for u in updates if not u.rows.numel() and self._counts_empty_steps
-        ]
+        self._begin_step([u.state for u in updates])
+        self._apply(updates)
+
+    def backward_update(
+        self,
+        lookup: Lookup,
+        grad_out: Tensor,
+        states: list[dict[str, Tensor]],
+        grad_scale: float = 1.0,
+    ) -> None:
+        """The lookup's backward and one step on its tables (``states[i]`` for ``weights[i]``).
+
+        For tables whose whole gradient this lookup holds (no other lookup of them, no
+        replica or column-shard sync). On the Triton backend, with tables and states
+        packed, one pass sums each touched row's gradient and updates the row in place
+        (no gradient buffer); otherwise row grads, then ``update_tables``. Every gradient
+        is multiplied by ``grad_scale`` first.
+        """
+        from dtrec.ops.op import lookup_backward_rows
+
+        self._begin_step(states)
+        fused = self._fused_row_update(lookup.weights, states, grad_scale)
+        if fused is not None:
+            from dtrec.ops import triton_backend
+
+            triton_backend.backward_update(lookup, grad_out, fused)
+            return
+        rows = lookup_backward_rows(lookup, grad_out)
+        self._apply(
+            [
+                RowUpdate(w, st, ids, g if grad_scale == 1.0 else g * grad_scale)
+                for w, st, (ids, g) in zip(lookup.weights, states, rows, strict=True)
+            ]
+        )
+
+    def _begin_step(self, states: list[dict[str, Tensor]]) -> None:  # noqa: B027
+        """Per-step bookkeeping of every table stepped, touched or not (Adam's step count)."""
+
+    def _apply(self, updates: list[RowUpdate]) -> None:
+        updates = [u for u in updates if u.rows.numel()]
         if not updates:
             return
         args = _triton_tables(updates)
@@ -94,8 +138,24 @@ class FusedOptimizer(ABC):
         for u in updates:
             self._update_torch(u)
 
-    #: Whether a table with no touched rows still advances (Adam's step count).
-    _counts_empty_steps: bool = False
+    def _fused_row_update(
+        self, weights: list[Tensor], states: list[dict[str, Tensor]], grad_scale: float
+    ) -> FusedRowUpdate | None:
+        """The fused backward's update arguments, or None where it cannot serve these tables."""
+        packed = _packed_for_triton(weights)
+        if packed is None:
+            return None
+        return self._row_update(packed, weights, states, grad_scale)
+
+    def _row_update(
+        self,
+        packed: tuple[Tensor, Tensor],
+        weights: list[Tensor],
+        states: list[dict[str, Tensor]],
+        grad_scale: float,
+    ) -> FusedRowUpdate | None:
+        """This optimizer's ``FusedRowUpdate`` over packed weights (None: not fusable)."""
+        return None
 
     @abstractmethod
     def _update_torch(self, u: RowUpdate) -> None:
@@ -117,21 +177,50 @@ def _shared_offsets(tensors: list[Tensor]) -> tuple[Tensor, list[int]] | None:
     return flat, [t.storage_offset() for t in tensors]
 
 
-def _triton_tables(updates: list[RowUpdate]) -> dict | None:
-    """Packed kernel arguments when the Triton backend serves these shards, else None."""
+def _packed_for_triton(weights: list[Tensor]) -> tuple[Tensor, Tensor] | None:
+    """(flat buffer, int64 table offsets) when the Triton backend serves these packed shards."""
     from dtrec.ops.backend import resolve_backend
 
-    weight = updates[0].weight
-    if resolve_backend(weight.device) != "triton":
+    if not weights or resolve_backend(weights[0].device) != "triton":
         return None
-    shared = _shared_offsets([u.weight for u in updates])
+    shared = _shared_offsets(weights)
     if shared is None:
         return None
     flat, offsets = shared
+    return flat, device_list(offsets, torch.int64, flat.device)
+
+
+def _hyper(
+    device: torch.device,
+    lr: float,
+    grad_scale: float,
+    eps: float = 0.0,
+    betas: tuple[float, float] = (0.0, 0.0),
+    sqrt_bc2: float = 1.0,
+    cached: bool = True,
+) -> Tensor:
+    """``FusedRowUpdate.hyper``: the step's scalars as one small fp32 tensor."""
+    values = [lr, eps, *betas, sqrt_bc2, grad_scale]
+    return device_list(values, torch.float32, device, cached)
+
+
+def _row_update_args(kind: str, *buffers: Tensor) -> FusedRowUpdate:
+    from dtrec.ops import triton_row_updates
+
+    return triton_row_updates.FusedRowUpdate(getattr(triton_row_updates, kind), *buffers)
+
+
+def _triton_tables(updates: list[RowUpdate]) -> dict | None:
+    """Packed kernel arguments when the Triton backend serves these shards, else None."""
+    packed = _packed_for_triton([u.weight for u in updates])
+    if packed is None:
+        return None
+    flat, table_offsets = packed
+    weight = updates[0].weight
     device = weight.device
     dims = [u.weight.shape[1] for u in updates]
-    counts = torch.tensor([u.rows.numel() for u in updates], device=device)
-    row_dims = torch.tensor(dims, device=device).repeat_interleave(counts)
+    counts = device_list([u.rows.numel() for u in updates], torch.int64, device, cached=False)
+    row_dims = device_list(dims, torch.int64, device).repeat_interleave(counts)
     first_row = torch.cumsum(counts, 0) - counts
     grads = _shared_offsets([u.grad_rows for u in updates])
     if grads is None:  # pack the gradient rows (one copy)
@@ -141,13 +230,13 @@ def _triton_tables(updates: list[RowUpdate]) -> dict | None:
         grad_flat, starts = grads
         index_in_table = torch.arange(int(counts.sum()), device=device)
         index_in_table -= first_row.repeat_interleave(counts)
-        base = torch.tensor(starts, dtype=torch.int64, device=device).repeat_interleave(counts)
+        base = device_list(starts, torch.int64, device, cached=False).repeat_interleave(counts)
         grad_offsets = base + index_in_table * row_dims
     table_ids = torch.arange(len(updates), dtype=torch.int32, device=device)
     return {
         "weights": flat,
-        "table_offsets": torch.tensor(offsets, dtype=torch.int64, device=device),
-        "dims": torch.tensor(dims, dtype=torch.int32, device=device),
+        "table_offsets": table_offsets,
+        "dims": device_list(dims, torch.int32, device),
         "row_table": table_ids.repeat_interleave(counts),
         "row_ids": torch.cat([u.rows for u in updates]),
         "grad_rows": grad_flat,
@@ -162,7 +251,7 @@ def _state_offsets(updates: list[RowUpdate], key: str, args: dict) -> tuple[Tens
     if shared is None:
         return None
     flat, offsets = shared
-    return flat, torch.tensor(offsets, dtype=torch.int64, device=flat.device)
+    return flat, device_list(offsets, torch.int64, flat.device)
 
 
 def _check_lr(lr: float, name: str) -> None:
@@ -187,6 +276,11 @@ class SGD(FusedOptimizer):
 
         sgd_update_rows(lr=self.lr, **args)
         return True
+
+    def _row_update(self, packed, weights, states, grad_scale):  # type: ignore[override]
+        flat, offsets = packed
+        hyper = _hyper(flat.device, self.lr, grad_scale)
+        return _row_update_args("SGD", flat, offsets, hyper, flat, offsets, flat, offsets)
 
     def _update_torch(self, u: RowUpdate) -> None:
         new = u.weight[u.rows].float() - self.lr * u.grad_rows
@@ -233,10 +327,25 @@ class RowWiseAdagrad(FusedOptimizer):
             lr=self.lr,
             eps=self.eps,
             row_sq_sum=row_sq_sum,
-            full_dims=torch.tensor(full, dtype=torch.int32, device=state[0].device),
+            full_dims=device_list(full, torch.int32, state[0].device),
             **args,
         )
         return True
+
+    def _row_update(self, packed, weights, states, grad_scale):  # type: ignore[override]
+        from dtrec.ops.triton_kernels import MAX_FUSED_ROWWISE_DIM
+
+        state = _shared_offsets([st["sum"] for st in states])
+        if state is None or max(w.shape[1] for w in weights) > MAX_FUSED_ROWWISE_DIM:
+            return None
+        flat, offsets = packed
+        device = flat.device
+        dims = device_list([w.shape[1] for w in weights], torch.int32, device)
+        return _row_update_args(
+            "ROWWISE_ADAGRAD", flat, offsets,
+            _hyper(device, self.lr, grad_scale, self.eps), state[0],
+            device_list(state[1], torch.int64, device), flat, dims,
+        )  # fmt: skip
 
     def _update_torch(self, u: RowUpdate) -> None:
         dim = u.full_dim or u.grad_rows.shape[1]
@@ -266,15 +375,29 @@ class Adam(FusedOptimizer):
         return {
             "exp_avg": zeros,
             "exp_avg_sq": zeros.clone(),
-            "step": torch.zeros((), dtype=torch.float32, device=weight.device),
+            # on the host, like torch.optim.Adam's: reading it needs no device sync
+            "step": torch.zeros((), dtype=torch.float32),
         }
 
-    _counts_empty_steps = True
+    def _begin_step(self, states: list[dict[str, Tensor]]) -> None:
+        for st in states:
+            st["step"] += 1
 
-    def update_tables(self, updates: list[RowUpdate]) -> None:
-        for u in updates:
-            u.state["step"] += 1
-        super().update_tables(updates)
+    def _row_update(self, packed, weights, states, grad_scale):  # type: ignore[override]
+        flat, offsets = packed
+        m = _shared_offsets([st["exp_avg"] for st in states])
+        v = _shared_offsets([st["exp_avg_sq"] for st in states])
+        steps = {float(st["step"]) for st in states}
+        weight_offsets = [w.storage_offset() for w in weights]
+        if m is None or v is None or m[1] != weight_offsets or v[1] != weight_offsets:
+            return None  # the kernel reads m and v at the weights' offsets
+        if len(steps) != 1:
+            return None  # one bias correction for all tables
+        step, (b1, b2) = float(steps.pop()), self.betas
+        lr = self.lr / (1 - b1**step)
+        sqrt_bc2 = (1 - b2**step) ** 0.5
+        hyper = _hyper(flat.device, lr, grad_scale, self.eps, self.betas, sqrt_bc2, cached=False)
+        return _row_update_args("ADAM", flat, offsets, hyper, m[0], offsets, v[0], offsets)
 
     def _update_triton(self, updates: list[RowUpdate], args: dict) -> bool:
         from dtrec.ops.triton_update_kernels import adam_update_rows

@@ -8,11 +8,16 @@ collection's separate parameters). Kernels live in ``triton_kernels.py``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from dtrec.ops.device_lists import device_list
 from dtrec.ops.embedding_bag import Lookup
+
+if TYPE_CHECKING:
+    from dtrec.ops.triton_row_updates import FusedRowUpdate
 
 
 def pack_tables(weights: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
@@ -26,9 +31,10 @@ def pack_tables(weights: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
         w.is_contiguous() and w.untyped_storage().data_ptr() == storage.data_ptr() for w in weights
     ):
         flat = first.new_empty(0).set_(storage, 0, (storage.nbytes() // first.element_size(),))
-        return flat, torch.tensor([w.storage_offset() for w in weights], device=first.device)
+        offsets = [w.storage_offset() for w in weights]
+        return flat, device_list(offsets, torch.int64, first.device)
     sizes = [w.numel() for w in weights]
-    starts = torch.tensor([0, *sizes[:-1]], device=first.device).cumsum(0)
+    starts = device_list([0, *sizes[:-1]], torch.int64, first.device).cumsum(0)
     return torch.cat([w.reshape(-1) for w in weights]), starts
 
 
@@ -37,14 +43,14 @@ def _layout(lookup: Lookup) -> dict:
     weights, device = lookup.weights, lookup.values.device
     cols = lookup.columns()
     return {
-        "dims": torch.tensor([w.shape[1] for w in weights], dtype=torch.int32, device=device),
-        "entry_table": torch.tensor(list(lookup.entry_table), dtype=torch.int32, device=device),
-        "out_cols": torch.tensor(cols[:-1], dtype=torch.int64, device=device),
+        "dims": device_list([w.shape[1] for w in weights], torch.int32, device),
+        "entry_table": device_list(lookup.entry_table, torch.int32, device),
+        "out_cols": device_list(cols[:-1], torch.int64, device),
         "values": lookup.values,
         "offsets": lookup.offsets.long(),
         "batch_size": lookup.batch,
         "total_dim": cols[-1],
-        "mean": torch.tensor(list(lookup.mean), dtype=torch.bool, device=device),
+        "mean": device_list(lookup.mean, torch.bool, device),
         "per_sample_weights": None
         if lookup.per_sample_weights is None
         else lookup.per_sample_weights.float(),
@@ -60,7 +66,7 @@ def forward(lookup: Lookup, check_ids: bool = False) -> Tensor:
     flat, table_offsets = pack_tables(weights)
     bounds = None
     if check_ids:
-        bounds = torch.tensor([w.shape[0] for w in weights], dtype=torch.int64, device=flat.device)
+        bounds = device_list([w.shape[0] for w in weights], torch.int64, flat.device)
     result = k.embedding_bag_fwd(flat, table_offsets, bounds=bounds, **_layout(lookup))
     if bounds is None:
         return result
@@ -74,15 +80,28 @@ def forward(lookup: Lookup, check_ids: bool = False) -> Tensor:
     return out
 
 
+def _rows(lookup: Lookup) -> dict:
+    """The backward's table sizes: rows per table (a device list) and their sum."""
+    rows = [w.shape[0] for w in lookup.weights]
+    return {"num_rows": device_list(rows, torch.int64, lookup.values.device),
+            "total_rows": sum(rows)}  # fmt: skip
+
+
+def backward_update(lookup: Lookup, grad_out: Tensor, update: FusedRowUpdate) -> None:
+    """Backward fused with an optimizer step: touched rows are updated in place, no grads."""
+    from dtrec.ops import triton_kernels as k
+
+    k.embedding_bag_bwd_update(
+        grad_out.contiguous(), update=update, **_rows(lookup), **_layout(lookup)
+    )
+
+
 def backward_rows(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     """Per table: (sorted unique rows, fp32 grad rows ``[U_t, D_t]``), deterministic."""
     from dtrec.ops import triton_kernels as k
 
     weights = lookup.weights
-    num_rows = torch.tensor(
-        [w.shape[0] for w in weights], dtype=torch.int64, device=grad_out.device
-    )
-    g = k.embedding_bag_bwd_rows(grad_out.contiguous(), num_rows=num_rows, **_layout(lookup))
+    g = k.embedding_bag_bwd_rows(grad_out.contiguous(), **_rows(lookup), **_layout(lookup))
     # Rows come sorted by table, so each table's rows and grads are contiguous.
     counts = torch.bincount(g.row_table.long(), minlength=len(weights)).tolist()
     result, start, grad_start = [], 0, 0

@@ -12,24 +12,34 @@ from tests.multiprocess import run_world
 
 pytest.importorskip("triton")
 
-CASES = [(shards, fused) for shards in (2, 1) for fused in ("none", "rowwise_adagrad", "adam")]
+# (shards, fused optimizer, plan). With 2 shards there are no replicas: row- and table-wise
+# tables take the one-pass fused backward + step (the mixed plan's CW/DP tables sync first).
+CASES = [
+    (shards, fused, "mixed") for shards in (2, 1) for fused in ("none", "rowwise_adagrad", "adam")
+] + [(2, "sgd", "row_wise"), (2, "rowwise_adagrad", "row_wise"), (2, "adam", "table_wise")]
 
 
 def _run(rank: int, world: int) -> dict:
     import dtrec
+    from dtrec.ops import triton_backend
     from dtrec.ops.backend import resolve_backend
     from tests.distributed.numerics import PLANS, check_numerics
 
     optimizers = {
         "none": None,
+        "sgd": dtrec.optim.SGD(lr=0.1),
         "rowwise_adagrad": dtrec.optim.RowWiseAdagrad(lr=0.1),
         "adam": dtrec.optim.Adam(lr=0.05),
     }
+    one_pass = triton_backend.backward_update
+    calls = []
+    triton_backend.backward_update = lambda *a: calls.append(1) or one_pass(*a)
     out = {"backend": resolve_backend(__import__("torch").device("cpu"))}
-    for shards, fused in CASES:
+    for shards, fused, plan in CASES:
         mesh = dtrec.init_mesh("cpu", shards)
-        r = check_numerics(mesh, PLANS["mixed"], weighted=False, steps=3, fused=optimizers[fused])
-        out[(shards, fused)] = (r.max_weight_diff, r.max_loss_diff)
+        calls.clear()
+        r = check_numerics(mesh, PLANS[plan], weighted=False, steps=3, fused=optimizers[fused])
+        out[(shards, fused, plan)] = (r.max_weight_diff, r.max_loss_diff, len(calls))
     return out
 
 
@@ -39,9 +49,11 @@ def results() -> list[dict]:
     return run_world(2, _run, timeout=600, env=env)
 
 
-@pytest.mark.parametrize(("shards", "fused"), CASES)
-def test_triton_backend_matches_unsharded(results, shards: int, fused: str) -> None:
+@pytest.mark.parametrize(("shards", "fused", "plan"), CASES)
+def test_triton_backend_matches_unsharded(results, shards: int, fused: str, plan: str) -> None:
     for rank, r in enumerate(results):
         assert r["backend"] == "triton"
-        weight_diff, loss_diff = r[(shards, fused)]
+        weight_diff, loss_diff, one_pass_steps = r[(shards, fused, plan)]
         assert weight_diff < 1e-5 and loss_diff < 1e-5, (rank, weight_diff, loss_diff)
+        if plan != "mixed":  # every step's update took the one-pass path
+            assert one_pass_steps == 3, (rank, one_pass_steps)

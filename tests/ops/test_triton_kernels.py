@@ -146,10 +146,16 @@ FWD_CASES = [
 ]
 
 
+# None: the launcher's choice (several bags per program for these short bags); 1: one bag
+# per program; 2: blocks of two bags, the last one partly past the batch.
+BAGS_PER_PROGRAM = [None, 1, 2]
+
+
+@pytest.mark.parametrize("bags", BAGS_PER_PROGRAM, ids=["auto", "one-bag", "two-bags"])
 @pytest.mark.parametrize("dtype,idx_dtype,weighted", FWD_CASES)
-def test_fwd_matches_reference_and_embedding_bag(dtype, idx_dtype, weighted):
+def test_fwd_matches_reference_and_embedding_bag(dtype, idx_dtype, weighted, bags):
     case = Case(dtype=dtype, idx_dtype=idx_dtype, weighted=weighted, seed=1)
-    out = fwd(case)
+    out = fwd(case, bags_per_program=bags)
     assert out.dtype == dtype and out.shape == (B, case.total_dim)
     ref = R.embedding_bag_fwd_reference(*case.layout(), per_sample_weights=case.psw)
     exact = case.torch_forward(case.tables())
@@ -159,22 +165,26 @@ def test_fwd_matches_reference_and_embedding_bag(dtype, idx_dtype, weighted):
     torch.testing.assert_close(out.double(), exact, **(FP32 if dtype == torch.float32 else
                                                        {"atol": 1e-5, "rtol": 2**-7}))  # fmt: skip
     # fp32 output of bf16 tables: only the fp32 accumulation's error remains
-    out32 = fwd(case, out_dtype=torch.float32, max_dim=256)
+    out32 = fwd(case, out_dtype=torch.float32, max_dim=256, bags_per_program=bags)
     assert out32.dtype == torch.float32
     torch.testing.assert_close(out32.double(), exact, **FP32)
 
 
-def test_fwd_long_bag():
+@pytest.mark.parametrize("bags", [None, 2], ids=["auto", "two-bags"])
+def test_fwd_long_bag(bags):
     case = Case(
         dims=[129, 3], rows=[50, 8], entry_table=[0, 1], entry_mean=[0, 0], batch_size=2,
         lengths=[1000, 0, 3, 2], weighted=True, seed=2,
     )  # fmt: skip
-    torch.testing.assert_close(fwd(case).double(), case.torch_forward(case.tables()), **FP32)
+    exact = case.torch_forward(case.tables())
+    torch.testing.assert_close(fwd(case, bags_per_program=bags).double(), exact, **FP32)
     case.mean[0], case.psw = 1, None  # mean over the long bag
-    torch.testing.assert_close(fwd(case).double(), case.torch_forward(case.tables()), **FP32)
+    exact = case.torch_forward(case.tables())
+    torch.testing.assert_close(fwd(case, bags_per_program=bags).double(), exact, **FP32)
 
 
-def test_fwd_bounds_flag_and_no_out_of_bounds_read():
+@pytest.mark.parametrize("bags", BAGS_PER_PROGRAM[:2], ids=["auto", "one-bag"])
+def test_fwd_bounds_flag_and_no_out_of_bounds_read(bags):
     case = Case(seed=3)
     # Surround the packed tables with NaN: any read past either end poisons the output.
     n, pad = case.weights.numel(), 512
@@ -184,17 +194,19 @@ def test_fwd_bounds_flag_and_no_out_of_bounds_read():
     weights = guarded[pad : pad + n]
     bounds = case.rows.clone()
 
-    out, error = fwd(case, weights, bounds=dev(bounds))
+    out, error = fwd(case, weights, bounds=dev(bounds), bags_per_program=bags)
     assert error.tolist() == [0, 0]
-    torch.testing.assert_close(out, fwd(case, weights))
+    torch.testing.assert_close(out, fwd(case, weights, bags_per_program=bags))
 
     bad_entry = 4  # reads the last table: its row ROWS[4] lies just past the buffer
     lo = int(case.offsets[bad_entry * B])
     assert case.lengths[bad_entry * B] > 0 and case.lengths[0] > 0
     case.values[lo] = ROWS[4]
     case.values[0] = -1  # entry 0 reads the first table: its row -1 lies before the buffer
-    assert fwd(case, weights).isnan().any()  # the guard works: unchecked, the NaN is read
-    out, error = fwd(case, weights, bounds=dev(bounds))
+    assert (
+        fwd(case, weights, bags_per_program=bags).isnan().any()
+    )  # the guard works: unchecked, the NaN is read
+    out, error = fwd(case, weights, bounds=dev(bounds), bags_per_program=bags)
     assert error.tolist() == [1, bad_entry]
     assert torch.isfinite(out).all()
     ref, ref_bad = R.embedding_bag_fwd_reference(*case.layout(), bounds=bounds)
@@ -447,3 +459,81 @@ def test_adam_update_rows_matches_torch_adam():
         opt.step()
     for got, want in zip(case.tables(w.cpu(), torch.float32), params):
         torch.testing.assert_close(got, want.detach(), atol=1e-6, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- fused backward + step
+
+
+def _hot_adagrad_case(seed):
+    """Like ``_hot_row_case`` with rows narrow enough for the fused row-wise Adagrad."""
+    case = _hot_row_case(seed)
+    narrow = Case(dims=[200, 5], rows=[3, 40], entry_table=[0, 1, 0], entry_mean=[0, 1, 1],
+                  batch_size=2, lengths=case.lengths, weighted=True, seed=seed)  # fmt: skip
+    narrow.values = case.values
+    return narrow
+
+
+@pytest.mark.parametrize("chunk_size", [None, 8], ids=["one-chunk", "split-rows"])
+@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("case_fn", ["small", "hot"])
+def test_bwd_update_matches_bwd_rows_then_update(kind, chunk_size, case_fn):
+    """The fused pass updates exactly the rows (and state) the two-pass path does."""
+    from dtrec.ops import triton_row_updates as F_
+
+    if case_fn == "small":
+        case = Case(weighted=True, seed=18)
+    else:
+        case = (_hot_adagrad_case if kind == "rowwise_adagrad" else _hot_row_case)(seed=19)
+    grad_out = torch.randn(case.B, case.total_dim, generator=torch.Generator().manual_seed(20))
+    n, state_offsets = case.weights.numel(), torch.cumsum(case.rows, 0) - case.rows
+    lr, eps, b1, b2, step, scale = 0.05, 1e-8, 0.9, 0.99, 2, 0.5
+    if kind == "rowwise_adagrad":
+        state0, state20 = torch.rand(int(case.rows.sum())) * 0.1, torch.zeros(1)
+        hyper, code = [lr, eps, 0, 0, 1, scale], F_.ROWWISE_ADAGRAD
+    elif kind == "adam":
+        state0, state20, state_offsets = torch.randn(n) * 0.1, torch.rand(n) * 0.01, None
+        hyper = [lr / (1 - b1**step), eps, b1, b2, (1 - b2**step) ** 0.5, scale]
+        code = F_.ADAM
+    else:
+        state0, state20, hyper, code = torch.zeros(1), torch.zeros(1), [lr, 0, 0, 0, 1, scale], 1
+    state_offsets = case.table_offsets if state_offsets is None else state_offsets
+
+    # two passes: row grads, then the standalone update kernel
+    w, state, state2 = dev(case.weights.clone(), state0.clone(), state20.clone())
+    grads = bwd(case, grad_out, chunk_size=chunk_size)
+    grads = grads._replace(grad_rows=grads.grad_rows * scale)
+    rows = dev(*_rows_args(case, grads))
+    if kind == "sgd":
+        U.sgd_update_rows(w, *rows, lr)
+    elif kind == "rowwise_adagrad":
+        U.rowwise_adagrad_update_rows(w, state, dev(state_offsets), *rows, lr, eps)
+    else:
+        U.adam_update_rows(w, state, state2, *rows, lr, b1, b2, eps, step)
+
+    fused_w, fused_state, fused_state2 = dev(case.weights.clone(), state0.clone(), state20.clone())
+    update = F_.FusedRowUpdate(
+        code, fused_w, *dev(case.table_offsets, torch.tensor(hyper, dtype=torch.float32)),
+        fused_state, dev(state_offsets), fused_state2, dev(case.dims),
+    )  # fmt: skip
+    keys = K.embedding_bag_bwd_update(
+        *dev(*case.bwd_args(grad_out)[:10]), update, dev(case.psw), chunk_size=chunk_size
+    )
+    assert torch.equal(keys.cpu(), grads.unique_keys)
+    torch.testing.assert_close(fused_w.cpu(), w.cpu(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(fused_state.cpu(), state.cpu(), atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(fused_state2.cpu(), state2.cpu(), atol=1e-7, rtol=1e-5)
+    assert not torch.equal(fused_w.cpu(), case.weights)
+
+
+def test_bwd_update_rowwise_adagrad_rejects_wide_rows():
+    from dtrec.ops import triton_row_updates as F_
+
+    case = _hot_row_case(seed=21)  # dim 300: two column blocks
+    z = dev(torch.zeros(int(case.rows.sum())))
+    update = F_.FusedRowUpdate(
+        F_.ROWWISE_ADAGRAD, dev(case.weights), dev(case.table_offsets), dev(torch.ones(6)), z,
+        dev(case.rows * 0), z, dev(case.dims),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="dims <="):
+        K.embedding_bag_bwd_update(*dev(*case.bwd_args(torch.randn(2, case.total_dim))[:10]),
+                                   update)  # fmt: skip
