@@ -342,15 +342,18 @@ class RowGrads(NamedTuple):
     grad_rows: Tensor  # fp32 [sum_k dims[row_table[k]]]
 
 
-# Backward tuning, swept on an H100 (26 tables, D=128, B=16384, L=80, 34M ids: uniform 18 ms,
-# Zipf(1.1) 11 ms vs 43 / 56 ms for one program per unique row). Small tiles and few warps
-# win: the row gathers are latency-bound, so more resident programs beat wider ones.
-_SEG_CHUNK = 1024  # a hot row's occurrences are split into sub-segments of this many
-_SHORT_SEG = 16  # rows with at most this many occurrences go to the row-block kernel
-_BWD_TILE = 2048  # elements of the row-block kernel's [rows, BLOCK_D] tile
-_BWD_WARPS = 2
-_BWD_BLOCK_L = 16  # occurrences per step of the long-segment kernel
-_BWD_LONG_WARPS = 4
+# Backward tuning, swept on an H100 (26 tables, D=128, B=16384, fused row-wise Adagrad, ms per
+# backward + update): L=20 uniform 6.2 with [4, 128] tiles on one warp and rows of up to 32
+# occurrences in the row-block kernel, vs 8.7 with [16, 128] tiles on 2 warps; L=80 Zipf 10.3
+# vs 12.4; hot rows (L=80 Zipf) 8.0 vs 10.4 with chunks of 256 occurrences summed 4 at a time
+# on one warp (vs 1024, 16 at a time, 4 warps). Small tiles and few warps win: the row gathers
+# are latency-bound, so more resident programs beat wider ones.
+_SEG_CHUNK = 256  # a hot row's occurrences are split into sub-segments of this many
+_SHORT_SEG = 32  # rows with at most this many occurrences go to the row-block kernel
+_BWD_TILE = 512  # elements of the row-block kernel's [rows, BLOCK_D] tile
+_BWD_WARPS = 1
+_BWD_BLOCK_L = 4  # occurrences per step of the long-segment kernel
+_BWD_LONG_WARPS = 1
 _BLOCK_C = 16  # partials per step of the partial-sum kernel
 _INT32_KEYS = 2**31 - 1  # sort int32 keys when the tables hold at most this many rows
 MAX_FUSED_ROWWISE_DIM = 2 * _MAX_BLOCK_D  # widest row the fused row-wise Adagrad takes
@@ -713,7 +716,7 @@ def embedding_bag_bwd_rows(
     ``grad_out`` is ``[B, total_dim]``; the other arguments are the forward's (layout in the
     module docstring; ``num_rows`` int64 ``[U]`` is rows per table). Ids must be in range
     (check the forward's ``error``). Occurrences are stably sorted by row key; a row with
-    at most ``chunk_size`` occurrences (default 1024) is summed in that order by one
+    at most ``chunk_size`` occurrences (default 256) is summed in that order by one
     program (many short rows share a program), a hotter row's occurrences are split into
     chunks of ``chunk_size`` summed in parallel into fp32 partials, then added up in a
     fixed order. No float atomics: two runs give bit-identical results. Syncs the device
