@@ -1,10 +1,10 @@
 """The fused optimizers' math on a tile of rows, shared by the Triton kernels that apply it.
 
-``apply_row_update`` is inlined both by the backward's segment kernels (which
-then update a row where they would have stored its gradient: the fused
-backward + optimizer of ``embedding_bag_bwd_update``) and read by nothing else
-that needs a gradient buffer. ``FusedRowUpdate`` carries its arguments.
-Layouts as in ``triton_kernels.py``.
+``apply_row_update`` is inlined by the backward's segment kernels, which then
+update a row where they would have stored its gradient (the one-pass backward +
+optimizer of ``embedding_bag_bwd_update``: no gradient buffer is written or
+read back). ``FusedRowUpdate`` carries its arguments. Layouts as in
+``triton_kernels.py``.
 """
 
 from __future__ import annotations
