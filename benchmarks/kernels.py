@@ -4,7 +4,8 @@ For each config: forward, and forward + backward + fused RowWiseAdagrad, timed
 side by side with PyTorch's path (per-table ``F.embedding_bag(sparse=True)`` +
 ``torch.optim.Adagrad`` on the sparse grads). Reports median time, achieved
 GB/s (rows read/written + ids + offsets + output, see ``traffic``) and its
-ratio to a device-to-device copy measured in the same run.
+ratio to a device-to-device copy measured in the same run, and the forward's
+time relative to a plain gather of the same rows (``index_select``).
 
     PYTHONPATH=. python benchmarks/kernels.py --json benchmarks/results/kernels_<device>_<date>.json
     python benchmarks/kernels.py --device cpu --scale 0.01 --batch 1024   # small CPU run
@@ -125,6 +126,13 @@ def run_config(
     result = {"config": asdict(cfg) | {"rows": cfg.rows}, "num_ids": values.numel()}
     result["unique_rows"] = unique_rows
     result["bytes"] = bytes_moved
+    # The same rows read by a plain gather (index_select into [N, D], no pooling): what
+    # random row reads alone cost on this device, the floor for a short-bag forward.
+    row_base = torch.tensor([0, *cfg.rows[:-1]], device=device).cumsum(0)
+    global_ids = values + row_base.repeat_interleave(n_per)
+    result["gather_s"] = timed(
+        lambda: torch.index_select(flat.view(-1, cfg.dim), 0, global_ids), iters, device
+    )
     result["dtrec"] = {
         "forward_s": timed(dtrec_forward, iters, device),
         "forward_backward_optimizer_s": timed(dtrec_step, iters, device),
@@ -175,6 +183,7 @@ def run_config(
     for impl in [k for k in IMPLS if k in result]:
         for phase in ("forward", "forward_backward_optimizer"):
             result[impl][f"{phase}_GBps"] = bytes_moved[phase] / result[impl][f"{phase}_s"] / 1e9
+    result["dtrec"]["forward_of_gather"] = result["gather_s"] / result["dtrec"]["forward_s"]
     for other in [k for k in IMPLS[1:] if k in result]:
         result[f"speedup_vs_{other}"] = {
             phase: result[other][f"{phase}_s"] / result["dtrec"][f"{phase}_s"]
@@ -272,6 +281,7 @@ def main() -> None:
             f"{cfg.name:<24} fwd {d['forward_s'] * 1e3:8.2f} ms {d['forward_GBps']:7.0f} GB/s "
             f"({d['forward_of_copy']:.0%} of copy) | fwd+bwd+opt {d[fb + '_s'] * 1e3:8.2f} ms "
             f"{d[fb + '_GBps']:7.0f} GB/s ({d[fb + '_of_copy']:.0%})"
+            f" | fwd at {d['forward_of_gather']:.0%} of a plain gather's speed"
         )
         for other in IMPLS[1:]:
             if f"speedup_vs_{other}" in r:
