@@ -7,21 +7,23 @@ optimizer's fused backward + step: one pass, no gradient buffer. For the
 others, in table order:
 
 1. merges the stashed parts and averages over the world (1 / W);
-2. sums them over the table's replicas with a sparse all-gather (bytes grow
-   with rows touched, not rows owned), so every replica sees the union of
-   touched rows and the same sums;
+2. sums them over the table's replicas (``dtrec.replica_sync``: a sparse
+   all-gather whose bytes grow with rows touched, or a dense all-reduce when
+   that is cheaper; all tables of a group share the collectives), so every
+   replica sees the union of touched rows and the same sums;
 3. for optimizers that need a row's full sum of squares (row-wise Adagrad),
-   all-reduces the partial sums over the column shards of that row;
+   all-reduces the partial sums over the column shards of that row (one
+   all-reduce per group of column peers);
 4. applies the update to the touched rows only.
 
-Doing every collective in one place, in table order, keeps ranks that share a
-group (replicas, column shards, the data-parallel world) in step.
+Doing every collective in one place, in a fixed order of groups, keeps ranks
+that share a group (replicas, column shards, the data-parallel world) in step.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,12 +34,7 @@ from dtrec.collectives import _record
 from dtrec.ops.embedding_bag import Lookup
 from dtrec.ops.op import lookup_backward_rows, lookup_forward
 from dtrec.optim import FusedOptimizer, RowUpdate
-
-
-def sum_by_row(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
-    """Sum gradient rows with the same id; result sorted by id (deterministic on CPU)."""
-    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-    return unique, grads.new_zeros(unique.numel(), grads.shape[1]).index_add_(0, inverse, grads)
+from dtrec.replica_sync import TableRows, sum_by_row, sync_rows
 
 
 def merge_rows(parts: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -45,31 +42,6 @@ def merge_rows(parts: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     if len(parts) == 1:
         return parts[0]
     return sum_by_row(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
-
-
-def sparse_all_reduce_rows(
-    rows: Tensor, grads: Tensor, group: ProcessGroup | None, kind: str
-) -> tuple[Tensor, Tensor]:
-    """Sum row-sparse gradients over ``group``; every member gets the same (rows, sums)."""
-    size = 1 if group is None else dist.get_world_size(group)
-    if size == 1:
-        return rows, grads
-    count = torch.tensor([rows.numel()], dtype=torch.long, device=rows.device)
-    counts = torch.empty(size, dtype=torch.long, device=rows.device)
-    dist.all_gather_into_tensor(counts, count, group=group)
-    most = int(counts.max())
-    dim = grads.shape[1]
-    padded_rows = torch.full((most,), -1, dtype=torch.long, device=rows.device)
-    padded_rows[: rows.numel()] = rows
-    padded_grads = grads.new_zeros(most, dim)
-    padded_grads[: rows.numel()] = grads
-    all_rows = torch.empty(size * most, dtype=torch.long, device=rows.device)
-    all_grads = grads.new_empty(size * most, dim)
-    _record(kind, (size - 1) * most * (8 + dim * grads.element_size()))
-    dist.all_gather_into_tensor(all_rows, padded_rows, group=group)
-    dist.all_gather_into_tensor(all_grads, padded_grads, group=group)
-    valid = all_rows >= 0
-    return sum_by_row(all_rows[valid], all_grads[valid])
 
 
 class TableUpdate:
@@ -103,6 +75,10 @@ class FusedUpdater:
         self.state = state
         self.world_size = world_size
         self._pending: list[tuple[list[int], Lookup, Tensor]] = []
+
+    #: How replicas sum their row grads: "auto" (sparse or dense per table, by bytes),
+    #: "sparse" or "dense" (see ``dtrec.replica_sync``).
+    replica_sync: str = "auto"
 
     def stash(self, table_ids: list[int], lookup: Lookup, grad_out: Tensor) -> None:
         """Record a lookup's backward input; the sync and update run when backward ends."""
@@ -138,26 +114,61 @@ class FusedUpdater:
             rows = lookup_backward_rows(lookup, grad_out)
             for t, part in zip(table_ids, rows, strict=True):
                 parts.setdefault(t, []).append(part)
-        updates = []
+        self._sync_and_update(parts)
+
+    def _sync_and_update(self, parts: dict[int, list[tuple[Tensor, Tensor]]]) -> None:
+        """Average, sum over replicas (coalesced per group), reduce row norms, update.
+
+        Groups are visited in the order of their first table, the same on every member
+        (a group's tables are the same on all its members), so no two ranks wait on
+        each other's groups in opposite orders.
+        """
+        merged = {}
         for t in sorted(parts):
-            pending_t = parts[t]
-            update = self.tables[t]
-            rows, grads = merge_rows(pending_t)
-            grads = grads / self.world_size
-            rows, grads = sparse_all_reduce_rows(
-                rows, grads, update.replica_group, "grad_sync.replicate.sparse"
+            rows, grads = merge_rows(parts[t])
+            merged[t] = (rows, grads / self.world_size)
+        for tables, group in _by_group(merged, lambda t: self.tables[t].replica_group):
+            synced = sync_rows(
+                [TableRows(*merged[t], self.tables[t].weight.shape[0]) for t in tables],
+                group,
+                "grad_sync.replicate",
+                self.replica_sync,
             )
-            row_sq_sum = None
-            if self.optimizer.needs_row_sq_sum and update.column_group is not None:
-                row_sq_sum = grads.square().sum(1)
-                size = dist.get_world_size(update.column_group)
-                _record("optim.row_sq_sum", 2 * (size - 1) * row_sq_sum.numel() * 4 // size)
-                dist.all_reduce(row_sq_sum, group=update.column_group)
-            updates.append(
-                RowUpdate(update.weight, self.state[t], rows, grads, row_sq_sum, update.full_dim)
-            )
+            merged.update(zip(tables, synced, strict=True))
+        row_sq_sums: dict[int, Tensor] = {}
+        if self.optimizer.needs_row_sq_sum:
+            for tables, group in _by_group(merged, lambda t: self.tables[t].column_group):
+                sums = [merged[t][1].square().sum(1) for t in tables]
+                flat = torch.cat(sums)
+                size = dist.get_world_size(group)
+                _record("optim.row_sq_sum", 2 * (size - 1) * flat.numel() * 4 // size)
+                dist.all_reduce(flat, group=group)
+                row_sq_sums.update(zip(tables, torch.split(flat, [x.numel() for x in sums])))
+        updates = [
+            RowUpdate(
+                self.tables[t].weight,
+                self.state[t],
+                rows,
+                grads,
+                row_sq_sums.get(t),
+                self.tables[t].full_dim,
+            )  # fmt: skip
+            for t, (rows, grads) in merged.items()
+        ]
         with torch.no_grad():
             self.optimizer.update_tables(updates)
+
+
+def _by_group(
+    tables: dict[int, object], group_of: Callable[[int], ProcessGroup | None]
+) -> list[tuple[list[int], ProcessGroup]]:
+    """Tables with a group of more than one rank, by group, ordered by each group's first table."""
+    by_group: dict[int, tuple[list[int], ProcessGroup]] = {}
+    for t in sorted(tables):
+        group = group_of(t)
+        if group is not None and dist.get_world_size(group) > 1:
+            by_group.setdefault(id(group), ([], group))[0].append(t)
+    return list(by_group.values())
 
 
 class FusedLookup(torch.autograd.Function):

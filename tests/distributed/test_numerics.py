@@ -19,6 +19,7 @@ OPTIMIZERS = ("adagrad", "adam")
 # Fused optimizers, on plans that exercise replicas, column shards (exact row-wise
 # Adagrad needs the row's full sum of squares) and grid (rows and columns split).
 FUSED_PLANS = ("mixed", "column_wise", "grid")
+SYNC_MODES = ("sparse", "dense")  # forced replica-sync paths (the default picks by bytes)
 
 
 def _fused() -> dict:
@@ -54,6 +55,17 @@ def _run_world_cases(rank: int, world: int) -> dict[str, tuple]:
                 out[_case(world, shards, node, f"{plan_name}_fused_{fused_name}", False)] = (
                     _summary(r)
                 )
+        if world // shards > 1:  # replicas: both replica-sync paths, forced
+            from dtrec.fused import FusedUpdater
+
+            for mode in SYNC_MODES:
+                FusedUpdater.replica_sync = mode
+                for fused_name in ("rowwise_adagrad", "adam"):
+                    fused = FUSED[fused_name]
+                    r = check_numerics(mesh, PLANS["mixed"], weighted=False, fused=fused)
+                    name = f"mixed_fused_{fused_name}_sync_{mode}"
+                    out[_case(world, shards, node, name, False)] = _summary(r)
+            FusedUpdater.replica_sync = "auto"
     return out
 
 
@@ -86,6 +98,14 @@ CASES = (
         for s, n in meshes
         for f in FUSED
         for p in FUSED_PLANS
+    ]
+    + [
+        (world, _case(world, s, n, f"mixed_fused_{f}_sync_{m}", False))
+        for world, meshes in MESHES.items()
+        for s, n in meshes
+        if world // s > 1
+        for f in ("rowwise_adagrad", "adam")
+        for m in SYNC_MODES
     ]
 )
 

@@ -1,0 +1,149 @@
+"""Summing row-sparse gradients over a group of replicas, coalesced across tables.
+
+After a fused backward each rank holds, per table, the rows its batch touched
+and their gradient rows. Replicas must all apply the same update: the sum over
+the group of every touched row, on the union of touched rows. Two ways, chosen
+per table from counts every member sees (so all members choose alike):
+
+* sparse: all-gather every member's (row ids, gradient rows), padded to the
+  largest count; bytes grow with rows touched, not rows owned;
+* dense: all-reduce the shard-sized gradient with one extra column counting
+  touches (the union must include touched rows whose sum is zero: Adam still
+  moves them), cheaper once a large fraction of the rows is touched.
+
+All tables of a step share the collectives: one all-gather of counts, one of
+ids and one of gradient rows for the sparse tables, one all-reduce for the
+dense ones. Every member ends with bit-identical rows and sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from dtrec.collectives import _record
+
+MODES = ("auto", "sparse", "dense")
+
+
+@dataclass
+class TableRows:
+    """One table's touched rows on this rank (sorted unique ids) and their fp32 gradients."""
+
+    rows: Tensor
+    grads: Tensor  # [len(rows), dim]
+    num_rows: int  # rows of the local shard (size of the dense alternative)
+
+
+def sum_by_row(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
+    """Sum gradient rows with the same id; result sorted by id (deterministic on CPU)."""
+    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    return unique, grads.new_zeros(unique.numel(), grads.shape[1]).index_add_(0, inverse, grads)
+
+
+def _bytes(size: int, most: int, dim: int, num_rows: int) -> tuple[int, int]:
+    """(sparse all-gather, dense all-reduce) bytes one member sends for one table."""
+    sparse = (size - 1) * most * (8 + 4 * dim)
+    dense = 2 * (size - 1) * num_rows * (dim + 1) * 4 // size
+    return sparse, dense
+
+
+def sync_rows(
+    tables: Sequence[TableRows], group: ProcessGroup | None, kind: str, mode: str = "auto"
+) -> list[tuple[Tensor, Tensor]]:
+    """Per table: (union of touched rows over ``group``, summed gradient rows), sorted.
+
+    ``mode``: "auto" picks, per table, whichever of the sparse all-gather and the dense
+    all-reduce sends fewer bytes; "sparse" / "dense" force one. Collective: every member
+    calls it with the same tables (same order, dims and ``num_rows``).
+    """
+    if mode not in MODES:
+        raise ValueError(f"replica sync mode must be one of {MODES}, got {mode!r}")
+    size = 1 if group is None else dist.get_world_size(group)
+    if size == 1 or not tables:
+        return [(t.rows, t.grads) for t in tables]
+    device = tables[0].grads.device
+    counts = torch.tensor([t.rows.numel() for t in tables], dtype=torch.long, device=device)
+    gathered = torch.empty(size * len(tables), dtype=torch.long, device=device)
+    _record(kind + ".counts", (size - 1) * counts.numel() * 8)
+    dist.all_gather_into_tensor(gathered, counts, group=group)
+    most = gathered.view(size, len(tables)).max(0).values.tolist()
+
+    dense = []
+    for t, m in zip(tables, most, strict=True):
+        sparse_bytes, dense_bytes = _bytes(size, m, t.grads.shape[1], t.num_rows)
+        dense.append(mode == "dense" or (mode == "auto" and dense_bytes < sparse_bytes))
+    result: list[tuple[Tensor, Tensor] | None] = [None] * len(tables)
+    sparse_ids = [i for i, d in enumerate(dense) if not d]
+    if sparse_ids:
+        picked = [tables[i] for i in sparse_ids]
+        for i, rows in zip(sparse_ids, _all_gather_rows(picked, [most[i] for i in sparse_ids],
+                                                         group, size, kind)):  # fmt: skip
+            result[i] = rows
+    dense_ids = [i for i, d in enumerate(dense) if d]
+    if dense_ids:
+        for i, rows in zip(dense_ids, _all_reduce_dense([tables[i] for i in dense_ids], group,
+                                                         size, kind)):  # fmt: skip
+            result[i] = rows
+    return result  # type: ignore[return-value]
+
+
+def _all_gather_rows(
+    tables: list[TableRows], most: list[int], group: ProcessGroup, size: int, kind: str
+) -> list[tuple[Tensor, Tensor]]:
+    """Sparse path: two all-gathers (ids, grads) for all tables, then per-table sums."""
+    device = tables[0].grads.device
+    id_len = sum(most)
+    grad_len = sum(m * t.grads.shape[1] for t, m in zip(tables, most, strict=True))
+    ids = torch.full((id_len,), -1, dtype=torch.long, device=device)
+    grads = torch.zeros(grad_len, dtype=torch.float32, device=device)
+    id_at = grad_at = 0
+    for t, m in zip(tables, most, strict=True):
+        n, dim = t.rows.numel(), t.grads.shape[1]
+        ids[id_at : id_at + n] = t.rows
+        grads[grad_at : grad_at + n * dim] = t.grads.reshape(-1)
+        id_at, grad_at = id_at + m, grad_at + m * dim
+    all_ids = torch.empty(size * id_len, dtype=torch.long, device=device)
+    all_grads = torch.empty(size * grad_len, dtype=torch.float32, device=device)
+    _record(kind + ".sparse", (size - 1) * (id_len * 8 + grad_len * 4))
+    dist.all_gather_into_tensor(all_ids, ids, group=group)
+    dist.all_gather_into_tensor(all_grads, grads, group=group)
+    all_ids, all_grads = all_ids.view(size, id_len), all_grads.view(size, grad_len)
+    out, id_at, grad_at = [], 0, 0
+    for t, m in zip(tables, most, strict=True):
+        dim = t.grads.shape[1]
+        member_ids = all_ids[:, id_at : id_at + m].reshape(-1)
+        member_grads = all_grads[:, grad_at : grad_at + m * dim].reshape(-1, dim)
+        valid = member_ids >= 0
+        out.append(sum_by_row(member_ids[valid], member_grads[valid]))
+        id_at, grad_at = id_at + m, grad_at + m * dim
+    return out
+
+
+def _all_reduce_dense(
+    tables: list[TableRows], group: ProcessGroup, size: int, kind: str
+) -> list[tuple[Tensor, Tensor]]:
+    """Dense path: one all-reduce of every table's ``[num_rows, dim + 1]`` (grads | touches)."""
+    device = tables[0].grads.device
+    sizes = [t.num_rows * (t.grads.shape[1] + 1) for t in tables]
+    flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+    for t, part in zip(tables, torch.split(flat, sizes), strict=True):
+        block = part.view(t.num_rows, t.grads.shape[1] + 1)
+        block[t.rows, :-1] = t.grads
+        block[t.rows, -1] = 1.0
+    _record(kind + ".dense", 2 * (size - 1) * flat.numel() * 4 // size)
+    dist.all_reduce(flat, group=group)
+    out = []
+    for t, part in zip(tables, torch.split(flat, sizes), strict=True):
+        block = part.view(t.num_rows, t.grads.shape[1] + 1)
+        rows = torch.nonzero(block[:, -1] > 0).squeeze(1)
+        out.append((rows, block[rows, :-1]))
+    return out
+
+
+__all__ = ["MODES", "TableRows", "sum_by_row", "sync_rows"]
