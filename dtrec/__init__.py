@@ -9,7 +9,7 @@ Example (under torchrun)::
 """
 
 from dtrec import ops, optim, placements
-from dtrec.collectives import CommStats, count_comm
+from dtrec.collectives import CommStats, comm_stats, count_comm
 from dtrec.config import EmbeddingBagConfig
 from dtrec.distribute import distribute_module
 from dtrec.mesh import init_mesh
@@ -28,6 +28,7 @@ __all__ = [
     "KeyedTensor",
     "ShardedEmbeddingBagCollection",
     "ShardingPlan",
+    "comm_stats",
     "count_comm",
     "distribute_module",
     "distribute_tensor",

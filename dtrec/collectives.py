@@ -6,6 +6,7 @@ them (the dense part's DDP all-reduce is torch's and is not counted here).
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -19,24 +20,41 @@ from torch.distributed import ProcessGroup
 
 @dataclass
 class CommStats:
-    """Per-collective call counts and bytes this rank sent."""
+    """Per collective kind: calls, bytes this rank sent, and host seconds spent in the call.
+
+    Seconds are wall time around the call: the whole exchange on gloo (which blocks),
+    only the launch for NCCL (which runs asynchronously on its stream).
+    """
 
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
-    def record(self, kind: str, nbytes: int) -> None:
+    def record(self, kind: str, nbytes: int, seconds: float = 0.0) -> None:
         self.calls[kind] += 1
         self.bytes_sent[kind] += nbytes
+        self.seconds[kind] += seconds
 
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes_sent.values())
 
-    def summary(self, steps: int = 1) -> str:
-        """One line per collective: calls and bytes per step."""
-        return ", ".join(
-            f"{kind}: {self.calls[kind] / steps:g} calls {self.bytes_sent[kind] / steps:,.0f} B"
+    def per_step(self, steps: int = 1) -> dict[str, dict[str, float]]:
+        """Kind -> {"calls", "bytes", "seconds"} per step (for JSON reports)."""
+        return {
+            kind: {
+                "calls": self.calls[kind] / steps,
+                "bytes": self.bytes_sent[kind] / steps,
+                "seconds": self.seconds[kind] / steps,
+            }
             for kind in sorted(self.calls)
+        }
+
+    def summary(self, steps: int = 1) -> str:
+        """One line per collective: calls, bytes and milliseconds per step."""
+        return ", ".join(
+            f"{kind}: {v['calls']:g} calls {v['bytes']:,.0f} B {v['seconds'] * 1e3:.2f} ms"
+            for kind, v in self.per_step(steps).items()
         )
 
 
@@ -44,14 +62,15 @@ _active: list[CommStats] = []
 
 
 @contextmanager
-def count_comm() -> Iterator[CommStats]:
-    """Count the collectives dtrec issues inside the block (forward and backward).
+def comm_stats() -> Iterator[CommStats]:
+    """Record the collectives dtrec issues inside the block (forward and backward).
 
     Example::
 
-        with count_comm() as stats:
-            model(batch).sum().backward()
-        print(stats.summary())
+        with dtrec.comm_stats() as stats:
+            for batch in batches:
+                model(batch).sum().backward()
+        print(stats.summary(steps=len(batches)))
     """
     stats = CommStats()
     _active.append(stats)
@@ -61,9 +80,20 @@ def count_comm() -> Iterator[CommStats]:
         _active.remove(stats)
 
 
-def _record(kind: str, nbytes: int) -> None:
+count_comm = comm_stats  # the earlier name
+
+
+@contextmanager
+def collective(kind: str, nbytes: int) -> Iterator[None]:
+    """Wrap one collective call: records its kind, the bytes this rank sends, and its time."""
+    if not _active:
+        yield
+        return
+    start = time.perf_counter()
+    yield
+    elapsed = time.perf_counter() - start
     for stats in _active:
-        stats.record(kind, nbytes)
+        stats.record(kind, nbytes, elapsed)
 
 
 def all_to_all(
@@ -76,10 +106,10 @@ def all_to_all(
     """``all_to_all_single`` with uneven splits (no autograd)."""
     output = input.new_empty(sum(output_splits))
     me = dist.get_rank(group)
-    _record(kind, (sum(input_splits) - input_splits[me]) * input.element_size())
-    dist.all_to_all_single(
-        output, input.contiguous(), list(output_splits), list(input_splits), group=group
-    )
+    with collective(kind, (sum(input_splits) - input_splits[me]) * input.element_size()):
+        dist.all_to_all_single(
+            output, input.contiguous(), list(output_splits), list(input_splits), group=group
+        )
     return output
 
 
@@ -125,8 +155,9 @@ class _AllReduceGrad(torch.autograd.Function):
         grad = grad * ctx.scale
         size = dist.get_world_size(ctx.group)
         if size > 1:
-            _record(ctx.kind, 2 * (size - 1) * grad.numel() * grad.element_size() // size)
-            dist.all_reduce(grad, group=ctx.group)
+            nbytes = 2 * (size - 1) * grad.numel() * grad.element_size() // size
+            with collective(ctx.kind, nbytes):
+                dist.all_reduce(grad, group=ctx.group)
         return grad, None, None, None
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from dtrec.collectives import _record
+from dtrec.collectives import collective
 from dtrec.ops.embedding_bag import Lookup
 from dtrec.ops.op import lookup_backward_rows, lookup_forward
 from dtrec.optim import FusedOptimizer, RowUpdate
@@ -141,8 +141,8 @@ class FusedUpdater:
                 sums = [merged[t][1].square().sum(1) for t in tables]
                 flat = torch.cat(sums)
                 size = dist.get_world_size(group)
-                _record("optim.row_sq_sum", 2 * (size - 1) * flat.numel() * 4 // size)
-                dist.all_reduce(flat, group=group)
+                with collective("optim.row_sq_sum", 2 * (size - 1) * flat.numel() * 4 // size):
+                    dist.all_reduce(flat, group=group)
                 row_sq_sums.update(zip(tables, torch.split(flat, [x.numel() for x in sums])))
         updates = [
             RowUpdate(

@@ -226,7 +226,7 @@ def run(args: argparse.Namespace, rank: int, world: int, lead: bool) -> None:
     teacher_loss = 0.0
     window = 10
     bar = tqdm(total=args.steps, disable=not lead, desc="train", mininterval=1.0, file=sys.stdout)
-    with dtrec.count_comm() as stats:
+    with dtrec.comm_stats() as stats:
         for step in range(args.steps):
             if step == args.warmup:
                 dist.barrier()
@@ -265,7 +265,7 @@ def run(args: argparse.Namespace, rank: int, world: int, lead: bool) -> None:
             f"({timed} steps in {elapsed:.1f} s after {args.warmup} warmup steps, "
             f"{1000 * elapsed / timed:.0f} ms/step)"
         )
-        print(f"dtrec comm per step, rank 0 (count_comm): {stats.summary(args.steps)}")
+        print(f"dtrec comm per step, rank 0 (comm_stats): {stats.summary(args.steps)}")
         print(f"dtrec comm total per step, rank 0: {fmt_bytes(total)}")
         print(
             f"dense DDP all-reduce per step per rank (estimate, not counted above): "

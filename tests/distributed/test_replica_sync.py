@@ -69,7 +69,7 @@ def _run(rank: int, world: int) -> dict:
                     float((grads - want_grads).abs().max()) if grads.numel() else 0.0,
                 )
             )
-        out[mode] = (errors, dict(stats.calls), [g.tolist() for _, g in got])
+        out[mode] = (errors, dict(stats.calls), [g.tolist() for _, g in got], stats.per_step(2))
     return out
 
 
@@ -81,7 +81,7 @@ def results() -> list[dict]:
 @pytest.mark.parametrize("mode", MODES)
 def test_sync_rows_matches_dense_sum(results, mode: str) -> None:
     for rank, r in enumerate(results):
-        errors, calls, _ = r[mode]
+        errors, calls, _, per_step = r[mode]
         for t, (same_rows, err) in enumerate(errors):
             assert same_rows, (rank, mode, t)
             assert err < 1e-6, (rank, mode, t, err)
@@ -89,6 +89,9 @@ def test_sync_rows_matches_dense_sum(results, mode: str) -> None:
         paths = {"sparse": {"sparse"}, "dense": {"dense"}, "auto": {"sparse", "dense"}}[mode]
         assert set(calls) == {"sync.counts"} | {f"sync.{p}" for p in paths}, calls
         assert all(c == 1 for c in calls.values()), calls
+        # comm_stats: per step (here: per 2 steps) calls, bytes and the time in the call
+        for kind, v in per_step.items():
+            assert v["calls"] == 0.5 and v["bytes"] > 0 and v["seconds"] > 0, (kind, v)
         # every member holds the same sums, bit for bit
         assert r[mode][2] == results[0][mode][2]
 
