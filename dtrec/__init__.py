@@ -9,7 +9,7 @@ Example (under torchrun)::
 """
 
 from dtrec import ops, optim, placements
-from dtrec.collectives import CommStats, comm_stats, count_comm
+from dtrec.collectives import CollectiveError, CommStats, comm_stats, count_comm
 from dtrec.config import EmbeddingBagConfig
 from dtrec.distribute import distribute_module
 from dtrec.mesh import init_mesh
@@ -20,6 +20,7 @@ from dtrec.sharded_ebc import ShardedEmbeddingBagCollection
 from dtrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 __all__ = [
+    "CollectiveError",
     "CommStats",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",

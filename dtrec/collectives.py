@@ -83,14 +83,27 @@ def comm_stats() -> Iterator[CommStats]:
 count_comm = comm_stats  # the earlier name
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer died, or it did not join within the group's timeout."""
+
+
 @contextmanager
-def collective(kind: str, nbytes: int) -> Iterator[None]:
-    """Wrap one collective call: records its kind, the bytes this rank sends, and its time."""
-    if not _active:
-        yield
-        return
+def collective(kind: str, nbytes: int, group: ProcessGroup | None = None) -> Iterator[None]:
+    """Wrap one collective call: record its kind, the bytes this rank sends and its time.
+
+    A failure (a peer's connection closed, the process group's timeout passed) is
+    re-raised as :class:`CollectiveError` naming this rank, the collective and its group.
+    """
     start = time.perf_counter()
-    yield
+    try:
+        yield
+    except RuntimeError as exc:
+        ranks = "the default group" if group is None else dist.get_process_group_ranks(group)
+        raise CollectiveError(
+            f"rank {dist.get_rank()}: collective {kind!r} over ranks {ranks} failed; a peer "
+            f"may have died or stopped calling collectives (the process group's timeout bounds "
+            f"the wait): {exc}"
+        ) from exc
     elapsed = time.perf_counter() - start
     for stats in _active:
         stats.record(kind, nbytes, elapsed)
@@ -106,7 +119,8 @@ def all_to_all(
     """``all_to_all_single`` with uneven splits (no autograd)."""
     output = input.new_empty(sum(output_splits))
     me = dist.get_rank(group)
-    with collective(kind, (sum(input_splits) - input_splits[me]) * input.element_size()):
+    nbytes = (sum(input_splits) - input_splits[me]) * input.element_size()
+    with collective(kind, nbytes, group):
         dist.all_to_all_single(
             output, input.contiguous(), list(output_splits), list(input_splits), group=group
         )
@@ -156,7 +170,7 @@ class _AllReduceGrad(torch.autograd.Function):
         size = dist.get_world_size(ctx.group)
         if size > 1:
             nbytes = 2 * (size - 1) * grad.numel() * grad.element_size() // size
-            with collective(ctx.kind, nbytes):
+            with collective(ctx.kind, nbytes, ctx.group):
                 dist.all_reduce(grad, group=ctx.group)
         return grad, None, None, None
 

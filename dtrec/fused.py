@@ -141,7 +141,8 @@ class FusedUpdater:
                 sums = [merged[t][1].square().sum(1) for t in tables]
                 flat = torch.cat(sums)
                 size = dist.get_world_size(group)
-                with collective("optim.row_sq_sum", 2 * (size - 1) * flat.numel() * 4 // size):
+                nbytes = 2 * (size - 1) * flat.numel() * 4 // size
+                with collective("optim.row_sq_sum", nbytes, group):
                     dist.all_reduce(flat, group=group)
                 row_sq_sums.update(zip(tables, torch.split(flat, [x.numel() for x in sums])))
         updates = [

@@ -70,7 +70,7 @@ def sync_rows(
     device = tables[0].grads.device
     counts = torch.tensor([t.rows.numel() for t in tables], dtype=torch.long, device=device)
     gathered = torch.empty(size * len(tables), dtype=torch.long, device=device)
-    with collective(kind + ".counts", (size - 1) * counts.numel() * 8):
+    with collective(kind + ".counts", (size - 1) * counts.numel() * 8, group):
         dist.all_gather_into_tensor(gathered, counts, group=group)
     most = gathered.view(size, len(tables)).max(0).values.tolist()
 
@@ -110,7 +110,7 @@ def _all_gather_rows(
         id_at, grad_at = id_at + m, grad_at + m * dim
     all_ids = torch.empty(size * id_len, dtype=torch.long, device=device)
     all_grads = torch.empty(size * grad_len, dtype=torch.float32, device=device)
-    with collective(kind + ".sparse", (size - 1) * (id_len * 8 + grad_len * 4)):
+    with collective(kind + ".sparse", (size - 1) * (id_len * 8 + grad_len * 4), group):
         dist.all_gather_into_tensor(all_ids, ids, group=group)
         dist.all_gather_into_tensor(all_grads, grads, group=group)
     all_ids, all_grads = all_ids.view(size, id_len), all_grads.view(size, grad_len)
@@ -136,7 +136,7 @@ def _all_reduce_dense(
         block = part.view(t.num_rows, t.grads.shape[1] + 1)
         block[t.rows, :-1] = t.grads
         block[t.rows, -1] = 1.0
-    with collective(kind + ".dense", 2 * (size - 1) * flat.numel() * 4 // size):
+    with collective(kind + ".dense", 2 * (size - 1) * flat.numel() * 4 // size, group):
         dist.all_reduce(flat, group=group)
     out = []
     for t, part in zip(tables, torch.split(flat, sizes), strict=True):

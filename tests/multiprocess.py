@@ -66,7 +66,7 @@ import signal
 import socket
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 __all__ = ["WorldError", "error_of", "free_port", "run_world"]
@@ -178,6 +178,7 @@ def run_world(
     timeout: float = 300.0,
     collective_timeout: float = 60.0,
     env: dict[str, str] | None = None,
+    may_die: Collection[int] = (),
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
@@ -190,6 +191,8 @@ def run_world(
         collective_timeout: ``timeout`` given to ``init_process_group`` (per collective).
         env: extra environment variables for the children (applied on top of
             ``MASTER_ADDR``/``MASTER_PORT``/``OMP_NUM_THREADS=1``).
+        may_die: ranks allowed to exit without reporting (fault tests kill them on
+            purpose); their result is None and the world waits for the others.
 
     Raises:
         WorldError: a rank raised (message has ``"rank i: <traceback>"`` per failed rank),
@@ -252,7 +255,9 @@ def run_world(
         # A message sent just before exiting may still be in the pipe: read it first.
         drain(_POLL_S)
         for r in dead:
-            if r not in results and r not in errors:
+            if r in may_die and r not in errors:
+                results.setdefault(r, None)
+            elif r not in results and r not in errors:
                 add_error(
                     r,
                     f"exited without reporting a result ({_describe_exit(procs[r].exitcode)}); "
@@ -319,7 +324,7 @@ def run_world(
                 f"by the {timeout:.1f}s timeout (hung in destroy_process_group?)"
             )
         for r, p in enumerate(procs):
-            if p.exitcode != 0:
+            if p.exitcode != 0 and r not in may_die:
                 add_error(r, f"returned a result but then {_describe_exit(p.exitcode)}")
         if errors:
             raise fail(f"world of {world_size}: rank(s) {sorted(errors)} exited abnormally")

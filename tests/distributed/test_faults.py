@@ -1,0 +1,105 @@
+"""A rank dies mid-step: its peers stop with a clear error, well within the collective timeout.
+
+Rank 2 of 3 exits (``os._exit``) between its forward and its backward at step 2, while
+its peers run the backward's collectives. They must raise ``dtrec.CollectiveError``
+naming the collective and the group instead of hanging.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.multiprocess import run_world
+
+WORLD = 3
+COLLECTIVE_TIMEOUT_S = 30.0
+
+
+def _run(rank: int, world: int) -> dict:
+    import os
+    import time
+
+    import torch
+
+    import dtrec
+    from dtrec.placements import RowWise, TableWise
+    from tests.distributed.numerics import TinyModel, make_batch, make_tables
+
+    tables = make_tables(weighted=False)
+    mesh = dtrec.init_mesh("cpu", world)
+    plan = {f"sparse.{cfg.name}": RowWise() if i % 2 else TableWise(rank=i % world)
+            for i, cfg in enumerate(tables)}  # fmt: skip
+    torch.manual_seed(0)
+    model = dtrec.distribute_module(
+        TinyModel(tables), mesh, plan, optimizer=dtrec.optim.RowWiseAdagrad(lr=0.1)
+    )
+    gen = torch.Generator().manual_seed(rank)
+    start = time.monotonic()
+    try:
+        for step in range(4):
+            kjt, target = make_batch(tables, 4, False, gen)
+            loss = (model(kjt) - target).pow(2).mean()
+            if step == 2 and rank == 2:
+                os._exit(3)  # dies mid-step: its peers are about to exchange gradients
+            start = time.monotonic()
+            loss.backward()
+    except dtrec.CollectiveError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - start, "step": step}
+    return {"error": None, "step": step}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict | None]:
+    return run_world(WORLD, _run, timeout=120, collective_timeout=COLLECTIVE_TIMEOUT_S, may_die={2})
+
+
+def test_dead_rank_raises_clear_error_on_peers(results) -> None:
+    assert results[2] is None  # the killed rank reported nothing
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["error"] is not None, (rank, r)
+        assert r["step"] == 2, (rank, r)
+        assert f"rank {rank}: collective" in r["error"] and "over ranks [0, 1, 2]" in r["error"]
+        assert r["seconds"] < COLLECTIVE_TIMEOUT_S, (rank, r)
+
+
+STALL_TIMEOUT_S = 3.0
+
+
+def _run_stalled(rank: int, world: int) -> dict:
+    """Rank 2 stops calling collectives (alive, stuck elsewhere) before its backward."""
+    import os
+    import time
+
+    import torch
+
+    import dtrec
+    from dtrec.placements import RowWise
+    from tests.distributed.numerics import TinyModel, make_batch, make_tables
+
+    tables = make_tables(weighted=False)
+    mesh = dtrec.init_mesh("cpu", world)
+    plan = {f"sparse.{cfg.name}": RowWise() for cfg in tables}
+    torch.manual_seed(0)
+    model = dtrec.distribute_module(TinyModel(tables), mesh, plan)
+    kjt, target = make_batch(tables, 4, False, torch.Generator().manual_seed(rank))
+    loss = (model(kjt) - target).pow(2).mean()
+    if rank == 2:
+        time.sleep(2 * STALL_TIMEOUT_S + 1)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        loss.backward()
+    except dtrec.CollectiveError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_stalled_rank_times_out_on_peers() -> None:
+    results = run_world(
+        WORLD, _run_stalled, timeout=120, collective_timeout=STALL_TIMEOUT_S, may_die={2}
+    )
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["error"] is not None and f"rank {rank}: collective" in r["error"], (rank, r)
+        assert r["seconds"] < STALL_TIMEOUT_S + 2.5, (rank, r)  # the timeout, not the exit
