@@ -14,6 +14,7 @@ from dtrec.config import EmbeddingBagConfig
 from dtrec.distribute import distribute_module
 from dtrec.mesh import init_mesh
 from dtrec.modules import EmbeddingBagCollection
+from dtrec.pipeline import TrainPipeline
 from dtrec.placements.tensor import distribute_tensor
 from dtrec.plan import ShardingPlan, plan
 from dtrec.sharded_ebc import ShardedEmbeddingBagCollection
@@ -29,6 +30,7 @@ __all__ = [
     "KeyedTensor",
     "ShardedEmbeddingBagCollection",
     "ShardingPlan",
+    "TrainPipeline",
     "comm_stats",
     "count_comm",
     "distribute_module",

@@ -30,8 +30,8 @@ class CommStats:
     bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
-    def record(self, kind: str, nbytes: int, seconds: float = 0.0) -> None:
-        self.calls[kind] += 1
+    def record(self, kind: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
+        self.calls[kind] += calls
         self.bytes_sent[kind] += nbytes
         self.seconds[kind] += seconds
 
@@ -88,11 +88,14 @@ class CollectiveError(RuntimeError):
 
 
 @contextmanager
-def collective(kind: str, nbytes: int, group: ProcessGroup | None = None) -> Iterator[None]:
+def collective(
+    kind: str, nbytes: int, group: ProcessGroup | None = None, calls: int = 1
+) -> Iterator[None]:
     """Wrap one collective call: record its kind, the bytes this rank sends and its time.
 
     A failure (a peer's connection closed, the process group's timeout passed) is
     re-raised as :class:`CollectiveError` naming this rank, the collective and its group.
+    ``calls=0`` adds time to a collective already counted (waiting on an async one).
     """
     start = time.perf_counter()
     try:
@@ -106,7 +109,7 @@ def collective(kind: str, nbytes: int, group: ProcessGroup | None = None) -> Ite
         ) from exc
     elapsed = time.perf_counter() - start
     for stats in _active:
-        stats.record(kind, nbytes, elapsed)
+        stats.record(kind, nbytes, elapsed, calls)
 
 
 def all_to_all(
@@ -125,6 +128,47 @@ def all_to_all(
             output, input.contiguous(), list(output_splits), list(input_splits), group=group
         )
     return output
+
+
+class PendingTensor:
+    """The result of a collective still in flight; ``wait()`` returns it (once complete)."""
+
+    def __init__(self, output: Tensor, work: dist.Work | None, kind: str, group: ProcessGroup):
+        self._output, self._work, self._kind, self._group = output, work, kind, group
+
+    def wait(self) -> Tensor:
+        if self._work is not None:
+            with collective(self._kind, 0, self._group, calls=0):
+                self._work.wait()
+            self._work = None
+        return self._output
+
+
+def all_to_all_start(
+    input: Tensor,
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+    group: ProcessGroup,
+    kind: str,
+) -> PendingTensor:
+    """Start an uneven ``all_to_all_single`` and return at once (no autograd).
+
+    Collectives on a group run in the order ranks issue them, so later calls on
+    ``group`` may be issued while this one is in flight.
+    """
+    output = input.new_empty(sum(output_splits))
+    me = dist.get_rank(group)
+    nbytes = (sum(input_splits) - input_splits[me]) * input.element_size()
+    with collective(kind, nbytes, group):
+        work = dist.all_to_all_single(
+            output,
+            input.contiguous(),
+            list(output_splits),
+            list(input_splits),
+            group=group,
+            async_op=True,
+        )
+    return PendingTensor(output, work, kind, group)
 
 
 class _AllToAll(torch.autograd.Function):

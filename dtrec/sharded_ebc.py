@@ -18,13 +18,21 @@ tables) and scaled by 1 / world size, so all ranks' gradients are averaged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dtrec.collectives import all_reduce_grad, all_to_all, all_to_all_autograd
+from dtrec.collectives import (
+    PendingTensor,
+    all_reduce_grad,
+    all_to_all,
+    all_to_all_autograd,
+    all_to_all_start,
+)
 from dtrec.config import EmbeddingBagConfig
 from dtrec.features import bag_lengths, check_bounds_mode, feature_order, prepare_features
 from dtrec.fused import FusedUpdater, TableUpdate, fused_lookup
@@ -39,6 +47,21 @@ from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 _HEADER = 4  # status, batch size, ids sent to this peer, has per-sample weights
 _STATUS_OK, _STATUS_BAD_INPUT = 0, 1
+
+
+@dataclass
+class RoutedBatch:
+    """A batch after input-dist: its validated features and the ids this rank serves.
+
+    ``ids`` holds, per source rank, ``[lengths of the served segments | ids]``; it and
+    ``psw`` (per-sample weights) may still be in flight until waited on.
+    """
+
+    kjt: KeyedJaggedTensor
+    batch: int
+    peer_counts: list[int]
+    ids: PendingTensor | None
+    psw: PendingTensor | None
 
 
 class ShardedTable(nn.Module):
@@ -105,6 +128,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._dp_group = world_group(mesh) if self._routing.local_features else None
         self.optimizer = optimizer
         self._updater = None if optimizer is None else self._make_updater(optimizer, position)
+        self._prefetched: list[tuple[object, RoutedBatch]] = []
         self._received_cols = self._routing.received_columns(torch.device("cpu"))
         self._local_cols = self._routing.local_columns(torch.device("cpu"))
 
@@ -193,6 +217,53 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return out
 
     def forward(self, features: object) -> KeyedTensor:
+        routed = self._take_prefetched(features)
+        if routed is None:
+            routed = self.input_dist(features)
+        routing = self._routing
+        local = self._local_weights()
+        dtype = self._dtype
+        kjt, batch = routed.kjt, routed.batch
+        device = kjt.values().device
+        if routing.has_sharded:
+            out = self._lookup_and_output(routed, local, device, dtype)
+        else:
+            out = torch.zeros(batch, routing.total_dim, dtype=dtype, device=device)
+        if routing.local_features:
+            out = out.index_add(
+                1, self._local_cols.to(device), self._data_parallel_lookup(kjt, local)
+            )
+        out = out * self._pooling_scale(kjt, dtype)
+        dims = [routing.slots[k].dim for k in range(len(routing.slots))]
+        return KeyedTensor(feature_order(self._tables), dims, out)
+
+    def prefetch(self, features: object) -> None:
+        """Start input-dist of a batch now; ``forward`` of that same object consumes it.
+
+        The ids exchange stays in flight while the caller computes (``dtrec.TrainPipeline``
+        prefetches batch i + 1 before running batch i). Collective: all ranks of the
+        sharding group prefetch in the same order.
+        """
+        self._prefetched.append((features, self.input_dist(features)))
+
+    def is_prefetched(self, features: object) -> bool:
+        """Whether ``prefetch(features)`` ran and no forward has consumed it yet."""
+        return any(prefetched is features for prefetched, _ in self._prefetched)
+
+    def _take_prefetched(self, features: object) -> RoutedBatch | None:
+        for i, (prefetched, routed) in enumerate(self._prefetched):
+            if prefetched is features:
+                del self._prefetched[i]
+                return routed
+        return None
+
+    def input_dist(self, features: object) -> RoutedBatch:
+        """Validate the batch and send each id to the shard(s) holding its row.
+
+        One blocking header all-to-all (batch sizes, id counts, input validity:
+        a bad batch raises on every rank of the sharding group), then the ids
+        (+ per-sample weights) all-to-all, left in flight.
+        """
         rank = dist.get_rank()
         routing = self._routing
         error: Exception | None = None
@@ -201,27 +272,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
             kjt = prepare_features(features, self._tables, rank, self.bounds_check)
         except (KeyError, ValueError, IndexError, TypeError) as exc:
             error = exc
-        if not routing.has_sharded and error is not None:
-            raise error
-
-        local = self._local_weights()
-        dtype = self._dtype
-        batch = kjt.stride() if kjt is not None else 0
-        device = kjt.values().device if kjt is not None else torch.device("cpu")
-        out: Tensor | None = None
-        if routing.has_sharded:
-            out = self._sharded_lookup(kjt, error, local, batch, device, dtype)
-        if out is None:
+        if not routing.has_sharded:
+            if error is not None:
+                raise error
             assert kjt is not None
-            out = torch.zeros(batch, routing.total_dim, dtype=dtype, device=device)
-        assert kjt is not None
-        if routing.local_features:
-            out = out.index_add(
-                1, self._local_cols.to(device), self._data_parallel_lookup(kjt, local)
-            )
-        out = out * self._pooling_scale(kjt, dtype)
-        dims = [routing.slots[k].dim for k in range(len(routing.slots))]
-        return KeyedTensor(feature_order(self._tables), dims, out)
+            return RoutedBatch(kjt, kjt.stride(), [], None, None)
+        return self._exchange_ids(kjt, error)
 
     def _pooling_scale(self, kjt: KeyedJaggedTensor, dtype: torch.dtype) -> Tensor:
         """``[B, total_dim]`` factors: 1 / bag length on mean-pooled features, 1 elsewhere."""
@@ -325,18 +381,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 "every rank of a sharding group must feed the same local batch size"
             )
 
-    def _sharded_lookup(
-        self,
-        kjt: KeyedJaggedTensor | None,
-        error: Exception | None,
-        local: dict[int, Tensor],
-        batch: int,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> Tensor:
+    def _exchange_ids(self, kjt: KeyedJaggedTensor | None, error: Exception | None) -> RoutedBatch:
         routing = self._routing
         group = self._shard_group
         shards = routing.shard_size
+        batch = kjt.stride() if kjt is not None else 0
         header = torch.zeros(shards, _HEADER, dtype=torch.long)
         if error is None:
             assert kjt is not None
@@ -356,12 +405,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         assert kjt is not None
         self._check_peers(peer, batch)
 
-        served = routing.served
-        n_served = len(served) * batch
+        device = kjt.values().device
+        n_served = len(routing.served) * batch
         peer_counts = peer[:, 2].tolist()
-        send = torch.cat(buffers).to(device)
-        recv = all_to_all(
-            send,
+        ids = all_to_all_start(
+            torch.cat(buffers).to(device),
             [n_served + c for c in peer_counts],
             [b.numel() for b in buffers],
             group,
@@ -373,13 +421,32 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 w if w is not None else torch.ones(c, dtype=torch.float32, device=device)
                 for w, c in zip(sent_weights, counts, strict=True)
             ]
-            psw = all_to_all(
+            psw = all_to_all_start(
                 torch.cat(send_w).float(), peer_counts, counts, group, "input_dist.weights"
             )
+        return RoutedBatch(kjt, batch, peer_counts, ids, psw)
+
+    def _lookup_and_output(
+        self,
+        routed: RoutedBatch,
+        local: dict[int, Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> Tensor:
+        """Look up the ids this rank serves, send the partials back, assemble the output."""
+        routing = self._routing
+        group = self._shard_group
+        shards = routing.shard_size
+        batch = routed.batch
+        served = routing.served
+        n_served = len(served) * batch
+        assert routed.ids is not None
+        recv = routed.ids.wait()
+        psw = None if routed.psw is None else routed.psw.wait()
 
         # Received layout: per source j, [lengths of served segments | ids].
         lengths_parts, id_parts, start = [], [], 0
-        for c in peer_counts:
+        for c in routed.peer_counts:
             lengths_parts.append(recv[start : start + n_served])
             id_parts.append(recv[start + n_served : start + n_served + c])
             start += n_served + c

@@ -66,10 +66,15 @@ def test_dead_rank_raises_clear_error_on_peers(results) -> None:
 STALL_TIMEOUT_S = 3.0
 
 
-def _run_stalled(rank: int, world: int) -> dict:
-    """Rank 2 stops calling collectives (alive, stuck elsewhere) before its backward."""
+def _run_stalled(rank: int, world: int, flag_dir: str) -> dict:
+    """Rank 2 stops calling collectives (alive, stuck elsewhere) before its backward.
+
+    It stays stuck until both peers have reported their error (files in ``flag_dir``),
+    so only the collective timeout can have freed them.
+    """
     import os
     import time
+    from pathlib import Path
 
     import torch
 
@@ -84,22 +89,31 @@ def _run_stalled(rank: int, world: int) -> dict:
     model = dtrec.distribute_module(TinyModel(tables), mesh, plan)
     kjt, target = make_batch(tables, 4, False, torch.Generator().manual_seed(rank))
     loss = (model(kjt) - target).pow(2).mean()
+    flags = [Path(flag_dir) / f"rank{r}" for r in (0, 1)]
     if rank == 2:
-        time.sleep(2 * STALL_TIMEOUT_S + 1)
+        deadline = time.monotonic() + 60
+        while not all(f.exists() for f in flags) and time.monotonic() < deadline:
+            time.sleep(0.05)
         os._exit(0)
     start = time.monotonic()
     try:
         loss.backward()
     except dtrec.CollectiveError as exc:
-        return {"error": str(exc), "seconds": time.monotonic() - start}
-    return {"error": None}
+        result = {"error": str(exc), "seconds": time.monotonic() - start}
+    else:
+        result = {"error": None}
+    flags[rank].touch()
+    return result
 
 
-def test_stalled_rank_times_out_on_peers() -> None:
+def test_stalled_rank_times_out_on_peers(tmp_path) -> None:
     results = run_world(
-        WORLD, _run_stalled, timeout=120, collective_timeout=STALL_TIMEOUT_S, may_die={2}
-    )
+        WORLD, _run_stalled, str(tmp_path), timeout=120, collective_timeout=STALL_TIMEOUT_S,
+        may_die={2},
+    )  # fmt: skip
     for rank in (0, 1):
         r = results[rank]
         assert r["error"] is not None and f"rank {rank}: collective" in r["error"], (rank, r)
-        assert r["seconds"] < STALL_TIMEOUT_S + 2.5, (rank, r)  # the timeout, not the exit
+        # gloo words it "Timed out waiting ..." or "Application timeout caused pair closure"
+        assert "timed out" in r["error"].lower() or "timeout caused" in r["error"], (rank, r)
+        assert STALL_TIMEOUT_S * 0.9 < r["seconds"] < 60, (rank, r)

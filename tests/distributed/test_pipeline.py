@@ -1,0 +1,125 @@
+"""dtrec.TrainPipeline: the pipelined loop trains exactly like the plain loop.
+
+Two copies of one model train on the same batches, one with a plain loop, one through
+the pipeline (input-dist of batch i + 1 in flight during batch i): losses and every
+weight must be equal bit for bit, and each batch's input-dist runs once, ahead of its
+forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.multiprocess import run_world
+
+WORLD = 4
+# (shards, fused optimizer, per-sample weights)
+CASES = [(2, "rowwise_adagrad", False), (2, None, True), (4, "adam", False)]
+
+
+def _train(rank: int, shards: int, fused_name: str | None, weighted: bool) -> dict:
+    import copy
+
+    import torch
+
+    import dtrec
+    from dtrec.sharded_ebc import ShardedEmbeddingBagCollection
+    from tests.distributed.numerics import PLANS, TinyModel, make_batch, make_tables
+
+    mesh = dtrec.init_mesh("cpu", shards)
+    tables = make_tables(weighted)
+    torch.manual_seed(0)
+    model = TinyModel(tables)
+    plan = {f"sparse.{k}": v for k, v in PLANS["mixed"].items()}
+    fused = {
+        None: None,
+        "rowwise_adagrad": dtrec.optim.RowWiseAdagrad(lr=0.1),
+        "adam": dtrec.optim.Adam(lr=0.05),
+    }[fused_name]
+    plain = dtrec.distribute_module(copy.deepcopy(model), mesh, plan, optimizer=fused)
+    piped = dtrec.distribute_module(copy.deepcopy(model), mesh, plan, optimizer=fused)
+    gen = torch.Generator().manual_seed(10 + rank)
+    batches = [make_batch(tables, 3, weighted, gen) for _ in range(5)]
+
+    def loss_fn(m, batch):
+        kjt, target = batch
+        return ((m(kjt) - target) ** 2).mean()
+
+    plain_opt = torch.optim.SGD([p for p in plain.parameters() if p.requires_grad], lr=0.5)
+    plain_losses = []
+    for batch in batches:
+        loss = loss_fn(plain, batch)
+        loss.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        plain_losses.append(loss.item())
+
+    calls = []
+    original = ShardedEmbeddingBagCollection.input_dist
+
+    def counted(self, features):
+        calls.append(id(features))
+        return original(self, features)
+
+    ShardedEmbeddingBagCollection.input_dist = counted
+    try:
+        opt = torch.optim.SGD([p for p in piped.parameters() if p.requires_grad], lr=0.5)
+        pipeline = dtrec.TrainPipeline(piped, opt, loss_fn)
+        piped_losses = [loss.item() for loss in pipeline.run(batches)]
+    finally:
+        ShardedEmbeddingBagCollection.input_dist = original
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in plain.parameters()]
+    other = [p.to_local() if hasattr(p, "to_local") else p for p in piped.parameters()]
+    diffs = [float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(local, other)]
+    return {
+        "losses": (plain_losses, piped_losses),
+        "max_param_diff": max(diffs),
+        "input_dists": calls == [id(kjt) for kjt, _ in batches],
+    }
+
+
+def _wrong_object(rank: int) -> str:
+    import torch
+
+    import dtrec
+    from tests.distributed.numerics import PLANS, TinyModel, make_batch, make_tables
+    from tests.multiprocess import error_of
+
+    tables = make_tables(False)
+    model = dtrec.distribute_module(
+        TinyModel(tables), dtrec.init_mesh("cpu", 2),
+        {f"sparse.{k}": v for k, v in PLANS["mixed"].items()},
+    )  # fmt: skip
+    batches = [make_batch(tables, 3, False, torch.Generator().manual_seed(rank)) for _ in range(2)]
+    copying = dtrec.TrainPipeline(
+        model, None, lambda m, b: m(dtrec.KeyedJaggedTensor(b[0].keys(), b[0].values(),
+                                                            b[0].lengths())).sum()
+    )  # fmt: skip
+    return error_of(lambda: list(copying.run(batches)))
+
+
+def _run(rank: int, world: int) -> dict:
+    out = {case: _train(rank, *case) for case in CASES}
+    out["wrong_object"] = _wrong_object(rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_world(WORLD, _run, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "case", CASES, ids=[f"S{s}-{f}-{'psw' if w else 'plain'}" for s, f, w in CASES]
+)
+def test_pipeline_matches_plain_loop(results, case) -> None:
+    for rank, r in enumerate(results):
+        plain, piped = r[case]["losses"]
+        assert plain == piped, (rank, plain, piped)
+        assert r[case]["max_param_diff"] == 0.0, (rank, r[case]["max_param_diff"])
+        assert r[case]["input_dists"], rank  # one input-dist per batch, in batch order
+
+
+def test_pipeline_rejects_a_loss_fn_that_bypasses_the_prefetch(results) -> None:
+    for r in results:
+        assert r["wrong_object"].startswith("RuntimeError") and "prefetched" in r["wrong_object"]
