@@ -211,7 +211,7 @@ class _AllReduceGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         grad = grad * ctx.scale
-        size = dist.get_world_size(ctx.group)
+        size = 1 if ctx.group is None else dist.get_world_size(ctx.group)
         if size > 1:
             nbytes = 2 * (size - 1) * grad.numel() * grad.element_size() // size
             with collective(ctx.kind, nbytes, ctx.group):
@@ -219,6 +219,6 @@ class _AllReduceGrad(torch.autograd.Function):
         return grad, None, None, None
 
 
-def all_reduce_grad(tensor: Tensor, group: ProcessGroup, scale: float, kind: str) -> Tensor:
-    """Identity forward; backward sums the gradient over ``group`` and multiplies by ``scale``."""
+def all_reduce_grad(tensor: Tensor, group: ProcessGroup | None, scale: float, kind: str) -> Tensor:
+    """Identity forward; backward sums the gradient over ``group`` (None: no sum) * ``scale``."""
     return _AllReduceGrad.apply(tensor, group, scale, kind)

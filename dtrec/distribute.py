@@ -23,6 +23,7 @@ def distribute_module(
     mesh: DeviceMesh,
     plan: Mapping[str, TableSpec] | None = None,
     optimizer: FusedOptimizer | None = None,
+    sync_every: int | None = None,
 ) -> nn.Module:
     """Shard every ``EmbeddingBagCollection`` of ``model`` per ``plan``; DDP the rest.
 
@@ -31,7 +32,12 @@ def distribute_module(
     ``dtrec.plan``. Dense parameters become data parallel over all W ranks
     (torch's ``replicate``). With ``optimizer`` (a ``dtrec.optim`` config)
     the table update is fused into backward: table weights get no ``.grad``
-    and ``model.fused_optimizer`` holds the state. Returns ``model`` itself,
+    and ``model.fused_optimizer`` holds the state. ``sync_every=k``: replicas of a
+    sharded table stop summing gradients every step and instead average weights
+    (and fused optimizer state) every k steps, like TorchRec's 2D ``DMPCollection``:
+    less replicate-axis traffic, but each replica group takes its own steps in
+    between, so results differ from the unsharded model unless k=1 with SGD (see
+    ``ShardedEmbeddingBagCollection.sync_replicas``). Returns ``model`` itself,
     changed in place (or the sharded collection when ``model`` is one).
     Collective: every rank calls it with the same model config and plan.
 
@@ -63,7 +69,7 @@ def distribute_module(
         specs = {cfg.name: full_plan[table_fqn(fqn, cfg.name)] for cfg in tables}
         weights = {cfg.name: ebc.embedding_bags[cfg.name].weight for cfg in tables}
         sharded[fqn] = ShardedEmbeddingBagCollection(
-            tables, weights, mesh, specs, optimizer, ebc.bounds_check
+            tables, weights, mesh, specs, optimizer, ebc.bounds_check, sync_every
         )
     fused = FusedOptimizerView(sharded) if optimizer is not None else None
     if "" in sharded:

@@ -6,7 +6,8 @@ lookup and owned by this rank alone (no replicas, no column shards) gets the
 optimizer's fused backward + step: one pass, no gradient buffer. For the
 others, in table order:
 
-1. merges the stashed parts and averages over the world (1 / W);
+1. merges the stashed parts and averages over the ranks whose batches they
+   sum (1 / W; 1 / S when replicas sync weights instead, ``sync_every``);
 2. sums them over the table's replicas (``dtrec.replica_sync``: a sparse
    all-gather whose bytes grow with rows touched, or a dense all-reduce when
    that is cheaper; all tables of a group share the collectives), so every
@@ -53,11 +54,15 @@ class TableUpdate:
         replica_group: ProcessGroup | None,
         column_group: ProcessGroup | None,
         full_dim: int,
+        grad_scale: float,
+        sync_kind: str = "grad_sync.replicate",
     ) -> None:
         self.weight = weight
+        self.sync_kind = sync_kind  # names its replica sync in dtrec.comm_stats
         self.replica_group = replica_group
         self.column_group = column_group
         self.full_dim = full_dim
+        self.grad_scale = grad_scale  # 1 / number of ranks whose batches the gradient sums
 
 
 class FusedUpdater:
@@ -68,12 +73,10 @@ class FusedUpdater:
         optimizer: FusedOptimizer,
         tables: dict[int, TableUpdate],
         state: dict[int, dict[str, Tensor]],
-        world_size: int,
     ) -> None:
         self.optimizer = optimizer
         self.tables = tables
         self.state = state
-        self.world_size = world_size
         self._pending: list[tuple[list[int], Lookup, Tensor]] = []
 
     #: How replicas sum their row grads: "auto" (sparse or dense per table, by bytes),
@@ -105,10 +108,11 @@ class FusedUpdater:
         uses = Counter(t for table_ids, _, _ in pending for t in table_ids)
         parts: dict[int, list[tuple[Tensor, Tensor]]] = {}
         for table_ids, lookup, grad_out in pending:
-            if not any(uses[t] > 1 or self._syncs(t) for t in table_ids):
+            scales = {self.tables[t].grad_scale for t in table_ids}
+            if len(scales) == 1 and not any(uses[t] > 1 or self._syncs(t) for t in table_ids):
                 with torch.no_grad():
                     self.optimizer.backward_update(
-                        lookup, grad_out, [self.state[t] for t in table_ids], 1 / self.world_size
+                        lookup, grad_out, [self.state[t] for t in table_ids], scales.pop()
                     )
                 continue
             rows = lookup_backward_rows(lookup, grad_out)
@@ -126,12 +130,12 @@ class FusedUpdater:
         merged = {}
         for t in sorted(parts):
             rows, grads = merge_rows(parts[t])
-            merged[t] = (rows, grads / self.world_size)
+            merged[t] = (rows, grads * self.tables[t].grad_scale)
         for tables, group in _by_group(merged, lambda t: self.tables[t].replica_group):
             synced = sync_rows(
                 [TableRows(*merged[t], self.tables[t].weight.shape[0]) for t in tables],
                 group,
-                "grad_sync.replicate",
+                self.tables[tables[0]].sync_kind,
                 self.replica_sync,
             )
             merged.update(zip(tables, synced, strict=True))

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -32,6 +33,7 @@ from dtrec.collectives import (
     all_to_all,
     all_to_all_autograd,
     all_to_all_start,
+    collective,
 )
 from dtrec.config import EmbeddingBagConfig
 from dtrec.features import bag_lengths, check_bounds_mode, feature_order, prepare_features
@@ -92,9 +94,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         specs: dict[str, TableSpec],
         optimizer: FusedOptimizer | None = None,
         bounds_check: str = "on",
+        sync_every: int | None = None,
     ) -> None:
         super().__init__()
         self.bounds_check = check_bounds_mode(bounds_check)
+        if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
+            raise ValueError(f"sync_every must be a positive int or None, got {sync_every!r}")
+        self.sync_every = sync_every
+        self._steps = 0
         axis = shard_axis(mesh)
         position = shard_position(mesh)
         if position is None:
@@ -171,9 +178,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         updates = {}
         for t in self._routing.local_tables:
             cfg = self._tables[t]
-            replicas = self._dp_group if self._layouts[t].batch_local else self._replicate_group
+            replicas, scale = self._grad_sync(t)
             weight = self.embedding_bags[cfg.name].weight.to_local()
-            updates[t] = TableUpdate(weight, replicas, columns.get(t), cfg.embedding_dim)
+            kind = "grad_sync.data_parallel" if self._layouts[t].batch_local else None
+            updates[t] = TableUpdate(
+                weight, replicas, columns.get(t), cfg.embedding_dim, scale,
+                kind or "grad_sync.replicate",
+            )  # fmt: skip
         # Local tables' states packed in the order their weights are packed.
         local = self._routing.local_tables
         others = [t for t in range(len(self._tables)) if t not in updates]
@@ -183,7 +194,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             state[t] = optimizer.init_state(
                 self.embedding_bags[self._tables[t].name].weight.to_local()
             )
-        return FusedUpdater(optimizer, updates, state, self._world_size)
+        return FusedUpdater(optimizer, updates, state)
 
     def fused_optimizer_state(self) -> dict[str, dict[str, Tensor]]:
         """Table name -> its fused optimizer state (local tensors, shaped like the shard)."""
@@ -199,10 +210,22 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Table name -> spec."""
         return {name: table.spec for name, table in self.embedding_bags.items()}
 
+    def _grad_sync(self, t: int) -> tuple[ProcessGroup | None, float]:
+        """Table t's gradient: the group it is summed over, and the factor that averages it.
+
+        Data-parallel tables: the world. Sharded tables: their replicas, so the sum
+        covers all W batches; with ``sync_every`` replicas do not sum gradients (each
+        averages its own S batches) and average weights every k steps instead.
+        """
+        if self._layouts[t].batch_local:
+            return self._dp_group, 1.0 / self._world_size
+        if self.sync_every is None:
+            return self._replicate_group, 1.0 / self._world_size
+        return None, 1.0 / self._routing.shard_size
+
     def _local_weights(self) -> dict[int, Tensor]:
         """This rank's blocks as plain tensors whose grads are synced over replicas."""
         out: dict[int, Tensor] = {}
-        scale = 1.0 / self._world_size
         local_tables = set(self._routing.local_tables)
         for t, cfg in enumerate(self._tables):
             if t not in local_tables:
@@ -210,13 +233,48 @@ class ShardedEmbeddingBagCollection(nn.Module):
             local = self.embedding_bags[cfg.name].weight.to_local()
             if self._updater is not None:
                 out[t] = local  # updated in place by the fused optimizer
-            elif self._layouts[t].batch_local:
-                out[t] = all_reduce_grad(local, self._dp_group, scale, "grad_sync.data_parallel")
-            else:
-                out[t] = all_reduce_grad(local, self._replicate_group, scale, "grad_sync.replicate")
+                continue
+            group, scale = self._grad_sync(t)
+            kind = (
+                "grad_sync.data_parallel" if self._layouts[t].batch_local else "grad_sync.replicate"
+            )
+            out[t] = all_reduce_grad(local, group, scale, kind)
         return out
 
+    def sync_replicas(self) -> None:
+        """Average sharded tables' weights and fused optimizer state over the replicas.
+
+        What ``sync_every=k`` runs every k training steps (TorchRec's
+        ``DMPCollection.sync()``); call it yourself before saving or evaluating. One
+        all-reduce over the "replicate" dim for all local tables. State of a torch
+        optimizer (non-fused training) is the caller's to average.
+        """
+        size = dist.get_world_size(self._replicate_group)
+        if size == 1:
+            return
+        tensors = []
+        for t in self._routing.local_tables:
+            if self._layouts[t].batch_local:
+                continue  # data-parallel tables sync their gradients every step
+            tensors.append(self.embedding_bags[self._tables[t].name].weight.to_local())
+            if self._updater is not None:
+                tensors += [v for v in self._updater.state[t].values() if v.dim() > 0]
+        if not tensors:
+            return
+        with torch.no_grad():
+            flat = torch.cat([x.reshape(-1).float() for x in tensors])
+            with collective("replica_sync.weights", 2 * (size - 1) * flat.numel() * 4 // size,
+                            self._replicate_group):  # fmt: skip
+                dist.all_reduce(flat, group=self._replicate_group)
+            flat /= size
+            for x, part in zip(tensors, torch.split(flat, [x.numel() for x in tensors])):
+                x.copy_(part.view_as(x))
+
     def forward(self, features: object) -> KeyedTensor:
+        if self.sync_every is not None and self.training and torch.is_grad_enabled():
+            if self._steps and self._steps % self.sync_every == 0:
+                self.sync_replicas()  # after every k-th step, before the next one reads
+            self._steps += 1
         routed = self._take_prefetched(features)
         if routed is None:
             routed = self.input_dist(features)
