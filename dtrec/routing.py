@@ -80,6 +80,76 @@ class Routing:
         self.served = self.segments_to[position]
         self.served_width = self.widths[position]
         self.has_sharded = any(self.segments_to)
+        self._bucket_maps = _BucketMaps(tables, self.slots, self.segments_to)
+        self._device_maps: dict[torch.device, _BucketMaps] = {}
+
+    def bucketize(
+        self, values: Tensor, lengths: Tensor, weights: Tensor | None
+    ) -> tuple[list[Tensor], list[Tensor | None], list[int]]:
+        """Split a batch (features in output order) into what each shard position receives.
+
+        ``values`` int ids, ``lengths`` ``[F, B]``, ``weights`` per id or None. Returns, per
+        position p: an int64 buffer ``[lengths of p's segments (B each, in
+        segments_to[p] order) | their ids, local to the block's rows]``, the ids'
+        weights, and the id count. Vectorized: each id finds its row block with one
+        ``searchsorted`` over all features' block boundaries, is copied once per column
+        block of that row block, and a stable sort by segment lays the ids out in send
+        order (each id crosses the wire once per block holding its row).
+        """
+        maps = self._maps(values.device)
+        num_features, batch = lengths.shape
+        counts = lengths.reshape(-1).long()
+        feature = torch.repeat_interleave(
+            torch.arange(num_features, device=values.device), lengths.sum(1),
+            output_size=values.numel(),
+        )  # fmt: skip
+        bag = torch.repeat_interleave(
+            torch.arange(counts.numel(), device=values.device), counts, output_size=values.numel()
+        )
+        values = values.long()
+        if maps.has_local:  # data-parallel features are looked up where they are
+            keep = maps.routed[feature]
+            values, feature, bag = values[keep], feature[keep], bag[keep]
+            weights = None if weights is None else weights[keep]
+        row_block = torch.searchsorted(maps.starts, maps.feature_base[feature] + values, right=True)
+        row_block -= 1
+        if maps.one_segment_per_row_block:
+            segment = maps.row_block_segments[maps.row_block_first[row_block]]
+            source = None
+        else:  # column blocks: one copy of the id per column block of its row block
+            copies = maps.row_block_count[row_block]
+            source = torch.repeat_interleave(
+                torch.arange(values.numel(), device=values.device), copies
+            )
+            first = torch.cumsum(copies, 0) - copies
+            within = torch.arange(source.numel(), device=values.device) - first[source]
+            segment = maps.row_block_segments[maps.row_block_first[row_block[source]] + within]
+            values, bag = values[source], bag[source]
+            weights = None if weights is None else weights[source]
+        local_ids = values - maps.segment_row_start[segment]
+        seg_lengths = torch.bincount(
+            segment * batch + bag % batch, minlength=maps.num_segments * batch
+        ).view(maps.num_segments, batch)
+        order = torch.sort(segment, stable=True).indices
+        local_ids = local_ids[order]
+        weights = None if weights is None else weights[order]
+        per_position = torch.bincount(
+            maps.segment_position[segment], minlength=self.shard_size
+        ).tolist()
+        buffers, sent_weights, start = [], [], 0
+        for p, n in enumerate(per_position):
+            first, last = maps.position_segments[p]
+            buffers.append(
+                torch.cat([seg_lengths[first:last].reshape(-1), local_ids[start : start + n]])
+            )
+            sent_weights.append(None if weights is None else weights[start : start + n])
+            start += n
+        return buffers, sent_weights, per_position
+
+    def _maps(self, device: torch.device) -> _BucketMaps:
+        if device not in self._device_maps:
+            self._device_maps[device] = self._bucket_maps.to(device)
+        return self._device_maps[device]
 
     @property
     def local_tables(self) -> list[int]:
@@ -107,3 +177,68 @@ class Routing:
             for k in self.local_features
         ]
         return (torch.cat(cols) if cols else torch.zeros(0, dtype=torch.long)).to(device)
+
+
+@dataclass
+class _BucketMaps:
+    """Static lookup tables for ``Routing.bucketize`` (built once, kept per device).
+
+    Segments are numbered in send order (position-major, then ``segments_to[p]``
+    order). A *row block* is one distinct row range of one feature's blocks; its
+    segments are its column blocks. Every feature gets a disjoint key range
+    ``feature_base[k] + id``; ``starts`` holds every row block's first key, sorted.
+    """
+
+    starts: Tensor  # [row blocks] first key of each row block
+    feature_base: Tensor  # [F] key offset of each feature
+    routed: Tensor  # [F] bool: the feature's ids are sent (not data-parallel)
+    row_block_first: Tensor  # [row blocks] first entry in row_block_segments
+    row_block_count: Tensor  # [row blocks] number of segments (column blocks)
+    row_block_segments: Tensor  # segments of each row block, concatenated
+    segment_row_start: Tensor  # [segments] first row of the segment's block
+    segment_position: Tensor  # [segments] destination shard position
+    position_segments: list[tuple[int, int]]  # per position: its range of segment numbers
+    num_segments: int
+    has_local: bool
+    one_segment_per_row_block: bool
+
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        slots: list[FeatureSlot],
+        segments_to: list[list[Segment]],
+    ) -> None:
+        numbered = [(p, seg) for p, segs in enumerate(segments_to) for seg in segs]
+        self.num_segments = len(numbered)
+        self.position_segments, first = [], 0
+        for segs in segments_to:
+            self.position_segments.append((first, first + len(segs)))
+            first += len(segs)
+        sizes = [tables[slot.table].num_embeddings for slot in slots]
+        bases = [sum(sizes[:k]) for k in range(len(slots))]
+        by_row_block: dict[tuple[int, int], list[int]] = {}
+        for g, (_, seg) in enumerate(numbered):
+            by_row_block.setdefault((seg.feature, seg.block.rows[0]), []).append(g)
+        keys = sorted(by_row_block)
+        lists = [by_row_block[k] for k in keys]
+        counts = [len(x) for x in lists]
+        self.starts = torch.tensor([bases[k] + row for k, row in keys], dtype=torch.long)
+        self.feature_base = torch.tensor(bases, dtype=torch.long)
+        routed = {seg.feature for _, seg in numbered}
+        self.routed = torch.tensor([k in routed for k in range(len(slots))], dtype=torch.bool)
+        self.has_local = len(routed) < len(slots)
+        self.row_block_count = torch.tensor(counts, dtype=torch.long)
+        self.row_block_first = torch.tensor([sum(counts[:i]) for i in range(len(counts))],
+                                            dtype=torch.long)  # fmt: skip
+        self.row_block_segments = torch.tensor([g for x in lists for g in x], dtype=torch.long)
+        self.one_segment_per_row_block = all(c == 1 for c in counts)
+        self.segment_row_start = torch.tensor(
+            [seg.block.rows[0] for _, seg in numbered], dtype=torch.long
+        )
+        self.segment_position = torch.tensor([p for p, _ in numbered], dtype=torch.long)
+
+    def to(self, device: torch.device) -> _BucketMaps:
+        moved = object.__new__(_BucketMaps)
+        for name, value in vars(self).items():
+            setattr(moved, name, value.to(device) if isinstance(value, Tensor) else value)
+        return moved

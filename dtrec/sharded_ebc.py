@@ -382,45 +382,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self, kjt: KeyedJaggedTensor
     ) -> tuple[list[Tensor], list[Tensor | None], list[int]]:
         """Per destination: int64 [lengths | ids] buffer, weights, and id count."""
-        routing = self._routing
-        batch = kjt.stride()
-        lengths = bag_lengths(kjt)
-        offsets = kjt.offset_per_key()
-        values = kjt.values().long()
-        weights = kjt.weights_or_none()
-        bags: dict[int, Tensor] = {}
-        buffers: list[Tensor] = []
-        sent_weights: list[Tensor | None] = []
-        counts: list[int] = []
-        for segs in routing.segments_to:
-            seg_lengths, seg_ids, seg_weights = [], [], []
-            for seg in segs:
-                k = seg.feature
-                ids = values[offsets[k] : offsets[k + 1]]
-                w = None if weights is None else weights[offsets[k] : offsets[k + 1]]
-                rows = seg.block.rows
-                if rows == (0, self._tables[seg.table].num_embeddings):
-                    seg_lengths.append(lengths[k].long())
-                    seg_ids.append(ids)
-                else:
-                    if k not in bags:
-                        bags[k] = torch.repeat_interleave(
-                            torch.arange(batch, device=ids.device), lengths[k].long()
-                        )
-                    mask = (ids >= rows[0]) & (ids < rows[1])
-                    seg_lengths.append(torch.bincount(bags[k][mask], minlength=batch))
-                    seg_ids.append(ids[mask] - rows[0])
-                    w = None if w is None else w[mask]
-                seg_weights.append(w)
-            ids_cat = torch.cat(seg_ids) if seg_ids else values.new_zeros(0)
-            buffers.append(torch.cat([*seg_lengths, ids_cat]) if segs else values.new_zeros(0))
-            sent_weights.append(
-                None
-                if weights is None
-                else (torch.cat(seg_weights) if segs else weights.new_zeros(0))
-            )  # type: ignore[arg-type]
-            counts.append(ids_cat.numel())
-        return buffers, sent_weights, counts
+        return self._routing.bucketize(kjt.values(), bag_lengths(kjt), kjt.weights_or_none())
 
     def _check_peers(self, header: Tensor, batch: int) -> None:
         """Fail on every rank of the group if any peer's batch was bad or differs."""
