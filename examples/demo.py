@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, help="dense (MLP) learning rate")
     parser.add_argument("--emb-lr", type=float, help="embedding learning rate")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of samples/s")
+    parser.add_argument("--pipeline", action="store_true", help="train through dtrec.TrainPipeline")
     parser.add_argument(
         "--fused",
         action=argparse.BooleanOptionalAction,
@@ -226,18 +227,39 @@ def run(args: argparse.Namespace, rank: int, world: int, lead: bool) -> None:
     teacher_loss = 0.0
     window = 10
     bar = tqdm(total=args.steps, disable=not lead, desc="train", mininterval=1.0, file=sys.stdout)
-    with dtrec.comm_stats() as stats:
+
+    def batches():
+        nonlocal teacher_loss
         for step in range(args.steps):
-            if step == args.warmup:
-                dist.barrier()
-                start = time.perf_counter()
             dense, kjt, labels, prob = teacher.batch(args.batch_size, (rank, step))
             teacher_loss += bce(prob, labels)
-            loss = loss_fn(model(dense, kjt), labels)
+            yield dense, kjt, labels
+
+    def batch_loss(m: nn.Module, batch) -> torch.Tensor:
+        dense, kjt, labels = batch
+        return loss_fn(m(dense, kjt), labels)
+
+    def plain_loop():
+        for batch in batches():
+            loss = batch_loss(model, batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            losses[step] = loss.detach()
+            yield loss.detach()
+
+    if args.pipeline:  # next batch's input-dist in flight during this one
+        pipeline = dtrec.TrainPipeline(model, opt, batch_loss, sparse_features=lambda b: b[1])
+        steps = pipeline.run(batches())
+    else:
+        steps = plain_loop()
+    dist.barrier()
+    start = time.perf_counter()
+    with dtrec.comm_stats() as stats:
+        for step, loss in enumerate(steps):
+            if step + 1 == args.warmup:
+                dist.barrier()
+                start = time.perf_counter()
+            losses[step] = loss
             if (step + 1) % window == 0:
                 recent = losses[step + 1 - window : step + 1].mean().reshape(1)
                 dist.all_reduce(recent)  # cheap: one float
