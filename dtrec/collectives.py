@@ -200,25 +200,3 @@ def all_to_all_autograd(
     if torch.is_grad_enabled() and not input.requires_grad:
         input = input.detach().requires_grad_()
     return _AllToAll.apply(input, list(output_splits), list(input_splits), group, kind)
-
-
-class _AllReduceGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input, group, scale, kind):  # type: ignore[override]
-        ctx.group, ctx.scale, ctx.kind = group, scale, kind
-        return input.view_as(input)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        grad = grad * ctx.scale
-        size = 1 if ctx.group is None else dist.get_world_size(ctx.group)
-        if size > 1:
-            nbytes = 2 * (size - 1) * grad.numel() * grad.element_size() // size
-            with collective(ctx.kind, nbytes, ctx.group):
-                dist.all_reduce(grad, group=ctx.group)
-        return grad, None, None, None
-
-
-def all_reduce_grad(tensor: Tensor, group: ProcessGroup | None, scale: float, kind: str) -> Tensor:
-    """Identity forward; backward sums the gradient over ``group`` (None: no sum) * ``scale``."""
-    return _AllReduceGrad.apply(tensor, group, scale, kind)

@@ -79,8 +79,7 @@ class FusedUpdater:
         self.state = state
         self._pending: list[tuple[list[int], Lookup, Tensor]] = []
 
-    #: How replicas sum their row grads: "auto" (sparse or dense per table, by bytes),
-    #: "sparse" or "dense" (see ``dtrec.replica_sync``).
+    #: How replicas sum their row grads (set from the collection's ``replica_sync``).
     replica_sync: str = "auto"
 
     def stash(self, table_ids: list[int], lookup: Lookup, grad_out: Tensor) -> None:

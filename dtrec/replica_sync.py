@@ -146,4 +146,54 @@ def _all_reduce_dense(
     return out
 
 
-__all__ = ["MODES", "TableRows", "sum_by_row", "sync_rows"]
+class _SyncGrads(torch.autograd.Function):
+    """Identity forward on several tables; backward syncs their dense grads as row-sparse."""
+
+    @staticmethod
+    def forward(ctx, group, scale, kind, mode, *tables):  # type: ignore[override]
+        ctx.group, ctx.scale, ctx.kind, ctx.mode = group, scale, kind, mode
+        ctx.shapes = [(t.shape, t.dtype, t.device) for t in tables]
+        return tuple(t.view_as(t) for t in tables)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        grads = [
+            torch.zeros(shape, dtype=dtype, device=device) if g is None else g * ctx.scale
+            for g, (shape, dtype, device) in zip(grads, ctx.shapes, strict=True)
+        ]
+        size = 1 if ctx.group is None else dist.get_world_size(ctx.group)
+        if size > 1:
+            touched = [torch.nonzero((g != 0).any(1)).squeeze(1) for g in grads]
+            synced = sync_rows(
+                [TableRows(r, g[r].float(), g.shape[0]) for r, g in zip(touched, grads)],
+                ctx.group,
+                ctx.kind,
+                ctx.mode,
+            )
+            out = []
+            for g, (rows, sums) in zip(grads, synced, strict=True):
+                dense = torch.zeros_like(g)
+                dense[rows] = sums.to(g.dtype)
+                out.append(dense)
+            grads = out
+        return (None, None, None, None, *grads)
+
+
+def sync_grads(
+    tables: Sequence[Tensor],
+    group: ProcessGroup | None,
+    scale: float,
+    kind: str,
+    mode: str = "auto",
+) -> tuple[Tensor, ...]:
+    """Identity forward; backward sums each table's gradient over ``group``, times ``scale``.
+
+    The gradients are dense (autograd's), but only their nonzero rows travel: all tables
+    share ``sync_rows``' collectives (sparse or dense per table, by bytes). A row whose
+    sum is zero on every member stays zero, so the result equals a dense all-reduce.
+    ``group`` None: only the scaling.
+    """
+    return _SyncGrads.apply(group, scale, kind, mode, *tables)
+
+
+__all__ = ["MODES", "TableRows", "sum_by_row", "sync_grads", "sync_rows"]

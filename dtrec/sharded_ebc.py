@@ -29,7 +29,6 @@ from torch.distributed.tensor import DTensor
 
 from dtrec.collectives import (
     PendingTensor,
-    all_reduce_grad,
     all_to_all,
     all_to_all_autograd,
     all_to_all_start,
@@ -44,6 +43,7 @@ from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableLayout, TableSpec
 from dtrec.placements.tensor import distribute_tensor
+from dtrec.replica_sync import sync_grads
 from dtrec.routing import Routing
 from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -85,6 +85,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
     Same forward contract on the local batch (same keys, order and values as
     the unsharded module), same ``state_dict`` keys with DTensor values.
     """
+
+    #: How replicas sum gradients (fused or not): "auto" (sparse or dense per table,
+    #: whichever sends fewer bytes), "sparse" or "dense"; see ``dtrec.replica_sync``.
+    replica_sync: str = "auto"
 
     def __init__(
         self,
@@ -224,21 +228,28 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return None, 1.0 / self._routing.shard_size
 
     def _local_weights(self) -> dict[int, Tensor]:
-        """This rank's blocks as plain tensors whose grads are synced over replicas."""
-        out: dict[int, Tensor] = {}
-        local_tables = set(self._routing.local_tables)
-        for t, cfg in enumerate(self._tables):
-            if t not in local_tables:
-                continue
-            local = self.embedding_bags[cfg.name].weight.to_local()
-            if self._updater is not None:
-                out[t] = local  # updated in place by the fused optimizer
-                continue
+        """This rank's blocks as plain tensors whose grads are synced over replicas.
+
+        One ``sync_grads`` per group (replicas of the sharded tables, the world for
+        data-parallel ones): its backward sums the touched rows of all those tables in
+        shared collectives.
+        """
+        local = {
+            t: self.embedding_bags[self._tables[t].name].weight.to_local()
+            for t in self._routing.local_tables
+        }
+        if self._updater is not None:
+            return local  # updated in place by the fused optimizer
+        groups: dict[tuple, list[int]] = {}
+        for t in local:
             group, scale = self._grad_sync(t)
-            kind = (
-                "grad_sync.data_parallel" if self._layouts[t].batch_local else "grad_sync.replicate"
-            )
-            out[t] = all_reduce_grad(local, group, scale, kind)
+            data_parallel = self._layouts[t].batch_local
+            kind = "grad_sync.data_parallel" if data_parallel else "grad_sync.replicate"
+            groups.setdefault((id(group), group, scale, kind), []).append(t)
+        out: dict[int, Tensor] = {}
+        for (_, group, scale, kind), tables in groups.items():
+            synced = sync_grads([local[t] for t in tables], group, scale, kind, self.replica_sync)
+            out.update(zip(tables, synced, strict=True))
         return out
 
     def sync_replicas(self) -> None:
@@ -275,6 +286,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if self._steps and self._steps % self.sync_every == 0:
                 self.sync_replicas()  # after every k-th step, before the next one reads
             self._steps += 1
+        if self._updater is not None:
+            self._updater.replica_sync = self.replica_sync
         routed = self._take_prefetched(features)
         if routed is None:
             routed = self.input_dist(features)

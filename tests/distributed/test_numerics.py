@@ -20,6 +20,7 @@ OPTIMIZERS = ("adagrad", "adam")
 # Adagrad needs the row's full sum of squares) and grid (rows and columns split).
 FUSED_PLANS = ("mixed", "column_wise", "grid")
 SYNC_MODES = ("sparse", "dense")  # forced replica-sync paths (the default picks by bytes)
+SYNC_FUSED = ("rowwise_adagrad", "adam", "none")  # "none": torch Adagrad on DTensor grads
 
 
 def _fused() -> dict:
@@ -56,16 +57,19 @@ def _run_world_cases(rank: int, world: int) -> dict[str, tuple]:
                     _summary(r)
                 )
         if world // shards > 1:  # replicas: both replica-sync paths, forced
-            from dtrec.fused import FusedUpdater
+            from dtrec.sharded_ebc import ShardedEmbeddingBagCollection as Sharded
 
             for mode in SYNC_MODES:
-                FusedUpdater.replica_sync = mode
-                for fused_name in ("rowwise_adagrad", "adam"):
-                    fused = FUSED[fused_name]
-                    r = check_numerics(mesh, PLANS["mixed"], weighted=False, fused=fused)
+                Sharded.replica_sync = mode
+                for fused_name in SYNC_FUSED:
+                    fused = FUSED.get(fused_name)
+                    optimizer = "adagrad" if fused is None else "sgd"
+                    r = check_numerics(
+                        mesh, PLANS["mixed"], False, optimizer=optimizer, fused=fused
+                    )
                     name = f"mixed_fused_{fused_name}_sync_{mode}"
                     out[_case(world, shards, node, name, False)] = _summary(r)
-            FusedUpdater.replica_sync = "auto"
+            Sharded.replica_sync = "auto"
     return out
 
 
@@ -104,7 +108,7 @@ CASES = (
         for world, meshes in MESHES.items()
         for s, n in meshes
         if world // s > 1
-        for f in ("rowwise_adagrad", "adam")
+        for f in SYNC_FUSED
         for m in SYNC_MODES
     ]
 )

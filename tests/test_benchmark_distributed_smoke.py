@@ -1,0 +1,131 @@
+"""Smoke test of benchmarks/distributed.py: the dtrec side at tiny sizes, and its cost model.
+
+TorchRec is not needed (nor imported): only dtrec runs, in two fresh worlds of 4 gloo ranks
+(``mixed``: every 1D sharding type; ``2d_row_wise``: a (2, 2) mesh with replica sync). The
+byte counter must agree with dtrec's own ``comm_stats``, the dispatch census must see DDP's
+all-reduce, and the cost model must predict the measured bytes. The cost model is also
+checked against closed forms (row-wise input/output dist) at the benchmark's real sizes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.distributed import (
+    config_shards,
+    cost_model,
+    cost_model_table,
+    run_config,
+    table_kinds,
+    workload,
+    zipf_ids,
+    zipf_row_probs,
+)
+
+CONFIGS = ("mixed", "2d_row_wise")
+TINY = workload(scale=0.01, batch=32)
+OPTS = {"steps": 2, "warmup": 1, "census_steps": 1, "timeout": 120.0}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, dict]:
+    return {config: run_config("dtrec", config, TINY, OPTS) for config in CONFIGS}
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_runs_and_counts(runs, config):
+    run = runs[config]
+    assert run["status"] == "ok", run.get("error")
+    assert len(run["ranks"]) == 4
+    for r in run["ranks"]:
+        assert len(r["step_ms"]) == OPTS["steps"] and min(r["step_ms"]) > 0
+        assert r["bytes_by_collective"]["all_to_all_single"]["bytes"] > 0
+        assert r["dense_ddp_estimate"] > 0
+        # The torch.distributed wrappers see exactly what dtrec says it sent.
+        stats = sum(v["bytes"] for v in r["dtrec_comm_stats"].values())
+        assert r["bytes_per_step"] == pytest.approx(stats, rel=1e-9)
+        # DDP's all-reduce is invisible to the wrappers but not to the dispatch census.
+        assert r["census_per_step"]["c10d.allreduce_"]["bytes"] >= r["dense_ddp_estimate"]
+        assert r["peak_rss_mb"] > 0
+    assert run["median"]["step_ms"] > 0
+
+
+def test_census_sees_ddp_exactly(runs):
+    # No column-wise table, so DDP's gradient all-reduce is the only all-reduce.
+    for r in runs["2d_row_wise"]["ranks"]:
+        assert r["census_per_step"]["c10d.allreduce_"]["bytes"] == r["dense_ddp_estimate"]
+        assert "grad_sync.replicate.sparse" in r["dtrec_comm_stats"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_cost_model_predicts_measured_bytes(runs, config):
+    check = runs[config]["cost_model_check"]
+    assert check["model_mean_bytes"] == pytest.approx(check["measured_mean_bytes"], rel=0.1)
+    measured = runs[config]["median"]["dtrec_comm_stats"]
+    assert set(check["model_by_kind"]) - {"input_dist.lengths", "input_dist.id_values"} == set(
+        measured
+    )
+
+
+def test_zipf_sampler_matches_row_probabilities():
+    rows, n = 1000, 200_000
+    p = zipf_row_probs(rows, 1.1)
+    assert p.sum() == pytest.approx(1.0, abs=1e-12) and (p > 0).all()
+    ids = zipf_ids(rows, n, 1.1, torch.Generator().manual_seed(0)).numpy()
+    counts = np.bincount(ids, minlength=rows)
+    hot = np.argsort(p)[-5:]
+    sigma = np.sqrt(n * p[hot] * (1 - p[hot]))
+    assert np.all(np.abs(counts[hot] - n * p[hot]) < 5 * sigma)
+    draws = 20_000
+    expected_unique = np.sum(-np.expm1(draws * np.log1p(-p)))
+    assert len(np.unique(ids[:draws])) == pytest.approx(expected_unique, rel=0.03)
+
+
+def test_cost_model_row_wise_closed_forms():
+    w = workload()  # the benchmark's real sizes: every row block is non-empty
+    tables, batch, bag, dim = len(w.rows), w.batch, w.mean_bag, w.dim
+    for shards in (8, 64):
+        by_world = {}
+        for world in (shards, 8 * shards):
+            kinds = table_kinds("row_wise", shards, tables)
+            by_world[world] = m = cost_model(w, kinds, world, shards)["mean_by_kind"]
+            # Every peer gets B lengths per table; ids leave unless their row is local.
+            assert m["input_dist.lengths"] == pytest.approx(8 * batch * tables * (shards - 1))
+            assert m["input_dist.id_values"] == pytest.approx(
+                8 * batch * bag * tables * (shards - 1) / shards
+            )
+            partials = (shards - 1) * batch * tables * dim * 4
+            assert m["output_dist"] == pytest.approx(partials)
+            assert m["output_dist.backward"] == pytest.approx(partials)
+        small, large = by_world[shards], by_world[8 * shards]
+        # Input dist depends on S, not on W; only replica sync grows with R.
+        assert small["input_dist.ids"] == large["input_dist.ids"]
+        assert "grad_sync.replicate.counts" not in small
+        sync = sum(v for k, v in large.items() if k.startswith("grad_sync.replicate."))
+        assert sync > 0
+
+
+def test_cost_model_table_is_finite_and_beats_dense_all_reduce():
+    rows = cost_model_table(TINY)
+    assert rows
+    for row in rows:
+        if "error" in row:  # column-wise needs embedding_dim >= S
+            assert row["type"] in ("column_wise", "mixed", "grid") and row["S"] > TINY.dim
+            continue
+        assert math.isfinite(row["max_total"])
+        assert 0 < row["mean_total"] <= row["max_total"] * (1 + 1e-12)
+        if row["type"] == "data_parallel":
+            # Sparse-or-dense sync never sends more than a full-table all-reduce (whose rows
+            # carry one extra touch-count column in dtrec's dense path), plus the counts.
+            world, tables = row["W"], len(TINY.rows)
+            dense = 2 * (world - 1) / world * sum(TINY.rows) * (TINY.dim + 1) * 4
+            assert row["mean_total"] <= dense + (world - 1) * tables * 8
+
+
+def test_config_shards():
+    assert config_shards("row_wise", 4) == 4 and config_shards("2d_mixed", 4) == 2
+    assert table_kinds("mixed", 2) == ["dp", "dp", "tw:0", "tw:1", "cw", "cw", "rw", "rw"]
