@@ -119,15 +119,8 @@ def all_to_all(
     group: ProcessGroup,
     kind: str,
 ) -> Tensor:
-    """``all_to_all_single`` with uneven splits (no autograd)."""
-    output = input.new_empty(sum(output_splits))
-    me = dist.get_rank(group)
-    nbytes = (sum(input_splits) - input_splits[me]) * input.element_size()
-    with collective(kind, nbytes, group):
-        dist.all_to_all_single(
-            output, input.contiguous(), list(output_splits), list(input_splits), group=group
-        )
-    return output
+    """``all_to_all_single`` with uneven splits (no autograd); returns when it is done."""
+    return all_to_all_start(input, output_splits, input_splits, group, kind).wait()
 
 
 class PendingTensor:

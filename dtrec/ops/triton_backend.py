@@ -91,7 +91,7 @@ def backward_update(lookup: Lookup, grad_out: Tensor, update: FusedRowUpdate) ->
     """Backward fused with an optimizer step: touched rows are updated in place, no grads."""
     from dtrec.ops import triton_kernels as k
 
-    k.embedding_bag_bwd_update(
+    k.embedding_bag_bwd_rows(
         grad_out.contiguous(), update=update, **_rows(lookup), **_layout(lookup)
     )
 

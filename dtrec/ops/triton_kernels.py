@@ -35,7 +35,7 @@ from torch import Tensor
 
 from dtrec.ops.triton_row_updates import ROWWISE_ADAGRAD, FusedRowUpdate, apply_row_update
 
-__all__ = ["RowGrads", "embedding_bag_bwd_rows", "embedding_bag_bwd_update", "embedding_bag_fwd"]
+__all__ = ["RowGrads", "embedding_bag_bwd_rows", "embedding_bag_fwd"]
 
 _MAX_BLOCK_D = 128
 _BLOCK_L = 16
@@ -710,6 +710,7 @@ def embedding_bag_bwd_rows(
     max_dim: int | None = None,
     chunk_size: int | None = None,
     total_rows: int | None = None,
+    update: FusedRowUpdate | None = None,
 ) -> RowGrads:
     """Deterministic row-sparse gradient of :func:`embedding_bag_fwd` w.r.t. the tables.
 
@@ -723,6 +724,11 @@ def embedding_bag_bwd_rows(
     twice (unique rows, buffer sizes; once more each without ``max_dim`` or ``total_rows``,
     the sum of ``num_rows``).
 
+    With ``update`` (an optimizer and its packed weights and state) nothing is stored:
+    each row is updated in place where its gradient would be stored (one pass, no
+    gradient buffer written and read back) and ``grad_rows`` comes back empty. Row-wise
+    Adagrad needs whole rows in one tile (``max_dim <= MAX_FUSED_ROWWISE_DIM``).
+
     Example::
 
         g = embedding_bag_bwd_rows(grad_out, dims, num_rows, entry_table, out_cols,
@@ -730,66 +736,6 @@ def embedding_bag_bwd_rows(
         sgd_update_rows(w, toff, dims, g.row_table, g.row_ids, g.grad_rows,
                         g.grad_offsets, lr=0.1)
     """
-    return _backward(
-        grad_out, dims, num_rows, entry_table, out_cols, values, offsets, batch_size,
-        total_dim, mean, per_sample_weights, None, max_dim, chunk_size, total_rows,
-    )  # fmt: skip
-
-
-def embedding_bag_bwd_update(
-    grad_out: Tensor,
-    dims: Tensor,
-    num_rows: Tensor,
-    entry_table: Tensor,
-    out_cols: Tensor,
-    values: Tensor,
-    offsets: Tensor,
-    batch_size: int,
-    total_dim: int,
-    mean: Tensor,
-    update: FusedRowUpdate,
-    per_sample_weights: Tensor | None = None,
-    *,
-    max_dim: int | None = None,
-    chunk_size: int | None = None,
-    total_rows: int | None = None,
-) -> Tensor:
-    """Backward and optimizer step in one pass: each touched row is updated where
-    :func:`embedding_bag_bwd_rows` would store its gradient, so no gradient buffer is
-    written or read back. Same arguments and order of summation; ``update`` names the
-    optimizer, its packed weights and state. Row-wise Adagrad needs whole rows in one tile
-    (``max_dim <= MAX_FUSED_ROWWISE_DIM``). Returns the sorted unique row keys updated.
-
-    Example::
-
-        update = FusedRowUpdate(SGD, w, toff, hyper, w, toff, w, dims)
-        embedding_bag_bwd_update(grad_out, dims, num_rows, entry_table, out_cols, ids,
-                                 offsets, B, total_dim, mean, update)
-    """
-    return _backward(
-        grad_out, dims, num_rows, entry_table, out_cols, values, offsets, batch_size,
-        total_dim, mean, per_sample_weights, update, max_dim, chunk_size, total_rows,
-    ).unique_keys  # fmt: skip
-
-
-def _backward(
-    grad_out: Tensor,
-    dims: Tensor,
-    num_rows: Tensor,
-    entry_table: Tensor,
-    out_cols: Tensor,
-    values: Tensor,
-    offsets: Tensor,
-    batch_size: int,
-    total_dim: int,
-    mean: Tensor,
-    per_sample_weights: Tensor | None,
-    update: FusedRowUpdate | None,
-    max_dim: int | None,
-    chunk_size: int | None,
-    total_rows: int | None,
-) -> RowGrads:
-    """Sorted segments, then the summing kernels storing rows (or updating with ``update``)."""
     device = grad_out.device
     dims = dims.to(torch.int32)
     if values.numel() == 0:

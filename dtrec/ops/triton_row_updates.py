@@ -2,7 +2,7 @@
 
 ``apply_row_update`` is inlined by the backward's segment kernels, which then
 update a row where they would have stored its gradient (the one-pass backward +
-optimizer of ``embedding_bag_bwd_update``: no gradient buffer is written or
+optimizer of ``embedding_bag_bwd_rows(update=...)``: no gradient buffer is written or
 read back). ``FusedRowUpdate`` carries its arguments. Layouts as in
 ``triton_kernels.py``.
 """

@@ -515,10 +515,10 @@ def test_bwd_update_matches_bwd_rows_then_update(kind, chunk_size, case_fn):
         code, fused_w, *dev(case.table_offsets, torch.tensor(hyper, dtype=torch.float32)),
         fused_state, dev(state_offsets), fused_state2, dev(case.dims),
     )  # fmt: skip
-    keys = K.embedding_bag_bwd_update(
-        *dev(*case.bwd_args(grad_out)[:10]), update, dev(case.psw), chunk_size=chunk_size
+    got = K.embedding_bag_bwd_rows(
+        *dev(*case.bwd_args(grad_out)[:10]), dev(case.psw), chunk_size=chunk_size, update=update
     )
-    assert torch.equal(keys.cpu(), grads.unique_keys)
+    assert torch.equal(got.unique_keys.cpu(), grads.unique_keys) and got.grad_rows.numel() == 0
     torch.testing.assert_close(fused_w.cpu(), w.cpu(), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(fused_state.cpu(), state.cpu(), atol=1e-7, rtol=1e-5)
     torch.testing.assert_close(fused_state2.cpu(), state2.cpu(), atol=1e-7, rtol=1e-5)
@@ -535,5 +535,5 @@ def test_bwd_update_rowwise_adagrad_rejects_wide_rows():
         dev(case.rows * 0), z, dev(case.dims),
     )  # fmt: skip
     with pytest.raises(ValueError, match="dims <="):
-        K.embedding_bag_bwd_update(*dev(*case.bwd_args(torch.randn(2, case.total_dim))[:10]),
-                                   update)  # fmt: skip
+        K.embedding_bag_bwd_rows(*dev(*case.bwd_args(torch.randn(2, case.total_dim))),
+                                 update=update)  # fmt: skip
