@@ -283,7 +283,7 @@ class SGD(FusedOptimizer):
         return _row_update_args("SGD", flat, offsets, hyper, flat, offsets, flat, offsets)
 
     def _update_torch(self, u: RowUpdate) -> None:
-        new = u.weight[u.rows].float() - self.lr * u.grad_rows
+        new = u.weight.index_select(0, u.rows).float() - self.lr * u.grad_rows
         u.weight.index_copy_(0, u.rows, new.to(u.weight.dtype))
 
 
@@ -350,10 +350,10 @@ class RowWiseAdagrad(FusedOptimizer):
     def _update_torch(self, u: RowUpdate) -> None:
         dim = u.full_dim or u.grad_rows.shape[1]
         row_sq_sum = u.row_sq_sum if u.row_sq_sum is not None else u.grad_rows.square().sum(1)
-        acc = u.state["sum"][u.rows] + row_sq_sum / max(dim, 1)
+        acc = u.state["sum"].index_select(0, u.rows) + row_sq_sum / max(dim, 1)
         u.state["sum"].index_copy_(0, u.rows, acc)
         step = u.grad_rows / (acc.sqrt() + self.eps).unsqueeze(1)
-        new = u.weight[u.rows].float() - self.lr * step
+        new = u.weight.index_select(0, u.rows).float() - self.lr * step
         u.weight.index_copy_(0, u.rows, new.to(u.weight.dtype))
 
 
@@ -425,12 +425,17 @@ class Adam(FusedOptimizer):
             return
         b1, b2 = self.betas
         step = float(u.state["step"])
-        m = u.state["exp_avg"][u.rows].mul_(b1).add_(u.grad_rows, alpha=1 - b1)
-        v = u.state["exp_avg_sq"][u.rows].mul_(b2).addcmul_(u.grad_rows, u.grad_rows, value=1 - b2)
+        m = u.state["exp_avg"].index_select(0, u.rows).mul_(b1).add_(u.grad_rows, alpha=1 - b1)
+        v = (
+            u.state["exp_avg_sq"]
+            .index_select(0, u.rows)
+            .mul_(b2)
+            .addcmul_(u.grad_rows, u.grad_rows, value=1 - b2)
+        )
         u.state["exp_avg"].index_copy_(0, u.rows, m)
         u.state["exp_avg_sq"].index_copy_(0, u.rows, v)
         denom = (v / (1 - b2**step)).sqrt_().add_(self.eps)
-        new = u.weight[u.rows].float() - (self.lr / (1 - b1**step)) * m / denom
+        new = u.weight.index_select(0, u.rows).float() - (self.lr / (1 - b1**step)) * m / denom
         u.weight.index_copy_(0, u.rows, new.to(u.weight.dtype))
 
 

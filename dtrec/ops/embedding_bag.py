@@ -225,9 +225,10 @@ def backward_rows_torch(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, 
     """Row-sparse gradients: per table, (sorted unique row ids, summed fp32 grad rows).
 
     Vectorized over all tables of one embedding dim at once: each id occurrence
-    gets the key ``row_base[table] + id``, gathers its ``grad_out`` row and is
-    summed per unique key with ``index_add_`` (sequential on CPU, so
-    deterministic; on CUDA prefer the Triton backend).
+    gets the key ``row_base[table] + id``; occurrences sorted by key form one bag
+    per unique key, whose ``grad_out`` rows ``F.embedding_bag`` sums (times the
+    occurrence's scale) in a fixed order: deterministic on CPU (on CUDA prefer
+    the Triton backend).
     """
     weights, entry_table, values, offsets = (
         lookup.weights,
@@ -242,8 +243,8 @@ def backward_rows_torch(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, 
     row_base = torch.tensor([0, *rows[:-1]], device=device).cumsum(0)
     table_of_entry = torch.tensor(list(entry_table), device=device)
     dims = torch.tensor([w.shape[1] for w in weights], device=device)
-    occ_table = table_of_entry[entry]
-    occ_dim = dims[occ_table]
+    occ_table = table_of_entry.index_select(0, entry)
+    occ_dim = dims.index_select(0, occ_table)
     grad_out = grad_out.float()
     entry_cols = lookup.columns()
     result: list[tuple[Tensor, Tensor] | None] = [None] * len(weights)
@@ -259,12 +260,26 @@ def backward_rows_torch(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, 
         blocks = torch.stack(
             [grad_out[:, entry_cols[e] : entry_cols[e] + dim] for e in dim_entries], 1
         )
-        sel = torch.nonzero(occ_dim == dim).squeeze(1)
-        src = (bag[sel] - entry[sel] * batch) * len(dim_entries) + slot[entry[sel]]
-        contrib = blocks.reshape(-1, dim).index_select(0, src).mul_(scale[sel, None])
-        keys = row_base[occ_table[sel]] + values[sel].long()
-        unique, inverse = torch.unique(keys, sorted=True, return_inverse=True)
-        grad_rows = contrib.new_zeros(unique.numel(), dim).index_add_(0, inverse, contrib)
+        if len(dim_entries) == num_entries:  # one dim: every occurrence, no selection copy
+            s_bag, s_entry, s_scale, s_table, s_values = bag, entry, scale, occ_table, values
+        else:
+            sel = torch.nonzero(occ_dim == dim).squeeze(1)
+            s_bag, s_entry, s_scale, s_table, s_values = (
+                x.index_select(0, sel) for x in (bag, entry, scale, occ_table, values)
+            )
+        src = (s_bag - s_entry * batch) * len(dim_entries) + slot.index_select(0, s_entry)
+        keys = row_base.index_select(0, s_table) + s_values.long()
+        # Occurrences sorted by key; each unique key's grad_out rows are then one "bag"
+        # that embedding_bag sums in order (weighted by the scale), with no [N, dim] copy.
+        sorted_keys, perm = torch.sort(keys, stable=True)
+        unique, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
+        grad_rows = torch.nn.functional.embedding_bag(
+            src.index_select(0, perm),
+            blocks.reshape(-1, dim),
+            torch.cumsum(counts, 0) - counts,
+            mode="sum",
+            per_sample_weights=s_scale.index_select(0, perm).to(blocks.dtype),
+        )
         key_table = torch.searchsorted(row_base, unique, right=True) - 1
         counts = torch.bincount(key_table, minlength=len(weights)).tolist()
         start = 0
