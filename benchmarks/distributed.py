@@ -1,0 +1,941 @@
+"""dtrec vs TorchRec, side by side: the same model, batches and optimizers on W gloo CPU ranks.
+
+Model: 8 tables (rows geometric 1e5..1e6 times ``--scale``, D=64, one feature each, sum
+pooling), bags of 10..30 ids (uniform, mean 20), ids Zipf(1.1) over each table's rows (a
+truncated inverse CDF, then a fixed multiplicative hash scatters hot ids over the rows),
+``--batch`` samples per rank; pooled embeddings -> Linear(512, 64) -> ReLU -> Linear(64, 1),
+BCE-with-logits vs random labels. Tables: fused exact row-wise Adagrad (lr 0.01, eps 1e-8);
+MLP: ``torch.optim.Adagrad(lr=0.01)``, data parallel (dtrec ``replicate``, TorchRec DDP).
+Rank r's batch of step s is generated from the seed (r, s) alike for both libraries.
+
+Configs (``--configs``): ``table_wise`` (table i on shard rank i % S), ``row_wise``,
+``column_wise``, ``data_parallel``, ``mixed`` (t0-t1 DP, t2-t3 TW, t4-t5 CW, t6-t7 RW) on a
+shard group of S = W ranks (dtrec mesh (W, 1), TorchRec ``DistributedModelParallel``), and
+``2d_<type>`` on S = W / 2 (dtrec mesh (W/2, 2), TorchRec ``DMPCollection`` with ``sync()``
+after every step, patched to run on CPU: see ``benchmarks/torchrec_baseline.py``).
+
+Every (library, config) runs in a fresh world of W processes (so ``ru_maxrss`` is that run's
+peak): ``--warmup`` steps, then ``--steps`` timed steps, each preceded by a ``dist.barrier()``
+outside the timed region; a step is forward + backward + optimizer step(s) (+ ``sync()``).
+Bytes: every ``torch.distributed`` collective (and ``ProcessGroup.allreduce_coalesced``) is
+wrapped during the timed steps and charged what this rank sends (all-to-all: all but its own
+split; all-reduce: 2 (n-1)/n of the tensor; reduce-scatter: (n-1)/n of the input; all-gather:
+(n-1) inputs; broadcast: the tensor, on the source). DDP's gradient all-reduce runs in C++ and
+is not seen by the wrappers: ``dense_ddp_estimate`` = 2 (W-1)/W x bytes of the parameters DDP
+reduces (TorchRec's data-parallel tables included). One more untimed step runs under a
+dispatch-mode census of every c10d op (DDP's included) to check the wrappers missed nothing.
+
+``--cost-model`` prints dtrec's expected bytes per rank per step for large worlds (no processes),
+computed from the tables' shard layouts (``cost_model``); the full run also checks it against the
+bytes dtrec measured at W.
+
+    .venv/bin/python -m benchmarks.distributed --steps 20 --warmup 3 \\
+        --json benchmarks/results/distributed_cpu_2026-11-22.json
+    .venv/bin/python -m benchmarks.distributed --scale 0.01 --steps 2 --warmup 1 --batch 32 \\
+        --configs table_wise,row_wise --no-torchrec          # smoke run, about 30 s
+    .venv/bin/python -m benchmarks.distributed --cost-model
+
+(from the repository root; ``dtrec`` is imported from the working directory first, so running
+from a clone of a given commit measures that commit, see ``meta.dtrec`` in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import hashlib
+import inspect
+import json
+import logging
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dtrec
+from dtrec.config import EmbeddingBagConfig
+from dtrec.mesh import ShardAxis, positions_per_node
+from dtrec.placements import (
+    ColumnWise,
+    DataParallel,
+    Grid,
+    RowWise,
+    TableRowWise,
+    TableSpec,
+    TableWise,
+)
+from dtrec.replica_sync import _bytes as replica_sync_bytes
+from tests.multiprocess import WorldError, run_world
+
+TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel", "mixed")
+CONFIGS = (*TYPES, *(f"2d_{t}" for t in TYPES))
+DEFAULT_CONFIGS = (*TYPES, "2d_row_wise", "2d_mixed")
+HASH = 2654435761  # Zipf rank -> row scatter (as in benchmarks/kernels.py)
+LR, EPS = 0.01, 1e-8
+
+
+# --------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and batch shape both libraries train."""
+
+    rows: tuple[int, ...]
+    """Rows of each table ``t<i>`` (read by feature ``f<i>``)."""
+    dim: int = 64
+    """Embedding dim of every table."""
+    batch: int = 512
+    """Samples per rank per step."""
+    bag_range: tuple[int, int] = (10, 30)
+    """Ids per bag, uniform over this inclusive range."""
+    zipf: float = 1.1
+    """Zipf exponent of the ids."""
+
+    @property
+    def mean_bag(self) -> float:
+        return sum(self.bag_range) / 2
+
+
+def workload(scale: float = 1.0, batch: int = 512) -> Workload:
+    """8 tables of 1e5..1e6 rows (geometric) times ``scale`` (as benchmarks/kernels.py)."""
+    rows = (max(1, int(scale * 1e5 * 10 ** (i / 7))) for i in range(8))
+    return Workload(rows=tuple(rows), batch=batch)
+
+
+def zipf_ids(rows: int, n: int, s: float, gen: torch.Generator) -> Tensor:
+    """``n`` ids: Zipf rank k (P ~ (k+1)^-s, truncated to ``rows``) scattered by ``HASH``.
+
+    Inverse CDF of the continuous power law on [1, rows + 1), floored: rank k has probability
+    ``zipf_row_probs`` exactly (unlike clamping, which piles the tail's mass on one row).
+    """
+    u = torch.rand(n, generator=gen, dtype=torch.float64)
+    x = (1 - u * (1 - (rows + 1) ** (1 - s))) ** (-1 / (s - 1))
+    rank = (x.floor().long() - 1).clamp(0, rows - 1)
+    return (rank * HASH) % rows
+
+
+def zipf_row_probs(rows: int, s: float) -> np.ndarray:
+    """Probability of each row (after the hash scatter) under ``zipf_ids``."""
+    edge = np.arange(1, rows + 2, dtype=np.float64) ** (1 - s)
+    p_rank = (edge[:-1] - edge[1:]) / (1 - (rows + 1) ** (1 - s))
+    row = (np.arange(rows, dtype=np.int64) * HASH) % rows
+    return np.bincount(row, weights=p_rank, minlength=rows)
+
+
+def make_batch(w: Workload, rank: int, step: int) -> tuple[list[str], Tensor, Tensor, Tensor]:
+    """Rank ``rank``'s batch of step ``step``: (keys, values, key-major lengths, labels)."""
+    gen = torch.Generator().manual_seed(1_000_003 * rank + step)
+    lo, hi = w.bag_range
+    lengths = torch.randint(lo, hi + 1, (len(w.rows) * w.batch,), generator=gen)
+    per_key = lengths.view(len(w.rows), w.batch).sum(1).tolist()
+    values = torch.cat([zipf_ids(r, n, w.zipf, gen) for r, n in zip(w.rows, per_key)])
+    labels = torch.randint(0, 2, (w.batch,), generator=gen).float()
+    return [f"f{i}" for i in range(len(w.rows))], values, lengths, labels
+
+
+def config_shards(config: str, world: int) -> int:
+    """S of a config: the whole world, or half of it for the ``2d_`` configs (R = 2)."""
+    return world // 2 if config.startswith("2d_") else world
+
+
+def table_kinds(config: str, shard_group_size: int, num_tables: int = 8) -> list[str]:
+    """Per table: "tw:<shard rank>", "rw", "cw" or "dp" (``config`` without its ``2d_``)."""
+    kind = config.removeprefix("2d_")
+    if kind == "mixed":
+        per = ["dp", "dp", "tw", "tw", "cw", "cw", "rw", "rw"]
+        if num_tables != len(per):
+            raise ValueError(f"the mixed plan is for {len(per)} tables, got {num_tables}")
+    else:
+        short = {"table_wise": "tw", "row_wise": "rw", "column_wise": "cw", "data_parallel": "dp"}
+        per = [short[kind]] * num_tables
+    return [f"tw:{i % shard_group_size}" if k == "tw" else k for i, k in enumerate(per)]
+
+
+def dtrec_spec(kind: str) -> TableSpec:
+    """dtrec spec of a table kind ("tw:3", "rw", "cw", "dp", "trw:1", "grid")."""
+    name, _, arg = kind.partition(":")
+    specs = {
+        "tw": lambda: TableWise(rank=int(arg)),
+        "trw": lambda: TableRowWise(node=int(arg)),
+        "rw": RowWise,
+        "cw": ColumnWise,
+        "dp": DataParallel,
+        "grid": Grid,
+    }
+    return specs[name]()
+
+
+class Model(nn.Module):
+    """Embedding collection -> concat pooled -> Linear(T*D, 64) -> ReLU -> Linear(64, 1)."""
+
+    def __init__(self, ebc: nn.Module, w: Workload) -> None:
+        super().__init__()
+        self.ebc = ebc
+        self.dense = nn.Sequential(nn.Linear(len(w.rows) * w.dim, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def forward(self, kjt: object) -> Tensor:
+        return self.dense(self.ebc(kjt).values()).squeeze(1)
+
+
+# --------------------------------------------------------------------------- byte counting
+
+
+def sent_bytes(
+    kind: str,
+    size: int,
+    me: int,
+    inputs: Sequence[Tensor],
+    splits: Sequence[int] | None = None,
+    root: int | None = None,
+) -> int:
+    """Bytes group rank ``me`` of ``size`` sends in one collective of ``kind``.
+
+    ``inputs``: the tensors it contributes (one per destination for list all-to-all and
+    reduce-scatter); ``splits``: dim-0 sizes per destination of a one-tensor all-to-all
+    (None or empty: equal); ``root``: the broadcast source (group rank).
+    """
+    nbytes = [t.numel() * t.element_size() for t in inputs]
+    if kind in ("all_to_all", "reduce_scatter") and len(inputs) > 1:
+        return sum(nbytes) - nbytes[me]
+    if kind == "all_to_all":
+        if not splits:
+            return nbytes[0] * (size - 1) // size
+        row = nbytes[0] // inputs[0].shape[0] if inputs[0].numel() else 0
+        return (sum(splits) - splits[me]) * row
+    if kind == "all_reduce":
+        return 2 * (size - 1) * sum(nbytes) // size
+    if kind == "reduce_scatter":
+        return (size - 1) * sum(nbytes) // size
+    if kind == "all_gather":
+        return (size - 1) * sum(nbytes)
+    if kind == "broadcast":
+        return sum(nbytes) if root == me else 0
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+# torch.distributed function -> (kind, its inputs and extras from the bound arguments)
+_PY_COLLECTIVES = {
+    "all_to_all_single": ("all_to_all", lambda a: ([a["input"]], a.get("input_split_sizes"))),
+    "all_to_all": ("all_to_all", lambda a: (list(a["input_tensor_list"]), None)),
+    "all_reduce": ("all_reduce", lambda a: ([a["tensor"]], None)),
+    "all_reduce_coalesced": ("all_reduce", lambda a: (list(a["tensors"]), None)),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a: ([a["input"]], None)),
+    "_reduce_scatter_base": ("reduce_scatter", lambda a: ([a["input"]], None)),
+    "reduce_scatter": ("reduce_scatter", lambda a: (list(a["input_list"]), None)),
+    "all_gather_into_tensor": ("all_gather", lambda a: ([a["input_tensor"]], None)),
+    "_all_gather_base": ("all_gather", lambda a: ([a["input_tensor"]], None)),
+    "all_gather": ("all_gather", lambda a: ([a["tensor"]], None)),
+    "broadcast": ("broadcast", lambda a: ([a["tensor"]], None)),
+}
+
+
+@dataclass
+class CommCounter:
+    """Calls and bytes sent per collective, by wrapping ``torch.distributed`` while active.
+
+    Keys are the function names (``all_to_all_single``, ...) and
+    ``ProcessGroup.allreduce_coalesced`` (``DMPCollection.sync`` calls it). A collective
+    called from inside another one counts once, as the outer one.
+    """
+
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    _depth: int = 0
+
+    def _counted(self, name: str, fn, charge):
+        """``fn`` wrapped: add ``charge(*args, **kwargs)`` bytes under ``name``, then call it."""
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if self._depth:
+                return fn(*args, **kwargs)
+            self.calls[name] += 1
+            self.bytes[name] += charge(*args, **kwargs)
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return wrapper
+
+    @staticmethod
+    def _charge(name: str, fn):
+        kind, extract = _PY_COLLECTIVES[name]
+        sig = inspect.signature(fn)
+
+        def charge(*args, **kwargs) -> int:
+            bound = sig.bind(*args, **kwargs).arguments
+            group = bound.get("group") or dist.group.WORLD
+            inputs, splits = extract(bound)
+            root = None
+            if kind == "broadcast":
+                src = bound.get("group_src")
+                root = src if src is not None else dist.get_group_rank(group, bound["src"])
+            return sent_bytes(kind, group.size(), group.rank(), inputs, splits=splits, root=root)
+
+        return charge
+
+    @contextmanager
+    def active(self) -> Iterator[CommCounter]:
+        """Count inside the block (patches ``torch.distributed`` and its c10d module)."""
+        c10d, pg_type = dist.distributed_c10d, dist.ProcessGroup
+        saved = []
+        for name in _PY_COLLECTIVES:
+            original = getattr(c10d, name)
+            wrapped = self._counted(name, original, self._charge(name, original))
+            for module in (dist, c10d):
+                if getattr(module, name, None) is original:
+                    saved.append((module, name, original))
+                    setattr(module, name, wrapped)
+        # The class dict holds pybind's method descriptor: restore that, not the bare function.
+        saved.append((pg_type, "allreduce_coalesced", pg_type.__dict__["allreduce_coalesced"]))
+        pg_type.allreduce_coalesced = self._counted(
+            "ProcessGroup.allreduce_coalesced",
+            pg_type.allreduce_coalesced,
+            lambda pg, tensors, *a, **k: sent_bytes("all_reduce", pg.size(), pg.rank(), tensors),
+        )
+        try:
+            yield self
+        finally:
+            for owner, name, fn in saved:
+                setattr(owner, name, fn)
+
+    def per_step(self, steps: int) -> dict[str, dict[str, float]]:
+        return {
+            k: {"calls": self.calls[k] / steps, "bytes": self.bytes[k] / steps}
+            for k in sorted(self.calls)
+        }
+
+
+# c10d dispatcher op -> (kind, its inputs and extras from the schema's named arguments)
+_C10D_OPS = {
+    "alltoall_base_": ("all_to_all", lambda a: ([a["input"]], a["input_split_sizes"])),
+    "alltoall_": ("all_to_all", lambda a: (list(a["input_tensors"]), None)),
+    "allreduce_": ("all_reduce", lambda a: (list(a["tensors"]), None)),
+    "allreduce_coalesced_": ("all_reduce", lambda a: (list(a["tensors"]), None)),
+    "_reduce_scatter_base_": ("reduce_scatter", lambda a: ([a["input_tensor"]], None)),
+    "reduce_scatter_": ("reduce_scatter", lambda a: (list(a["input_tensors"][0]), None)),
+    "_allgather_base_": ("all_gather", lambda a: ([a["input_tensor"]], None)),
+    "allgather_": ("all_gather", lambda a: (list(a["input_tensors"]), None)),
+    "broadcast_": ("broadcast", lambda a: (list(a["tensors"]), None)),
+}
+_FUNCTIONAL_OPS = {
+    "all_to_all_single": ("all_to_all", lambda a: ([a["input"]], a["input_split_sizes"])),
+    "all_reduce": ("all_reduce", lambda a: ([a["input"]], None)),
+    "all_reduce_coalesced": ("all_reduce", lambda a: (list(a["inputs"]), None)),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda a: ([a["input"]], None)),
+    "all_gather_into_tensor": ("all_gather", lambda a: ([a["input"]], None)),
+}
+
+
+class CollectiveCensus(TorchDispatchMode):
+    """Every c10d / functional-collective op dispatched while active (DDP's C++ reducer too).
+
+    Slow (a Python hook on every op): for an untimed step only.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = defaultdict(int)
+        self.bytes: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns, name = func.namespace, func._schema.name.split("::")[-1]
+        table = {"c10d": _C10D_OPS, "_c10d_functional": _FUNCTIONAL_OPS}.get(ns, {})
+        if name in table or (ns == "c10d" and name != "barrier"):
+            named = dict(zip([a.name for a in func._schema.arguments], args))
+            named.update(kwargs)
+            key = f"{ns}.{name}"
+            self.calls[key] += 1
+            if name in table:
+                if "process_group" in named:
+                    pg = dist.ProcessGroup.unbox(named["process_group"])
+                else:
+                    pg = dist.distributed_c10d._resolve_process_group(named["group_name"])
+                kind, extract = table[name]
+                inputs, splits = extract(named)
+                root = named.get("root_rank")
+                self.bytes[key] += sent_bytes(
+                    kind, pg.size(), pg.rank(), inputs, splits=splits, root=root
+                )
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- one rank
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _ddp_estimate(ddps: Sequence[tuple[dist.ProcessGroup | None, list[nn.Parameter]]]) -> int:
+    """Bytes a rank sends in DDP's gradient all-reduces: 2 (g-1)/g x reduced bytes, per DDP."""
+    total = 0
+    for group, params in ddps:
+        size = (group or dist.group.WORLD).size()
+        nbytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        total += 2 * (size - 1) * nbytes // size
+    return total
+
+
+def _build_dtrec(w: Workload, kinds: list[str], shard_group_size: int):
+    """(model, optimizers, per-step hook, DDP bytes estimate, KJT type) for dtrec."""
+    mesh = dtrec.init_mesh("cpu", shard_group_size=shard_group_size)
+    ebc = dtrec.EmbeddingBagCollection(
+        [
+            dtrec.EmbeddingBagConfig(f"t{i}", r, w.dim, [f"f{i}"], "sum")
+            for i, r in enumerate(w.rows)
+        ]
+    )
+    plan = {f"ebc.t{i}": dtrec_spec(k) for i, k in enumerate(kinds)}
+    model = dtrec.distribute_module(
+        Model(ebc, w), mesh, plan, optimizer=dtrec.optim.RowWiseAdagrad(lr=LR, eps=EPS)
+    )
+    dense = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    ddp = _ddp_estimate([(None, dense)])  # `replicate` reduces the dense params over the world
+    return model, [torch.optim.Adagrad(dense, lr=LR)], None, ddp, dtrec.KeyedJaggedTensor
+
+
+def _build_torchrec(w: Workload, kinds: list[str], shard_group_size: int):
+    """Same as ``_build_dtrec``, with TorchRec (imported only here)."""
+    from benchmarks import torchrec_baseline as trb
+
+    model, optimizers, hook = trb.shard_torchrec(
+        Model(trb.torchrec_ebc(w.rows, w.dim), w), kinds, shard_group_size, LR, EPS
+    )
+    ddp = _ddp_estimate([(m.process_group, m._module_parameters) for m in trb.ddp_modules(model)])
+    return model, optimizers, hook, ddp, trb.KeyedJaggedTensor
+
+
+def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: dict) -> dict:
+    """One rank of one (library, config) run: build, warm up, time, census. Picklable result."""
+    _quiet()
+    torch.manual_seed(0)
+    warmup, steps, census_steps = opts["warmup"], opts["steps"], opts["census_steps"]
+    if steps < 1 or census_steps < 1 or warmup < 0:
+        raise ValueError(f"need steps >= 1, census_steps >= 1, warmup >= 0; got {opts}")
+    dtrec.ops.set_backend(opts.get("dtrec_backend", "auto"))
+    shards = config_shards(config, world)
+    kinds = table_kinds(config, shards, len(w.rows))
+    rss_start = _rss_mb()
+    build = _build_dtrec if lib == "dtrec" else _build_torchrec
+    model, optimizers, hook, ddp_estimate, kjt_type = build(w, kinds, shards)
+    rss_built = _rss_mb()
+    batches = []
+    for s in range(warmup + steps + census_steps):
+        keys, values, lengths, labels = make_batch(w, rank, s)
+        batches.append((kjt_type(keys=keys, values=values, lengths=lengths), labels))
+
+    def train_step(kjt, labels) -> float:
+        loss = F.binary_cross_entropy_with_logits(model(kjt), labels)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+        if hook is not None:
+            hook()
+        return loss.item()
+
+    def timed_step(s: int) -> float:
+        dist.barrier()  # start together; the barrier is outside the timed region
+        start = time.perf_counter()
+        losses.append(train_step(*batches[s]))
+        return 1e3 * (time.perf_counter() - start)
+
+    losses: list[float] = []
+    warmup_ms = [timed_step(s) for s in range(warmup)]
+    counter = CommCounter()
+    with dtrec.comm_stats() as stats, counter.active():
+        step_ms = [timed_step(s) for s in range(warmup, warmup + steps)]
+    census = CollectiveCensus()
+    for s in range(warmup + steps, warmup + steps + census_steps):
+        dist.barrier()
+        with census:
+            train_step(*batches[s])
+    nbytes = counter.per_step(steps)
+    return {
+        "rank": rank,
+        "kinds": kinds,
+        "step_ms": step_ms,
+        "median_ms": statistics.median(step_ms),
+        "warmup_ms": warmup_ms,
+        "loss_first_last": [losses[0], losses[-1]],
+        "bytes_by_collective": nbytes,
+        "bytes_per_step": sum(v["bytes"] for v in nbytes.values()),
+        "dense_ddp_estimate": ddp_estimate,
+        "census_per_step": {
+            k: {"calls": census.calls[k] / census_steps, "bytes": census.bytes[k] / census_steps}
+            for k in sorted(census.calls)
+        },
+        "dtrec_comm_stats": stats.per_step(steps) if lib == "dtrec" else None,
+        "rss_mb": {"start": rss_start, "after_setup": rss_built, "end": _rss_mb()},
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def run_config(lib: str, config: str, w: Workload, opts: dict, world: int = 4) -> dict:
+    """Run one (library, config) in a fresh world; per-rank results and medians over ranks.
+
+    Also records the machine's 1-minute load average before and after (other jobs on the
+    machine skew step times).
+    """
+    start, load_before = time.perf_counter(), os.getloadavg()[0]
+    try:
+        ranks = run_world(
+            world,
+            run_rank,
+            lib,
+            config,
+            w,
+            opts,
+            timeout=opts.get("timeout", 1200.0),
+            collective_timeout=opts.get("timeout", 1200.0),
+        )
+    except WorldError as exc:
+        return {
+            "status": "failed",
+            "error": str(exc)[-6000:],
+            "wall_s": time.perf_counter() - start,
+            "load_avg": [load_before, os.getloadavg()[0]],
+        }
+    kinds = sorted({k for r in ranks for k in r["bytes_by_collective"]})
+    census = sorted({k for r in ranks for k in r["census_per_step"]})
+    summary = {
+        "step_ms": _median([r["median_ms"] for r in ranks]),
+        "step_ms_slowest_rank": max(r["median_ms"] for r in ranks),
+        "bytes_per_step": _median([r["bytes_per_step"] for r in ranks]),
+        "bytes_by_collective": {
+            k: _median([r["bytes_by_collective"].get(k, {}).get("bytes", 0) for r in ranks])
+            for k in kinds
+        },
+        "dense_ddp_estimate": _median([r["dense_ddp_estimate"] for r in ranks]),
+        "census_bytes_per_step": {
+            k: _median([r["census_per_step"].get(k, {}).get("bytes", 0) for r in ranks])
+            for k in census
+        },
+        "peak_rss_mb": _median([r["peak_rss_mb"] for r in ranks]),
+        "end_rss_mb": _median([r["rss_mb"]["end"] for r in ranks]),
+    }
+    summary["total_bytes_per_step"] = summary["bytes_per_step"] + summary["dense_ddp_estimate"]
+    out = {
+        "status": "ok",
+        "wall_s": time.perf_counter() - start,
+        "load_avg": [load_before, os.getloadavg()[0]],
+        "median": summary,
+    }
+    if lib == "dtrec":
+        measured = [r["dtrec_comm_stats"] for r in ranks]
+        names = sorted({k for m in measured for k in m})
+        summary["dtrec_comm_stats"] = {
+            k: _median([m.get(k, {}).get("bytes", 0) for m in measured]) for k in names
+        }
+        # Host ms inside dtrec's collectives per step (on gloo: the exchange plus any wait).
+        summary["dtrec_comm_ms"] = {
+            k: 1e3 * _median([m.get(k, {}).get("seconds", 0) for m in measured]) for k in names
+        }
+        model = cost_model(w, ranks[0]["kinds"], world, config_shards(config, world))
+        out["cost_model_check"] = {
+            "model_mean_bytes": model["mean_total"],
+            "measured_mean_bytes": statistics.fmean(
+                sum(v["bytes"] for v in m.values()) for m in measured
+            ),
+            "model_by_kind": model["mean_by_kind"],
+        }
+    out["ranks"] = ranks
+    return out
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.1f}{unit}" if unit != "B" else f"{n:.0f}B"
+        n /= 1000
+    raise AssertionError
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a is not None and b else "-"
+
+
+def print_table(results: dict[str, dict[str, dict]]) -> None:
+    """The side-by-side table (medians over ranks), then bytes per collective."""
+
+    def get(config: str, lib: str, key: str) -> float | None:
+        run = results[config].get(lib)
+        return run["median"][key] if run and run["status"] == "ok" else None
+
+    head = (
+        f"{'config':<16}{'dtrec ms':>9}{'TR ms':>9}{'ratio':>6}{'dtrec B/step':>13}"
+        f"{'TR B/step':>11}{'ratio':>6}{'dtrec RSS MB':>14}{'TR RSS MB':>12}"
+    )
+    print(head)
+    print("-" * len(head))
+    for config in results:
+        d_ms, t_ms = get(config, "dtrec", "step_ms"), get(config, "torchrec", "step_ms")
+        d_b = get(config, "dtrec", "total_bytes_per_step")
+        t_b = get(config, "torchrec", "total_bytes_per_step")
+        rss = [_rss(results[config].get(lib)) for lib in ("dtrec", "torchrec")]
+        print(
+            f"{config:<16}{_num(d_ms):>9}{_num(t_ms):>9}{_ratio(d_ms, t_ms):>6}"
+            f"{_fmt_bytes(d_b):>13}{_fmt_bytes(t_b):>11}{_ratio(d_b, t_b):>6}"
+            f"{rss[0]:>14}{rss[1]:>12}"
+        )
+    print(
+        "ms: median step; B/step: wrapped collectives + dense_ddp_estimate, per rank; "
+        "RSS: peak/end per rank"
+    )
+    for config, runs in results.items():
+        for lib, run in runs.items():
+            if run["status"] != "ok":
+                last = run["error"].strip().splitlines()[-1] if run["error"].strip() else "?"
+                print(f"  {config} {lib}: FAILED: {last[:200]}")
+                continue
+            m = run["median"]
+            parts = [f"{k} {_fmt_bytes(v)}" for k, v in m["bytes_by_collective"].items()]
+            parts.append(f"DDP est. {_fmt_bytes(m['dense_ddp_estimate'])}")
+            print(f"  {config} {lib}: " + ", ".join(parts))
+            if lib == "dtrec":
+                check = run["cost_model_check"]
+                stats = m["dtrec_comm_stats"]
+                print(
+                    f"  {config} dtrec comm_stats: "
+                    + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in stats.items())
+                    + f" | cost model {_fmt_bytes(check['model_mean_bytes'])} vs measured "
+                    + f"{_fmt_bytes(check['measured_mean_bytes'])}"
+                )
+                comm_ms = m["dtrec_comm_ms"]
+                print(
+                    f"  {config} dtrec ms in collectives: {sum(comm_ms.values()):.1f} of "
+                    f"{m['step_ms']:.1f} ("
+                    + ", ".join(f"{k} {v:.1f}" for k, v in comm_ms.items() if v >= 0.05)
+                    + ")"
+                )
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _rss(run: dict | None) -> str:
+    """Peak/end RSS in MB (medians over ranks) of a run, or "-"."""
+    if not run or run["status"] != "ok":
+        return "-"
+    return f"{run['median']['peak_rss_mb']:.0f}/{run['median']['end_rss_mb']:.0f}"
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+def cost_model(
+    w: Workload,
+    kinds: Sequence[str],
+    world: int,
+    shard_group_size: int,
+    node_size: int | None = None,
+) -> dict:
+    """Expected bytes one rank sends per training step in dtrec, per dtrec collective kind.
+
+    Built from each table's ``TableLayout.blocks`` the way ``dtrec.sharded_ebc``,
+    ``dtrec.fused`` and ``dtrec.replica_sync`` route data (B = batch per rank, L = mean bag
+    length, S shard group, R = W / S replicas, P(b) = probability mass of block b's rows,
+    U(n, b) = expected distinct rows of block b among n ids = sum_r in b 1 - (1 - p_r)^n):
+
+    * ``input_dist.header``: (S - 1) x 4 int64 when any table is not data parallel;
+    * ``input_dist.ids``: to each block's position, from every other position, B int64
+      lengths + B L P(b) int64 ids (column blocks get every id of their rows);
+    * ``output_dist``: a block's position sends (S - 1) x [B, block cols] fp32 partials;
+      ``output_dist.backward``: every other position sends [B, block cols] fp32 grads back;
+    * ``grad_sync.replicate.*`` / ``grad_sync.data_parallel.*`` (fused optimizer, gradients
+      synced every step): per group (the R replicas of sharded blocks; the W ranks for
+      data-parallel tables) one all-gather of per-table counts, (g - 1) x 8 x tables; then
+      per table the cheaper of a sparse all-gather, (g - 1) m (8 + 4 cols) with
+      m = U(S B L, b) (U(B L, table) for data parallel), and a dense all-reduce,
+      2 (g - 1) / g x rows (cols + 1) x 4 (``replica_sync._bytes``, "auto" mode);
+    * ``optim.row_sq_sum`` (row-wise Adagrad, blocks sharing rows with c > 1 column peers):
+      all-reduce of U(W B L, b) fp32 row sums: 2 (c - 1) / c x 4 U.
+
+    ``dense_ddp_estimate`` is separate (torch DDP, not dtrec). Returns the mean and max over
+    ranks of the total, and the mean per kind (plus the id/length split of input_dist.ids).
+    """
+    s_size, replicas = shard_group_size, world // shard_group_size
+    per_node = None if node_size is None else positions_per_node(world, s_size, node_size)
+    axis = ShardAxis(s_size, replicas, per_node)
+    batch, bag = w.batch, w.mean_bag
+    sent: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(s_size))
+    synced: list[list[tuple[float, int, int]]] = [[] for _ in range(s_size)]
+    data_parallel: list[tuple[float, int, int]] = []
+    any_sharded = False
+    for t, kind in enumerate(kinds):
+        rows = w.rows[t]
+        layout = dtrec_spec(kind).layout(EmbeddingBagConfig(f"t{t}", rows, w.dim), axis)
+        probs = _row_probs(rows, w.zipf)
+        if layout.batch_local:
+            data_parallel.append((probs.unique(batch * bag, 0, rows), w.dim, rows))
+            continue
+        any_sharded = True
+        peers = defaultdict(int)
+        for block in layout.blocks:
+            peers[block.rows] += 1
+        for block in layout.blocks:
+            p, others = block.position, np.arange(s_size) != block.position
+            sent["input_dist.lengths"][others] += 8 * batch
+            sent["input_dist.id_values"][others] += 8 * batch * bag * probs.mass(*block.rows)
+            sent["output_dist"][p] += (s_size - 1) * batch * block.num_cols * 4
+            sent["output_dist.backward"][others] += batch * block.num_cols * 4
+            touched = probs.unique(s_size * batch * bag, *block.rows)
+            synced[p].append((touched, block.num_cols, block.num_rows))
+            c = peers[block.rows]
+            if c > 1:
+                union = probs.unique(world * batch * bag, *block.rows)
+                sent["optim.row_sq_sum"][p] += 2 * (c - 1) / c * 4 * union
+    if any_sharded:
+        sent["input_dist.header"][:] += (s_size - 1) * 4 * 8
+    for p in range(s_size):
+        _replica_sync(sent, p, synced[p], replicas, "grad_sync.replicate")
+        _replica_sync(sent, p, data_parallel, world, "grad_sync.data_parallel")
+    sent["input_dist.ids"] = sent["input_dist.lengths"] + sent["input_dist.id_values"]
+    kinds_out = [k for k in sent if k not in ("input_dist.lengths", "input_dist.id_values")]
+    total = sum(sent[k] for k in kinds_out) if kinds_out else np.zeros(s_size)
+    return {
+        "mean_total": float(np.mean(total)),
+        "max_total": float(np.max(total)),
+        "mean_by_kind": {k: float(np.mean(v)) for k, v in sorted(sent.items()) if v.any()},
+    }
+
+
+def _replica_sync(
+    sent: dict[str, np.ndarray],
+    p: int,
+    tables: list[tuple[float, int, int]],
+    size: int,
+    kind: str,
+) -> None:
+    """Add one group's fused-optimizer gradient sync to position ``p`` (see ``cost_model``)."""
+    if size == 1 or not tables:
+        return
+    sent[f"{kind}.counts"][p] += (size - 1) * len(tables) * 8
+    for touched, cols, rows in tables:
+        sparse, dense = replica_sync_bytes(size, math.ceil(touched), cols, rows)
+        if dense < sparse:
+            sent[f"{kind}.dense"][p] += dense
+        else:
+            sent[f"{kind}.sparse"][p] += sparse
+
+
+class _RowProbs:
+    """Row probabilities of one table, with prefix sums for block masses and distinct counts."""
+
+    def __init__(self, rows: int, s: float) -> None:
+        p = zipf_row_probs(rows, s)
+        self._log1m = np.log1p(-p)
+        self._mass = np.concatenate([[0.0], np.cumsum(p)])
+        self._unique: dict[float, np.ndarray] = {}
+
+    def mass(self, start: int, end: int) -> float:
+        """Probability that an id falls in rows [start, end)."""
+        return float(self._mass[end] - self._mass[start])
+
+    def unique(self, n: float, start: int, end: int) -> float:
+        """Expected distinct rows of [start, end) among ``n`` ids: sum 1 - (1 - p_r)^n."""
+        if n not in self._unique:
+            self._unique[n] = np.concatenate([[0.0], np.cumsum(-np.expm1(n * self._log1m))])
+        return float(self._unique[n][end] - self._unique[n][start])
+
+
+@functools.cache
+def _row_probs(rows: int, s: float) -> _RowProbs:
+    return _RowProbs(rows, s)
+
+
+COST_WORLDS = (8, 64, 512, 4096)
+COST_SHARDS = (8, 64, 512)
+COST_TYPES = (*TYPES, "table_row_wise", "grid")
+
+
+def cost_model_table(w: Workload, node_size: int = 8) -> list[dict]:
+    """``cost_model`` for every type x S x W (S <= W); node-aware types use ``node_size``."""
+    out = []
+    for kind in COST_TYPES:
+        for s_size in COST_SHARDS:
+            for world in COST_WORLDS:
+                if s_size > world:
+                    continue
+                row = {"type": kind, "S": s_size, "W": world, "R": world // s_size}
+                try:
+                    if kind in ("table_row_wise", "grid"):
+                        nodes = s_size // positions_per_node(world, s_size, node_size)
+                        trw = [f"trw:{i % nodes}" for i in range(len(w.rows))]
+                        kinds = trw if kind == "table_row_wise" else ["grid"] * len(w.rows)
+                        row.update(cost_model(w, kinds, world, s_size, node_size))
+                    else:
+                        row.update(cost_model(w, table_kinds(kind, s_size), world, s_size))
+                except ValueError as exc:  # e.g. column-wise with D < S
+                    row["error"] = str(exc)
+                out.append(row)
+    return out
+
+
+def print_cost_model(rows: list[dict]) -> None:
+    print("\ndtrec cost model: mean bytes per rank per step (max over ranks in parentheses)")
+    print(f"{'type':<16}{'S':>5}" + "".join(f"{'W=' + str(x):>24}" for x in COST_WORLDS))
+    keys = sorted({(r["type"], r["S"]) for r in rows}, key=lambda k: (COST_TYPES.index(k[0]), k[1]))
+    for kind, s_size in keys:
+        cells = []
+        for world in COST_WORLDS:
+            r = next(
+                (r for r in rows if (r["type"], r["S"], r["W"]) == (kind, s_size, world)), None
+            )
+            if r is None:
+                cells.append("")
+            elif "error" in r:
+                cells.append("n/a")
+            else:
+                cells.append(f"{_fmt_bytes(r['mean_total'])} ({_fmt_bytes(r['max_total'])})")
+        print(f"{kind:<16}{s_size:>5}" + "".join(f"{c:>24}" for c in cells))
+
+
+# --------------------------------------------------------------------------- main
+
+
+def dtrec_source() -> dict:
+    """Which dtrec runs: its path, git commit, uncommitted files and a hash of its sources."""
+    root = Path(dtrec.__file__).parent
+
+    def git(*args: str) -> str | None:
+        done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return {
+        "path": str(root),
+        "git_commit": git("rev-parse", "HEAD"),
+        "uncommitted": (git("status", "--porcelain", "--", ".") or "").splitlines(),
+        "sources_sha256": digest.hexdigest(),
+    }
+
+
+def _meta(argv: list[str], w: Workload) -> dict:
+    import fbgemm_gpu
+
+    try:
+        import torchrec
+
+        torchrec_version = torchrec.__version__
+    except ImportError:
+        torchrec_version = None
+    return {
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python -m benchmarks.distributed", *argv]),
+        "torch": torch.__version__,
+        "torchrec": torchrec_version,
+        "fbgemm_gpu": fbgemm_gpu.__version__,
+        "python": platform.python_version(),
+        "cpu_cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "dtrec": dtrec_source(),
+        "workload": asdict(w),
+        "timing": "median over timed steps per rank (dist.barrier() before each step, outside "
+        "the timed region), then median over ranks; OMP_NUM_THREADS=1 per rank",
+        "bytes": "per rank per step: wrapped torch.distributed collectives during the timed "
+        "steps + dense_ddp_estimate = 2 (W-1)/W x bytes of DDP-reduced params",
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies table rows")
+    parser.add_argument("--batch", type=int, default=512, help="samples per rank per step")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--census-steps", type=int, default=1, help="untimed census steps")
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"of {CONFIGS}")
+    parser.add_argument("--no-torchrec", action="store_true", help="run dtrec only")
+    parser.add_argument("--dtrec-backend", default="auto", help="dtrec.ops.set_backend value")
+    parser.add_argument("--cost-model", action="store_true", help="only the cost-model table")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="per world, seconds")
+    parser.add_argument("--json", help="write results here")
+    args = parser.parse_args(argv)
+    w = workload(args.scale, args.batch)
+    report: dict = {"meta": _meta(argv, w)}
+    report["cost_model"] = cost_table = cost_model_table(w)
+    if not args.cost_model:
+        configs = [c for c in args.configs.split(",") if c]
+        unknown = sorted(set(configs) - set(CONFIGS))
+        if unknown:
+            parser.error(f"unknown configs {unknown}; choose from {CONFIGS}")
+        names = ("steps", "warmup", "census_steps", "timeout", "dtrec_backend")
+        opts = {k: getattr(args, k) for k in names}
+        libs = ["dtrec"] if args.no_torchrec else ["dtrec", "torchrec"]
+        results: dict[str, dict[str, dict]] = {}
+        for config in configs:
+            results[config] = {}
+            for lib in libs:
+                run = run_config(lib, config, w, opts, args.world_size)
+                results[config][lib] = run
+                state = run["status"]
+                ms = f"{run['median']['step_ms']:.1f} ms/step" if state == "ok" else ""
+                load = "load {:.1f} -> {:.1f}".format(*run["load_avg"])
+                print(f"[{config} {lib}] {state} {ms} ({run['wall_s']:.0f} s, {load})", flush=True)
+        report["results"] = results
+        print()
+        print_table(results)
+        after = dtrec_source()
+        if after["sources_sha256"] != report["meta"]["dtrec"]["sources_sha256"]:
+            report["meta"]["dtrec_at_end"] = after  # worlds started later ran the new code
+            print("WARNING: dtrec's sources changed during the run (see meta.dtrec_at_end)")
+    print_cost_model(cost_table)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""TorchRec 1.8.0 side of benchmarks/distributed.py: the same model and plans, sharded by TorchRec.
+
+Only the benchmark imports this module (TorchRec is not a dtrec dependency). Plans are built by
+hand (``construct_module_sharding_plan``), so TorchRec's planner, which offers row-wise only
+on cuda/mtia (ANCHORS.md), is not involved: the stock ``EmbeddingBagCollectionSharder`` runs
+row-wise on CPU as is. 2D (``DMPCollection``) needs two patches, both in
+:func:`cpu_dmp_collection`:
+
+* its ``__init__`` asserts ``device.type in ("cuda", "mtia")``: a copy of ``__init__`` with that
+  one comparison widened to "cpu" (one constant of its code object replaced);
+* its plan remap writes shard placements ``rank:r/cpu:k``, which then fail "Local shard tensor
+  device does not match with local Shard's placement" (CPU tensors are on "cpu"): they are
+  rewritten to ``rank:r/cpu`` after the remap.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+from torch.distributed.remote_device import _remote_device
+from torch.nn.parallel import DistributedDataParallel
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DMPCollection
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ShardingPlan
+from torchrec.optim import RowWiseAdagrad
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+__all__ = [
+    "KeyedJaggedTensor",
+    "cpu_dmp_collection",
+    "ddp_modules",
+    "shard_torchrec",
+    "torchrec_ebc",
+]
+
+_FUSED = "fused"  # TorchRec's EmbeddingComputeKernel.FUSED: FBGEMM TBE, optimizer in backward
+
+
+def torchrec_ebc(rows: Sequence[int], dim: int) -> EmbeddingBagCollection:
+    """TorchRec's collection of tables ``t<i>`` (feature ``f<i>``, sum pooling), on meta."""
+    return EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(
+                name=f"t{i}",
+                num_embeddings=r,
+                embedding_dim=dim,
+                feature_names=[f"f{i}"],
+                pooling=PoolingType.SUM,
+            )
+            for i, r in enumerate(rows)
+        ],
+        device=torch.device("meta"),
+    )
+
+
+def _generator(kind: str, shard_group_size: int) -> Callable:
+    """TorchRec plan helper for one of benchmarks/distributed.py's table kinds ("tw:3", "rw")."""
+    name, _, arg = kind.partition(":")
+    if name == "tw":
+        return table_wise(rank=int(arg), compute_kernel=_FUSED)
+    if name == "rw":
+        return row_wise(compute_kernel=_FUSED)
+    if name == "cw":
+        return column_wise(ranks=list(range(shard_group_size)), compute_kernel=_FUSED)
+    if name == "dp":
+        return data_parallel()
+    raise ValueError(f"unknown table kind {kind!r}")
+
+
+def _plan(
+    model: nn.Module,
+    kinds: Sequence[str],
+    shard_group_size: int,
+    sharder: EmbeddingBagCollectionSharder,
+) -> ShardingPlan:
+    """Manual plan for ``model.ebc`` over ``shard_group_size`` ranks (no planner involved)."""
+    module_plan = construct_module_sharding_plan(
+        model.ebc,
+        {f"t{i}": _generator(kind, shard_group_size) for i, kind in enumerate(kinds)},
+        sharder=sharder,
+        local_size=shard_group_size,
+        world_size=shard_group_size,
+        device_type="cpu",
+    )
+    return ShardingPlan({"ebc": module_plan})
+
+
+def cpu_dmp_collection(**kwargs) -> DMPCollection:
+    """``DMPCollection(**kwargs)`` on CPU (see the module docstring for the two patches)."""
+    init = DMPCollection.__init__
+    consts = init.__code__.co_consts
+    if consts.count("mtia") != 1:  # the assert's second comparison; nothing else uses "mtia"
+        raise RuntimeError("DMPCollection.__init__ changed; the CPU patch no longer applies")
+    patched = types.FunctionType(
+        init.__code__.replace(co_consts=tuple("cpu" if c == "mtia" else c for c in consts)),
+        init.__globals__,
+        init.__name__,
+        init.__defaults__,
+        init.__closure__,  # keeps the __class__ cell: super() still means DMP's base
+    )
+    patched.__kwdefaults__ = init.__kwdefaults__
+    remap = DMPCollection._remap_sharding_plan
+
+    def remap_to_cpu(self, plan: ShardingPlan, *args, **kw) -> None:
+        remap(self, plan, *args, **kw)
+        for module_plan in plan.plan.values():
+            for sharding in module_plan.values():
+                for shard in getattr(sharding.sharding_spec, "shards", None) or []:
+                    shard.placement = _remote_device(f"rank:{shard.placement.rank()}/cpu")
+
+    cls = type(
+        "CpuDMPCollection",
+        (DMPCollection,),
+        {"__init__": patched, "_remap_sharding_plan": remap_to_cpu},
+    )
+    return cls(**kwargs)
+
+
+def ddp_modules(model: nn.Module) -> list[DistributedDataParallel]:
+    """The DDP wrappers inside a sharded model: the dense one and data-parallel tables' lookups.
+
+    TorchRec keeps the lookups in a plain list (``_lookups``), not as submodules.
+    """
+    found = []
+    for module in model.modules():
+        for m in [module, *getattr(module, "_lookups", [])]:
+            if isinstance(m, DistributedDataParallel) and m not in found:
+                found.append(m)
+    return found
+
+
+def shard_torchrec(
+    model: nn.Module,
+    kinds: Sequence[str],
+    shard_group_size: int,
+    lr: float,
+    eps: float,
+) -> tuple[nn.Module, list[torch.optim.Optimizer], Callable[[], None] | None]:
+    """Shard ``model`` (``.ebc`` a TorchRec collection on meta, ``.dense`` the MLP) with TorchRec.
+
+    ``kinds``: per table "tw:<shard rank>", "rw", "cw" or "dp". A shard group smaller than the
+    world gives ``DMPCollection`` (2D), else ``DistributedModelParallel``. Sharded tables get
+    FBGEMM's fused exact row-wise Adagrad; data-parallel tables (dense kernel, gradients
+    all-reduced by DDP) get TorchRec's ``RowWiseAdagrad``; the MLP ``torch.optim.Adagrad``.
+    Returns (model, optimizers, per-step hook): the hook is ``DMPCollection.sync`` for 2D
+    (replica weights and optimizer state averaged after every step), else None.
+    """
+    world = dist.get_world_size()
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            "learning_rate": lr,
+            "eps": eps,
+        }
+    )
+    plan = _plan(model, kinds, shard_group_size, sharder)
+    cpu = torch.device("cpu")
+    hook = None
+    if shard_group_size == world:
+        sharded = DistributedModelParallel(model, device=cpu, plan=plan, sharders=[sharder])
+    else:
+        sharded = cpu_dmp_collection(
+            module=model,
+            device=cpu,
+            plan=plan,
+            world_size=world,
+            sharding_group_size=shard_group_size,
+            global_pg=dist.group.WORLD,
+            sharders=[sharder],
+        )
+        hook = sharded.sync
+    named = dict(sharded.named_parameters())
+    dense = [p for n, p in named.items() if n.startswith("dense.")]
+    dp_tables = [named[f"ebc.embedding_bags.t{i}.weight"] for i, k in enumerate(kinds) if k == "dp"]
+    optimizers: list[torch.optim.Optimizer] = [torch.optim.Adagrad(dense, lr=lr)]
+    if dp_tables:
+        optimizers.append(RowWiseAdagrad(dp_tables, lr=lr, eps=eps))
+    return sharded, optimizers, hook
