@@ -68,6 +68,13 @@ def distribute_module(
         tables = ebc.embedding_bag_configs()
         specs = {cfg.name: full_plan[table_fqn(fqn, cfg.name)] for cfg in tables}
         weights = {cfg.name: ebc.embedding_bags[cfg.name].weight for cfg in tables}
+        on_meta = [name for name, w in weights.items() if w.is_meta]
+        if on_meta:
+            raise ValueError(
+                f"table(s) {on_meta} of {fqn or 'the model'!r} are on the meta device: dtrec "
+                "shards real weights (meta-device initialisation is not supported yet); build "
+                "the collection on cpu or cuda"
+            )
         sharded[fqn] = ShardedEmbeddingBagCollection(
             tables, weights, mesh, specs, optimizer, ebc.bounds_check, sync_every
         )

@@ -271,7 +271,8 @@ def backward_rows_torch(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, 
         keys = row_base.index_select(0, s_table) + s_values.long()
         # Occurrences sorted by key; each unique key's grad_out rows are then one "bag"
         # that embedding_bag sums in order (weighted by the scale), with no [N, dim] copy.
-        sorted_keys, perm = torch.sort(keys, stable=True)
+        small = sum(w.shape[0] for w in weights) < 2**31  # int32 keys sort ~2.5x faster
+        sorted_keys, perm = torch.sort(keys.int() if small else keys, stable=True)
         unique, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
         grad_rows = torch.nn.functional.embedding_bag(
             src.index_select(0, perm),
@@ -280,6 +281,7 @@ def backward_rows_torch(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, 
             mode="sum",
             per_sample_weights=s_scale.index_select(0, perm).to(blocks.dtype),
         )
+        unique = unique.long()
         key_table = torch.searchsorted(row_base, unique, right=True) - 1
         counts = torch.bincount(key_table, minlength=len(weights)).tolist()
         start = 0

@@ -137,6 +137,9 @@ def _bad_input(rank: int) -> dict:
     out["no_collection"] = error_of(
         lambda: dtrec.distribute_module(torch.nn.Linear(2, 2), mesh, {})
     )
+    with torch.device("meta"):
+        on_meta = dtrec.EmbeddingBagCollection([dtrec.EmbeddingBagConfig("m", 10, 4)])
+    out["meta"] = error_of(lambda: dtrec.distribute_module(on_meta, mesh, {"m": RowWise()}))
     return out
 
 
@@ -319,6 +322,7 @@ def test_plans_that_do_not_fit_are_clear_errors(results) -> None:
     assert "TableWise(rank=4)" in r["tw_rank_out_of_range"]
     assert r["not_a_spec"].startswith("TypeError") and "sparse.t3" in r["not_a_spec"]
     assert "no dtrec.EmbeddingBagCollection" in r["no_collection"]
+    assert r["meta"].startswith("ValueError") and "['m']" in r["meta"] and "meta" in r["meta"]
 
 
 def test_planner_fills_and_resolves(results) -> None:
