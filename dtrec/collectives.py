@@ -123,6 +123,16 @@ def all_to_all(
     return all_to_all_start(input, output_splits, input_splits, group, kind).wait()
 
 
+def all_reduce_coalesced(tensors: Sequence[Tensor], group: ProcessGroup, kind: str) -> list[Tensor]:
+    """Sums of ``tensors`` over ``group`` in one fp32 all-reduce (new tensors, same shapes)."""
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    size = dist.get_world_size(group)
+    with collective(kind, 2 * (size - 1) * flat.numel() * 4 // size, group):
+        dist.all_reduce(flat, group=group)
+    parts = torch.split(flat, [t.numel() for t in tensors])
+    return [part.view(t.shape) for part, t in zip(parts, tensors, strict=True)]
+
+
 class PendingTensor:
     """The result of a collective still in flight; ``wait()`` returns it (once complete)."""
 

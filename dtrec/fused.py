@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from dtrec.collectives import collective
+from dtrec.collectives import all_reduce_coalesced
 from dtrec.ops.embedding_bag import Lookup
 from dtrec.ops.op import lookup_backward_rows, lookup_forward
 from dtrec.optim import FusedOptimizer, RowUpdate
@@ -55,7 +55,7 @@ class TableUpdate:
         column_group: ProcessGroup | None,
         full_dim: int,
         grad_scale: float,
-        sync_kind: str = "grad_sync.replicate",
+        sync_kind: str,
     ) -> None:
         self.weight = weight
         self.sync_kind = sync_kind  # names its replica sync in dtrec.comm_stats
@@ -142,12 +142,9 @@ class FusedUpdater:
         if self.optimizer.needs_row_sq_sum:
             for tables, group in _by_group(merged, lambda t: self.tables[t].column_group):
                 sums = [merged[t][1].square().sum(1) for t in tables]
-                flat = torch.cat(sums)
-                size = dist.get_world_size(group)
-                nbytes = 2 * (size - 1) * flat.numel() * 4 // size
-                with collective("optim.row_sq_sum", nbytes, group):
-                    dist.all_reduce(flat, group=group)
-                row_sq_sums.update(zip(tables, torch.split(flat, [x.numel() for x in sums])))
+                row_sq_sums.update(
+                    zip(tables, all_reduce_coalesced(sums, group, "optim.row_sq_sum"))
+                )
         updates = [
             RowUpdate(
                 self.tables[t].weight,

@@ -245,9 +245,9 @@ def _triton_tables(updates: list[RowUpdate]) -> dict | None:
     }
 
 
-def _state_offsets(updates: list[RowUpdate], key: str, args: dict) -> tuple[Tensor, Tensor] | None:
+def _state_offsets(states: list[dict[str, Tensor]], key: str) -> tuple[Tensor, Tensor] | None:
     """A packed state kind: (flat buffer, per-table offsets), or None if not packed."""
-    shared = _shared_offsets([u.state[key] for u in updates])
+    shared = _shared_offsets([st[key] for st in states])
     if shared is None:
         return None
     flat, offsets = shared
@@ -309,7 +309,7 @@ class RowWiseAdagrad(FusedOptimizer):
     def _update_triton(self, updates: list[RowUpdate], args: dict) -> bool:
         from dtrec.ops.triton_update_kernels import rowwise_adagrad_update_rows
 
-        state = _state_offsets(updates, "sum", args)
+        state = _state_offsets([u.state for u in updates], "sum")
         if state is None:
             return False
         row_sq_sum = None  # the kernel sums squares itself unless a caller reduced them
@@ -335,17 +335,14 @@ class RowWiseAdagrad(FusedOptimizer):
     def _row_update(self, packed, weights, states, grad_scale):  # type: ignore[override]
         from dtrec.ops.triton_kernels import MAX_FUSED_ROWWISE_DIM
 
-        state = _shared_offsets([st["sum"] for st in states])
+        state = _state_offsets(states, "sum")
         if state is None or max(w.shape[1] for w in weights) > MAX_FUSED_ROWWISE_DIM:
             return None
         flat, offsets = packed
         device = flat.device
         dims = device_list([w.shape[1] for w in weights], torch.int32, device)
-        return _row_update_args(
-            "ROWWISE_ADAGRAD", flat, offsets,
-            _hyper(device, self.lr, grad_scale, self.eps), state[0],
-            device_list(state[1], torch.int64, device), flat, dims,
-        )  # fmt: skip
+        hyper = _hyper(device, self.lr, grad_scale, self.eps)
+        return _row_update_args("ROWWISE_ADAGRAD", flat, offsets, hyper, *state, flat, dims)
 
     def _update_torch(self, u: RowUpdate) -> None:
         dim = u.full_dim or u.grad_rows.shape[1]
@@ -402,7 +399,8 @@ class Adam(FusedOptimizer):
     def _update_triton(self, updates: list[RowUpdate], args: dict) -> bool:
         from dtrec.ops.triton_update_kernels import adam_update_rows
 
-        m, v = _state_offsets(updates, "exp_avg", args), _state_offsets(updates, "exp_avg_sq", args)
+        states = [u.state for u in updates]
+        m, v = _state_offsets(states, "exp_avg"), _state_offsets(states, "exp_avg_sq")
         steps = {float(u.state["step"]) for u in updates}
         same_layout = m is not None and v is not None and torch.equal(m[1], args["table_offsets"])
         if not same_layout or not torch.equal(v[1], args["table_offsets"]) or len(steps) != 1:

@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from dtrec.collectives import collective
+from dtrec.ops.embedding_bag import sum_rows_by_key
 
 MODES = ("auto", "sparse", "dense")
 
@@ -41,9 +42,8 @@ class TableRows:
 
 
 def sum_by_row(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
-    """Sum gradient rows with the same id; result sorted by id (deterministic on CPU)."""
-    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-    return unique, grads.new_zeros(unique.numel(), grads.shape[1]).index_add_(0, inverse, grads)
+    """Sum gradient rows with the same id; result sorted by id (deterministic)."""
+    return sum_rows_by_key(ids, grads)
 
 
 def _bytes(size: int, most: int, dim: int, num_rows: int) -> tuple[int, int]:
@@ -78,19 +78,17 @@ def sync_rows(
     for t, m in zip(tables, most, strict=True):
         sparse_bytes, dense_bytes = _bytes(size, m, t.grads.shape[1], t.num_rows)
         dense.append(mode == "dense" or (mode == "auto" and dense_bytes < sparse_bytes))
-    result: list[tuple[Tensor, Tensor] | None] = [None] * len(tables)
+    result: dict[int, tuple[Tensor, Tensor]] = {}
     sparse_ids = [i for i, d in enumerate(dense) if not d]
     if sparse_ids:
         picked = [tables[i] for i in sparse_ids]
-        for i, rows in zip(sparse_ids, _all_gather_rows(picked, [most[i] for i in sparse_ids],
-                                                         group, size, kind)):  # fmt: skip
-            result[i] = rows
+        synced = _all_gather_rows(picked, [most[i] for i in sparse_ids], group, size, kind)
+        result.update(zip(sparse_ids, synced, strict=True))
     dense_ids = [i for i, d in enumerate(dense) if d]
     if dense_ids:
-        for i, rows in zip(dense_ids, _all_reduce_dense([tables[i] for i in dense_ids], group,
-                                                         size, kind)):  # fmt: skip
-            result[i] = rows
-    return result  # type: ignore[return-value]
+        synced = _all_reduce_dense([tables[i] for i in dense_ids], group, size, kind)
+        result.update(zip(dense_ids, synced, strict=True))
+    return [result[i] for i in range(len(tables))]
 
 
 def _all_gather_rows(

@@ -29,10 +29,10 @@ from torch.distributed.tensor import DTensor
 
 from dtrec.collectives import (
     PendingTensor,
+    all_reduce_coalesced,
     all_to_all,
     all_to_all_autograd,
     all_to_all_start,
-    collective,
 )
 from dtrec.config import EmbeddingBagConfig
 from dtrec.features import bag_lengths, check_bounds_mode, feature_order, prepare_features
@@ -182,13 +182,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         updates = {}
         for t in self._routing.local_tables:
             cfg = self._tables[t]
-            replicas, scale = self._grad_sync(t)
+            replicas, scale, kind = self._grad_sync(t)
             weight = self.embedding_bags[cfg.name].weight.to_local()
-            kind = "grad_sync.data_parallel" if self._layouts[t].batch_local else None
             updates[t] = TableUpdate(
-                weight, replicas, columns.get(t), cfg.embedding_dim, scale,
-                kind or "grad_sync.replicate",
-            )  # fmt: skip
+                weight, replicas, columns.get(t), cfg.embedding_dim, scale, kind
+            )
         # Local tables' states packed in the order their weights are packed.
         local = self._routing.local_tables
         others = [t for t in range(len(self._tables)) if t not in updates]
@@ -214,18 +212,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Table name -> spec."""
         return {name: table.spec for name, table in self.embedding_bags.items()}
 
-    def _grad_sync(self, t: int) -> tuple[ProcessGroup | None, float]:
-        """Table t's gradient: the group it is summed over, and the factor that averages it.
+    def _grad_sync(self, t: int) -> tuple[ProcessGroup | None, float, str]:
+        """Table t's gradient: the group it is summed over, the factor that averages it,
+        and the name its sync has in ``dtrec.comm_stats``.
 
         Data-parallel tables: the world. Sharded tables: their replicas, so the sum
         covers all W batches; with ``sync_every`` replicas do not sum gradients (each
         averages its own S batches) and average weights every k steps instead.
         """
         if self._layouts[t].batch_local:
-            return self._dp_group, 1.0 / self._world_size
+            return self._dp_group, 1.0 / self._world_size, "grad_sync.data_parallel"
         if self.sync_every is None:
-            return self._replicate_group, 1.0 / self._world_size
-        return None, 1.0 / self._routing.shard_size
+            return self._replicate_group, 1.0 / self._world_size, "grad_sync.replicate"
+        return None, 1.0 / self._routing.shard_size, "grad_sync.replicate"
 
     def _local_weights(self) -> dict[int, Tensor]:
         """This rank's blocks as plain tensors whose grads are synced over replicas.
@@ -242,9 +241,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             return local  # updated in place by the fused optimizer
         groups: dict[tuple, list[int]] = {}
         for t in local:
-            group, scale = self._grad_sync(t)
-            data_parallel = self._layouts[t].batch_local
-            kind = "grad_sync.data_parallel" if data_parallel else "grad_sync.replicate"
+            group, scale, kind = self._grad_sync(t)
             groups.setdefault((id(group), group, scale, kind), []).append(t)
         out: dict[int, Tensor] = {}
         for (_, group, scale, kind), tables in groups.items():
@@ -273,13 +270,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if not tensors:
             return
         with torch.no_grad():
-            flat = torch.cat([x.reshape(-1).float() for x in tensors])
-            with collective("replica_sync.weights", 2 * (size - 1) * flat.numel() * 4 // size,
-                            self._replicate_group):  # fmt: skip
-                dist.all_reduce(flat, group=self._replicate_group)
-            flat /= size
-            for x, part in zip(tensors, torch.split(flat, [x.numel() for x in tensors])):
-                x.copy_(part.view_as(x))
+            sums = all_reduce_coalesced(tensors, self._replicate_group, "replica_sync.weights")
+            for x, total in zip(tensors, sums, strict=True):
+                x.copy_(total / size)
 
     def forward(self, features: object) -> KeyedTensor:
         if self.sync_every is not None and self.training and torch.is_grad_enabled():
