@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from dtrec.ops.device_lists import device_list
-from dtrec.ops.embedding_bag import Lookup
+from dtrec.ops.embedding_bag import Lookup, shared_storage
 
 if TYPE_CHECKING:  # the Triton modules load only when the Triton backend runs
     from dtrec.ops.triton_row_updates import FusedRowUpdate
@@ -105,7 +105,9 @@ class FusedOptimizer(ABC):
         For tables whose whole gradient this lookup holds (no other lookup of them, no
         replica or column-shard sync). On the Triton backend, with tables and states
         packed, one pass sums each touched row's gradient and updates the row in place
-        (no gradient buffer); otherwise row grads, then ``update_tables``. Every gradient
+        (no gradient buffer); on CPU, fbgemm's fused C++ backward + step where it
+        serves the optimizer (SGD, row-wise Adagrad); otherwise row grads, then
+        ``update_tables``. Every gradient
         is multiplied by ``grad_scale`` first.
         """
         from dtrec.ops.op import lookup_backward_rows
@@ -116,6 +118,8 @@ class FusedOptimizer(ABC):
             from dtrec.ops import triton_backend
 
             triton_backend.backward_update(lookup, grad_out, fused)
+            return
+        if self._fbgemm_backward_update(lookup, grad_out, states, grad_scale):
             return
         rows = lookup_backward_rows(lookup, grad_out)
         self._apply(
@@ -147,6 +151,13 @@ class FusedOptimizer(ABC):
             return None
         return self._row_update(packed, weights, states, grad_scale)
 
+    def _fbgemm_backward_update(
+        self, lookup: Lookup, grad_out: Tensor, states: list[dict[str, Tensor]], grad_scale: float
+    ) -> bool:
+        """fbgemm's fused CPU backward + step (``fbgemm_backend.backward_update``); False if
+        it does not serve this optimizer or call."""
+        return False
+
     def _row_update(
         self,
         packed: tuple[Tensor, Tensor],
@@ -166,24 +177,13 @@ class FusedOptimizer(ABC):
         """Update all tables with one kernel launch; False if their state is not packed."""
 
 
-def _shared_offsets(tensors: list[Tensor]) -> tuple[Tensor, list[int]] | None:
-    """A flat view over the storage the tensors share, and their element offsets in it."""
-    first = tensors[0]
-    ptr = first.untyped_storage().data_ptr()
-    if not all(t.is_contiguous() and t.untyped_storage().data_ptr() == ptr for t in tensors):
-        return None
-    numel = first.untyped_storage().nbytes() // first.element_size()
-    flat = first.new_empty(0).set_(first.untyped_storage(), 0, (numel,))
-    return flat, [t.storage_offset() for t in tensors]
-
-
 def _packed_for_triton(weights: list[Tensor]) -> tuple[Tensor, Tensor] | None:
     """(flat buffer, int64 table offsets) when the Triton backend serves these packed shards."""
     from dtrec.ops.backend import resolve_backend
 
     if not weights or resolve_backend(weights[0].device) != "triton":
         return None
-    shared = _shared_offsets(weights)
+    shared = shared_storage(weights)
     if shared is None:
         return None
     flat, offsets = shared
@@ -222,7 +222,7 @@ def _triton_tables(updates: list[RowUpdate]) -> dict | None:
     counts = device_list([u.rows.numel() for u in updates], torch.int64, device, cached=False)
     row_dims = device_list(dims, torch.int64, device).repeat_interleave(counts)
     first_row = torch.cumsum(counts, 0) - counts
-    grads = _shared_offsets([u.grad_rows for u in updates])
+    grads = shared_storage([u.grad_rows for u in updates])
     if grads is None:  # pack the gradient rows (one copy)
         grad_flat = torch.cat([u.grad_rows.reshape(-1) for u in updates])
         grad_offsets = torch.cumsum(row_dims, 0) - row_dims
@@ -247,7 +247,7 @@ def _triton_tables(updates: list[RowUpdate]) -> dict | None:
 
 def _state_offsets(states: list[dict[str, Tensor]], key: str) -> tuple[Tensor, Tensor] | None:
     """A packed state kind: (flat buffer, per-table offsets), or None if not packed."""
-    shared = _shared_offsets([st[key] for st in states])
+    shared = shared_storage([st[key] for st in states])
     if shared is None:
         return None
     flat, offsets = shared
@@ -281,6 +281,11 @@ class SGD(FusedOptimizer):
         flat, offsets = packed
         hyper = _hyper(flat.device, self.lr, grad_scale)
         return _row_update_args("SGD", flat, offsets, hyper, flat, offsets, flat, offsets)
+
+    def _fbgemm_backward_update(self, lookup, grad_out, states, grad_scale):  # type: ignore[override]
+        from dtrec.ops import fbgemm_backend
+
+        return fbgemm_backend.backward_update(lookup, grad_out, "sgd", self.lr, grad_scale)
 
     def _update_torch(self, u: RowUpdate) -> None:
         new = u.weight.index_select(0, u.rows).float() - self.lr * u.grad_rows
@@ -344,6 +349,14 @@ class RowWiseAdagrad(FusedOptimizer):
         hyper = _hyper(device, self.lr, grad_scale, self.eps)
         return _row_update_args("ROWWISE_ADAGRAD", flat, offsets, hyper, *state, flat, dims)
 
+    def _fbgemm_backward_update(self, lookup, grad_out, states, grad_scale):  # type: ignore[override]
+        from dtrec.ops import fbgemm_backend
+
+        sums = [st["sum"] for st in states]
+        return fbgemm_backend.backward_update(
+            lookup, grad_out, "rowwise_adagrad", self.lr, grad_scale, self.eps, sums
+        )
+
     def _update_torch(self, u: RowUpdate) -> None:
         dim = u.full_dim or u.grad_rows.shape[1]
         row_sq_sum = u.row_sq_sum if u.row_sq_sum is not None else u.grad_rows.square().sum(1)
@@ -382,8 +395,8 @@ class Adam(FusedOptimizer):
 
     def _row_update(self, packed, weights, states, grad_scale):  # type: ignore[override]
         flat, offsets = packed
-        m = _shared_offsets([st["exp_avg"] for st in states])
-        v = _shared_offsets([st["exp_avg_sq"] for st in states])
+        m = shared_storage([st["exp_avg"] for st in states])
+        v = shared_storage([st["exp_avg_sq"] for st in states])
         steps = {float(st["step"]) for st in states}
         weight_offsets = [w.storage_offset() for w in weights]
         if m is None or v is None or m[1] != weight_offsets or v[1] != weight_offsets:

@@ -108,33 +108,39 @@ class Routing:
         )
         values = values.long()
         if maps.has_local:  # data-parallel features are looked up where they are
-            keep = maps.routed[feature]
+            keep = maps.routed.index_select(0, feature)
             values, feature, bag = values[keep], feature[keep], bag[keep]
             weights = None if weights is None else weights[keep]
-        row_block = torch.searchsorted(maps.starts, maps.feature_base[feature] + values, right=True)
+        base = maps.feature_base.index_select(0, feature)
+        row_block = torch.searchsorted(maps.starts, base + values, right=True)
         row_block -= 1
         if maps.one_segment_per_row_block:
-            segment = maps.row_block_segments[maps.row_block_first[row_block]]
+            segment = maps.row_block_segments.index_select(
+                0, maps.row_block_first.index_select(0, row_block)
+            )
             source = None
         else:  # column blocks: one copy of the id per column block of its row block
-            copies = maps.row_block_count[row_block]
+            copies = maps.row_block_count.index_select(0, row_block)
             source = torch.repeat_interleave(
                 torch.arange(values.numel(), device=values.device), copies
             )
             first = torch.cumsum(copies, 0) - copies
-            within = torch.arange(source.numel(), device=values.device) - first[source]
-            segment = maps.row_block_segments[maps.row_block_first[row_block[source]] + within]
-            values, bag = values[source], bag[source]
-            weights = None if weights is None else weights[source]
-        local_ids = values - maps.segment_row_start[segment]
+            within = torch.arange(source.numel(), device=values.device)
+            within -= first.index_select(0, source)
+            block_first = maps.row_block_first.index_select(0, row_block.index_select(0, source))
+            segment = maps.row_block_segments.index_select(0, block_first + within)
+            values, bag = values.index_select(0, source), bag.index_select(0, source)
+            weights = None if weights is None else weights.index_select(0, source)
+        local_ids = values - maps.segment_row_start.index_select(0, segment)
         seg_lengths = torch.bincount(
             segment * batch + bag % batch, minlength=maps.num_segments * batch
         ).view(maps.num_segments, batch)
         order = torch.sort(segment.int(), stable=True).indices  # int32: ~2.5x faster on CPU
-        local_ids = local_ids[order]
-        weights = None if weights is None else weights[order]
+        # index_select: ~4x faster than advanced indexing for 1-D gathers on CPU
+        local_ids = local_ids.index_select(0, order)
+        weights = None if weights is None else weights.index_select(0, order)
         per_position = torch.bincount(
-            maps.segment_position[segment], minlength=self.shard_size
+            maps.segment_position.index_select(0, segment), minlength=self.shard_size
         ).tolist()
         buffers, sent_weights, start = [], [], 0
         for p, n in enumerate(per_position):

@@ -75,3 +75,98 @@ def test_batched_update_matches_per_table_reference(backend_device, optimizer) -
         if value.dim():
             ptrs = {st[key].untyped_storage().data_ptr() for st in states}
             assert len(ptrs) == 1, key
+
+
+def _fbgemm_or_skip() -> None:
+    from dtrec._fbgemm import fbgemm_available
+
+    if not fbgemm_available():
+        pytest.skip("fbgemm_gpu does not load here")
+
+
+# entry -> table maps: one entry per table, a table read twice, tables out of order, a
+# table's entries apart, every table read by two source ranks (segment-major, as
+# table-wise tables arrive after input-dist).
+ENTRY_TABLES = [[0, 1, 2], [0, 0, 2, 1], [2, 1, 1, 0], [1, 0, 2, 1, 0], [2, 0, 1, 2, 0, 1]]
+
+
+def _fused_step(backend: str, optimizer, entry_table, psw: bool, mean: bool, empty: bool):
+    """Two backward_update steps on packed tables; (weights, states, fbgemm calls)."""
+    from dtrec.ops import fbgemm_backend
+    from dtrec.ops.embedding_bag import Lookup
+
+    gen = torch.Generator().manual_seed(0)
+    weights = _tables(torch.device("cpu"), gen)
+    states = optimizer.init_states(weights)
+    batch = 5
+    lengths = torch.randint(0, 5, (len(entry_table) * batch,), generator=gen)
+    if empty:
+        lengths.zero_()
+    values = torch.cat(
+        [
+            torch.randint(0, weights[t].shape[0], (int(n),), generator=gen)
+            for t, n in zip(entry_table, lengths.view(-1, batch).sum(1))
+        ]
+    )
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    weight = torch.rand(values.numel(), generator=gen) if psw else None
+    lookup = Lookup(weights, entry_table, values, offsets, [mean] * len(entry_table), weight)
+    width = sum(weights[t].shape[1] for t in entry_table)
+    calls = []
+    real = fbgemm_backend.backward_update
+    dtrec.ops.set_backend(backend)
+    try:
+        fbgemm_backend.backward_update = lambda *a, **k: calls.append(real(*a, **k)) or calls[-1]
+        for _ in range(2):
+            grad = torch.randn(batch, width, generator=gen)
+            optimizer.backward_update(lookup, grad, states, grad_scale=0.5)
+    finally:
+        fbgemm_backend.backward_update = real
+        dtrec.ops.set_backend("auto")
+    return weights, states, calls
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS[:2], ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize("entry_table", ENTRY_TABLES, ids=str)
+@pytest.mark.parametrize(
+    "psw,mean,empty", [(False, False, False), (True, False, False), (False, True, False),
+                       (False, False, True)], ids=["sum", "psw", "mean", "empty"],
+)  # fmt: skip
+def test_fbgemm_fused_cpu_step_matches_torch(optimizer, entry_table, psw, mean, empty) -> None:
+    """On CPU, "auto" runs fbgemm's fused C++ backward + step; same result as torch's."""
+    _fbgemm_or_skip()
+    ref_w, ref_s, ref_calls = _fused_step("torch", optimizer, entry_table, psw, mean, empty)
+    got_w, got_s, calls = _fused_step("auto", optimizer, entry_table, psw, mean, empty)
+    assert ref_calls == [False, False]  # the torch backend never uses fbgemm
+    assert calls == [True, True]  # and "auto" on CPU does, every step
+    for a, b in zip(got_w, ref_w):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_s, ref_s):
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+
+
+def test_fbgemm_fused_cpu_step_declines_what_it_cannot_serve() -> None:
+    """Mixed pooling, unpacked tables, an empty table: the torch path runs. Adam: no rule."""
+    from dtrec.ops import fbgemm_backend
+    from dtrec.ops.embedding_bag import Lookup
+
+    _fbgemm_or_skip()
+    gen = torch.Generator().manual_seed(0)
+    packed = _tables(torch.device("cpu"), gen)
+    apart = [w.clone() for w in packed]
+    values = torch.tensor([0, 1, 2])
+    offsets = torch.tensor([0, 1, 2, 3])
+    grad = torch.randn(1, 3 + 8 + 3)
+    cases = {
+        "mixed pooling": (packed, [0, 1, 2], [True, False, False]),
+        "not packed": (apart, [0, 1, 2], [False] * 3),
+        "empty table": ([packed[0], packed[1][:0], packed[2]], [0, 1, 2], [False] * 3),
+    }
+    for name, (weights, entries, mean) in cases.items():
+        lookup = Lookup(weights, entries, values, offsets, mean)
+        assert not fbgemm_backend.backward_update(lookup, grad, "sgd", 0.1), name
+    lookup = Lookup(packed, [0, 1, 2], values, offsets, [False] * 3)
+    assert fbgemm_backend.backward_update(lookup, grad, "sgd", 0.1)
+    with pytest.raises(ValueError, match="no fused CPU step for 'adam'"):
+        fbgemm_backend.backward_update(lookup, grad, "adam", 0.1)

@@ -45,6 +45,21 @@ class Lookup:
         return entry_columns(self.weights, self.entry_table)
 
 
+def shared_storage(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int]] | None:
+    """(a flat view of the storage all tensors share, their element offsets in it), or None.
+
+    Packed tables and optimizer states are views of one buffer; kernels that
+    take (flat buffer, per-table offsets) then read and update them in place.
+    """
+    first = tensors[0]
+    ptr = first.untyped_storage().data_ptr()
+    if not all(t.is_contiguous() and t.untyped_storage().data_ptr() == ptr for t in tensors):
+        return None
+    numel = first.untyped_storage().nbytes() // first.element_size()
+    flat = first.new_empty(0).set_(first.untyped_storage(), 0, (numel,))
+    return flat, [t.storage_offset() for t in tensors]
+
+
 def pooling_flags(pooling: str | Sequence[str], num_entries: int) -> list[bool]:
     """One mean flag per entry from one mode or one mode per entry."""
     modes = [pooling] * num_entries if isinstance(pooling, str) else list(pooling)

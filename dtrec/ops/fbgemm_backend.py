@@ -1,58 +1,189 @@
-"""fbgemm's table-batched forward (``dense_embedding_codegen_lookup_function``) as a backend.
+"""fbgemm's table-batched CPU kernels as a backend: forward, and the fused backward + step.
 
-Used for comparisons and where fbgemm's CPU kernel is fastest. It returns None
-(the caller then uses the torch backend) when fbgemm does not load (warned
-once by ``dtrec._fbgemm``), for mixed sum/mean pooling in one call (fbgemm
-pools a whole call one way) or for non-fp32 tables. Backward rows come from
-the torch backend.
+Forward (``dense_embedding_codegen_lookup_function``) is used where the
+``"fbgemm"`` backend is chosen. The fused CPU backward
+(``split_embedding_backward_codegen_{sgd,rowwise_adagrad}_cpu``: sort, sum each
+touched row's gradient, update it in place, all in C++) serves fused SGD and
+row-wise Adagrad steps on CPU under ``"auto"`` and ``"fbgemm"``: it is 3-5x
+faster than the torch reference and has the same update rule. Both return
+None / False (the caller then uses the torch backend) when fbgemm does not load
+(warned once by ``dtrec._fbgemm``), for mixed sum/mean pooling in one call
+(fbgemm pools a whole call one way), for non-fp32 tables, and (backward) for
+tables or states not packed in one buffer or empty tables.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from itertools import accumulate
 
 import torch
 from torch import Tensor
 
 from dtrec._fbgemm import fbgemm_ops
-from dtrec.ops.embedding_bag import Lookup
+from dtrec.ops.backend import get_backend
+from dtrec.ops.embedding_bag import Lookup, shared_storage
 
 _SUM, _MEAN = 0, 1  # fbgemm PoolingMode values
+_HOST = 3  # fbgemm EmbeddingLocation.HOST
+
+
+def _servable(lookup: Lookup) -> bool:
+    return len(set(lookup.mean)) == 1 and lookup.weights[0].dtype == torch.float32
+
+
+def _layout(lookup: Lookup) -> dict:
+    """The table-batched layout arguments (per entry) shared by forward and backward."""
+    weights, entry_table, device = lookup.weights, lookup.entry_table, lookup.values.device
+    dims = [weights[t].shape[1] for t in entry_table]
+    # fbgemm's row space: tables in the order their entries come (it must increase).
+    order = list(dict.fromkeys(entry_table))
+    starts = [0, *accumulate(weights[t].shape[0] for t in order)]
+    row_starts = dict(zip(order, starts, strict=False))
+    total_rows = starts[-1]
+    return {
+        "D_offsets": torch.tensor([0, *accumulate(dims)], dtype=torch.int32, device=device),
+        "max_D": max(dims),
+        "hash_size_cumsum": torch.tensor(
+            [row_starts[t] for t in entry_table] + [total_rows], dtype=torch.int64, device=device
+        ),
+        "total_hash_size_bits": int(math.log2(total_rows) + 1) if total_rows else 0,
+        "indices": lookup.values,
+        "offsets": lookup.offsets.to(lookup.values.dtype),
+        "pooling_mode": _MEAN if lookup.mean[0] else _SUM,
+    }
+
+
+def _indice_weights(lookup: Lookup) -> Tensor | None:
+    psw = lookup.per_sample_weights
+    return None if psw is None else psw.float()
 
 
 def forward(lookup: Lookup) -> Tensor | None:
     """Pooled lookup via fbgemm, or None when fbgemm cannot serve this call."""
-    weights, entry_table, values, mean = (
-        lookup.weights,
-        lookup.entry_table,
-        lookup.values,
-        lookup.mean,
-    )
-    offsets, per_sample_weights = lookup.offsets, lookup.per_sample_weights
     ops = fbgemm_ops()
-    if ops is None or len(set(mean)) > 1 or weights[0].dtype != torch.float32:
+    if ops is None or not _servable(lookup):
         return None
     from dtrec.ops.triton_backend import pack_tables  # pure-torch helper, no triton needed
 
-    flat, table_offsets = pack_tables(weights)
-    device = values.device
-    dims = [weights[t].shape[1] for t in entry_table]
-    rows = [w.shape[0] for w in weights]
-    row_starts = [0, *accumulate(rows)]
-    hash_size_cumsum = [row_starts[t] for t in entry_table] + [row_starts[-1]]
-    total_rows = row_starts[-1]
+    flat, table_offsets = pack_tables(lookup.weights)
+    layout = _layout(lookup)
     return ops.dense_embedding_codegen_lookup_function(
         dev_weights=flat,
-        weights_offsets=table_offsets[list(entry_table)].long(),
-        D_offsets=torch.tensor([0, *accumulate(dims)], dtype=torch.int32, device=device),
-        total_D=sum(dims),
-        max_D=max(dims),
-        hash_size_cumsum=torch.tensor(hash_size_cumsum, dtype=torch.int64, device=device),
-        total_hash_size_bits=int(math.log2(total_rows) + 1) if total_rows else 0,
-        indices=values,
-        offsets=offsets.to(values.dtype),
-        pooling_mode=_MEAN if mean[0] else _SUM,
-        indice_weights=None if per_sample_weights is None else per_sample_weights.float(),
+        weights_offsets=table_offsets[list(lookup.entry_table)].long(),
+        total_D=int(layout["D_offsets"][-1]),
+        indice_weights=_indice_weights(lookup),
         feature_requires_grad=None,
+        **layout,
     )
+
+
+def _grouped_by_table(lookup: Lookup, grad_out: Tensor) -> tuple[Lookup, Tensor]:
+    """The same lookup laid out the way fbgemm's CPU backward is fast at: each table's
+    entries consecutive, and, when every table has the same number k of entries, merged
+    into one entry of k * B bags; ``grad_out``'s rows and columns follow.
+
+    A table-wise table read by k source ranks arrives as k entries, segment-major.
+    fbgemm's backward groups features by table, and is 2x slower with k features per
+    table than with one feature of k * B bags (measured: 8.9 vs 4.0 ms, 4 tables, k=2).
+    """
+    entries = list(lookup.entry_table)
+    tables = list(dict.fromkeys(entries))  # in order of first appearance
+    rank = {t: i for i, t in enumerate(tables)}
+    order = sorted(range(len(entries)), key=lambda e: (rank[entries[e]], e))
+    counts = {entries.count(t) for t in tables}
+    if order == list(range(len(entries))) and counts == {1}:
+        return lookup, grad_out
+    batch, offsets, cols = lookup.batch, lookup.offsets, lookup.columns()
+    starts = offsets[::batch].tolist() if batch else [0] * (len(entries) + 1)
+    index = torch.cat(
+        [torch.arange(starts[e], starts[e + 1], device=offsets.device) for e in order]
+    )
+    lengths = offsets.diff().view(len(entries), batch)[order].reshape(-1)
+    new_offsets = torch.cat([offsets[:1], offsets[0] + lengths.cumsum(0)])
+    psw = lookup.per_sample_weights
+    psw = None if psw is None else psw.index_select(0, index)
+    blocks = [grad_out[:, cols[e] : cols[e + 1]] for e in order]
+    if len(counts) == 1:  # k entries per table: one entry of k * B bags each
+        k = counts.pop()
+        merged = [torch.cat(blocks[i : i + k]) for i in range(0, len(blocks), k)]
+        mean = [lookup.mean[order[i]] for i in range(0, len(order), k)]
+        values = lookup.values.index_select(0, index)
+        grouped = Lookup(lookup.weights, tables, values, new_offsets, mean, psw)
+        return grouped, torch.cat(merged, dim=1)
+    grouped = Lookup(
+        lookup.weights,
+        [entries[e] for e in order],
+        lookup.values.index_select(0, index),
+        new_offsets,
+        [lookup.mean[e] for e in order],
+        psw,
+    )
+    return grouped, torch.cat(blocks, dim=1)
+
+
+def backward_update(
+    lookup: Lookup,
+    grad_out: Tensor,
+    rule: str,
+    lr: float,
+    grad_scale: float = 1.0,
+    eps: float = 0.0,
+    row_sums: Sequence[Tensor] | None = None,
+) -> bool:
+    """The lookup's backward + one ``rule`` step ("sgd" or "rowwise_adagrad") in place.
+
+    ``row_sums``: row-wise Adagrad's per-row accumulator of each table, packed in
+    one buffer. False (nothing changed) when fbgemm cannot serve the call, or the
+    backend is not "auto"/"fbgemm", or the tensors are not on the CPU.
+    """
+    weights = lookup.weights
+    if (
+        get_backend() not in ("auto", "fbgemm")
+        or lookup.values.device.type != "cpu"
+        or grad_out.dtype != torch.float32
+        or not _servable(lookup)
+        or any(w.shape[0] == 0 for w in weights)
+    ):
+        return False
+    packed = shared_storage(weights)
+    sums = None if row_sums is None else shared_storage(row_sums)
+    if packed is None or (rule == "rowwise_adagrad" and sums is None):
+        return False
+    ops = fbgemm_ops()
+    if ops is None:
+        return False
+    flat, offsets = packed
+    given = grad_out
+    lookup, grad_out = _grouped_by_table(lookup, grad_out)
+    if grad_scale != 1.0:  # scale in place when grouping made a copy
+        grad_out = grad_out * grad_scale if grad_out is given else grad_out.mul_(grad_scale)
+    entries = list(lookup.entry_table)
+    num = len(entries)
+    args = {
+        "grad_output": grad_out,
+        "host_weights": flat,
+        "weights_placements": torch.full((num,), _HOST, dtype=torch.int32),
+        "weights_offsets": torch.tensor([offsets[t] for t in entries], dtype=torch.int64),
+        "indice_weights": _indice_weights(lookup)
+        if lookup.per_sample_weights is not None
+        else torch.empty(0),
+        "stochastic_rounding": False,
+        "learning_rate_tensor": torch.tensor(lr, dtype=torch.float32),
+        **_layout(lookup),
+    }
+    if rule == "sgd":
+        ops.split_embedding_backward_codegen_sgd_cpu(**args)
+    elif rule == "rowwise_adagrad":
+        sum_flat, sum_offsets = sums
+        ops.split_embedding_backward_codegen_rowwise_adagrad_cpu(
+            momentum1_host=sum_flat,
+            momentum1_placements=torch.full((num,), _HOST, dtype=torch.int32),
+            momentum1_offsets=torch.tensor([sum_offsets[t] for t in entries], dtype=torch.int64),
+            eps=eps,
+            **args,
+        )
+    else:
+        raise ValueError(f"fbgemm has no fused CPU step for {rule!r}")
+    return True

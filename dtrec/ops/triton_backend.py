@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from dtrec.ops.device_lists import device_list
-from dtrec.ops.embedding_bag import Lookup
+from dtrec.ops.embedding_bag import Lookup, shared_storage
 
 if TYPE_CHECKING:
     from dtrec.ops.triton_row_updates import FusedRowUpdate
@@ -25,16 +25,12 @@ def pack_tables(weights: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
 
     Zero-copy when all tables are contiguous views of one storage.
     """
-    first = weights[0]
-    storage = first.untyped_storage()
-    if all(
-        w.is_contiguous() and w.untyped_storage().data_ptr() == storage.data_ptr() for w in weights
-    ):
-        flat = first.new_empty(0).set_(storage, 0, (storage.nbytes() // first.element_size(),))
-        offsets = [w.storage_offset() for w in weights]
-        return flat, device_list(offsets, torch.int64, first.device)
+    shared = shared_storage(weights)
+    if shared is not None:
+        flat, offsets = shared
+        return flat, device_list(offsets, torch.int64, flat.device)
     sizes = [w.numel() for w in weights]
-    starts = device_list([0, *sizes[:-1]], torch.int64, first.device).cumsum(0)
+    starts = device_list([0, *sizes[:-1]], torch.int64, weights[0].device).cumsum(0)
     return torch.cat([w.reshape(-1) for w in weights]), starts
 
 
