@@ -8,7 +8,7 @@ Example (under torchrun)::
     model = dtrec.distribute_module(model, mesh, {"sparse.t0": dtrec.placements.RowWise()})
 """
 
-from dtrec import ops, optim, placements
+from dtrec import checkpoint, ops, optim, placements
 from dtrec.collectives import CollectiveError, CommStats, comm_stats, count_comm
 from dtrec.config import EmbeddingBagConfig
 from dtrec.distribute import distribute_module
@@ -31,6 +31,7 @@ __all__ = [
     "ShardedEmbeddingBagCollection",
     "ShardingPlan",
     "TrainPipeline",
+    "checkpoint",
     "comm_stats",
     "count_comm",
     "distribute_module",

@@ -9,10 +9,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import replicate
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from dtrec.mesh import shard_axis
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
+from dtrec.placements.layout import Block
+from dtrec.placements.tensor import load_block
 from dtrec.plan import check_plan_keys, find_collections, model_tables, table_fqn
 from dtrec.plan import plan as make_plan
 from dtrec.sharded_ebc import ShardedEmbeddingBagCollection
@@ -78,7 +81,7 @@ def distribute_module(
         sharded[fqn] = ShardedEmbeddingBagCollection(
             tables, weights, mesh, specs, optimizer, ebc.bounds_check, sync_every
         )
-    fused = FusedOptimizerView(sharded) if optimizer is not None else None
+    fused = FusedOptimizerView(sharded, optimizer) if optimizer is not None else None
     if "" in sharded:
         sharded[""].sharding_plan = full_plan
         sharded[""].fused_optimizer = fused
@@ -98,39 +101,59 @@ def distribute_module(
 class FusedOptimizerView:
     """The fused optimizer of a distributed model: its state per table, for checkpoints.
 
-    ``state_dict()`` maps ``"<collection fqn>.<table>"`` to that table's local
-    state tensors (row-shaped or shaped like the local shard).
+    ``state_dict()`` maps ``"<collection fqn>.<table>"`` to that table's state as
+    DTensors placed like the table (rows sharded like its rows; see
+    ``ShardedEmbeddingBagCollection.fused_optimizer_dtensors``), wrapping the live
+    state. ``load_state_dict`` takes those, DTensors of other placements or full
+    tensors, checks every table and shape first, then copies.
     """
 
-    def __init__(self, collections: dict[str, ShardedEmbeddingBagCollection]) -> None:
+    def __init__(
+        self, collections: dict[str, ShardedEmbeddingBagCollection], optimizer: FusedOptimizer
+    ) -> None:
         self._collections = collections
+        self.optimizer = optimizer
+        """The update rule's config (``dtrec.optim``), e.g. ``RowWiseAdagrad(lr=0.1)``."""
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         return {
-            table_fqn(fqn, name): {k: v.detach().clone() for k, v in state.items()}
+            table_fqn(fqn, name): state
             for fqn, ebc in self._collections.items()
-            for name, state in ebc.fused_optimizer_state().items()
+            for name, state in ebc.fused_optimizer_dtensors().items()
+        }
+
+    def _blocks(self) -> dict[str, Block | None]:
+        return {
+            table_fqn(fqn, name): table.block
+            for fqn, ebc in self._collections.items()
+            for name, table in ebc.embedding_bags.items()
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        current = {
-            table_fqn(fqn, name): state
-            for fqn, ebc in self._collections.items()
-            for name, state in ebc.fused_optimizer_state().items()
-        }
+        current = self.state_dict()
         missing = sorted(set(current) - set(state_dict))
         unknown = sorted(set(state_dict) - set(current))
         if missing or unknown:
             raise KeyError(f"fused optimizer state: missing tables {missing}, unknown {unknown}")
         for key, state in current.items():
+            if sorted(state_dict[key]) != sorted(state):
+                raise KeyError(
+                    f"fused optimizer state {key}: expected entries {sorted(state)}, got "
+                    f"{sorted(state_dict[key])} (a different optimizer?)"
+                )
             for name, tensor in state.items():
-                given = state_dict[key].get(name)
-                got = None if given is None else tuple(given.shape)
+                got = tuple(state_dict[key][name].shape)
                 if got != tuple(tensor.shape):
                     raise ValueError(
                         f"fused optimizer state {key}.{name}: expected shape "
                         f"{tuple(tensor.shape)}, got {got}"
                     )
+        blocks = self._blocks()
         for key, state in current.items():
             for name, tensor in state.items():
-                tensor.copy_(state_dict[key][name])
+                value = state_dict[key][name]
+                if isinstance(tensor, DTensor):
+                    load_block(tensor, value, blocks[key], f"{key}.{name}")
+                else:
+                    with torch.no_grad():
+                        tensor.copy_(value)

@@ -42,7 +42,8 @@ from dtrec.mesh import REPLICATE, SHARD, shard_axis, shard_position
 from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableLayout, TableSpec
-from dtrec.placements.tensor import distribute_tensor
+from dtrec.placements.layout import Block
+from dtrec.placements.tensor import distribute_tensor, load_block, state_dtensor
 from dtrec.replica_sync import sync_grads
 from dtrec.routing import Routing
 from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
@@ -67,16 +68,35 @@ class RoutedBatch:
 
 
 class ShardedTable(nn.Module):
-    """Holds one table's weight as a DTensor parameter (``embedding_bags.<t>.weight``)."""
+    """Holds one table's weight as a DTensor parameter (``embedding_bags.<t>.weight``).
 
-    def __init__(self, weight: nn.Parameter, spec: TableSpec, layout: TableLayout) -> None:
+    ``load_state_dict`` takes the weight as a full tensor (e.g. from the unsharded
+    model) or as a DTensor of any placements, and copies this rank's block in place.
+    """
+
+    def __init__(
+        self, weight: nn.Parameter, spec: TableSpec, layout: TableLayout, block: Block | None
+    ) -> None:
         super().__init__()
         self.weight = weight
         self.spec = spec
         self.layout = layout
+        self.block = block  # this rank's block (None: the table has none here)
 
     def extra_repr(self) -> str:
         return f"spec={self.spec!r}"
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ) -> None:
+        key = prefix + "weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        try:
+            load_block(self.weight, state_dict[key], self.block, key)
+        except ValueError as exc:
+            errors.append(str(exc))
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -131,7 +151,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     f"match its block {block}"
                 )
             self.embedding_bags[cfg.name] = ShardedTable(
-                nn.Parameter(dtensor, requires_grad=optimizer is None), specs[cfg.name], layout
+                nn.Parameter(dtensor, requires_grad=optimizer is None),
+                specs[cfg.name],
+                layout,
+                block,
             )
         self._layouts = layouts
         self._routing = Routing(tables, layouts, axis.size, position)
@@ -203,6 +226,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if self._updater is None:
             return {}
         return {cfg.name: self._updater.state[t] for t, cfg in enumerate(self._tables)}
+
+    def fused_optimizer_dtensors(self) -> dict[str, dict[str, Tensor]]:
+        """Table name -> its fused optimizer state as DTensors placed like the table.
+
+        Weight-shaped state (Adam's m, v) has the table's placements; per-row state
+        (row-wise Adagrad's sum) is sharded like the table's rows and replicated over
+        column shards (exact row-wise Adagrad keeps it equal there); scalars (Adam's
+        step) stay plain tensors. The DTensors wrap the live state: loading into them
+        writes the optimizer's own buffers.
+        """
+        out: dict[str, dict[str, Tensor]] = {}
+        for name, state in self.fused_optimizer_state().items():
+            weight = self.embedding_bags[name].weight
+            out[name] = {k: state_dtensor(v, weight) for k, v in state.items()}
+        return out
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         """The table configs, in output order."""

@@ -95,11 +95,14 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     result_queue: Any,
+    peers_may_die: bool = False,
 ) -> None:
     """Child entry point: init gloo, run ``fn``, report ``("ok", bytes)`` or ``("err", tb)``.
 
     The outcome is reported *before* ``destroy_process_group`` so that the failing rank's
     traceback reaches the parent ahead of the secondary "connection reset" errors on its peers.
+    With ``peers_may_die`` (fault tests) a rank exits right after reporting, without tearing
+    its process group down: gloo may abort (SIGABRT) tearing down pairs to a dead peer.
     """
     dist = None
     try:
@@ -122,6 +125,10 @@ def _worker(
     except BaseException:  # noqa: B036 - also report SystemExit / KeyboardInterrupt
         result_queue.put((rank, "err", traceback.format_exc()))
     finally:
+        if peers_may_die:
+            result_queue.close()
+            result_queue.join_thread()  # the report is written before the process ends
+            os._exit(0)
         if dist is not None and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -274,7 +281,16 @@ def run_world(
             for rank in range(world_size):
                 p = ctx.Process(
                     target=_worker,
-                    args=(rank, world_size, child_env, collective_timeout, fn, args, result_queue),
+                    args=(
+                        rank,
+                        world_size,
+                        child_env,
+                        collective_timeout,
+                        fn,
+                        args,
+                        result_queue,
+                        bool(may_die),
+                    ),
                     name=f"dtrec-rank{rank}",
                     daemon=True,
                 )

@@ -1,17 +1,19 @@
-"""Turning a spec into a real DTensor: the one place tables meet DeviceMesh."""
+"""Turning a spec into a real DTensor, and tensors into and out of a table's blocks:
+the one place tables meet DeviceMesh."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import distribute_tensor as _torch_distribute_tensor
 
 from dtrec.config import EmbeddingBagConfig
 from dtrec.mesh import positions_mesh, shard_axis
 from dtrec.ops.sharding_rules import register_dtensor_rules
-from dtrec.placements.layout import TableLayout
+from dtrec.placements.layout import Block, TableLayout
 from dtrec.placements.specs import TableSpec
 
 
@@ -48,3 +50,62 @@ def distribute_tensor(
     register_dtensor_rules()  # so dtrec's ops run on the result through DTensor dispatch
     with torch.no_grad():
         return _torch_distribute_tensor(weight.detach(), sub, list(layout.placements))
+
+
+def state_dtensor(state: Tensor, weight: DTensor) -> Tensor:
+    """A table's optimizer state tensor as a DTensor placed like ``weight`` (see
+    ``fused_optimizer_dtensors``); 0-dim state is returned as is."""
+    if state.dim() == 0:
+        return state
+    if state.dim() == 2:
+        placements, shape = weight.placements, weight.shape
+    else:  # one value per row: rows sharded like the table's, columns shards hold copies
+        placements = tuple(p if p == Shard(0) else Replicate() for p in weight.placements)
+        shape = weight.shape[:1]
+    return DTensor.from_local(
+        state, weight.device_mesh, placements, shape=shape, stride=state.stride(), run_check=False
+    )
+
+
+def load_block(target: DTensor, value: Tensor, block: Block | None, key: str) -> None:
+    """Copy this rank's block of a table-shaped (or row-shaped) ``value`` into ``target``.
+
+    ``value``: a full tensor, or a DTensor (same mesh and placements: its local part is
+    copied; others: assembled with ``full_tensor``, a collective over the world that every
+    rank runs for every table in the same order). ValueError naming ``key`` and both
+    shapes on a shape mismatch.
+    """
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(f"{key}: expected shape {tuple(target.shape)}, got {tuple(value.shape)}")
+    local = target.to_local()
+    if isinstance(value, DTensor):
+        if value.device_mesh == target.device_mesh and value.placements == target.placements:
+            with torch.no_grad():
+                local.copy_(value.to_local())
+            return
+        value = full_tensor(value)  # collective: every rank loads every table in order
+    if block is None or not local.numel():
+        return
+    part = value[block.rows[0] : block.rows[1]]
+    if value.dim() == 2:
+        part = part[:, block.cols[0] : block.cols[1]]
+    with torch.no_grad():
+        local.copy_(part)
+
+
+def full_tensor(value: Tensor) -> Tensor:
+    """``value`` as a full CPU tensor on every rank (a DTensor is assembled).
+
+    Collective for a DTensor: call on every rank in the same order. A DTensor on a
+    sub-mesh (a table-wise table) is gathered by its members, then broadcast from
+    the first of them.
+    """
+    if not isinstance(value, DTensor):
+        return value.detach().cpu().clone()
+    members = sorted(value.device_mesh.mesh.flatten().tolist())
+    full = value.full_tensor() if value.device_mesh.get_coordinate() is not None else None
+    if len(members) < dist.get_world_size():
+        if full is None:
+            full = value.to_local().new_empty(value.shape)
+        dist.broadcast(full, src=members[0])
+    return full.detach().cpu().clone()

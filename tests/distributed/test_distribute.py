@@ -199,7 +199,9 @@ def _fused(rank: int) -> dict:
     return {
         "one_storage": len(locals_) < 2 or len(storages) == 1,
         "keys": sorted(state),
-        "sum_rows": {k: tuple(v["sum"].shape) for k, v in state.items()},
+        "sum_rows": {k: tuple(v["sum"].to_local().shape) for k, v in state.items()},
+        "sum_global": {k: tuple(v["sum"].shape) for k, v in state.items()},
+        "sum_placements": {k: str(v["sum"].placements) for k, v in state.items()},
         "local_rows": local_rows,
         "no_grads": all(t.weight.grad is None for t in model.sparse.embedding_bags.values()),
         "changed": changed,
@@ -351,6 +353,11 @@ def test_fused_optimizer_state_and_no_grads(results) -> None:
         assert all(f["changed"].values()), (rank, f["changed"])
         for table, rows in f["local_rows"].items():
             assert f["sum_rows"][f"sparse.{table}"] == (rows,), (rank, table)
+        # DTensors placed like their table: rows sharded as the table's, global shape [rows].
+        rows = {"sparse.t0": 50, "sparse.t1": 3, "sparse.t2": 97, "sparse.t3": 20}
+        assert f["sum_global"] == {k: (n,) for k, n in rows.items()}, f["sum_global"]
+        assert f["sum_placements"]["sparse.t0"] == "(Shard(dim=0), Replicate())"  # row-wise
+        assert f["sum_placements"]["sparse.t2"] == "(Replicate(), Replicate())"  # column-wise
         assert f["mismatch"].startswith("ValueError") and "sparse.t0.sum" in f["mismatch"]
         assert f["torch_optimizer"].startswith("TypeError")
 

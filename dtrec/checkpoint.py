@@ -1,0 +1,463 @@
+"""Checkpoints: save and load a distributed model on ``torch.distributed.checkpoint``.
+
+What is saved: the model's state dict (tables as DTensors, so each rank writes only
+its blocks, and blocks its replicas also hold are written once), the fused
+optimizer's state (DTensors placed like their tables), and optionally a dense torch
+optimizer. DCP reshards on load: a checkpoint saved under one plan and mesh loads
+under any other plan, world size or into the unsharded model.
+
+Crash safety: ``save(root, ...)`` writes ``root/.ckpt-NNNNNN.partial``, then rank 0
+writes ``COMPLETE.json`` (table configs, optimizer, the data files) into it and
+renames it to ``root/ckpt-NNNNNN``. A save that dies part-way leaves a ``.partial``
+directory that ``load`` never reads; the last complete checkpoint is untouched.
+``load`` checks everything (marker, files, tables, shapes, optimizer) before it
+reads, reads into staging tensors, and only then copies into the model: on any
+error nothing is changed. ``root`` must be on a filesystem all ranks share.
+
+Example::
+
+    dtrec.checkpoint.save("/ckpt", model, optimizer, keep_last=2)
+    ...
+    dtrec.checkpoint.load("/ckpt", model, optimizer)   # the newest complete one
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from dtrec.collectives import CollectiveError
+from dtrec.config import EmbeddingBagConfig
+from dtrec.placements.tensor import full_tensor
+from dtrec.plan import table_fqn
+
+MARKER = "COMPLETE.json"
+FORMAT = 1
+_NAME = re.compile(r"^ckpt-(\d{6,})$")
+MODEL, FUSED, OPTIM = "model", "fused_optimizer", "optimizer"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: incomplete, missing files, or not this model's."""
+
+
+# --------------------------------------------------------------------------- model side
+
+
+def _collections(model: nn.Module) -> dict[str, nn.Module]:
+    """FQN -> each (sharded or unsharded) embedding-bag collection of ``model``."""
+    from dtrec.modules import EmbeddingBagCollection
+    from dtrec.sharded_ebc import ShardedEmbeddingBagCollection
+
+    kinds = (EmbeddingBagCollection, ShardedEmbeddingBagCollection)
+    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, kinds)}
+
+
+def _tables(model: nn.Module) -> dict[str, EmbeddingBagConfig]:
+    return {
+        table_fqn(fqn, cfg.name): cfg
+        for fqn, ebc in _collections(model).items()
+        for cfg in ebc.embedding_bag_configs()
+    }
+
+
+def _fused_optimizer(model: nn.Module) -> Any:
+    return getattr(model, "fused_optimizer", None)
+
+
+def _holds(value: Tensor) -> bool:
+    """False for a DTensor on a sub-mesh this rank is not in (a table-wise table elsewhere)."""
+    return not isinstance(value, DTensor) or value.device_mesh.get_coordinate() is not None
+
+
+def _model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The live tensors a checkpoint holds, flat keys; loading into them writes the model."""
+    state: dict[str, Any] = {f"{MODEL}.{k}": v for k, v in model.state_dict().items() if _holds(v)}
+    fused = _fused_optimizer(model)
+    if fused is not None:
+        for table, entries in fused.state_dict().items():
+            for name, value in entries.items():
+                if _holds(value) and _rank_has_table(model, table):
+                    state[f"{FUSED}.{table}.{name}"] = value
+    if optimizer is not None:
+        dense = get_optimizer_state_dict(model, optimizer)
+        state.update(_flatten(dense, OPTIM))
+    return state
+
+
+def _rank_has_table(model: nn.Module, table: str) -> bool:
+    """Whether this rank holds a block of ``table`` (others keep an empty, unused state)."""
+    for fqn, ebc in _collections(model).items():
+        bags = getattr(ebc, "embedding_bags", {})
+        for name, module in bags.items():
+            if table_fqn(fqn, name) == table:
+                return getattr(module, "block", True) is not None
+    return False
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}.{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def _unflatten(flat: Mapping[str, Any], prefix: str, like: Mapping[str, Any]) -> dict:
+    """Rebuild the nested structure of ``like`` from ``flat`` keys under ``prefix``."""
+    out: dict[str, Any] = {}
+    for k, v in like.items():
+        key = f"{prefix}.{k}"
+        out[k] = _unflatten(flat, key, v) if isinstance(v, Mapping) else flat[key]
+    return out
+
+
+def _describe(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What the marker records about the saved model, and what ``load`` compares."""
+    fused = _fused_optimizer(model)
+    config = None
+    if fused is not None:
+        opt = fused.optimizer
+        config = {"type": type(opt).__name__, "config": _jsonable(vars(opt))}
+    return {
+        "tables": {
+            fqn: {
+                "num_embeddings": cfg.num_embeddings,
+                "embedding_dim": cfg.embedding_dim,
+                "pooling": cfg.pooling,
+                "feature_names": list(cfg.feature_names),
+            }
+            for fqn, cfg in _tables(model).items()
+        },
+        "fused_optimizer": config,
+        "optimizer": None if optimizer is None else type(optimizer).__name__,
+    }
+
+
+def _jsonable(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (an exception there is re-raised everywhere)."""
+    if _world() == 1:
+        if isinstance(value, BaseException):
+            raise value
+        return value
+    box = [value]
+    try:
+        dist.broadcast_object_list(box, src=0)
+    except Exception as exc:  # noqa: BLE001 - a dead peer surfaces here
+        raise CollectiveError(f"rank {_rank()}: checkpoint broadcast failed: {exc}") from exc
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+def _all_ok(error: BaseException | None, what: str) -> None:
+    """Raise on every rank if any rank failed ``what`` (so none waits on the others)."""
+    if _world() == 1:
+        if error is not None:
+            raise error
+        return
+    flags = torch.tensor([0 if error is None else 1])
+    try:
+        dist.all_reduce(flags)
+    except Exception as exc:  # noqa: BLE001
+        raise CollectiveError(f"rank {_rank()}: checkpoint {what} failed: {exc}") from exc
+    if error is not None:
+        raise error
+    if int(flags) != 0:
+        raise CheckpointError(f"checkpoint {what} failed on another rank (see its error)")
+
+
+def _reason(exc: BaseException) -> str:
+    """One line per failing rank (DCP's exception carries every rank's traceback)."""
+
+    def line(e: BaseException) -> str:
+        text = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {text[0] if text else ''}"
+
+    if isinstance(exc, CheckpointException):
+        return "; ".join(f"rank {r}: {line(e)}" for r, (e, _) in sorted(exc.failures.items()))
+    return line(exc)
+
+
+# --------------------------------------------------------------------------- save
+
+
+def _complete(root: Path) -> list[Path]:
+    """Published checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / MARKER).is_file()]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Write a new checkpoint under the directory ``path``; returns its directory.
+
+    Collective: every rank calls it. Each rank writes only its own blocks (replicas
+    along "replicate" are written once). ``optimizer`` is the dense torch optimizer;
+    the fused optimizer's state is part of the model's checkpoint. ``keep_last=N``
+    deletes all but the newest N complete checkpoints after publishing this one.
+    """
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
+    root = Path(path)
+    state = _model_state(model, optimizer)
+    described = _describe(model, optimizer)
+
+    def prepare() -> tuple[str, str] | BaseException:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".ckpt-*.partial"):  # left by saves that died
+                shutil.rmtree(stale, ignore_errors=True)
+            done = _complete(root)
+            number = int(_NAME.match(done[-1].name).group(1)) + 1 if done else 1
+            name = f"ckpt-{number:06d}"
+            (root / f".{name}.partial").mkdir()
+            return name, f".{name}.partial"
+        except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there
+            return CheckpointError(f"cannot prepare checkpoint directory {root}: {exc}")
+
+    name, partial = _from_rank0(prepare() if _rank() == 0 else None)
+    staging = root / partial
+    error = None
+    try:
+        dcp.save(state, checkpoint_id=staging)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported on every rank
+        error = CheckpointError(f"rank {_rank()}: writing {staging} failed: {_reason(exc)}")
+    _all_ok(error, "write")
+
+    def publish() -> Path | BaseException:
+        try:
+            marker = {
+                "format": FORMAT,
+                "name": name,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "world_size": _world(),
+                "files": sorted(p.name for p in staging.iterdir()),
+                **described,
+            }
+            with open(staging / MARKER, "w") as f:
+                json.dump(marker, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(staging)
+            final = root / name
+            os.rename(staging, final)  # atomic: the checkpoint appears complete or not at all
+            _fsync_dir(root)
+            if keep_last is not None:
+                for old in _complete(root)[:-keep_last]:
+                    shutil.rmtree(old)
+            return final
+        except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there
+            return CheckpointError(f"publishing checkpoint {staging} failed: {exc}")
+
+    return _from_rank0(publish() if _rank() == 0 else None)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """The checkpoint directory ``path`` names: itself if it is one, else the newest
+    complete ``ckpt-*`` under it. CheckpointError saying what is missing otherwise."""
+    path = Path(path)
+    if (path / MARKER).is_file():
+        return path
+    if _NAME.match(path.name) or path.name.endswith(".partial"):
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: it has no {MARKER} (its save did not finish)"
+        )
+    done = _complete(path)
+    if not done:
+        partial = sorted(p.name for p in path.glob(".ckpt-*.partial")) if path.is_dir() else []
+        hint = f"; only unfinished saves: {partial}" if partial else ""
+        raise CheckpointError(f"no complete checkpoint under {path}{hint}")
+    return done[-1]
+
+
+def read_marker(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint's ``COMPLETE.json``, after checking every data file it lists exists."""
+    directory = resolve(path)
+    with open(directory / MARKER) as f:
+        marker = json.load(f)
+    missing = [name for name in marker.get("files", []) if not (directory / name).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {directory} is damaged: missing files {missing}")
+    return marker
+
+
+def _check_compatible(
+    marker: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> None:
+    """Errors naming the key and both values for every way the checkpoint does not fit."""
+    saved, mine = marker["tables"], _describe(model, optimizer)
+    missing = sorted(set(mine["tables"]) - set(saved))
+    if missing:
+        raise KeyError(f"tables {missing} of the model are not in the checkpoint")
+    unknown = sorted(set(saved) - set(mine["tables"]))
+    if unknown:
+        raise KeyError(f"checkpoint has tables {unknown} the model does not have")
+    for fqn, cfg in mine["tables"].items():
+        for field in ("num_embeddings", "embedding_dim", "pooling"):
+            if saved[fqn][field] != cfg[field]:
+                raise ValueError(
+                    f"table {fqn!r}: {field} is {cfg[field]!r} in the model but "
+                    f"{saved[fqn][field]!r} in the checkpoint"
+                )
+    want, have = mine["fused_optimizer"], marker["fused_optimizer"]
+    if want is not None:
+        if have is None:
+            raise ValueError(
+                f"the model's fused optimizer is {want['type']} but the checkpoint has no "
+                "fused optimizer state"
+            )
+        if have["type"] != want["type"]:
+            raise ValueError(
+                f"fused optimizer type: {want['type']} in the model, {have['type']} in the "
+                "checkpoint"
+            )
+    if optimizer is not None and marker["optimizer"] != type(optimizer).__name__:
+        raise ValueError(
+            f"optimizer type: {type(optimizer).__name__} given, {marker['optimizer']} in the "
+            "checkpoint"
+        )
+
+
+def _check_shapes(state: dict[str, Any], directory: Path) -> None:
+    saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    missing = sorted(k for k, v in state.items() if isinstance(v, Tensor) and k not in saved)
+    if missing:
+        raise KeyError(f"checkpoint {directory} lacks entries {missing[:8]}")
+    for key, value in state.items():
+        if not isinstance(value, Tensor):
+            continue  # DCP stores other objects (param_groups) flattened under other keys
+        size = getattr(saved[key], "size", None)
+        if size is not None and tuple(size) != tuple(value.shape):
+            raise ValueError(
+                f"{key}: shape {tuple(value.shape)} in the model, {tuple(size)} in the checkpoint"
+            )
+
+
+def _staging_copy(value: Any) -> Any:
+    """A fresh tensor shaped and placed like ``value`` for DCP to read into."""
+    if isinstance(value, DTensor):
+        local = torch.empty_like(value.to_local())
+        return DTensor.from_local(
+            local,
+            value.device_mesh,
+            value.placements,
+            shape=value.shape,
+            stride=value.stride(),
+            run_check=False,
+        )
+    if isinstance(value, Tensor):
+        return torch.empty_like(value)
+    return value
+
+
+def load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Path:
+    """Load a checkpoint into ``model`` (and ``optimizer``), resharding as needed.
+
+    ``path``: a checkpoint directory or a root written by ``save`` (its newest complete
+    checkpoint). Works under any plan, mesh or world size, and into the unsharded
+    model without a process group. A model without a fused optimizer loads the weights
+    only. Collective when distributed. Returns the directory read.
+    """
+    directory = resolve(path)
+    marker = read_marker(directory)
+    _check_compatible(marker, model, optimizer)
+    live = _model_state(model, optimizer)
+    _check_shapes(live, directory)
+    staged = {k: _staging_copy(v) for k, v in live.items()}
+    error = None
+    try:
+        dcp.load(staged, checkpoint_id=directory)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported on every rank
+        error = CheckpointError(f"rank {_rank()}: reading {directory} failed: {_reason(exc)}")
+    _all_ok(error, "read")
+    with torch.no_grad():
+        for key, value in live.items():
+            if key.startswith(f"{OPTIM}."):
+                continue
+            target = value.to_local() if isinstance(value, DTensor) else value
+            source = staged[key]
+            target.copy_(source.to_local() if isinstance(source, DTensor) else source)
+    if optimizer is not None:
+        like = get_optimizer_state_dict(model, optimizer)
+        set_optimizer_state_dict(model, optimizer, _unflatten(staged, OPTIM, like))
+    return directory
+
+
+# --------------------------------------------------------------------------- export
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The model's state dict as full CPU tensors (tables assembled), on every rank.
+
+    For single-device use: ``unsharded.load_state_dict(full_state_dict(model))``.
+    Collective when distributed.
+    """
+    return {key: full_tensor(value) for key, value in model.state_dict().items()}
+
+
+__all__ = [
+    "CheckpointError",
+    "full_state_dict",
+    "full_tensor",
+    "load",
+    "read_marker",
+    "resolve",
+    "save",
+]
