@@ -56,6 +56,13 @@ class FusedOptimizer(ABC):
     def init_state(self, weight: Tensor) -> dict[str, Tensor]:
         """Zero state for a local shard ``[rows, cols]``: row-shaped or weight-shaped tensors."""
 
+    def state_layout(self) -> dict[str, str]:
+        """Per state entry: "weight" (shaped like the shard), "row" (one value per row) or
+        "scalar" (one per table); checkpoints place each kind like its table."""
+        probe = self.init_state(torch.empty(2, 3))
+        kinds = {0: "scalar", 1: "row", 2: "weight"}
+        return {k: kinds[v.dim()] for k, v in probe.items()}
+
     def init_states(self, weights: list[Tensor]) -> list[dict[str, Tensor]]:
         """States for several shards, each state kind packed in one buffer (views per table).
 

@@ -232,14 +232,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
         Weight-shaped state (Adam's m, v) has the table's placements; per-row state
         (row-wise Adagrad's sum) is sharded like the table's rows and replicated over
-        column shards (exact row-wise Adagrad keeps it equal there); scalars (Adam's
-        step) stay plain tensors. The DTensors wrap the live state: loading into them
-        writes the optimizer's own buffers.
+        column shards; scalars (Adam's step) stay plain tensors (see ``state_dtensor``).
+        The DTensors wrap the live state: loading into them writes the optimizer's own
+        buffers.
         """
+        if self.optimizer is None:
+            return {}
+        kinds = self.optimizer.state_layout()
         out: dict[str, dict[str, Tensor]] = {}
         for name, state in self.fused_optimizer_state().items():
             weight = self.embedding_bags[name].weight
-            out[name] = {k: state_dtensor(v, weight) for k, v in state.items()}
+            out[name] = {k: state_dtensor(v, weight, kinds[k]) for k, v in state.items()}
         return out
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:

@@ -52,18 +52,28 @@ def distribute_tensor(
         return _torch_distribute_tensor(weight.detach(), sub, list(layout.placements))
 
 
-def state_dtensor(state: Tensor, weight: DTensor) -> Tensor:
-    """A table's optimizer state tensor as a DTensor placed like ``weight`` (see
-    ``fused_optimizer_dtensors``); 0-dim state is returned as is."""
-    if state.dim() == 0:
+def state_dtensor(state: Tensor, weight: DTensor, kind: str) -> Tensor:
+    """A table's optimizer state tensor as a DTensor placed like ``weight``.
+
+    ``kind`` (``FusedOptimizer.state_layout``): "weight" state has the table's
+    placements; "row" state (one value per row) is sharded like the table's rows and
+    replicated over column shards (exact row-wise Adagrad keeps it equal there);
+    "scalar" state is returned as is.
+    """
+    if kind == "scalar":
         return state
-    if state.dim() == 2:
+    if kind == "weight":
         placements, shape = weight.placements, weight.shape
-    else:  # one value per row: rows sharded like the table's, columns shards hold copies
+    elif kind == "row":
         placements = tuple(p if p == Shard(0) else Replicate() for p in weight.placements)
         shape = weight.shape[:1]
+    else:
+        raise ValueError(f"unknown optimizer state kind {kind!r}")
+    if weight.device_mesh.get_coordinate() is None:  # holds none of it: empty, right rank
+        state = state.new_empty((0,) * len(shape))
+    stride = tuple(torch.Size(shape[i + 1 :]).numel() for i in range(len(shape)))  # contiguous
     return DTensor.from_local(
-        state, weight.device_mesh, placements, shape=shape, stride=state.stride(), run_check=False
+        state, weight.device_mesh, placements, shape=shape, stride=stride, run_check=False
     )
 
 

@@ -83,10 +83,11 @@ def _train(model, opt, steps: int, offset: int) -> list[float]:
 def _full_fused(model) -> dict[str, torch.Tensor]:
     from dtrec.checkpoint import full_tensor
 
-    return {
+    return {  # Adam's step is checked through training: non-holders keep their own
         f"{table}.{name}": full_tensor(value)
         for table, state in model.fused_optimizer.state_dict().items()
         for name, value in state.items()
+        if value.dim()
     }
 
 
@@ -107,11 +108,11 @@ def _other_s4():
     return {"t0": ColumnWise(), "t1": RowWise(), "t2": TableWise(rank=3), "t3": RowWise()}
 
 
-def _continue_from(root: Path, plan: dict, shards: int) -> dict:
+def _continue_from(root: Path, plan: dict, shards: int, fused=None) -> dict:
     """Load into a differently initialised model, compare, train on."""
     from dtrec import checkpoint
 
-    model, opt = _build(plan, shards, seed=99)
+    model, opt = _build(plan, shards, seed=99, fused=fused)
     read = checkpoint.load(root, model, opt)
     loaded = {"weights": checkpoint.full_state_dict(model), "fused": _full_fused(model)}
     losses = _train(model, opt, CONTINUE, SAVE_AFTER)
@@ -143,6 +144,19 @@ def _world4(rank: int, world: int, root: str) -> dict:
 
     out["same_plan"] = _continue_from(root, _mixed_s2(), 2)
     out["other_plan"] = _continue_from(root, _other_s4(), 4)
+
+    # Adam (weight-shaped m, v and a step count per table) resharded the same way.
+    adam = dtrec.optim.Adam(lr=0.05)
+    adam_model, adam_opt = _build(_mixed_s2(), 2, seed=0, fused=adam)
+    _train(adam_model, adam_opt, SAVE_AFTER, 0)
+    checkpoint.save(root.parent / "adam", adam_model, adam_opt)
+    out["adam"] = {
+        "saved": checkpoint.full_state_dict(adam_model),
+        "saved_fused": _full_fused(adam_model),
+        "ref_losses": _train(adam_model, adam_opt, CONTINUE, SAVE_AFTER),
+        "ref_after": checkpoint.full_state_dict(adam_model),
+    }
+    out["adam"]["other_plan"] = _continue_from(root.parent / "adam", _other_s4(), 4, adam)
 
     # In-memory load_state_dict: full tensors, and DTensors / fused state of another plan.
     from_full, _ = _build(_other_s4(), 4, seed=5)
@@ -292,6 +306,11 @@ def test_round_trip_same_plan(worlds) -> None:
 def test_reshard_to_other_types_on_s4(worlds) -> None:
     for rank, r in enumerate(worlds["w4"]):
         _check_continuation(r, r["other_plan"], f"rank {rank}")
+
+
+def test_reshard_adam_state(worlds) -> None:
+    for rank, r in enumerate(worlds["w4"]):
+        _check_continuation(r["adam"], r["adam"]["other_plan"], f"Adam, rank {rank}")
 
 
 def test_reshard_to_two_ranks(worlds) -> None:
