@@ -10,7 +10,8 @@ staged, validated load). TorchRec: ``torch.distributed.checkpoint.save`` / ``loa
 loaded in place). Both take one training step first so every optimizer state exists.
 
 Per rank: save and load seconds (median over ``--repeats``, a barrier before each,
-outside the timing) and bytes written (its ``__<rank>_*.distcp`` files). Reported with
+outside the timing; dtrec's load also with ``staged=False``, in place like TorchRec's)
+and bytes written (its ``__<rank>_*.distcp`` files). Reported with
 the unique bytes of the state (every table, fused state and dense parameter once).
 
     .venv/bin/python -m benchmarks.checkpoint --json benchmarks/results/checkpoint_cpu_<date>.json
@@ -89,16 +90,17 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
     model, optimizers, _, _, kjt_type = build(w, kinds, shards)
     _step(model, optimizers, kjt_type, w, rank)
     root = Path(opts["root"]) / f"{lib}_{config}"
-    saves, loads, written = [], [], []
+    saves, loads, in_place, written = [], [], [], []
     for i in range(opts["repeats"]):
         if lib == "dtrec":
             from dtrec import checkpoint
 
             published: list[Path] = []
-            save = functools.partial(checkpoint.save, root, model, keep_last=1)
+            save = functools.partial(checkpoint.save, root, model)
             saves.append(_timed(lambda out=published, save=save: out.append(save())))
             directory = published[0]
             loads.append(_timed(lambda d=directory: checkpoint.load(d, model)))
+            in_place.append(_timed(lambda d=directory: checkpoint.load(d, model, staged=False)))
         else:
             import torch.distributed.checkpoint as dcp
 
@@ -110,12 +112,13 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
         written.append(_written(directory, rank))
         metadata = (directory / ".metadata").stat().st_size if rank == 0 else 0
         dist.barrier()
-        if lib != "dtrec" and rank == 0:
-            shutil.rmtree(directory)  # dtrec's keep_last=1 rotates its own
+        if rank == 0:
+            shutil.rmtree(directory)  # outside the timing, for both libraries
     return {
         "rank": rank,
         "save_s": saves,
         "load_s": loads,
+        "load_in_place_s": in_place,
         "bytes_written": written[-1],
         "metadata_bytes": metadata,
         "peak_rss_mb": _peak_rss_mb(),
@@ -140,6 +143,9 @@ def run_config(lib: str, config: str, w: Workload, opts: dict, world: int) -> di
         "wall_s": time.perf_counter() - start,
         "save_s": statistics.median(statistics.median(r["save_s"]) for r in ranks),
         "load_s": statistics.median(statistics.median(r["load_s"]) for r in ranks),
+        "load_in_place_s": statistics.median(
+            statistics.median(r["load_in_place_s"] or [0.0]) for r in ranks
+        ),
         "bytes_written_per_rank": [r["bytes_written"] for r in ranks],
         "bytes_written_total": total,
         "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in ranks),
@@ -170,10 +176,13 @@ def print_table(results: dict, unique: int) -> None:
                 f"{run['bytes_written_total'] / unique:8.3f}  {per}"
             )
         d, t = libs.get("dtrec", {}), libs.get("torchrec", {})
+        if d.get("status") == "ok":
+            print(f"{config:<10} dtrec load with staged=False: {d['load_in_place_s']:.2f} s")
         if d.get("status") == t.get("status") == "ok":
             print(
                 f"{config:<10} dtrec/TorchRec: save {_ratio(d['save_s'], t['save_s'])}, "
-                f"load {_ratio(d['load_s'], t['load_s'])}, "
+                f"load {_ratio(d['load_s'], t['load_s'])} "
+                f"(staged=False {_ratio(d['load_in_place_s'], t['load_s'])}), "
                 f"bytes {_ratio(d['bytes_written_total'], t['bytes_written_total'])}"
             )
 

@@ -3,9 +3,9 @@
 One 4-rank world saves a model trained 2 steps on a mixed plan (S=2, R=2, fused
 row-wise Adagrad + dense Adagrad), keeps training it 2 more steps (the uninterrupted
 run), and loads the checkpoint into the same plan and into other types on S=4, R=1.
-A 2-rank world loads it on W=2. Both continue on the same global batches and must match
-the uninterrupted run. A third world kills a rank while it writes; the unsharded model
-loads in this process, without a process group.
+A 2-rank world loads it on W=2, a 1-rank world on W=1. All continue on the same global
+batches and must match the uninterrupted run. Another world kills a rank while it
+writes; the unsharded model loads in this process, without a process group.
 """
 
 from __future__ import annotations
@@ -108,12 +108,12 @@ def _other_s4():
     return {"t0": ColumnWise(), "t1": RowWise(), "t2": TableWise(rank=3), "t3": RowWise()}
 
 
-def _continue_from(root: Path, plan: dict, shards: int, fused=None) -> dict:
+def _continue_from(root: Path, plan: dict, shards: int, fused=None, staged=True) -> dict:
     """Load into a differently initialised model, compare, train on."""
     from dtrec import checkpoint
 
     model, opt = _build(plan, shards, seed=99, fused=fused)
-    read = checkpoint.load(root, model, opt)
+    read = checkpoint.load(root, model, opt, staged=staged)
     loaded = {"weights": checkpoint.full_state_dict(model), "fused": _full_fused(model)}
     losses = _train(model, opt, CONTINUE, SAVE_AFTER)
     return {
@@ -252,7 +252,15 @@ def _world2(rank: int, world: int, source: str) -> dict:
     from dtrec.placements import ColumnWise, RowWise, TableWise
 
     plan = {"t0": TableWise(rank=1), "t1": ColumnWise(), "t2": RowWise(), "t3": TableWise(rank=0)}
-    return _continue_from(Path(source), plan, 2)
+    return _continue_from(Path(source), plan, 2, staged=False)  # read in place
+
+
+def _world1(rank: int, world: int, source: str) -> dict:
+    """One process resumes the whole global batch (every table data-parallel or on it)."""
+    from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
+
+    plan = {"t0": RowWise(), "t1": DataParallel(), "t2": TableWise(rank=0), "t3": ColumnWise()}
+    return _continue_from(Path(source), plan, 1)
 
 
 def _kill_while_writing(rank: int, world: int, root: str) -> dict:
@@ -282,11 +290,12 @@ def worlds(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("ckpt")
     w4 = run_world(4, _world4, str(base / "root"), timeout=600, collective_timeout=60)
     w2 = run_world(2, _world2, w4[0]["w2_source"], timeout=300)
+    w1 = run_world(1, _world1, w4[0]["w2_source"], timeout=300)
     kill_root = base / "kill"
     killed = run_world(
         2, _kill_while_writing, str(kill_root), timeout=300, collective_timeout=5, may_die=[1]
     )
-    return {"w4": w4, "w2": w2, "killed": killed[0], "kill_root": kill_root, "base": base}
+    return {"w4": w4, "w2": w2, "w1": w1[0], "killed": killed[0], "kill_root": kill_root}
 
 
 def _check_continuation(ref: dict, run: dict, what: str) -> None:
@@ -318,6 +327,12 @@ def test_reshard_to_two_ranks(worlds) -> None:
     for rank, run in enumerate(worlds["w2"]):
         assert run["read"] == "ckpt-000001"
         _check_continuation(ref, run, f"W=2 rank {rank}")
+
+
+def test_reshard_to_one_process(worlds) -> None:
+    run = worlds["w1"]
+    assert run["read"] == "ckpt-000001"
+    _check_continuation(worlds["w4"][0], run, "W=1")
 
 
 def test_load_into_unsharded_model_without_process_group(worlds) -> None:
