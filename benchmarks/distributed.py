@@ -48,7 +48,6 @@ import hashlib
 import inspect
 import json
 import logging
-import math
 import os
 import platform
 import resource
@@ -73,6 +72,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtrec
 from dtrec.config import EmbeddingBagConfig
+from dtrec.cost_model import Topology, comm_by_kind, table_cost
 from dtrec.mesh import ShardAxis, positions_per_node
 from dtrec.placements import (
     ColumnWise,
@@ -83,7 +83,6 @@ from dtrec.placements import (
     TableSpec,
     TableWise,
 )
-from dtrec.replica_sync import _bytes as replica_sync_bytes
 from tests.multiprocess import WorldError, run_world
 
 TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel", "mixed")
@@ -692,7 +691,7 @@ def cost_model(
       data-parallel tables) one all-gather of per-table counts, (g - 1) x 8 x tables; then
       per table the cheaper of a sparse all-gather, (g - 1) m (8 + 4 cols) with
       m = U(S B L, b) (U(B L, table) for data parallel), and a dense all-reduce,
-      2 (g - 1) / g x rows (cols + 1) x 4 (``replica_sync._bytes``, "auto" mode);
+      2 (g - 1) / g x rows (cols + 1) x 4 (``replica_sync.sync_bytes``, "auto" mode);
     * ``optim.row_sq_sum`` (row-wise Adagrad, blocks sharing rows with c > 1 column peers):
       all-reduce of U(W B L, b) fp32 row sums: 2 (c - 1) / c x 4 U.
 
@@ -702,40 +701,18 @@ def cost_model(
     s_size, replicas = shard_group_size, world // shard_group_size
     per_node = None if node_size is None else positions_per_node(world, s_size, node_size)
     axis = ShardAxis(s_size, replicas, per_node)
-    batch, bag = w.batch, w.mean_bag
-    sent: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(s_size))
-    synced: list[list[tuple[float, int, int]]] = [[] for _ in range(s_size)]
-    data_parallel: list[tuple[float, int, int]] = []
-    any_sharded = False
-    for t, kind in enumerate(kinds):
-        rows = w.rows[t]
-        layout = dtrec_spec(kind).layout(EmbeddingBagConfig(f"t{t}", rows, w.dim), axis)
-        probs = _row_probs(rows, w.zipf)
-        if layout.batch_local:
-            data_parallel.append((probs.unique(batch * bag, 0, rows), w.dim, rows))
-            continue
-        any_sharded = True
-        peers = defaultdict(int)
-        for block in layout.blocks:
-            peers[block.rows] += 1
-        for block in layout.blocks:
-            p, others = block.position, np.arange(s_size) != block.position
-            sent["input_dist.lengths"][others] += 8 * batch
-            sent["input_dist.id_values"][others] += 8 * batch * bag * probs.mass(*block.rows)
-            sent["output_dist"][p] += (s_size - 1) * batch * block.num_cols * 4
-            sent["output_dist.backward"][others] += batch * block.num_cols * 4
-            touched = probs.unique(s_size * batch * bag, *block.rows)
-            synced[p].append((touched, block.num_cols, block.num_rows))
-            c = peers[block.rows]
-            if c > 1:
-                union = probs.unique(world * batch * bag, *block.rows)
-                sent["optim.row_sq_sum"][p] += 2 * (c - 1) / c * 4 * union
-    if any_sharded:
-        sent["input_dist.header"][:] += (s_size - 1) * 4 * 8
-    for p in range(s_size):
-        _replica_sync(sent, p, synced[p], replicas, "grad_sync.replicate")
-        _replica_sync(sent, p, data_parallel, world, "grad_sync.data_parallel")
-    sent["input_dist.ids"] = sent["input_dist.lengths"] + sent["input_dist.id_values"]
+    topology = Topology(batch_size_per_rank=w.batch, default_pooling_factor=w.mean_bag)
+    costs = [
+        table_cost(
+            EmbeddingBagConfig(f"t{t}", w.rows[t], w.dim),
+            dtrec_spec(kind),
+            axis,
+            topology,
+            _row_probs(w.rows[t], w.zipf),
+        )
+        for t, kind in enumerate(kinds)
+    ]
+    sent = comm_by_kind(costs, axis)
     kinds_out = [k for k in sent if k not in ("input_dist.lengths", "input_dist.id_values")]
     total = sum(sent[k] for k in kinds_out) if kinds_out else np.zeros(s_size)
     return {
@@ -743,25 +720,6 @@ def cost_model(
         "max_total": float(np.max(total)),
         "mean_by_kind": {k: float(np.mean(v)) for k, v in sorted(sent.items()) if v.any()},
     }
-
-
-def _replica_sync(
-    sent: dict[str, np.ndarray],
-    p: int,
-    tables: list[tuple[float, int, int]],
-    size: int,
-    kind: str,
-) -> None:
-    """Add one group's fused-optimizer gradient sync to position ``p`` (see ``cost_model``)."""
-    if size == 1 or not tables:
-        return
-    sent[f"{kind}.counts"][p] += (size - 1) * len(tables) * 8
-    for touched, cols, rows in tables:
-        sparse, dense = replica_sync_bytes(size, math.ceil(touched), cols, rows)
-        if dense < sparse:
-            sent[f"{kind}.dense"][p] += dense
-        else:
-            sent[f"{kind}.sparse"][p] += sparse
 
 
 class _RowProbs:

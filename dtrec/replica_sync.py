@@ -46,10 +46,14 @@ def sum_by_row(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
     return sum_rows_by_key(ids, grads)
 
 
-def _bytes(size: int, most: int, dim: int, num_rows: int) -> tuple[int, int]:
-    """(sparse all-gather, dense all-reduce) bytes one member sends for one table."""
+def sync_bytes(size: int, most: float, dim: int, num_rows: int) -> tuple[float, float]:
+    """(sparse all-gather, dense all-reduce) bytes one member sends for one table: an
+    all-gather of (row id, grad row) for ``most`` rows, or a ring all-reduce of
+    ``[num_rows, dim + 1]`` fp32 (the extra column counts touches). Also the cost model's."""
+    if size <= 1:
+        return 0.0, 0.0
     sparse = (size - 1) * most * (8 + 4 * dim)
-    dense = 2 * (size - 1) * num_rows * (dim + 1) * 4 // size
+    dense = 2 * (size - 1) * num_rows * (dim + 1) * 4 / size
     return sparse, dense
 
 
@@ -76,7 +80,7 @@ def sync_rows(
 
     dense = []
     for t, m in zip(tables, most, strict=True):
-        sparse_bytes, dense_bytes = _bytes(size, m, t.grads.shape[1], t.num_rows)
+        sparse_bytes, dense_bytes = sync_bytes(size, m, t.grads.shape[1], t.num_rows)
         dense.append(mode == "dense" or (mode == "auto" and dense_bytes < sparse_bytes))
     result: dict[int, tuple[Tensor, Tensor]] = {}
     sparse_ids = [i for i, d in enumerate(dense) if not d]

@@ -97,9 +97,9 @@ def test_sync_rows_matches_dense_sum(results, mode: str) -> None:
 
 
 def test_auto_picks_by_bytes() -> None:
-    from dtrec.replica_sync import _bytes
+    from dtrec.replica_sync import sync_bytes
 
-    sparse, dense = _bytes(size=3, most=5, dim=8, num_rows=1000)
+    sparse, dense = sync_bytes(size=3, most=5, dim=8, num_rows=1000)
     assert sparse < dense  # 5 of 1000 rows: all-gather
-    sparse, dense = _bytes(size=3, most=6, dim=3, num_rows=6)
+    sparse, dense = sync_bytes(size=3, most=6, dim=3, num_rows=6)
     assert dense < sparse  # every row touched: all-reduce

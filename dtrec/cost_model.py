@@ -1,0 +1,290 @@
+"""Cost model: what one table under one spec costs each shard position per training step.
+
+Read off the table's ``TableLayout.blocks`` (the same shard metadata the sharded module
+routes by), for a batch of ``B`` samples per rank and ``L`` ids per bag on average
+(``Topology.pooling_factors``), ids spread over a table's rows uniformly unless an
+``IdDistribution`` says otherwise:
+
+* memory: the block's weights and optimizer state, plus the step's buffers (ids received,
+  pooled outputs and their gradients);
+* HBM traffic of the lookup: forward reads a row per id; backward reads the output
+  gradients and updates each touched row (weights and state read and written);
+* shard-axis traffic (input-dist ids and lengths, output-dist partials forward and
+  backward, exact row-wise Adagrad's row norms), sent and received apart;
+* replicate-axis traffic: the per-step gradient sync of the block's touched rows
+  (sparse all-gather or dense all-reduce, whichever is smaller, as ``replica_sync``),
+  over the world for data-parallel tables.
+
+Time per position = HBM bytes / HBM bandwidth + max(sent, received) over the shard axis
+/ its link bandwidth + replicate-axis bytes / theirs. Links: a group whose ranks sit on
+one node (``Topology.node_size``; replica groups are contiguous ranks) uses the
+intra-node bandwidth, else the inter-node one. A model for ranking plans, not a
+simulator: it ignores overlap, latency and the dense part of the model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from dtrec.config import EmbeddingBagConfig
+from dtrec.mesh import ShardAxis
+from dtrec.placements import TableSpec
+from dtrec.replica_sync import sync_bytes
+
+# Optimizer state bytes: (per row, per element).
+OPTIMIZER_STATE = {"sgd": (0, 0), "rowwise_adagrad": (4, 0), "adam": (0, 8)}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The hardware and workload the planner plans for (defaults: H100 nodes of 8)."""
+
+    device: str = "cuda"
+    memory_per_rank: float = 80e9
+    """Bytes a rank may hold (HBM; DRAM per rank on CPU)."""
+    hbm_bandwidth: float = 3.0e12
+    """Bytes/s of a rank's memory."""
+    intra_node_bandwidth: float = 400e9
+    """Bytes/s a rank sends or receives over the links inside its node (NVLink)."""
+    inter_node_bandwidth: float = 50e9
+    """Bytes/s a rank sends or receives to other nodes (one 400 Gb/s NIC per GPU)."""
+    node_size: int = 8
+    batch_size_per_rank: int = 512
+    pooling_factors: Mapping[str, float] = field(default_factory=dict)
+    """Mean ids per bag per feature; features not named use ``default_pooling_factor``."""
+    default_pooling_factor: float = 1.0
+    optimizer: str = "rowwise_adagrad"
+    """Fused optimizer state to budget: "sgd", "rowwise_adagrad" or "adam"."""
+    memory_headroom: float = 0.1
+    """Fraction of ``memory_per_rank`` left for activations and the dense model."""
+    bytes_per_element: int = 4
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZER_STATE:
+            raise ValueError(
+                f"Topology.optimizer must be one of {sorted(OPTIMIZER_STATE)}, "
+                f"got {self.optimizer!r}"
+            )
+        for name in ("memory_per_rank", "hbm_bandwidth", "intra_node_bandwidth"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Topology.{name} must be positive, got {getattr(self, name)}")
+        if self.inter_node_bandwidth <= 0 or self.node_size < 1 or self.batch_size_per_rank < 1:
+            raise ValueError(f"invalid topology {self}")
+
+    @classmethod
+    def h100(cls, **overrides: object) -> Topology:
+        """An H100 80 GB per rank, 8 per node (NVLink 400 GB/s, 400 Gb/s NIC per GPU)."""
+        return cls(**overrides)  # type: ignore[arg-type]
+
+    @classmethod
+    def cpu(cls, **overrides: object) -> Topology:
+        """This kind of machine: gloo ranks sharing one host's DRAM and loopback."""
+        values: dict[str, object] = {
+            "device": "cpu",
+            "memory_per_rank": 4e9,
+            "hbm_bandwidth": 10e9,
+            "intra_node_bandwidth": 2e9,
+            "inter_node_bandwidth": 2e9,
+            "node_size": 1 << 20,
+        }
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def memory_budget(self) -> float:
+        return self.memory_per_rank * (1.0 - self.memory_headroom)
+
+    def pooling(self, cfg: EmbeddingBagConfig) -> float:
+        """Ids per sample the table receives (summed over its features)."""
+        return sum(
+            self.pooling_factors.get(f, self.default_pooling_factor) for f in cfg.feature_names
+        )
+
+
+class IdDistribution(Protocol):
+    """Where a table's ids fall: the benchmarks pass their Zipf model, the planner uniform."""
+
+    def mass(self, start: int, end: int) -> float:
+        """Probability that an id is in rows [start, end)."""
+        ...
+
+    def unique(self, n: float, start: int, end: int) -> float:
+        """Expected distinct rows of [start, end) among ``n`` ids."""
+        ...
+
+
+@dataclass(frozen=True)
+class UniformIds:
+    rows: int
+
+    def mass(self, start: int, end: int) -> float:
+        return (end - start) / self.rows
+
+    def unique(self, n: float, start: int, end: int) -> float:
+        if n <= 0 or end <= start:
+            return 0.0
+        return (
+            (end - start) * -math.expm1(n * math.log1p(-1.0 / self.rows)) if self.rows > 1 else 1.0
+        )
+
+
+@dataclass
+class TableCost:
+    """Per shard position (arrays of S): what one table under one spec costs per step."""
+
+    memory: np.ndarray
+    hbm_bytes: np.ndarray
+    shard_sent: np.ndarray
+    shard_received: np.ndarray
+    replica_bytes: np.ndarray
+    """Bytes sent over the replicate axis (gradient sync of sharded blocks)."""
+    world_bytes: np.ndarray
+    """Bytes sent over the whole world (gradient sync of data-parallel tables)."""
+    comm: dict[str, np.ndarray] = field(default_factory=dict)
+    """Bytes sent per step per collective kind (``dtrec.comm_stats`` names)."""
+
+    @classmethod
+    def zeros(cls, positions: int) -> TableCost:
+        z = np.zeros(positions)
+        return cls(*(z.copy() for _ in range(6)))
+
+    def add(self, kind: str, position: int | np.ndarray, sent: float) -> None:
+        self.comm.setdefault(kind, np.zeros_like(self.memory))[position] += sent
+
+
+def table_cost(
+    cfg: EmbeddingBagConfig,
+    spec: TableSpec,
+    axis: ShardAxis,
+    topology: Topology,
+    ids: IdDistribution | None = None,
+) -> TableCost:
+    """What ``cfg`` sharded by ``spec`` costs each shard position per step (see module doc)."""
+    layout = spec.layout(cfg, axis)
+    ids = ids if ids is not None else UniformIds(cfg.num_embeddings)
+    s_size, world = axis.size, axis.size * axis.replicas
+    batch, pooling = topology.batch_size_per_rank, topology.pooling(cfg)
+    features = len(cfg.feature_names)
+    elt = topology.bytes_per_element
+    per_row, per_element = OPTIMIZER_STATE[topology.optimizer]
+    cost = TableCost.zeros(s_size)
+    peers: dict[tuple[int, int], int] = {}
+    for block in layout.blocks:
+        peers[block.rows] = peers.get(block.rows, 0) + 1
+    for block in layout.blocks:
+        p, rows, cols = block.position, block.num_rows, block.num_cols
+        state = rows * per_row + rows * cols * per_element
+        if layout.batch_local:  # own batch, own full copy; gradients summed over the world
+            n_ids = batch * pooling
+            touched = ids.unique(n_ids, *block.rows)
+            sync_group, sync_kind = world, "grad_sync.data_parallel"
+        else:
+            n_ids = s_size * batch * pooling * ids.mass(*block.rows)
+            touched = ids.unique(s_size * batch * pooling, *block.rows)
+            sync_group, sync_kind = axis.replicas, "grad_sync.replicate"
+            others = np.arange(s_size) != p
+            lengths, id_bytes = 8 * batch * features, 8 * batch * pooling * ids.mass(*block.rows)
+            cost.shard_sent[others] += lengths + id_bytes
+            cost.shard_received[p] += (s_size - 1) * (lengths + id_bytes)
+            cost.add("input_dist.lengths", others, lengths)
+            cost.add("input_dist.id_values", others, id_bytes)
+            partials = batch * features * cols * 4
+            cost.shard_sent[p] += (s_size - 1) * partials  # forward: to every source
+            cost.shard_received[others] += partials
+            cost.add("output_dist", p, (s_size - 1) * partials)
+            cost.shard_sent[others] += partials  # backward: gradients of the partials
+            cost.shard_received[p] += (s_size - 1) * partials
+            cost.add("output_dist.backward", others, partials)
+            c = peers[block.rows]
+            if c > 1 and per_row:  # exact row-wise Adagrad: row norms over column peers
+                union = ids.unique(world * batch * pooling, *block.rows)
+                norms = 2 * (c - 1) / c * 4 * union
+                cost.shard_sent[p] += norms
+                cost.shard_received[p] += norms
+                cost.add("optim.row_sq_sum", p, norms)
+        sources = 1 if layout.batch_local else s_size
+        buffers = n_ids * 8 + 2 * sources * batch * features * cols * 4  # ids, outputs, grads
+        cost.memory[p] += rows * cols * elt + state + buffers
+        cost.hbm_bytes[p] += n_ids * cols * elt  # forward gather
+        cost.hbm_bytes[p] += n_ids * cols * 4 + touched * 2 * (cols * elt + state / rows)
+        if sync_group > 1:
+            sparse, dense = sync_bytes(sync_group, touched, cols, rows)
+            sent = min(sparse, dense)
+            (cost.world_bytes if layout.batch_local else cost.replica_bytes)[p] += sent
+            cost.add(f"{sync_kind}.{'dense' if dense < sparse else 'sparse'}", p, sent)
+            cost.add(f"{sync_kind}.counts", p, (sync_group - 1) * 8)
+    return cost
+
+
+def link_bandwidth(group_span: int, topology: Topology) -> float:
+    """Bandwidth of a group whose ranks span ``group_span`` consecutive ranks."""
+    one_node = group_span <= topology.node_size
+    return topology.intra_node_bandwidth if one_node else topology.inter_node_bandwidth
+
+
+@dataclass
+class PositionTotals:
+    """A plan's per-position sums (arrays of S) and the time they add up to."""
+
+    memory: np.ndarray
+    hbm_bytes: np.ndarray
+    shard_sent: np.ndarray
+    shard_received: np.ndarray
+    replica_bytes: np.ndarray
+    world_bytes: np.ndarray
+
+    @classmethod
+    def zeros(cls, positions: int) -> PositionTotals:
+        z = np.zeros(positions)
+        return cls(*(z.copy() for _ in range(6)))
+
+    def add(self, cost: TableCost, sign: float = 1.0) -> None:
+        for name in ARRAYS:
+            getattr(self, name).__iadd__(sign * getattr(cost, name))
+
+    def time(self, axis: ShardAxis, topology: Topology) -> np.ndarray:
+        """Estimated seconds per step at each position."""
+        replicas, world = axis.replicas, axis.size * axis.replicas
+        shard_bw = link_bandwidth((axis.size - 1) * replicas + 1, topology)
+        shard = np.maximum(self.shard_sent, self.shard_received) / shard_bw
+        return (
+            self.hbm_bytes / topology.hbm_bandwidth
+            + shard
+            + self.replica_bytes / link_bandwidth(replicas, topology)
+            + self.world_bytes / link_bandwidth(world, topology)
+        )
+
+
+ARRAYS = ("memory", "hbm_bytes", "shard_sent", "shard_received", "replica_bytes", "world_bytes")
+
+
+def totals(costs: list[TableCost], positions: int) -> PositionTotals:
+    """Per-position sums of several tables' costs."""
+    out = PositionTotals.zeros(positions)
+    for cost in costs:
+        out.add(cost)
+    return out
+
+
+HEADER_BYTES = 4 * 8  # input-dist header per peer: status, batch, id count, weighted
+
+
+def comm_by_kind(costs: list[TableCost], axis: ShardAxis) -> dict[str, np.ndarray]:
+    """Bytes each position sends per step per collective kind, for a plan's tables.
+
+    Adds the input-dist header (one per peer when any table is sharded) and
+    ``input_dist.ids`` (lengths + id values, sent in one all-to-all).
+    """
+    out: dict[str, np.ndarray] = {}
+    for cost in costs:
+        for kind, sent in cost.comm.items():
+            out[kind] = out.get(kind, np.zeros(axis.size)) + sent
+    if "input_dist.lengths" in out:
+        out["input_dist.header"] = np.full(axis.size, (axis.size - 1) * HEADER_BYTES, float)
+        out["input_dist.ids"] = out["input_dist.lengths"] + out["input_dist.id_values"]
+    return out
