@@ -1,35 +1,112 @@
-"""Sharding plans: table FQN -> spec, and a simple balancing planner.
+"""Sharding plans: table FQN -> spec, printable with the planner's reasons, and JSON.
 
-``plan`` here balances stored bytes per shard position greedily (largest table
-first onto the least-loaded choice). It resolves the choices users leave open
-(``TableWise(rank=None)``, ``TableRowWise(node=None)``) and fills in tables a
-user plan omits. A cost-model planner replaces the heuristic later; the
-interface stays.
+``plan`` runs the cost-model planner (``dtrec.planner``): it resolves the choices
+users leave open (``TableWise(rank=None)``, ``TableRowWise(node=None)``) and fills
+in tables a user plan omits.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtrec.config import EmbeddingBagConfig
-from dtrec.mesh import ShardAxis, shard_axis
-from dtrec.placements import TableSpec, TableWise
+from dtrec.cost_model import Topology
+from dtrec.mesh import shard_axis
+from dtrec.placements import (
+    ColumnWise,
+    DataParallel,
+    Grid,
+    RowWise,
+    TableRowWise,
+    TableSpec,
+    TableWise,
+)
+
+SPEC_TYPES = {
+    cls.__name__: cls for cls in (DataParallel, TableWise, RowWise, ColumnWise, TableRowWise, Grid)
+}
+
+
+def spec_to_dict(spec: TableSpec) -> dict:
+    return {"type": type(spec).__name__, **{f.name: getattr(spec, f.name) for f in fields(spec)}}
+
+
+def spec_from_dict(data: Mapping) -> TableSpec:
+    kind = data.get("type")
+    if kind not in SPEC_TYPES:
+        raise ValueError(
+            f"unknown spec type {kind!r} in plan JSON; expected one of {list(SPEC_TYPES)}"
+        )
+    return SPEC_TYPES[kind](**{k: v for k, v in data.items() if k != "type"})
+
+
+@dataclass
+class PlanReport:
+    """Why the planner chose what it chose: per table, per rank (shard position)."""
+
+    tables: list[tuple[str, TableSpec, list[tuple[TableSpec, float, float]]]]
+    """(table, chosen spec, every candidate's (spec, max MiB on a rank, max ms on a rank))."""
+    memory: list[float]
+    """Bytes per shard position (every replica holds the same)."""
+    time: list[float]
+    """Estimated seconds per step per shard position."""
+    topology: Topology
+
+    @property
+    def imbalance(self) -> float:
+        """Slowest position's time over the mean (1.0 = perfectly balanced)."""
+        mean = sum(self.time) / len(self.time)
+        return max(self.time) / mean if mean > 0 else 1.0
+
+    def __str__(self) -> str:
+        lines = ["table -> spec (candidates: spec max MiB/rank, max ms/rank; chosen first)"]
+        for key, spec, options in self.tables:
+            ranked = sorted(options, key=lambda o: (o[0] != spec, o[2], o[1]))
+            shown = ", ".join(f"{s} {m:.1f} MiB {t:.3f} ms" for s, m, t in ranked[:4])
+            more = f", +{len(ranked) - 4} more" if len(ranked) > 4 else ""
+            lines.append(f"  {key}: {spec}  ({shown}{more})")
+        lines.append("per shard position: MiB / est. ms per step")
+        for p, (m, t) in enumerate(zip(self.memory, self.time, strict=True)):
+            lines.append(f"  {p}: {m / 2**20:.1f} MiB  {1e3 * t:.3f} ms")
+        lines.append(
+            f"slowest {1e3 * max(self.time):.3f} ms, imbalance (max / mean) {self.imbalance:.2f}"
+            f"; budget {self.topology.memory_budget / 2**20:.0f} MiB per rank"
+        )
+        return "\n".join(lines)
 
 
 class ShardingPlan(dict[str, TableSpec]):
-    """``{"<module fqn>.<table name>": spec}``, printable.
+    """``{"<module fqn>.<table name>": spec}``, printable; JSON with ``to_json`` / ``from_json``.
+
+    Plans from ``dtrec.plan`` carry ``report`` (a ``PlanReport``): ``print(plan)`` then
+    also shows why each spec was chosen and every rank's memory and estimated time.
 
     Example::
 
         plan = ShardingPlan({"sparse.t0": RowWise(), "sparse.t1": TableWise(rank=0)})
     """
 
+    report: PlanReport | None = None
+
     def __str__(self) -> str:
         width = max((len(k) for k in self), default=0)
-        return "\n".join(f"{k:<{width}}  {spec}" for k, spec in self.items())
+        text = "\n".join(f"{k:<{width}}  {spec}" for k, spec in self.items())
+        return text if self.report is None else f"{text}\n{self.report}"
+
+    def to_json(self) -> str:
+        return json.dumps({k: spec_to_dict(v) for k, v in self.items()}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> ShardingPlan:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("plan JSON must be an object {table fqn: spec}")
+        return cls({key: spec_from_dict(value) for key, value in data.items()})
 
 
 def find_collections(model: nn.Module) -> dict[str, nn.Module]:
@@ -59,52 +136,48 @@ def model_tables(model: nn.Module) -> dict[str, EmbeddingBagConfig]:
     }
 
 
-def _position_bytes(spec: TableSpec, cfg: EmbeddingBagConfig, axis: ShardAxis) -> dict[int, int]:
-    load: dict[int, int] = {}
-    for block in spec.layout(cfg, axis).blocks:
-        load[block.position] = load.get(block.position, 0) + block.numel
-    return load
-
-
 def plan(
     model: nn.Module,
     mesh: DeviceMesh,
     constraints: Mapping[str, TableSpec] | None = None,
-    topology: object | None = None,
+    topology: Topology | None = None,
 ) -> ShardingPlan:
-    """A complete plan for every table of ``model`` on ``mesh``.
+    """A complete plan for every table of ``model`` on ``mesh``, from the cost model.
 
-    ``constraints`` pins specs per table FQN; an unresolved pinned spec (e.g.
-    ``TableWise(rank=None)``) gets its rank chosen here, and unpinned tables
-    become table-wise on the least-loaded position. Deterministic, so every
-    rank computes the same plan. ``topology`` is reserved for the cost model.
+    ``constraints`` pins specs per table FQN (an unresolved one, e.g.
+    ``TableWise(rank=None)``, gets its choice made here); the other tables get the
+    spec that keeps the slowest rank fastest within each rank's memory budget (see
+    ``dtrec.planner``). ``topology`` defaults to ``Topology.h100()`` on CUDA meshes and
+    ``Topology.cpu()`` otherwise. Deterministic, so every rank computes the same plan.
+    ``print(plan)`` explains it.
 
     Example::
 
         p = dtrec.plan(model, mesh, constraints={"sparse.big": RowWise()})
     """
+    from dtrec.cost_model import totals
+    from dtrec.planner import plan_tables
+
     axis = shard_axis(mesh)
     tables = model_tables(model)
     constraints = dict(constraints or {})
     check_plan_keys(constraints, tables)
-    load = [0] * axis.size
-    chosen: dict[str, TableSpec] = {}
-    order = sorted(tables, key=lambda k: (-tables[k].num_embeddings * tables[k].embedding_dim, k))
-    # Fixed specs first, so open choices balance around them.
-    for key in sorted(order, key=lambda k: not (k in constraints and constraints[k].resolved)):
-        cfg = tables[key]
-        pinned = constraints.get(key, TableWise())
-        candidates = pinned.candidates(axis)
-        best, best_cost = candidates[0], None
-        for spec in candidates:
-            bytes_at = _position_bytes(spec, cfg, axis)
-            cost = max(load[p] + bytes_at.get(p, 0) for p in range(axis.size))
-            if best_cost is None or cost < best_cost:
-                best, best_cost = spec, cost
-        for p, n in _position_bytes(best, cfg, axis).items():
-            load[p] += n
-        chosen[key] = best
-    return ShardingPlan({key: chosen[key] for key in tables})
+    if topology is None:
+        topology = Topology.h100() if mesh.device_type == "cuda" else Topology.cpu()
+    choices, sums = plan_tables(tables, axis, constraints, topology)
+    result = ShardingPlan({key: choices[key].spec for key in tables})
+    rows = []
+    for key, choice in choices.items():
+        options = []
+        for spec, cost in choice.costs:
+            one = totals([cost], axis.size)
+            options.append(
+                (spec, float(one.memory.max()) / 2**20, 1e3 * float(one.time(axis, topology).max()))
+            )
+        rows.append((key, choice.spec, options))
+    time = sums.time(axis, topology)
+    result.report = PlanReport(rows, sums.memory.tolist(), time.tolist(), topology)
+    return result
 
 
 def check_plan_keys(plan: Mapping[str, object], tables: Mapping[str, EmbeddingBagConfig]) -> None:
