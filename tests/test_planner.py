@@ -117,3 +117,37 @@ def test_topology_rejects_bad_values():
         Topology(optimizer="lamb")
     with pytest.raises(ValueError, match="memory_per_rank"):
         Topology(memory_per_rank=0)
+
+
+def test_dry_run_cli_on_the_fake_process_group(tmp_path, capsys):
+    import json
+
+    import torch.distributed as dist
+
+    from dtrec.planner import main
+
+    config = {
+        "tables": [
+            {"name": f"t{i}", "num_embeddings": 1000 * 3**i, "embedding_dim": 16 * (1 + i % 4),
+             "feature_names": [f"f{i}"], "pooling": "sum"}
+            for i in range(12)
+        ],
+        "batch_size_per_rank": 128,
+        "pooling_factors": {f"f{i}": 1.0 + i for i in range(12)},
+    }  # fmt: skip
+    path, plan_json, png = tmp_path / "model.json", tmp_path / "plan.json", tmp_path / "plan.png"
+    path.write_text(json.dumps(config))
+    args = ["--config", str(path), "--world-size", "64", "--shard-group-size", "8"]
+    main([*args, "--node-size", "8", "--plan-json", str(plan_json), "--png", str(png)])
+    out = capsys.readouterr().out
+    assert "W=64 = S 8 x R 8" in out and "12 tables" in out
+    for line in ("memory per rank", "shard dim", "replicate dim", "predicted step time"):
+        assert line in out, out
+    plan = ShardingPlan.from_json(plan_json.read_text())
+    assert sorted(plan) == sorted(f"t{i}" for i in range(12))
+    assert png.stat().st_size > 0
+    assert not dist.is_initialized()  # the fake world is gone
+
+    path.write_text(json.dumps({"tables": [{"name": "x", "rows": 3}]}))
+    with pytest.raises(ValueError, match=r"table #0 has unknown fields \['rows'\]"):
+        main(["--config", str(path), "--world-size", "8", "--shard-group-size", "8"])
