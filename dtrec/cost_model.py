@@ -133,28 +133,39 @@ class UniformIds:
         )
 
 
-@dataclass
-class TableCost:
-    """Per shard position (arrays of S): what one table under one spec costs per step."""
+ARRAYS = ("memory", "hbm_bytes", "shard_sent", "shard_received", "replica_bytes", "world_bytes")
+"""The per-position quantities, rows of a ``[6, S]`` stack (so sums are one numpy op):
+memory bytes, HBM bytes moved, bytes sent / received over the shard axis, bytes sent
+over the replicate axis (sync of sharded blocks) and over the world (data-parallel)."""
 
-    memory: np.ndarray
-    hbm_bytes: np.ndarray
-    shard_sent: np.ndarray
-    shard_received: np.ndarray
-    replica_bytes: np.ndarray
-    """Bytes sent over the replicate axis (gradient sync of sharded blocks)."""
-    world_bytes: np.ndarray
-    """Bytes sent over the whole world (gradient sync of data-parallel tables)."""
-    comm: dict[str, np.ndarray] = field(default_factory=dict)
-    """Bytes sent per step per collective kind (``dtrec.comm_stats`` names)."""
 
-    @classmethod
-    def zeros(cls, positions: int) -> TableCost:
-        z = np.zeros(positions)
-        return cls(*(z.copy() for _ in range(6)))
+class PerPosition:
+    """A ``[len(ARRAYS), S]`` stack with one named row per quantity."""
+
+    def __init__(self, positions: int | np.ndarray) -> None:
+        self.stack = (
+            positions if isinstance(positions, np.ndarray) else np.zeros((len(ARRAYS), positions))
+        )
+
+    memory = property(lambda self: self.stack[0])
+    hbm_bytes = property(lambda self: self.stack[1])
+    shard_sent = property(lambda self: self.stack[2])
+    shard_received = property(lambda self: self.stack[3])
+    replica_bytes = property(lambda self: self.stack[4])
+    world_bytes = property(lambda self: self.stack[5])
+
+
+class TableCost(PerPosition):
+    """Per shard position: what one table under one spec costs per step."""
+
+    def __init__(self, positions: int, with_comm: bool = True) -> None:
+        super().__init__(positions)
+        self.comm: dict[str, np.ndarray] | None = {} if with_comm else None
+        """Bytes sent per step per collective kind (``dtrec.comm_stats`` names)."""
 
     def add(self, kind: str, position: int | np.ndarray, sent: float) -> None:
-        self.comm.setdefault(kind, np.zeros_like(self.memory))[position] += sent
+        if self.comm is not None:
+            self.comm.setdefault(kind, np.zeros(self.stack.shape[1]))[position] += sent
 
 
 def table_cost(
@@ -163,8 +174,12 @@ def table_cost(
     axis: ShardAxis,
     topology: Topology,
     ids: IdDistribution | None = None,
+    with_comm: bool = True,
 ) -> TableCost:
-    """What ``cfg`` sharded by ``spec`` costs each shard position per step (see module doc)."""
+    """What ``cfg`` sharded by ``spec`` costs each shard position per step (see module doc).
+
+    ``with_comm``: also record bytes per collective kind (``TableCost.comm``).
+    """
     layout = spec.layout(cfg, axis)
     ids = ids if ids is not None else UniformIds(cfg.num_embeddings)
     s_size, world = axis.size, axis.size * axis.replicas
@@ -172,7 +187,7 @@ def table_cost(
     features = len(cfg.feature_names)
     elt = topology.bytes_per_element
     per_row, per_element = OPTIMIZER_STATE[topology.optimizer]
-    cost = TableCost.zeros(s_size)
+    cost = TableCost(s_size, with_comm)
     peers: dict[tuple[int, int], int] = {}
     for block in layout.blocks:
         peers[block.rows] = peers.get(block.rows, 0) + 1
@@ -227,40 +242,34 @@ def link_bandwidth(group_span: int, topology: Topology) -> float:
     return topology.intra_node_bandwidth if one_node else topology.inter_node_bandwidth
 
 
-@dataclass
-class PositionTotals:
-    """A plan's per-position sums (arrays of S) and the time they add up to."""
-
-    memory: np.ndarray
-    hbm_bytes: np.ndarray
-    shard_sent: np.ndarray
-    shard_received: np.ndarray
-    replica_bytes: np.ndarray
-    world_bytes: np.ndarray
+class PositionTotals(PerPosition):
+    """A plan's per-position sums and the time they add up to."""
 
     @classmethod
     def zeros(cls, positions: int) -> PositionTotals:
-        z = np.zeros(positions)
-        return cls(*(z.copy() for _ in range(6)))
+        return cls(positions)
 
-    def add(self, cost: TableCost, sign: float = 1.0) -> None:
-        for name in ARRAYS:
-            getattr(self, name).__iadd__(sign * getattr(cost, name))
+    def add(self, cost: PerPosition, sign: float = 1.0) -> None:
+        if sign == 1.0:
+            self.stack += cost.stack
+        else:
+            self.stack -= cost.stack
 
     def time(self, axis: ShardAxis, topology: Topology) -> np.ndarray:
         """Estimated seconds per step at each position."""
-        replicas, world = axis.replicas, axis.size * axis.replicas
-        shard_bw = link_bandwidth((axis.size - 1) * replicas + 1, topology)
-        shard = np.maximum(self.shard_sent, self.shard_received) / shard_bw
-        return (
-            self.hbm_bytes / topology.hbm_bandwidth
-            + shard
-            + self.replica_bytes / link_bandwidth(replicas, topology)
-            + self.world_bytes / link_bandwidth(world, topology)
-        )
+        return step_time(self.stack, axis, topology)
 
 
-ARRAYS = ("memory", "hbm_bytes", "shard_sent", "shard_received", "replica_bytes", "world_bytes")
+def step_time(stack: np.ndarray, axis: ShardAxis, topology: Topology) -> np.ndarray:
+    """Seconds per step per position of a ``[len(ARRAYS), S]`` stack (see module doc)."""
+    replicas, world = axis.replicas, axis.size * axis.replicas
+    shard_bw = link_bandwidth((axis.size - 1) * replicas + 1, topology)
+    return (
+        stack[1] / topology.hbm_bandwidth
+        + np.maximum(stack[2], stack[3]) / shard_bw
+        + stack[4] / link_bandwidth(replicas, topology)
+        + stack[5] / link_bandwidth(world, topology)
+    )
 
 
 def totals(costs: list[TableCost], positions: int) -> PositionTotals:
@@ -282,7 +291,7 @@ def comm_by_kind(costs: list[TableCost], axis: ShardAxis) -> dict[str, np.ndarra
     """
     out: dict[str, np.ndarray] = {}
     for cost in costs:
-        for kind, sent in cost.comm.items():
+        for kind, sent in (cost.comm or {}).items():
             out[kind] = out.get(kind, np.zeros(axis.size)) + sent
     if "input_dist.lengths" in out:
         out["input_dist.header"] = np.full(axis.size, (axis.size - 1) * HEADER_BYTES, float)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtrec.config import EmbeddingBagConfig
-from dtrec.cost_model import PositionTotals, TableCost, Topology, table_cost
+from dtrec.cost_model import PositionTotals, TableCost, Topology, step_time, table_cost
 from dtrec.mesh import ShardAxis
 from dtrec.placements import (
     ColumnWise,
@@ -81,26 +81,35 @@ class Choice:
         return next(c for s, c in self.costs if s == self.spec)
 
 
+def work(cost: TableCost, axis: ShardAxis, topology: Topology) -> float:
+    """Seconds a table adds summed over positions (what balancing spreads around)."""
+    return float(step_time(cost.stack, axis, topology).sum())
+
+
 class Search:
-    """The greedy + local search state: per-position totals and each table's choice."""
+    """The greedy + local search state: per-position totals and each table's choice.
+
+    Score of a state (lower is better): the larger of the slowest position's time and
+    the mean time once the tables not yet placed add their least work (so early
+    tables do not split just to flatten a peak the later ones would fill), then the
+    total time, then the fullest position's memory.
+    """
 
     def __init__(self, axis: ShardAxis, topology: Topology) -> None:
         self.axis, self.topology = axis, topology
         self.totals = PositionTotals.zeros(axis.size)
         self.budget = topology.memory_budget
+        self.remaining = 0.0  # least work of the tables not placed yet
 
     def score(self, cost: TableCost | None = None) -> tuple[float, float, float]:
-        """(slowest position's time, total time, fullest position's memory) with ``cost``."""
-        if cost is not None:
-            self.totals.add(cost)
-        time = self.totals.time(self.axis, self.topology)
-        out = (float(time.max()), float(time.sum()), float(self.totals.memory.max()))
-        if cost is not None:
-            self.totals.add(cost, -1.0)
-        return out
+        stack = self.totals.stack if cost is None else self.totals.stack + cost.stack
+        time = step_time(stack, self.axis, self.topology)
+        total = float(time.sum())
+        bound = max(float(time.max()), (total + self.remaining) / self.axis.size)
+        return bound, total, float(stack[0].max())
 
     def fits(self, cost: TableCost) -> bool:
-        return bool(np.all(self.totals.memory + cost.memory <= self.budget))
+        return bool(np.all(self.totals.stack[0] + cost.stack[0] <= self.budget))
 
     def best(self, costs: list[tuple[TableSpec, TableCost]]) -> tuple[TableSpec, TableCost] | None:
         feasible = [(self.score(c), i) for i, (_, c) in enumerate(costs) if self.fits(c)]
@@ -115,6 +124,54 @@ class Search:
         amount, i = min(over)
         return amount, costs[i][0]
 
+    def improve(self, chosen: dict[str, Choice], order: list[str]) -> None:
+        """Local search: move single tables while the score improves (at most MAX_PASSES)."""
+        for _ in range(MAX_PASSES):
+            moved = False
+            for key in order:
+                current = chosen[key]
+                self.totals.add(current.cost, -1.0)
+                before = self.score(current.cost)
+                spec, cost = self.best(current.costs) or (current.spec, current.cost)
+                if spec != current.spec and self.score(cost) < before:
+                    current.spec, moved = spec, True
+                self.totals.add(current.cost)
+            if not moved:
+                return
+
+
+def _uniform_seed(
+    options: dict[str, list[tuple[TableSpec, TableCost]]], kind: type, search: Search
+) -> dict[str, Choice] | None:
+    """Every table as ``kind`` (e.g. all row-wise), if each has it and it fits."""
+    totals = PositionTotals.zeros(search.axis.size)
+    chosen = {}
+    for key, costs in options.items():
+        match = [(s, c) for s, c in costs if type(s) is kind]
+        if len(match) != 1:
+            return None
+        totals.add(match[0][1])
+        chosen[key] = Choice(match[0][0], costs)
+    return chosen if np.all(totals.memory <= search.budget) else None
+
+
+def _costs(
+    cfg: EmbeddingBagConfig, specs: list[TableSpec], axis: ShardAxis, topology: Topology
+) -> list[tuple[TableSpec, TableCost]]:
+    """Each candidate's cost; table-wise ones are the first one's, moved to their position."""
+    out: list[tuple[TableSpec, TableCost]] = []
+    first_tw: tuple[int, TableCost] | None = None
+    for spec in specs:
+        if isinstance(spec, TableWise) and spec.rank is not None and first_tw is not None:
+            cost = TableCost(axis.size, with_comm=False)
+            cost.stack = np.roll(first_tw[1].stack, spec.rank - first_tw[0], axis=1)
+        else:
+            cost = table_cost(cfg, spec, axis, topology, with_comm=False)
+            if isinstance(spec, TableWise) and spec.rank is not None:
+                first_tw = (spec.rank, cost)
+        out.append((spec, cost))
+    return out
+
 
 def plan_tables(
     tables: Mapping[str, EmbeddingBagConfig],
@@ -122,19 +179,28 @@ def plan_tables(
     constraints: Mapping[str, TableSpec] | None = None,
     topology: Topology | None = None,
 ) -> tuple[dict[str, Choice], PositionTotals]:
-    """Choose a spec per table FQN (see the module doc); the choices and their totals."""
+    """Choose a spec per table FQN (see the module doc); the choices and their totals.
+
+    Starts from the greedy plan or, when one scores better, from a plan of one type
+    for every table (all row-wise, all column-wise, all data-parallel), then improves
+    it by local search.
+    """
     topology = topology or Topology()
     constraints = dict(constraints or {})
     search = Search(axis, topology)
     options: dict[str, list[tuple[TableSpec, TableCost]]] = {}
+    least: dict[str, float] = {}
     for key, cfg in tables.items():
         specs = candidates(cfg, axis, constraints.get(key))
         if not specs:
             raise ValueError(f"table {key!r}: no sharding spec fits a shard axis of {axis.size}")
-        options[key] = [(spec, table_cost(cfg, spec, axis, topology)) for spec in specs]
+        options[key] = _costs(cfg, specs, axis, topology)
+        least[key] = min(work(c, axis, topology) for _, c in options[key])
     order = sorted(tables, key=lambda k: (-tables[k].num_embeddings * tables[k].embedding_dim, k))
+    search.remaining = sum(least.values())
     chosen: dict[str, Choice] = {}
     for key in order:
+        search.remaining -= least[key]
         picked = search.best(options[key])
         if picked is None:
             amount, spec = search.missing(options[key])
@@ -146,18 +212,18 @@ def plan_tables(
             )
         search.totals.add(picked[1])
         chosen[key] = Choice(picked[0], options[key])
-    for _ in range(MAX_PASSES):
-        moved = False
-        for key in order:
-            current = chosen[key]
-            search.totals.add(current.cost, -1.0)
-            before = search.score(current.cost)
-            spec, cost = search.best(options[key]) or (current.spec, current.cost)
-            if search.score(cost) < before and spec != current.spec:
-                current.spec, moved = spec, True
-            search.totals.add(current.cost)
-        if not moved:
-            break
+    search.remaining = 0.0
+    best_score = search.score()
+    for kind in (RowWise, ColumnWise, DataParallel):
+        seed = _uniform_seed(options, kind, search)
+        if seed is None:
+            continue
+        trial = Search(axis, topology)
+        for choice in seed.values():
+            trial.totals.add(choice.cost)
+        if trial.score() < best_score:
+            chosen, search, best_score = seed, trial, trial.score()
+    search.improve(chosen, order)
     return {key: chosen[key] for key in tables}, search.totals
 
 
