@@ -447,7 +447,7 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
         raise ValueError(f"need steps >= 1, census_steps >= 1, warmup >= 0; got {opts}")
     dtrec.ops.set_backend(opts.get("dtrec_backend", "auto"))
     shards = config_shards(config, world)
-    kinds = table_kinds(config, shards, len(w.rows))
+    kinds = opts.get("kinds") or table_kinds(config, shards, len(w.rows))
     rss_start = _rss_mb()
     build = _build_dtrec if lib == "dtrec" else _build_torchrec
     model, optimizers, hook, ddp_estimate, kjt_type = build(w, kinds, shards)

@@ -190,3 +190,47 @@ def shard_torchrec(
     if dp_tables:
         optimizers.append(RowWiseAdagrad(dp_tables, lr=lr, eps=eps))
     return sharded, optimizers, hook
+
+
+def torchrec_planner_kinds(
+    rows: Sequence[int], dim: int, world: int, batch: int, pooling: float, lr: float, eps: float
+) -> tuple[list[str], float]:
+    """TorchRec's ``EmbeddingShardingPlanner`` on CPU for the tables of ``torchrec_ebc``:
+    its plan as benchmarks/distributed.py table kinds ("tw:r", "rw", "cw", "dp"), and the
+    seconds ``plan`` took. Runs in one process (no collective)."""
+    import time
+
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner import Topology as TorchRecTopology
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            "learning_rate": lr,
+            "eps": eps,
+        }
+    )
+    planner = EmbeddingShardingPlanner(
+        topology=TorchRecTopology(world_size=world, compute_device="cpu", local_world_size=world),
+        batch_size=batch,
+        constraints={
+            f"t{i}": ParameterConstraints(pooling_factors=[pooling]) for i in range(len(rows))
+        },
+    )
+    model = nn.Module()
+    model.ebc = torchrec_ebc(rows, dim)
+    start = time.perf_counter()
+    plan = planner.plan(model, [sharder])
+    seconds = time.perf_counter() - start
+    kinds = []
+    for i in range(len(rows)):
+        sharding = plan.plan["ebc"][f"t{i}"]
+        kind = sharding.sharding_type
+        if kind == "table_wise":
+            kinds.append(f"tw:{sharding.ranks[0]}")
+        elif kind in ("row_wise", "column_wise", "data_parallel"):
+            kinds.append({"row_wise": "rw", "column_wise": "cw", "data_parallel": "dp"}[kind])
+        else:
+            raise ValueError(f"TorchRec chose {kind} for t{i}; no dtrec kind maps to it here")
+    return kinds, seconds
