@@ -8,9 +8,10 @@ Example (under torchrun)::
     model = dtrec.distribute_module(model, mesh, {"sparse.t0": dtrec.placements.RowWise()})
 """
 
-from dtrec import checkpoint, ops, optim, placements
+from dtrec import checkpoint, cost_model, ops, optim, placements
 from dtrec.collectives import CollectiveError, CommStats, comm_stats, count_comm
 from dtrec.config import EmbeddingBagConfig
+from dtrec.cost_model import Topology
 from dtrec.distribute import distribute_module
 from dtrec.mesh import init_mesh
 from dtrec.modules import EmbeddingBagCollection
@@ -30,8 +31,10 @@ __all__ = [
     "KeyedTensor",
     "ShardedEmbeddingBagCollection",
     "ShardingPlan",
+    "Topology",
     "TrainPipeline",
     "checkpoint",
+    "cost_model",
     "comm_stats",
     "count_comm",
     "distribute_module",
