@@ -28,7 +28,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from dtrec.collectives import CollectiveError
 from dtrec.config import EmbeddingBagConfig
-from dtrec.placements.tensor import full_tensor
+from dtrec.placements.tensor import full_tensor, like_dtensor
 from dtrec.plan import table_fqn
 
 MARKER = "COMPLETE.json"
@@ -202,6 +202,16 @@ def _all_ok(error: BaseException | None, what: str) -> None:
         raise CheckpointError(f"checkpoint {what} failed on another rank (see its error)")
 
 
+def _on_every_rank(io: Callable[[], object], what: str, path: Path) -> None:
+    """Run DCP's ``io``; if it fails on any rank, every rank raises CheckpointError."""
+    error = None
+    try:
+        io()
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported on every rank
+        error = CheckpointError(f"rank {_rank()}: {what} of {path} failed: {_reason(exc)}")
+    _all_ok(error, what)
+
+
 def _reason(exc: BaseException) -> str:
     """One line per failing rank (DCP's exception carries every rank's traceback)."""
 
@@ -267,12 +277,7 @@ def save(
 
     name, partial = _from_rank0(prepare() if _rank() == 0 else None)
     staging = root / partial
-    error = None
-    try:
-        dcp.save(state, checkpoint_id=staging)
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported on every rank
-        error = CheckpointError(f"rank {_rank()}: writing {staging} failed: {_reason(exc)}")
-    _all_ok(error, "write")
+    _on_every_rank(lambda: dcp.save(state, checkpoint_id=staging), "write", staging)
 
     def publish() -> Path | BaseException:
         try:
@@ -389,15 +394,7 @@ def _check_shapes(state: dict[str, Any], directory: Path) -> None:
 def _staging_copy(value: Any) -> Any:
     """A fresh tensor shaped and placed like ``value`` for DCP to read into."""
     if isinstance(value, DTensor):
-        local = torch.empty_like(value.to_local())
-        return DTensor.from_local(
-            local,
-            value.device_mesh,
-            value.placements,
-            shape=value.shape,
-            stride=value.stride(),
-            run_check=False,
-        )
+        return like_dtensor(torch.empty_like(value.to_local()), value)
     if isinstance(value, Tensor):
         return torch.empty_like(value)
     return value
@@ -427,12 +424,7 @@ def load(
     live = _model_state(model, optimizer)
     _check_shapes(live, directory)
     read = {k: _staging_copy(v) for k, v in live.items()} if staged else dict(live)
-    error = None
-    try:
-        dcp.load(read, checkpoint_id=directory)
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported on every rank
-        error = CheckpointError(f"rank {_rank()}: reading {directory} failed: {_reason(exc)}")
-    _all_ok(error, "read")
+    _on_every_rank(lambda: dcp.load(read, checkpoint_id=directory), "read", directory)
     if staged:
         with torch.no_grad():
             for key, value in live.items():

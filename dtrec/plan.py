@@ -17,19 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtrec.config import EmbeddingBagConfig
 from dtrec.cost_model import Topology
 from dtrec.mesh import shard_axis
-from dtrec.placements import (
-    ColumnWise,
-    DataParallel,
-    Grid,
-    RowWise,
-    TableRowWise,
-    TableSpec,
-    TableWise,
-)
-
-SPEC_TYPES = {
-    cls.__name__: cls for cls in (DataParallel, TableWise, RowWise, ColumnWise, TableRowWise, Grid)
-}
+from dtrec.placements import SPEC_TYPES, TableSpec
 
 
 def spec_to_dict(spec: TableSpec) -> dict:
@@ -139,13 +127,14 @@ def model_tables(model: nn.Module) -> dict[str, EmbeddingBagConfig]:
 def plan(
     model: nn.Module,
     mesh: DeviceMesh,
-    constraints: Mapping[str, TableSpec] | None = None,
+    constraints: Mapping[str, object] | None = None,
     topology: Topology | None = None,
 ) -> ShardingPlan:
     """A complete plan for every table of ``model`` on ``mesh``, from the cost model.
 
     ``constraints`` pins specs per table FQN (an unresolved one, e.g.
-    ``TableWise(rank=None)``, gets its choice made here); the other tables get the
+    ``TableWise(rank=None)``, gets its choice made here) or limits them with a
+    ``dtrec.planner.TableConstraint`` (types, shard counts, pooling factor); tables get the
     spec that keeps the slowest rank fastest within each rank's memory budget (see
     ``dtrec.planner``). ``topology`` defaults to ``Topology.h100()`` on CUDA meshes and
     ``Topology.cpu()`` otherwise. Deterministic, so every rank computes the same plan.
@@ -181,12 +170,17 @@ def plan(
 
 
 def check_plan_keys(plan: Mapping[str, object], tables: Mapping[str, EmbeddingBagConfig]) -> None:
-    """Every key names a table of the model and every value is a spec."""
+    """Every key names a table of the model and every value is a spec or a constraint."""
     unknown = [k for k in plan if k not in tables]
     if unknown:
         raise KeyError(
             f"plan names unknown table(s) {unknown}; the model's tables are {sorted(tables)}"
         )
+    from dtrec.planner import TableConstraint
+
     for key, spec in plan.items():
-        if not isinstance(spec, TableSpec):
-            raise TypeError(f"plan entry {key!r}: expected a dtrec.placements spec, got {spec!r}")
+        if not isinstance(spec, (TableSpec, TableConstraint)):
+            raise TypeError(
+                f"plan entry {key!r}: expected a dtrec.placements spec (or a "
+                f"dtrec.planner.TableConstraint), got {spec!r}"
+            )

@@ -6,7 +6,8 @@ search, deterministic so every rank computes the same plan:
 1. candidates per table: the pinned spec's variants (``TableWise(rank=None)`` -> every
    position), else data-parallel, table-wise on each position, row-wise, column-wise
    (when the dim splits over the shard axis), and table-row-wise / grid on node-aware
-   meshes;
+   meshes, filtered by a ``TableConstraint`` (allowed types, min / max shards; it may
+   also set the table's pooling factor);
 2. greedy: tables from the largest, each takes the candidate that keeps the slowest
    position fastest (then the fullest least full) within every position's memory budget;
 3. local search: revisit every table, move it to a better candidate while the plan's
@@ -27,7 +28,7 @@ import argparse
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -47,10 +48,43 @@ from dtrec.placements import (
 MAX_PASSES = 8
 
 
-def candidates(cfg: EmbeddingBagConfig, axis: ShardAxis, pinned: TableSpec | None) -> list:
-    """The resolved specs the planner may choose for ``cfg`` (pinned: its variants only)."""
-    if pinned is not None:  # the user's choice: its layout errors are theirs to see
-        options = pinned.candidates(axis)
+@dataclass(frozen=True)
+class TableConstraint:
+    """Limits on one table's spec, for ``dtrec.plan`` (a spec there pins it instead).
+
+    Example::
+
+        dtrec.plan(model, mesh, {"sparse.big": TableConstraint(types=(RowWise, ColumnWise),
+                                                               min_shards=4)})
+    """
+
+    types: tuple[type[TableSpec], ...] | None = None
+    """Spec classes allowed (None: any)."""
+    min_shards: int = 1
+    """Fewest distinct blocks the table is cut into (data-parallel and table-wise: 1)."""
+    max_shards: int | None = None
+    pooling_factor: float | None = None
+    """Ids per bag of the table's features, overriding ``Topology.pooling_factors``."""
+
+    def allows(self, spec: TableSpec, cfg: EmbeddingBagConfig, axis: ShardAxis) -> bool:
+        if self.types is not None and not isinstance(spec, self.types):
+            return False
+        shards = len({(b.rows, b.cols) for b in spec.layout(cfg, axis).blocks})
+        return self.min_shards <= shards and (self.max_shards is None or shards <= self.max_shards)
+
+    def topology(self, cfg: EmbeddingBagConfig, topology: Topology) -> Topology:
+        if self.pooling_factor is None:
+            return topology
+        ours = {f: self.pooling_factor for f in cfg.feature_names}
+        return replace(topology, pooling_factors={**topology.pooling_factors, **ours})
+
+
+def candidates(
+    cfg: EmbeddingBagConfig, axis: ShardAxis, constraint: TableSpec | TableConstraint | None
+) -> list:
+    """The resolved specs the planner may choose for ``cfg`` (a pinned spec: its variants)."""
+    if isinstance(constraint, TableSpec):  # the user's choice: its layout errors are theirs
+        options = constraint.candidates(axis)
         for spec in options:
             spec.layout(cfg, axis)
         return options
@@ -65,7 +99,8 @@ def candidates(cfg: EmbeddingBagConfig, axis: ShardAxis, pinned: TableSpec | Non
             spec.layout(cfg, axis)
         except ValueError:
             continue  # e.g. column-wise with a dim smaller than the shard axis
-        out.append(spec)
+        if constraint is None or constraint.allows(spec, cfg, axis):
+            out.append(spec)
     return out
 
 
@@ -176,7 +211,7 @@ def _costs(
 def plan_tables(
     tables: Mapping[str, EmbeddingBagConfig],
     axis: ShardAxis,
-    constraints: Mapping[str, TableSpec] | None = None,
+    constraints: Mapping[str, TableSpec | TableConstraint] | None = None,
     topology: Topology | None = None,
 ) -> tuple[dict[str, Choice], PositionTotals]:
     """Choose a spec per table FQN (see the module doc); the choices and their totals.
@@ -191,10 +226,19 @@ def plan_tables(
     options: dict[str, list[tuple[TableSpec, TableCost]]] = {}
     least: dict[str, float] = {}
     for key, cfg in tables.items():
-        specs = candidates(cfg, axis, constraints.get(key))
+        constraint = constraints.get(key)
+        specs = candidates(cfg, axis, constraint)
         if not specs:
-            raise ValueError(f"table {key!r}: no sharding spec fits a shard axis of {axis.size}")
-        options[key] = _costs(cfg, specs, axis, topology)
+            raise ValueError(
+                f"table {key!r}: no sharding spec on a shard axis of {axis.size} satisfies "
+                f"{constraint or 'the layout rules'}"
+            )
+        own = (
+            constraint.topology(cfg, topology)
+            if isinstance(constraint, TableConstraint)
+            else topology
+        )
+        options[key] = _costs(cfg, specs, axis, own)
         least[key] = min(work(c, axis, topology) for _, c in options[key])
     order = sorted(tables, key=lambda k: (-tables[k].num_embeddings * tables[k].embedding_dim, k))
     search.remaining = sum(least.values())

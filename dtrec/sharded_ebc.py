@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from dtrec.collectives import (
     PendingTensor,
@@ -43,7 +42,12 @@ from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableLayout, TableSpec
 from dtrec.placements.layout import Block
-from dtrec.placements.tensor import distribute_tensor, load_block, state_dtensor
+from dtrec.placements.tensor import (
+    distribute_tensor,
+    like_dtensor,
+    load_block,
+    state_dtensor,
+)
 from dtrec.replica_sync import sync_grads
 from dtrec.routing import Routing
 from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
@@ -186,17 +190,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             view.copy_(local)
             start += local.numel()
             old = table.weight
-            table.weight = nn.Parameter(
-                DTensor.from_local(
-                    view,
-                    old.device_mesh,
-                    old.placements,
-                    shape=old.shape,
-                    stride=old.stride(),
-                    run_check=False,
-                ),
-                requires_grad=old.requires_grad,
-            )
+            table.weight = nn.Parameter(like_dtensor(view, old), requires_grad=old.requires_grad)
 
     def _make_updater(self, optimizer: FusedOptimizer, position: int) -> FusedUpdater:
         columns = (

@@ -151,3 +151,25 @@ def test_dry_run_cli_on_the_fake_process_group(tmp_path, capsys):
     path.write_text(json.dumps({"tables": [{"name": "x", "rows": 3}]}))
     with pytest.raises(ValueError, match=r"table #0 has unknown fields \['rows'\]"):
         main(["--config", str(path), "--world-size", "8", "--shard-group-size", "8"])
+
+
+def test_table_constraints_limit_types_and_shards():
+    from dtrec.planner import TableConstraint
+
+    tables = _tables([(100_000, 64), (5000, 32), (300, 8)])
+    axis = ShardAxis(4, 1, None)
+    constraints = {
+        "m.t0": TableConstraint(types=(TableWise, ColumnWise)),
+        "m.t1": TableConstraint(min_shards=4),
+        "m.t2": TableConstraint(max_shards=1, pooling_factor=50.0),
+    }
+    choices, _ = plan_tables(tables, axis, constraints, TOPOLOGY)
+    assert isinstance(choices["m.t0"].spec, (TableWise, ColumnWise))
+    assert isinstance(choices["m.t1"].spec, (RowWise, ColumnWise))  # the 4-way cuts
+    assert isinstance(choices["m.t2"].spec, (TableWise, DataParallel))
+    # The pooling factor reaches the cost: 50 ids per bag cost more than the default 10.
+    busy = plan_tables(tables, axis, {"m.t2": TableConstraint(pooling_factor=50.0)}, TOPOLOGY)
+    idle = plan_tables(tables, axis, {"m.t2": TableConstraint(pooling_factor=1.0)}, TOPOLOGY)
+    assert busy[0]["m.t2"].cost.hbm_bytes.sum() > idle[0]["m.t2"].cost.hbm_bytes.sum()
+    with pytest.raises(ValueError, match="m.t2.*satisfies TableConstraint"):
+        plan_tables(tables, axis, {"m.t2": TableConstraint(types=(RowWise,), min_shards=5)})

@@ -16,7 +16,13 @@ from dtrec.placements.specs import (
     TableWise,
 )
 
+SPEC_TYPES = {
+    cls.__name__: cls for cls in (DataParallel, TableWise, RowWise, ColumnWise, TableRowWise, Grid)
+}
+"""Every spec class by name (plans in JSON name their specs this way)."""
+
 __all__ = [
+    "SPEC_TYPES",
     "Block",
     "ColumnWise",
     "DataParallel",

@@ -119,3 +119,11 @@ def full_tensor(value: Tensor) -> Tensor:
             full = value.to_local().new_empty(value.shape)
         dist.broadcast(full, src=members[0])
     return full.detach().cpu().clone()
+
+
+def like_dtensor(local: Tensor, like: DTensor) -> DTensor:
+    """``local`` as this rank's part of a DTensor placed and shaped like ``like`` (no copy)."""
+    return DTensor.from_local(
+        local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(),
+        run_check=False,
+    )  # fmt: skip

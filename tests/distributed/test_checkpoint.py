@@ -372,7 +372,7 @@ def test_mismatch_errors_name_key_and_values(worlds) -> None:
         assert "no complete checkpoint" in e["no_checkpoint"]
         assert "missing files ['__1_0.distcp']" in e["missing_file"], e["missing_file"]
         assert e["corrupt_file"].startswith("CheckpointError"), e["corrupt_file"]
-        assert "reading" in e["corrupt_file"] and "UnpicklingError" in e["corrupt_file"]
+        assert "read of" in e["corrupt_file"] and "UnpicklingError" in e["corrupt_file"]
         assert r["unchanged_after_errors"]
 
 
