@@ -16,10 +16,11 @@ routes by), for a batch of ``B`` samples per rank and ``L`` ids per bag on avera
   (sparse all-gather or dense all-reduce, whichever is smaller, as ``replica_sync``),
   over the world for data-parallel tables.
 
-Time per position = HBM bytes / HBM bandwidth + max(sent, received) over the shard axis
-/ its link bandwidth + replicate-axis bytes / theirs. Links: a group whose ranks sit on
-one node (``Topology.node_size``; replica groups are contiguous ranks) uses the
-intra-node bandwidth, else the inter-node one. A model for ranking plans, not a
+Time per position = HBM bytes / HBM bandwidth + max(sent, received) to shard-axis peers
+on its node / the intra-node bandwidth + the same for peers on other nodes / the
+inter-node bandwidth + replicate-axis (or world) bytes / the bandwidth of that group's
+link: intra-node when all its ranks sit on one node (``Topology.node_size``; replica
+groups are contiguous ranks), else inter-node. A model for ranking plans, not a
 simulator: it ignores overlap, latency and the dense part of the model.
 """
 
@@ -147,10 +148,21 @@ class UniformIds:
         )
 
 
-ARRAYS = ("memory", "hbm_bytes", "shard_sent", "shard_received", "replica_bytes", "world_bytes")
-"""The per-position quantities, rows of a ``[6, S]`` stack (so sums are one numpy op):
-memory bytes, HBM bytes moved, bytes sent / received over the shard axis, bytes sent
-over the replicate axis (sync of sharded blocks) and over the world (data-parallel)."""
+ARRAYS = (
+    "memory",
+    "hbm_bytes",
+    "sent_intra",
+    "received_intra",
+    "sent_inter",
+    "received_inter",
+    "replica_bytes",
+    "world_bytes",
+)
+"""The per-position quantities, rows of a ``[len(ARRAYS), S]`` stack (sums are one numpy
+op): memory bytes, HBM bytes moved, shard-axis bytes sent / received to positions on the
+same node and on other nodes, bytes sent over the replicate axis (sync of sharded
+blocks) and over the world (data-parallel tables)."""
+MEMORY, HBM, SENT_INTRA, RECEIVED_INTRA, SENT_INTER, RECEIVED_INTER, REPLICA, WORLD = range(8)
 
 
 class PerPosition:
@@ -161,12 +173,28 @@ class PerPosition:
             positions if isinstance(positions, np.ndarray) else np.zeros((len(ARRAYS), positions))
         )
 
-    memory = property(lambda self: self.stack[0])
-    hbm_bytes = property(lambda self: self.stack[1])
-    shard_sent = property(lambda self: self.stack[2])
-    shard_received = property(lambda self: self.stack[3])
-    replica_bytes = property(lambda self: self.stack[4])
-    world_bytes = property(lambda self: self.stack[5])
+    memory = property(lambda self: self.stack[MEMORY])
+    hbm_bytes = property(lambda self: self.stack[HBM])
+    replica_bytes = property(lambda self: self.stack[REPLICA])
+    world_bytes = property(lambda self: self.stack[WORLD])
+
+    @property
+    def shard_sent(self) -> np.ndarray:
+        return self.stack[SENT_INTRA] + self.stack[SENT_INTER]
+
+    @property
+    def shard_received(self) -> np.ndarray:
+        return self.stack[RECEIVED_INTRA] + self.stack[RECEIVED_INTER]
+
+
+def node_of_positions(axis: ShardAxis, topology: Topology) -> np.ndarray:
+    """Which node each shard position's ranks sit on (position p: ranks p R .. p R + R - 1);
+    positions spanning several nodes get a node each (no peer shares it)."""
+    if axis.per_node is not None:
+        per_node = axis.per_node
+    else:
+        per_node = max(1, topology.node_size // axis.replicas)
+    return np.arange(axis.size) // per_node
 
 
 class TableCost(PerPosition):
@@ -203,8 +231,11 @@ def table_cost(
     per_row, per_element = OPTIMIZER_STATE[topology.optimizer]
     cost = TableCost(s_size, with_comm)
     peers: dict[tuple[int, int], int] = {}
+    peer_positions: dict[tuple[int, int], list[int]] = {}
     for block in layout.blocks:
         peers[block.rows] = peers.get(block.rows, 0) + 1
+        peer_positions.setdefault(block.rows, []).append(block.position)
+    node = node_of_positions(axis, topology)
     for block in layout.blocks:
         p, rows, cols = block.position, block.num_rows, block.num_cols
         state = rows * per_row + rows * cols * per_element
@@ -217,24 +248,24 @@ def table_cost(
             touched = ids.unique(s_size * batch * pooling, *block.rows)
             sync_group, sync_kind = axis.replicas, "grad_sync.replicate"
             others = np.arange(s_size) != p
+            near = others & (node == node[p])  # peers on p's node
+            far = others & (node != node[p])
             lengths, id_bytes = 8 * batch * features, 8 * batch * pooling * ids.mass(*block.rows)
-            cost.shard_sent[others] += lengths + id_bytes
-            cost.shard_received[p] += (s_size - 1) * (lengths + id_bytes)
+            partials = batch * features * cols * 4
+            # To the block's owner: ids (input-dist) and the partials' gradients (backward);
+            # from it: the partials (output-dist forward).
+            _exchange(cost.stack, p, near, far, lengths + id_bytes + partials, partials)
             cost.add("input_dist.lengths", others, lengths)
             cost.add("input_dist.id_values", others, id_bytes)
-            partials = batch * features * cols * 4
-            cost.shard_sent[p] += (s_size - 1) * partials  # forward: to every source
-            cost.shard_received[others] += partials
             cost.add("output_dist", p, (s_size - 1) * partials)
-            cost.shard_sent[others] += partials  # backward: gradients of the partials
-            cost.shard_received[p] += (s_size - 1) * partials
             cost.add("output_dist.backward", others, partials)
             c = peers[block.rows]
             if c > 1 and per_row:  # exact row-wise Adagrad: row norms over column peers
                 union = ids.unique(world * batch * pooling, *block.rows)
                 norms = 2 * (c - 1) / c * 4 * union
-                cost.shard_sent[p] += norms
-                cost.shard_received[p] += norms
+                spread = len({node[q] for q in peer_positions[block.rows]}) > 1
+                cost.stack[SENT_INTER if spread else SENT_INTRA, p] += norms
+                cost.stack[RECEIVED_INTER if spread else RECEIVED_INTRA, p] += norms
                 cost.add("optim.row_sq_sum", p, norms)
         sources = 1 if layout.batch_local else s_size
         buffers = n_ids * 8 + 2 * sources * batch * features * cols * 4  # ids, outputs, grads
@@ -250,6 +281,22 @@ def table_cost(
             cost.add(f"{sync_kind}.{'dense' if dense < sparse else 'sparse'}", p, sent)
             cost.add(f"{sync_kind}.counts", p, (sync_group - 1) * 8)
     return cost
+
+
+def _exchange(
+    stack: np.ndarray, p: int, near: np.ndarray, far: np.ndarray, to_p: float, from_p: float
+) -> None:
+    """Every peer (``near``: same node, ``far``: other nodes) sends ``to_p`` bytes to
+    position p, and p sends ``from_p`` bytes to each of them."""
+    n_near, n_far = int(near.sum()), int(far.sum())
+    stack[SENT_INTRA, near] += to_p
+    stack[SENT_INTER, far] += to_p
+    stack[RECEIVED_INTRA, p] += n_near * to_p
+    stack[RECEIVED_INTER, p] += n_far * to_p
+    stack[SENT_INTRA, p] += n_near * from_p
+    stack[SENT_INTER, p] += n_far * from_p
+    stack[RECEIVED_INTRA, near] += from_p
+    stack[RECEIVED_INTER, far] += from_p
 
 
 def link_bandwidth(group_span: int, topology: Topology) -> float:
@@ -279,12 +326,12 @@ class PositionTotals(PerPosition):
 def step_time(stack: np.ndarray, axis: ShardAxis, topology: Topology) -> np.ndarray:
     """Seconds per step per position of a ``[len(ARRAYS), S]`` stack (see module doc)."""
     replicas, world = axis.replicas, axis.size * axis.replicas
-    shard_bw = link_bandwidth((axis.size - 1) * replicas + 1, topology)
     return (
-        stack[1] / topology.hbm_bandwidth
-        + np.maximum(stack[2], stack[3]) / shard_bw
-        + stack[4] / link_bandwidth(replicas, topology)
-        + stack[5] / link_bandwidth(world, topology)
+        stack[HBM] / topology.hbm_bandwidth
+        + np.maximum(stack[SENT_INTRA], stack[RECEIVED_INTRA]) / topology.intra_node_bandwidth
+        + np.maximum(stack[SENT_INTER], stack[RECEIVED_INTER]) / topology.inter_node_bandwidth
+        + stack[REPLICA] / link_bandwidth(replicas, topology)
+        + stack[WORLD] / link_bandwidth(world, topology)
     )
 
 
