@@ -324,14 +324,18 @@ class PositionTotals(PerPosition):
 
 
 def step_time(stack: np.ndarray, axis: ShardAxis, topology: Topology) -> np.ndarray:
-    """Seconds per step per position of a ``[len(ARRAYS), S]`` stack (see module doc)."""
+    """Seconds per step per position of a ``[..., len(ARRAYS), S]`` stack (module doc)."""
     replicas, world = axis.replicas, axis.size * axis.replicas
+
+    def row(i: int) -> np.ndarray:
+        return stack[..., i, :]
+
     return (
-        stack[HBM] / topology.hbm_bandwidth
-        + np.maximum(stack[SENT_INTRA], stack[RECEIVED_INTRA]) / topology.intra_node_bandwidth
-        + np.maximum(stack[SENT_INTER], stack[RECEIVED_INTER]) / topology.inter_node_bandwidth
-        + stack[REPLICA] / link_bandwidth(replicas, topology)
-        + stack[WORLD] / link_bandwidth(world, topology)
+        row(HBM) / topology.hbm_bandwidth
+        + np.maximum(row(SENT_INTRA), row(RECEIVED_INTRA)) / topology.intra_node_bandwidth
+        + np.maximum(row(SENT_INTER), row(RECEIVED_INTER)) / topology.inter_node_bandwidth
+        + row(REPLICA) / link_bandwidth(replicas, topology)
+        + row(WORLD) / link_bandwidth(world, topology)
     )
 
 

@@ -135,6 +135,7 @@ class Search:
         self.totals = PositionTotals.zeros(axis.size)
         self.budget = topology.memory_budget
         self.remaining = 0.0  # least work of the tables not placed yet
+        self._stacked: dict[int, np.ndarray] = {}  # id(candidate list) -> their stacks
 
     def score(self, cost: TableCost | None = None) -> tuple[float, float, float]:
         stack = self.totals.stack if cost is None else self.totals.stack + cost.stack
@@ -143,12 +144,22 @@ class Search:
         bound = max(float(time.max()), (total + self.remaining) / self.axis.size)
         return bound, total, float(stack[0].max())
 
-    def fits(self, cost: TableCost) -> bool:
-        return bool(np.all(self.totals.stack[0] + cost.stack[0] <= self.budget))
-
     def best(self, costs: list[tuple[TableSpec, TableCost]]) -> tuple[TableSpec, TableCost] | None:
-        feasible = [(self.score(c), i) for i, (_, c) in enumerate(costs) if self.fits(c)]
-        return costs[min(feasible)[1]] if feasible else None
+        """The candidate with the lowest score that fits (all candidates in one numpy pass)."""
+        key = id(costs)
+        if key not in self._stacked:
+            self._stacked[key] = np.stack([c.stack for _, c in costs])
+        trial = self.totals.stack[None] + self._stacked[key]  # [candidates, rows, S]
+        time = step_time(trial, self.axis, self.topology)
+        total = time.sum(1)
+        bound = np.maximum(time.max(1), (total + self.remaining) / self.axis.size)
+        memory = trial[:, 0].max(1)
+        fits = np.flatnonzero(memory <= self.budget)
+        if not fits.size:
+            return None
+        # Lowest (bound, total, memory), then the first candidate: as min() over tuples.
+        pick = fits[np.lexsort((fits, memory[fits], total[fits], bound[fits]))[0]]
+        return costs[pick]
 
     def missing(self, costs: list[tuple[TableSpec, TableCost]]) -> tuple[float, TableSpec]:
         """Bytes the cheapest candidate lacks on its fullest position, and that candidate."""
