@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 
 import torch
@@ -63,8 +65,10 @@ def distribute_module(
     collections = find_collections(model)
     if not collections:
         raise ValueError("model has no dtrec.EmbeddingBagCollection to distribute")
-    check_plan_keys(dict(plan or {}), model_tables(model))
+    tables = model_tables(model)
+    check_plan_keys(dict(plan or {}), tables)
     full_plan = make_plan(model, mesh, constraints=plan)
+    check_same_on_every_rank(tables, full_plan, optimizer, sync_every)
 
     sharded: dict[str, ShardedEmbeddingBagCollection] = {}
     for fqn, ebc in collections.items():
@@ -96,6 +100,52 @@ def distribute_module(
     model.sharding_plan = full_plan
     model.fused_optimizer = fused
     return model
+
+
+def check_same_on_every_rank(
+    tables: Mapping[str, object],
+    plan: Mapping[str, TableSpec],
+    optimizer: FusedOptimizer | None,
+    sync_every: int | None,
+) -> None:
+    """ValueError on every rank if ranks disagree on the tables, the plan or the optimizer.
+
+    Ranks that shard different models would otherwise exchange mismatched buffers (or
+    hang) at the first step. One small all-gather of a digest; the full descriptions
+    only travel when the digests differ, to say what differs.
+    """
+    described = {
+        "tables": {k: repr(v) for k, v in sorted(tables.items())},
+        "plan": {k: repr(v) for k, v in sorted(plan.items())},
+        "fused optimizer": repr(optimizer),
+        "sync_every": repr(sync_every),
+    }
+    text = json.dumps(described, sort_keys=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    digests: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1:
+        return
+    everyone: list[dict | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, described)
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    first = everyone[differ[0]]
+    assert first is not None and everyone[0] is not None
+    detail = ""
+    for part, mine in everyone[0].items():
+        theirs = first[part]
+        if mine == theirs:
+            continue
+        if isinstance(mine, dict):
+            keys = sorted(set(mine) | set(theirs))
+            key = next(k for k in keys if mine.get(k) != theirs.get(k))
+            part, mine, theirs = f"{part} {key!r}", mine.get(key), theirs.get(key)
+        detail = f"{part}: rank 0 has {mine}, rank {differ[0]} has {theirs}"
+        break
+    raise ValueError(
+        f"distribute_module: ranks {differ} disagree with rank 0 on the model or plan ({detail}); "
+        "every rank must distribute the same model config with the same plan and optimizer"
+    )
 
 
 class FusedOptimizerView:

@@ -140,6 +140,17 @@ def _bad_input(rank: int) -> dict:
     with torch.device("meta"):
         on_meta = dtrec.EmbeddingBagCollection([dtrec.EmbeddingBagConfig("m", 10, 4)])
     out["meta"] = error_of(lambda: dtrec.distribute_module(on_meta, mesh, {"m": RowWise()}))
+    # Ranks that disagree on a table or on the plan: every rank refuses, before any step.
+    from tests.distributed.numerics import TinyModel, make_tables
+
+    tables = make_tables(False)
+    if rank == 2:
+        tables[0] = dtrec.EmbeddingBagConfig("t0", 51, 8, ["f0", "f1"], "sum")
+    out["config_mismatch"] = error_of(
+        lambda: dtrec.distribute_module(TinyModel(tables), mesh, plan)
+    )
+    other = {**plan, "sparse.t1": TableWise(rank=1)} if rank == 1 else plan
+    out["plan_mismatch"] = error_of(lambda: dtrec.distribute_module(_model(), mesh, other))
     return out
 
 
@@ -320,6 +331,15 @@ def test_bad_batch_fails_every_rank_cleanly(results) -> None:
         assert by_rank[rank]["recovers"] == "ok", by_rank[rank]
     assert by_rank[3]["missing_key"].startswith("KeyError") and "'f3'" in by_rank[3]["missing_key"]
     assert "rank(s) [3]" in by_rank[0]["missing_key"]
+
+
+def test_ranks_that_disagree_on_model_or_plan_all_refuse(results) -> None:
+    for r in results:
+        config, plan = r["bad_input"]["config_mismatch"], r["bad_input"]["plan_mismatch"]
+        assert config.startswith("ValueError") and "ranks [2] disagree" in config, config
+        assert "num_embeddings=50" in config and "num_embeddings=51" in config, config
+        assert plan.startswith("ValueError") and "ranks [1] disagree" in plan, plan
+        assert "plan 'sparse.t1'" in plan and "TableWise(rank=1)" in plan, plan
 
 
 def test_plans_that_do_not_fit_are_clear_errors(results) -> None:
