@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import platform
 import shutil
@@ -47,6 +46,7 @@ from benchmarks.distributed import (
     make_batch,
     table_kinds,
     workload,
+    write_report,
 )
 from tests.multiprocess import WorldError, run_world
 
@@ -237,10 +237,7 @@ def main(argv: list[str] | None = None) -> None:
             },
             "results": results,
         }
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"\nwrote {args.json}")
+        write_report(args.json, report)
 
 
 if __name__ == "__main__":

@@ -843,6 +843,14 @@ def _meta(argv: list[str], w: Workload) -> dict:
     }
 
 
+def write_report(path: str, report: dict) -> None:
+    """A benchmark's JSON report at ``path`` (its folder made if needed)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nwrote {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -889,10 +897,7 @@ def main(argv: list[str] | None = None) -> None:
             print("WARNING: dtrec's sources changed during the run (see meta.dtrec_at_end)")
     print_cost_model(cost_table)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"\nwrote {args.json}")
+        write_report(args.json, report)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
 import sys
-import tempfile
 import time
 
 import torch
@@ -37,6 +35,7 @@ from benchmarks.distributed import (
     run_config,
     table_kinds,
     workload,
+    write_report,
 )
 from dtrec.config import EmbeddingBagConfig
 from dtrec.cost_model import Topology, table_cost, totals
@@ -189,11 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"pairs the model tells apart: {r['pairs_told_apart']}, ordered alike: "
               f"{r['pairs_ordered_alike']}, disagreeing: {r['pairs_disagreeing']}")  # fmt: skip
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)) or tempfile.gettempdir(),
-                    exist_ok=True)  # fmt: skip
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"wrote {args.json}")
+        write_report(args.json, report)
 
 
 if __name__ == "__main__":
