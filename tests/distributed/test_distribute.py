@@ -270,8 +270,53 @@ def _bf16(rank: int) -> dict:
     return out
 
 
+def _determinism(rank: int) -> dict:
+    """Same seed, plan and batches twice: bit-identical weights and fused state (CPU)."""
+    import torch
+
+    import dtrec
+    from dtrec.checkpoint import full_state_dict, full_tensor
+    from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
+
+    mesh = dtrec.init_mesh("cpu", 2)  # 4 ranks: S=2, R=2 (replica sync included)
+    plan = {
+        "sparse.t0": RowWise(),
+        "sparse.t1": TableWise(rank=1),
+        "sparse.t2": ColumnWise(),
+        "sparse.t3": DataParallel(),
+    }
+    fused = {
+        "torch_sgd": None,
+        "rowwise_adagrad": dtrec.optim.RowWiseAdagrad(lr=0.1),
+        "adam": dtrec.optim.Adam(lr=0.05),
+    }
+
+    def run(optimizer) -> dict:
+        model = dtrec.distribute_module(_model(), mesh, plan, optimizer=optimizer)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=0.1)
+        for step in range(3):
+            model(_batch(rank + 10 * step)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        state = full_state_dict(model)
+        if optimizer is not None:
+            for table, entries in model.fused_optimizer.state_dict().items():
+                state.update({f"{table}.{k}": full_tensor(v) for k, v in entries.items()})
+        return state
+
+    out = {}
+    for name, optimizer in fused.items():
+        first, second = run(optimizer), run(optimizer)
+        out[name] = sorted(first) == sorted(second) and all(
+            torch.equal(first[k], second[k]) for k in first
+        )
+    return out
+
+
 def _all_checks(rank: int, world: int) -> dict:
     return {
+        "determinism": _determinism(rank),
         "bf16": _bf16(rank),
         "fused": _fused(rank),
         "round_trips": _round_trips(rank),
@@ -396,3 +441,11 @@ def test_bf16_tables(results) -> None:
             assert b["dtype"] == "torch.bfloat16", (rank, name)
             assert b["max_rel_err"] < 1e-2, (rank, name, b["max_rel_err"])
             assert b["weights_bf16"] and b["updated"], (rank, name, b)
+
+
+def test_two_runs_are_bit_identical(results) -> None:
+    for rank, r in enumerate(results):
+        assert r["determinism"] == {"torch_sgd": True, "rowwise_adagrad": True, "adam": True}, (
+            rank,
+            r["determinism"],
+        )
