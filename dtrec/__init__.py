@@ -13,6 +13,7 @@ from dtrec.collectives import CollectiveError, CommStats, comm_stats, count_comm
 from dtrec.config import EmbeddingBagConfig
 from dtrec.cost_model import Topology
 from dtrec.distribute import distribute_module
+from dtrec.failures import report_failures
 from dtrec.mesh import init_mesh
 from dtrec.modules import EmbeddingBagCollection
 from dtrec.pipeline import TrainPipeline
@@ -44,4 +45,5 @@ __all__ = [
     "optim",
     "placements",
     "plan",
+    "report_failures",
 ]

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from dtrec.failures import failed_peers
+
 
 @dataclass
 class CommStats:
@@ -101,11 +103,14 @@ def collective(
     try:
         yield
     except RuntimeError as exc:
+        members = list(range(dist.get_world_size())) if group is None else None
         ranks = "the default group" if group is None else dist.get_process_group_ranks(group)
+        reports = failed_peers(members if members is not None else ranks)
+        blame = "".join(f"; rank {r} failed first: {why}" for r, why in sorted(reports.items()))
         raise CollectiveError(
-            f"rank {dist.get_rank()}: collective {kind!r} over ranks {ranks} failed; a peer "
-            f"may have died or stopped calling collectives (the process group's timeout bounds "
-            f"the wait): {exc}"
+            f"rank {dist.get_rank()}: collective {kind!r} over ranks {ranks} failed{blame}; a "
+            f"peer may have died or stopped calling collectives (the process group's timeout "
+            f"bounds the wait): {exc}"
         ) from exc
     elapsed = time.perf_counter() - start
     for stats in _active:

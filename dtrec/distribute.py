@@ -13,6 +13,7 @@ from torch.distributed._composable import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from dtrec.failures import install_excepthook
 from dtrec.mesh import shard_axis
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
@@ -69,6 +70,7 @@ def distribute_module(
     check_plan_keys(dict(plan or {}), tables)
     full_plan = make_plan(model, mesh, constraints=plan)
     check_same_on_every_rank(tables, full_plan, optimizer, sync_every)
+    install_excepthook()  # an uncaught exception on a rank names it in its peers' errors
 
     sharded: dict[str, ShardedEmbeddingBagCollection] = {}
     for fqn, ebc in collections.items():

@@ -117,3 +117,48 @@ def test_stalled_rank_times_out_on_peers(tmp_path) -> None:
         # gloo words it "Timed out waiting ..." or "Application timeout caused pair closure"
         assert "timed out" in r["error"].lower() or "timeout caused" in r["error"], (rank, r)
         assert STALL_TIMEOUT_S * 0.9 < r["seconds"] < 60, (rank, r)
+
+
+def _run_raises_in_forward(rank: int, world: int) -> dict:
+    """Rank 1 raises in its dense forward (after the sparse forward's collectives), inside
+    ``dtrec.report_failures()``; its peers, waiting in the backward, must name it."""
+    import time
+
+    import torch
+
+    import dtrec
+    from dtrec.placements import RowWise
+    from tests.distributed.numerics import TinyModel, make_batch, make_tables
+
+    tables = make_tables(weighted=False)
+    mesh = dtrec.init_mesh("cpu", world)
+    torch.manual_seed(0)
+    model = dtrec.distribute_module(
+        TinyModel(tables), mesh, {f"sparse.{cfg.name}": RowWise() for cfg in tables}
+    )
+    kjt, target = make_batch(tables, 4, False, torch.Generator().manual_seed(rank))
+    start = time.monotonic()
+    try:
+        with dtrec.report_failures():
+            pooled = model.sparse(kjt).values()
+            if rank == 1:
+                raise RuntimeError("bad feature transform on this rank")
+            (model.dense(pooled).squeeze(1) - target).pow(2).mean().backward()
+    except dtrec.CollectiveError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - start}
+    except RuntimeError as exc:
+        return {"raised": str(exc)}  # then this process exits: its peers see the link close
+    return {"error": None}
+
+
+def test_rank_raising_in_forward_is_named_by_its_peers() -> None:
+    results = run_world(
+        WORLD, _run_raises_in_forward, timeout=120, collective_timeout=COLLECTIVE_TIMEOUT_S,
+        may_die={1},
+    )  # fmt: skip
+    assert results[1] == {"raised": "bad feature transform on this rank"}
+    for rank in (0, 2):
+        r = results[rank]
+        assert r["error"] is not None, (rank, r)
+        assert "rank 1 failed first: RuntimeError: bad feature transform" in r["error"], r
+        assert r["seconds"] < COLLECTIVE_TIMEOUT_S, (rank, r)
