@@ -69,7 +69,13 @@ def distribute_module(
     tables = model_tables(model)
     check_plan_keys(dict(plan or {}), tables)
     full_plan = make_plan(model, mesh, constraints=plan)
-    check_same_on_every_rank(tables, full_plan, optimizer, sync_every)
+    on_meta = any(
+        ebc.embedding_bags[cfg.name].weight.is_meta
+        for ebc in collections.values()
+        for cfg in ebc.embedding_bag_configs()
+    )
+    seed = torch.initial_seed() if on_meta else 0  # meta tables: every rank inits its blocks
+    check_same_on_every_rank(tables, full_plan, optimizer, sync_every, seed)
     install_excepthook()  # an uncaught exception on a rank names it in its peers' errors
 
     sharded: dict[str, ShardedEmbeddingBagCollection] = {}
@@ -77,15 +83,8 @@ def distribute_module(
         tables = ebc.embedding_bag_configs()
         specs = {cfg.name: full_plan[table_fqn(fqn, cfg.name)] for cfg in tables}
         weights = {cfg.name: ebc.embedding_bags[cfg.name].weight for cfg in tables}
-        on_meta = [name for name, w in weights.items() if w.is_meta]
-        if on_meta:
-            raise ValueError(
-                f"table(s) {on_meta} of {fqn or 'the model'!r} are on the meta device: dtrec "
-                "shards real weights (meta-device initialisation is not supported yet); build "
-                "the collection on cpu or cuda"
-            )
         sharded[fqn] = ShardedEmbeddingBagCollection(
-            tables, weights, mesh, specs, optimizer, ebc.bounds_check, sync_every
+            tables, weights, mesh, specs, optimizer, ebc.bounds_check, sync_every, seed
         )
     fused = FusedOptimizerView(sharded, optimizer) if optimizer is not None else None
     if "" in sharded:
@@ -97,6 +96,14 @@ def distribute_module(
         setattr(model.get_submodule(parent_name), attr, module)
 
     sharded_params = {id(p) for m in sharded.values() for p in m.parameters()}
+    dense_meta = [
+        n for n, p in model.named_parameters() if p.is_meta and id(p) not in sharded_params
+    ]
+    if dense_meta:
+        raise ValueError(
+            f"parameters {dense_meta[:5]} are on the meta device: only embedding tables may "
+            "be (each rank then creates its own blocks); build the dense part on cpu or cuda"
+        )
     if any(id(p) not in sharded_params for p in model.parameters()):
         replicate(model, ignored_modules=list(sharded.values()))
     model.sharding_plan = full_plan
@@ -109,8 +116,10 @@ def check_same_on_every_rank(
     plan: Mapping[str, TableSpec],
     optimizer: FusedOptimizer | None,
     sync_every: int | None,
+    init_seed: int = 0,
 ) -> None:
-    """ValueError on every rank if ranks disagree on the tables, the plan or the optimizer.
+    """ValueError on every rank if ranks disagree on the tables, the plan, the optimizer
+    or (meta-device tables) the init seed.
 
     Ranks that shard different models would otherwise exchange mismatched buffers (or
     hang) at the first step. One small all-gather of a digest; the full descriptions
@@ -121,6 +130,7 @@ def check_same_on_every_rank(
         "plan": {k: repr(v) for k, v in sorted(plan.items())},
         "fused optimizer": repr(optimizer),
         "sync_every": repr(sync_every),
+        "meta-device init seed (torch.initial_seed(); seed every rank alike)": repr(init_seed),
     }
     text = json.dumps(described, sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()

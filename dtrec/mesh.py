@@ -125,3 +125,10 @@ def positions_mesh(
         sub = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(*names, REPLICATE))
         _SUBMESHES[key] = (mesh, sub)
     return _SUBMESHES[key][1]
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's tensors on ``mesh`` live on (the current CUDA device on GPU)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)

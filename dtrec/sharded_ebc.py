@@ -18,6 +18,7 @@ tables) and scaled by 1 / world size, so all ranks' gradients are averaged.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,8 @@ from dtrec.config import EmbeddingBagConfig
 from dtrec.features import bag_lengths, check_bounds_mode, feature_order, prepare_features
 from dtrec.fused import FusedUpdater, TableUpdate, fused_lookup
 from dtrec.groups import column_groups, world_group
-from dtrec.mesh import REPLICATE, SHARD, shard_axis, shard_position
+from dtrec.mesh import REPLICATE, SHARD, mesh_device, shard_axis, shard_position
+from dtrec.ops.embedding_bag import shared_storage
 from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableLayout, TableSpec
@@ -123,6 +125,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         optimizer: FusedOptimizer | None = None,
         bounds_check: str = "on",
         sync_every: int | None = None,
+        init_seed: int = 0,
     ) -> None:
         super().__init__()
         self.bounds_check = check_bounds_mode(bounds_check)
@@ -143,8 +146,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._shard_ranks = dist.get_process_group_ranks(self._shard_group)
         layouts = [specs[cfg.name].layout(cfg, axis) for cfg in tables]
         self.embedding_bags = nn.ModuleDict()
+        into = self._packed_meta_blocks(tables, weights, layouts, position, mesh)
         for cfg, layout in zip(tables, layouts, strict=True):
-            dtensor = distribute_tensor(weights[cfg.name], mesh, specs[cfg.name], cfg.name)
+            dtensor = distribute_tensor(
+                weights[cfg.name], mesh, specs[cfg.name], cfg.name, init_seed, into.get(cfg.name)
+            )
             block = layout.block_at(position)
             if block is not None and tuple(dtensor.to_local().shape) != (
                 block.num_rows,
@@ -170,6 +176,33 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._received_cols = self._routing.received_columns(torch.device("cpu"))
         self._local_cols = self._routing.local_columns(torch.device("cpu"))
 
+    @staticmethod
+    def _packed_meta_blocks(
+        tables: list[EmbeddingBagConfig],
+        weights: dict[str, Tensor],
+        layouts: list[TableLayout],
+        position: int,
+        mesh: DeviceMesh,
+    ) -> dict[str, Tensor]:
+        """For meta-device tables: this rank's blocks as views of one new flat buffer, to
+        be initialised in place (already packed: no second copy of the shards)."""
+        if not tables or not all(weights[cfg.name].is_meta for cfg in tables):
+            return {}
+        dtype = weights[tables[0].name].dtype
+        shapes = {
+            cfg.name: (block.num_rows, block.num_cols)
+            for cfg, layout in zip(tables, layouts, strict=True)
+            if (block := layout.block_at(position)) is not None
+        }
+        flat = torch.empty(
+            sum(r * c for r, c in shapes.values()), dtype=dtype, device=mesh_device(mesh)
+        )
+        views, start = {}, 0
+        for name, (r, c) in shapes.items():
+            views[name] = flat[start : start + r * c].view(r, c)
+            start += r * c
+        return views
+
     def _pack_local_shards(self) -> None:
         """Put this rank's shards in one flat buffer, each parameter a view of it.
 
@@ -181,6 +214,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         locals_ = [table.weight.to_local() for table in tables]
         if len(locals_) < 2:
             return
+        shared = shared_storage(locals_)
+        if shared is not None and shared[1] == list(
+            itertools.accumulate(
+                (w.numel() for w in locals_[:-1]), initial=locals_[0].storage_offset()
+            )
+        ):
+            return  # already one buffer, in order (meta-device tables are made that way)
         flat = torch.empty(
             sum(w.numel() for w in locals_), dtype=locals_[0].dtype, device=locals_[0].device
         )

@@ -23,14 +23,22 @@ def table_mesh(mesh: DeviceMesh, layout: TableLayout) -> DeviceMesh:
 
 
 def distribute_tensor(
-    weight: Tensor, mesh: DeviceMesh, spec: TableSpec, name: str = "table"
+    weight: Tensor,
+    mesh: DeviceMesh,
+    spec: TableSpec,
+    name: str = "table",
+    seed: int = 0,
+    out: Tensor | None = None,
 ) -> DTensor:
     """Shard one ``[rows, dim]`` table over a ``dtrec.init_mesh`` mesh per ``spec``.
 
     The result's ``full_tensor()`` is ``weight`` on every rank that holds part
     of the table; ranks outside a table-wise table's sub-mesh hold an empty
     local tensor. Data comes from each sub-mesh's first rank (like torch's
-    ``distribute_tensor``). Collective: call on every rank in the same order.
+    ``distribute_tensor``). A ``weight`` on the meta device is not copied: every rank
+    creates its own block with ``dtrec.init.table_block`` (default init from ``seed``,
+    the same values under any plan), in ``out`` when given (this rank's block shape).
+    Collective: call on every rank in the same order.
 
     Example::
 
@@ -48,8 +56,37 @@ def distribute_tensor(
         raise ValueError(f"table {name!r}: has no rows")
     sub = table_mesh(mesh, layout)
     register_dtensor_rules()  # so dtrec's ops run on the result through DTensor dispatch
+    if weight.is_meta:  # each rank makes its own block: no full table anywhere
+        return _init_on_ranks(name, weight, mesh, layout, sub, seed, out)
     with torch.no_grad():
         return _torch_distribute_tensor(weight.detach(), sub, list(layout.placements))
+
+
+def _init_on_ranks(
+    name: str,
+    weight: Tensor,
+    mesh: DeviceMesh,
+    layout: TableLayout,
+    sub: DeviceMesh,
+    seed: int,
+    out: Tensor | None,
+) -> DTensor:
+    from dtrec.init import table_block
+    from dtrec.mesh import mesh_device, shard_position
+
+    rows, dim = weight.shape
+    device = mesh_device(mesh)
+    position = shard_position(mesh)
+    block = None if position is None else layout.block_at(position)
+    if block is None:
+        local = torch.empty(0, dim, dtype=weight.dtype, device=device)
+    else:
+        local = table_block(
+            name, rows, dim, block.rows, block.cols, seed, weight.dtype, device, out=out
+        )
+    return DTensor.from_local(
+        local, sub, list(layout.placements), shape=(rows, dim), stride=(dim, 1), run_check=False
+    )
 
 
 def state_dtensor(state: Tensor, weight: DTensor, kind: str) -> Tensor:

@@ -138,8 +138,8 @@ def _bad_input(rank: int) -> dict:
         lambda: dtrec.distribute_module(torch.nn.Linear(2, 2), mesh, {})
     )
     with torch.device("meta"):
-        on_meta = dtrec.EmbeddingBagCollection([dtrec.EmbeddingBagConfig("m", 10, 4)])
-    out["meta"] = error_of(lambda: dtrec.distribute_module(on_meta, mesh, {"m": RowWise()}))
+        dense_on_meta = _model()  # tables may be on meta, dense parameters may not
+    out["meta"] = error_of(lambda: dtrec.distribute_module(dense_on_meta, mesh, plan))
     # Ranks that disagree on a table or on the plan: every rank refuses, before any step.
     from tests.distributed.numerics import TinyModel, make_tables
 
@@ -314,8 +314,49 @@ def _determinism(rank: int) -> dict:
     return out
 
 
+def _meta_tables(rank: int) -> dict:
+    """Tables on the meta device: each rank creates only its blocks; the same full tables
+    under two plans, equal to ``dtrec.init.table_block`` of the whole table."""
+    import torch
+
+    import dtrec
+    from dtrec.checkpoint import full_state_dict
+    from dtrec.init import table_block
+    from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
+    from tests.distributed.numerics import TinyModel, make_tables
+
+    plans = [
+        {"sparse.t0": RowWise(), "sparse.t1": TableWise(rank=1), "sparse.t2": ColumnWise(),
+         "sparse.t3": DataParallel()},
+        {"sparse.t0": ColumnWise(), "sparse.t1": RowWise(), "sparse.t2": TableWise(rank=0),
+         "sparse.t3": RowWise()},
+    ]  # fmt: skip
+    fulls = []
+    for shards, plan in zip((2, 4), plans):
+        torch.manual_seed(7)
+        model = TinyModel(make_tables(False))
+        model.sparse = dtrec.EmbeddingBagCollection(make_tables(False), device="meta")
+        model = dtrec.distribute_module(model, dtrec.init_mesh("cpu", shards), plan)
+        loss = model(_batch(rank)).square().sum()  # trains like any sharded model
+        loss.backward()
+        fulls.append({k: v for k, v in full_state_dict(model).items() if "embedding_bags" in k})
+    want = {
+        f"sparse.embedding_bags.{cfg.name}.weight": table_block(
+            cfg.name, cfg.num_embeddings, cfg.embedding_dim, (0, cfg.num_embeddings),
+            (0, cfg.embedding_dim), seed=7,
+        )
+        for cfg in make_tables(False)
+    }  # fmt: skip
+    return {
+        "same_under_both_plans": all(torch.equal(fulls[0][k], fulls[1][k]) for k in want),
+        "equal_to_init": all(torch.equal(fulls[0][k], want[k]) for k in want),
+        "not_all_zero": all(bool(w.abs().sum() > 0) for w in want.values()),
+    }
+
+
 def _all_checks(rank: int, world: int) -> dict:
     return {
+        "meta_tables": _meta_tables(rank),
         "determinism": _determinism(rank),
         "bf16": _bf16(rank),
         "fused": _fused(rank),
@@ -396,7 +437,8 @@ def test_plans_that_do_not_fit_are_clear_errors(results) -> None:
     assert "TableWise(rank=4)" in r["tw_rank_out_of_range"]
     assert r["not_a_spec"].startswith("TypeError") and "sparse.t3" in r["not_a_spec"]
     assert "no dtrec.EmbeddingBagCollection" in r["no_collection"]
-    assert r["meta"].startswith("ValueError") and "['m']" in r["meta"] and "meta" in r["meta"]
+    assert r["meta"].startswith("ValueError") and "dense.weight" in r["meta"], r["meta"]
+    assert "only embedding tables" in r["meta"]
 
 
 def test_planner_fills_and_resolves(results) -> None:
@@ -449,3 +491,12 @@ def test_two_runs_are_bit_identical(results) -> None:
             rank,
             r["determinism"],
         )
+
+
+def test_meta_device_tables_are_created_sharded_with_plan_independent_values(results) -> None:
+    for rank, r in enumerate(results):
+        assert r["meta_tables"] == {
+            "same_under_both_plans": True,
+            "equal_to_init": True,
+            "not_all_zero": True,
+        }, (rank, r["meta_tables"])

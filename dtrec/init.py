@@ -1,0 +1,53 @@
+"""Table initialisation that does not depend on the sharding: any block of a table can be
+made on its own, with the values it would have in the full table.
+
+Used for tables on the meta device: each rank creates only its blocks, directly on its
+device, so no rank ever holds a full table. Values are TorchRec's default init (uniform
+in +-sqrt(1 / rows)) drawn in chunks of ``CHUNK_ROWS`` rows, each chunk from a generator
+seeded by (seed, table name, chunk index): the same table under any plan, mesh or world
+size gets the same values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import Tensor
+
+CHUNK_ROWS = 1 << 14
+
+
+def _chunk_seed(seed: int, table: str, chunk: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{table}/{chunk}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def table_block(
+    table: str,
+    num_embeddings: int,
+    embedding_dim: int,
+    rows: tuple[int, int],
+    cols: tuple[int, int],
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    out: Tensor | None = None,
+) -> Tensor:
+    """Rows ``[rows)`` and columns ``[cols)`` of table ``table``'s default init (written
+    into ``out`` when given). Memory: the block plus one chunk of full-width rows."""
+    (r0, r1), (c0, c1) = rows, cols
+    bound = math.sqrt(1.0 / num_embeddings)
+    if out is None:
+        out = torch.empty(r1 - r0, c1 - c0, dtype=dtype, device=device)
+    elif tuple(out.shape) != (r1 - r0, c1 - c0):
+        raise ValueError(f"table {table!r}: out has shape {tuple(out.shape)}, block is "
+                         f"{(r1 - r0, c1 - c0)}")  # fmt: skip
+    for chunk in range(r0 // CHUNK_ROWS, -(-r1 // CHUNK_ROWS)):
+        lo, hi = chunk * CHUNK_ROWS, min((chunk + 1) * CHUNK_ROWS, num_embeddings)
+        gen = torch.Generator().manual_seed(_chunk_seed(seed, table, chunk))
+        values = torch.empty(hi - lo, embedding_dim).uniform_(-bound, bound, generator=gen)
+        a, b = max(lo, r0), min(hi, r1)
+        out[a - r0 : b - r0] = values[a - lo : b - lo, c0:c1]
+    return out
