@@ -90,10 +90,14 @@ def check_numerics(
     seed: int = 0,
     optimizer: str = "sgd",
     fused: dtrec.optim.FusedOptimizer | None = None,
+    tables: list[dtrec.EmbeddingBagConfig] | None = None,
 ) -> Result:
-    """Train sharded and unsharded side by side; return the largest differences."""
+    """Train sharded and unsharded side by side; return the largest differences.
+
+    ``tables``: the model's tables (default: ``make_tables(weighted)``).
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
-    tables = make_tables(weighted)
+    tables = tables if tables is not None else make_tables(weighted)
     torch.manual_seed(seed)
     reference = TinyModel(tables)
     sharded = dtrec.distribute_module(
