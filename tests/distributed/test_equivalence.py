@@ -5,10 +5,11 @@ Hypothesis draws the cases inside one 4-rank world. Every rank draws the same ex
 line up; each example's differences are collected and checked in the parent. Cases:
 1-4 tables (rows 1..300, rows < shards included; dims 1..9, odd ones included; one or
 two features; sum or mean pooling), a random spec per table among the types valid on a
-random (S, R) mesh with S x R = 4, per-sample weights (sum pooling), plain SGD or a
-fused optimizer; batches with empty bags and duplicate ids. After 3 steps the sharded
+random (S, R) mesh with S x R = 4 (S=4 also on nodes of 2 ranks: table-row-wise,
+grid), per-sample weights (sum pooling), plain SGD or a fused optimizer; batches with
+empty bags and duplicate ids. After 3 steps the sharded
 losses and weights must equal the unsharded model's on the global batch.
-``DTREC_EQUIVALENCE_EXAMPLES`` raises the count (the ``--slow`` profile: 200).
+``DTREC_EQUIVALENCE_EXAMPLES`` raises the count (a longer run: 150 or more).
 """
 
 from __future__ import annotations
@@ -30,15 +31,17 @@ def _run(rank: int, world: int, examples: int) -> list[dict]:
     from hypothesis import strategies as st
 
     import dtrec
-    from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
+    from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
     from tests.distributed.numerics import check_numerics
 
-    meshes = {s: dtrec.init_mesh("cpu", s) for s in (1, 2, 4)}
+    # (S, node size): plain meshes, and S=4 on nodes of 2 ranks (node-aware specs)
+    meshes = {(s, None): dtrec.init_mesh("cpu", s) for s in (1, 2, 4)}
+    meshes[(4, 2)] = dtrec.init_mesh("cpu", 4, node_size=2)
     outcomes: list[dict] = []
 
     @st.composite
     def case(draw):
-        shards = draw(st.sampled_from([1, 2, 4]))
+        shards, node = draw(st.sampled_from(sorted(meshes, key=str)))
         weighted = draw(st.booleans())
         count = draw(st.integers(1, 4))
         tables, plan = [], {}
@@ -51,9 +54,13 @@ def _run(rank: int, world: int, examples: int) -> list[dict]:
             options = [DataParallel(), TableWise(rank=draw(st.integers(0, shards - 1))), RowWise()]
             if dim >= shards:
                 options.append(ColumnWise())
+            if node is not None:  # 2 nodes of 2 shard positions
+                options.append(TableRowWise(node=draw(st.integers(0, 1))))
+                if dim >= 2:
+                    options.append(Grid())
             plan[f"t{i}"] = draw(st.sampled_from(options))
         fused = draw(st.sampled_from(["none", "sgd", "rowwise_adagrad", "adam"]))
-        return shards, weighted, tables, plan, fused
+        return (shards, node), weighted, tables, plan, fused
 
     @settings(
         max_examples=examples, derandomize=True, database=None, deadline=None,
@@ -61,14 +68,14 @@ def _run(rank: int, world: int, examples: int) -> list[dict]:
     )  # fmt: skip
     @given(case())
     def each(drawn) -> None:
-        shards, weighted, tables, plan, fused = drawn
+        mesh_key, weighted, tables, plan, fused = drawn
         optimizer = {
             "none": None,
             "sgd": dtrec.optim.SGD(lr=0.05),
             "rowwise_adagrad": dtrec.optim.RowWiseAdagrad(lr=0.1),
             "adam": dtrec.optim.Adam(lr=0.05),
         }[fused]
-        label = f"S={shards} weighted={weighted} fused={fused} " + ", ".join(
+        label = f"S,node={mesh_key} weighted={weighted} fused={fused} " + ", ".join(
             f"{t.name}({t.num_embeddings}x{t.embedding_dim},{len(t.feature_names)}f,"
             f"{t.pooling}):{plan[t.name]}"
             for t in tables
@@ -77,7 +84,7 @@ def _run(rank: int, world: int, examples: int) -> list[dict]:
             # lr 0.05: a one-row table read by every id grows fast at larger rates, and
             # fp32's absolute error with it (the comparison is absolute)
             r = check_numerics(
-                meshes[shards], plan, weighted, steps=3, lr=0.05, fused=optimizer, tables=tables
+                meshes[mesh_key], plan, weighted, steps=3, lr=0.05, fused=optimizer, tables=tables
             )
             outcomes.append({"case": label, "weight": r.max_weight_diff, "loss": r.max_loss_diff})
         except Exception:  # noqa: BLE001 - reported to the parent, same on every rank
