@@ -92,24 +92,15 @@ def _model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
     state: dict[str, Any] = {f"{MODEL}.{k}": v for k, v in model.state_dict().items() if _holds(v)}
     fused = _fused_optimizer(model)
     if fused is not None:
+        blocks = fused.blocks()  # ranks without a block keep an empty, unused state
         for table, entries in fused.state_dict().items():
             for name, value in entries.items():
-                if _holds(value) and _rank_has_table(model, table):
+                if _holds(value) and blocks[table] is not None:
                     state[f"{FUSED}.{table}.{name}"] = value
     if optimizer is not None:
         dense = get_optimizer_state_dict(model, optimizer)
         state.update(_flatten(dense, OPTIM))
     return state
-
-
-def _rank_has_table(model: nn.Module, table: str) -> bool:
-    """Whether this rank holds a block of ``table`` (others keep an empty, unused state)."""
-    for fqn, ebc in _collections(model).items():
-        bags = getattr(ebc, "embedding_bags", {})
-        for name, module in bags.items():
-            if table_fqn(fqn, name) == table:
-                return getattr(module, "block", True) is not None
-    return False
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str) -> dict[str, Any]:

@@ -103,9 +103,11 @@ def collective(
     try:
         yield
     except RuntimeError as exc:
-        members = list(range(dist.get_world_size())) if group is None else None
-        ranks = "the default group" if group is None else dist.get_process_group_ranks(group)
-        reports = failed_peers(members if members is not None else ranks)
+        if group is None:
+            peers, ranks = list(range(dist.get_world_size())), "the default group"
+        else:
+            peers = ranks = dist.get_process_group_ranks(group)
+        reports = failed_peers(peers)
         blame = "".join(f"; rank {r} failed first: {why}" for r, why in sorted(reports.items()))
         raise CollectiveError(
             f"rank {dist.get_rank()}: collective {kind!r} over ranks {ranks} failed{blame}; a "

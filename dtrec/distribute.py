@@ -184,7 +184,8 @@ class FusedOptimizerView:
             for name, state in ebc.fused_optimizer_dtensors().items()
         }
 
-    def _blocks(self) -> dict[str, Block | None]:
+    def blocks(self) -> dict[str, Block | None]:
+        """Table FQN -> this rank's block of it (None: the table has none here)."""
         return {
             table_fqn(fqn, name): table.block
             for fqn, ebc in self._collections.items()
@@ -210,7 +211,7 @@ class FusedOptimizerView:
                         f"fused optimizer state {key}.{name}: expected shape "
                         f"{tuple(tensor.shape)}, got {got}"
                     )
-        blocks = self._blocks()
+        blocks = self.blocks()
         for key, state in current.items():
             for name, tensor in state.items():
                 value = state_dict[key][name]

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from dtrec.ops.device_lists import device_list
-from dtrec.ops.embedding_bag import Lookup, shared_storage
+from dtrec.ops.embedding_bag import Lookup, packed_views, shared_storage
 
 if TYPE_CHECKING:  # the Triton modules load only when the Triton backend runs
     from dtrec.ops.triton_row_updates import FusedRowUpdate
@@ -74,13 +74,9 @@ class FusedOptimizer(ABC):
             parts = [st[key] for st in states]
             if parts[0].dim() == 0:
                 continue
-            flat = torch.zeros(
-                sum(p.numel() for p in parts), dtype=parts[0].dtype, device=parts[0].device
-            )
-            start = 0
-            for st, part in zip(states, parts, strict=True):
-                st[key] = flat[start : start + part.numel()].view(part.shape)
-                start += part.numel()
+            views = packed_views([p.shape for p in parts], parts[0].dtype, parts[0].device, True)
+            for st, view in zip(states, views, strict=True):
+                st[key] = view
         return states
 
     def update_rows(

@@ -39,7 +39,7 @@ from dtrec.features import bag_lengths, check_bounds_mode, feature_order, prepar
 from dtrec.fused import FusedUpdater, TableUpdate, fused_lookup
 from dtrec.groups import column_groups, world_group
 from dtrec.mesh import REPLICATE, SHARD, mesh_device, shard_axis, shard_position
-from dtrec.ops.embedding_bag import shared_storage
+from dtrec.ops.embedding_bag import packed_views, shared_storage
 from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableLayout, TableSpec
@@ -194,14 +194,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             for cfg, layout in zip(tables, layouts, strict=True)
             if (block := layout.block_at(position)) is not None
         }
-        flat = torch.empty(
-            sum(r * c for r, c in shapes.values()), dtype=dtype, device=mesh_device(mesh)
-        )
-        views, start = {}, 0
-        for name, (r, c) in shapes.items():
-            views[name] = flat[start : start + r * c].view(r, c)
-            start += r * c
-        return views
+        views = packed_views(list(shapes.values()), dtype, mesh_device(mesh))
+        return dict(zip(shapes, views, strict=True))
 
     def _pack_local_shards(self) -> None:
         """Put this rank's shards in one flat buffer, each parameter a view of it.
@@ -221,14 +215,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
             )
         ):
             return  # already one buffer, in order (meta-device tables are made that way)
-        flat = torch.empty(
-            sum(w.numel() for w in locals_), dtype=locals_[0].dtype, device=locals_[0].device
-        )
-        start = 0
-        for table, local in zip(tables, locals_, strict=True):
-            view = flat[start : start + local.numel()].view(local.shape)
-            view.copy_(local)
-            start += local.numel()
+        views = packed_views([w.shape for w in locals_], locals_[0].dtype, locals_[0].device)
+        for table, local, view in zip(tables, locals_, views, strict=True):
+            with torch.no_grad():  # the views become new leaf parameters below
+                view.copy_(local)
             old = table.weight
             table.weight = nn.Parameter(like_dtensor(view, old), requires_grad=old.requires_grad)
 

@@ -14,6 +14,8 @@ Layout (shared by every backend):
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,6 +60,21 @@ def shared_storage(tensors: Sequence[Tensor]) -> tuple[Tensor, list[int]] | None
     numel = first.untyped_storage().nbytes() // first.element_size()
     flat = first.new_empty(0).set_(first.untyped_storage(), 0, (numel,))
     return flat, [t.storage_offset() for t in tensors]
+
+
+def packed_views(
+    shapes: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device, zero: bool = False
+) -> list[Tensor]:
+    """Contiguous views of one new flat buffer, one per shape, in order (see
+    ``shared_storage``: what packed tables and optimizer states are made of)."""
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = (torch.zeros if zero else torch.empty)(sum(sizes), dtype=dtype, device=device)
+    starts = [0, *itertools.accumulate(sizes)]
+    # slices, not torch.split: split's views may not be written in place under autograd
+    return [
+        flat[start : start + size].view(tuple(shape))
+        for start, size, shape in zip(starts, sizes, shapes, strict=False)
+    ]
 
 
 def pooling_flags(pooling: str | Sequence[str], num_entries: int) -> list[bool]:

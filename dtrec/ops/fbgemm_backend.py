@@ -105,22 +105,19 @@ def _grouped_by_table(lookup: Lookup, grad_out: Tensor) -> tuple[Lookup, Tensor]
     psw = lookup.per_sample_weights
     psw = None if psw is None else psw.index_select(0, index)
     blocks = [grad_out[:, cols[e] : cols[e + 1]] for e in order]
-    if len(counts) == 1:  # k entries per table: one entry of k * B bags each
-        k = counts.pop()
-        merged = [torch.cat(blocks[i : i + k]) for i in range(0, len(blocks), k)]
-        mean = [lookup.mean[order[i]] for i in range(0, len(order), k)]
-        values = lookup.values.index_select(0, index)
-        grouped = Lookup(lookup.weights, tables, values, new_offsets, mean, psw)
-        return grouped, torch.cat(merged, dim=1)
+    # k entries per table: one entry of k * B bags each (k = 1: just reordered)
+    k = counts.pop() if len(counts) == 1 else 1
+    kept = order[::k]
+    columns = [torch.cat(blocks[i : i + k]) for i in range(0, len(blocks), k)]
     grouped = Lookup(
         lookup.weights,
-        [entries[e] for e in order],
+        [entries[e] for e in kept],
         lookup.values.index_select(0, index),
         new_offsets,
-        [lookup.mean[e] for e in order],
+        [lookup.mean[e] for e in kept],
         psw,
     )
-    return grouped, torch.cat(blocks, dim=1)
+    return grouped, torch.cat(columns, dim=1)
 
 
 def backward_update(
@@ -161,14 +158,13 @@ def backward_update(
         grad_out = grad_out * grad_scale if grad_out is given else grad_out.mul_(grad_scale)
     entries = list(lookup.entry_table)
     num = len(entries)
+    psw = _indice_weights(lookup)
     args = {
         "grad_output": grad_out,
         "host_weights": flat,
         "weights_placements": torch.full((num,), _HOST, dtype=torch.int32),
         "weights_offsets": torch.tensor([offsets[t] for t in entries], dtype=torch.int64),
-        "indice_weights": _indice_weights(lookup)
-        if lookup.per_sample_weights is not None
-        else torch.empty(0),
+        "indice_weights": torch.empty(0) if psw is None else psw,
         "stochastic_rounding": False,
         "learning_rate_tensor": torch.tensor(lr, dtype=torch.float32),
         **_layout(lookup),
