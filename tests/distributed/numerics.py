@@ -8,6 +8,7 @@ reports the largest differences.
 from __future__ import annotations
 
 import copy
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -52,16 +53,27 @@ class TinyModel(nn.Module):
         self.dense = nn.Linear(sum(t.embedding_dim * len(t.feature_names) for t in tables), 1)
 
     def forward(self, kjt: dtrec.KeyedJaggedTensor) -> torch.Tensor:
-        return self.dense(self.sparse(kjt).values()).squeeze(1)
+        return self.head(self.sparse(kjt).values())
+
+    def head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The dense part, in fp32 whatever the tables' dtype."""
+        return self.dense(pooled.float()).squeeze(1)
 
 
 def make_batch(
-    tables: list[dtrec.EmbeddingBagConfig], batch: int, weighted: bool, gen: torch.Generator
+    tables: list[dtrec.EmbeddingBagConfig],
+    batch: int,
+    weighted: bool,
+    gen: torch.Generator,
+    empty: Collection[str] = (),
 ) -> tuple[dtrec.KeyedJaggedTensor, torch.Tensor]:
+    """A random batch; features named in ``empty`` get no ids at all."""
     keys, values, lengths, weights = [], [], [], []
     for cfg in tables:
         for f in cfg.feature_names:
             ls = torch.randint(0, 5, (batch,), generator=gen)
+            if f in empty:
+                ls.zero_()
             keys.append(f)
             lengths.append(ls)
             values.append(torch.randint(0, cfg.num_embeddings, (int(ls.sum()),), generator=gen))
@@ -75,7 +87,19 @@ def make_batch(
 @dataclass
 class Result:
     max_weight_diff: float = 0.0
+    """Largest |sharded - unsharded| weight after the last step (bf16: in units of the bf16
+    spacing at the largest |weight| of the unsharded row, see :func:`spacing`)."""
+    max_dense_diff: float = 0.0
+    """Largest difference of the dense layer's weight (part of ``max_weight_diff`` in fp32)."""
     max_loss_diff: float = 0.0
+    max_output_diff: float = 0.0
+    """Largest difference of this rank's pooled embeddings, every step."""
+    max_grad_diff: float = 0.0
+    """Largest difference of this rank's table gradient blocks, every step (not fused)."""
+    max_output: float = 0.0
+    max_grad: float = 0.0
+    """Largest magnitudes of the unsharded pooled embeddings and gradient blocks (the
+    scale of the differences above)."""
     grads_sharded_like_weights: bool = True
     notes: list[str] = field(default_factory=list)
 
@@ -91,21 +115,32 @@ def check_numerics(
     optimizer: str = "sgd",
     fused: dtrec.optim.FusedOptimizer | None = None,
     tables: list[dtrec.EmbeddingBagConfig] | None = None,
+    dtype: torch.dtype = torch.float32,
+    sync_every: int | None = None,
+    empty: Mapping[int, Collection[str]] | None = None,
 ) -> Result:
     """Train sharded and unsharded side by side; return the largest differences.
 
-    ``tables``: the model's tables (default: ``make_tables(weighted)``).
+    ``tables``: the model's tables (default: ``make_tables(weighted)``); ``dtype``: the
+    tables' dtype (with a fused optimizer the unsharded tables stay fp32, rounded to
+    ``dtype`` after each update: fused steps take fp32 gradient rows, which a bf16
+    ``.grad`` would round); ``empty``: per rank, features its batches leave empty.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     tables = tables if tables is not None else make_tables(weighted)
+    empty = empty or {}
     torch.manual_seed(seed)
     reference = TinyModel(tables)
+    reference.sparse.to(dtype)
     sharded = dtrec.distribute_module(
         copy.deepcopy(reference),
         mesh,
         {f"sparse.{k}": v for k, v in plan.items()},
         optimizer=fused,
+        sync_every=sync_every,
     )
+    if fused is not None:
+        reference.sparse.float()
     fused_state = (
         {
             name: fused.init_state(table.weight)
@@ -122,14 +157,44 @@ def check_numerics(
     ref_opt, opt = make_opt(reference.parameters()), make_opt(sharded.parameters())
     result = Result()
     gen = torch.Generator().manual_seed(seed + 1)
+    blocks = {
+        name: table.layout.block_at(dtrec.mesh.shard_position(mesh))
+        for name, table in sharded.sparse.embedding_bags.items()
+    }
+    ref_tables = reference.sparse.embedding_bags
+
+    def block_of(name: str, full: torch.Tensor) -> torch.Tensor:
+        block = blocks[name]
+        return full[block.rows[0] : block.rows[1], block.cols[0] : block.cols[1]]
+
+    seen: dict[str, torch.Tensor] = {}
+    sharded.sparse.register_forward_hook(lambda m, i, out: seen.update(pooled=out.values()))
     for step in range(steps):
-        batches = [make_batch(tables, batch, weighted, gen) for _ in range(world)]
+        batches = [make_batch(tables, batch, weighted, gen, empty.get(r, ())) for r in range(world)]
         kjt, target = batches[rank]
-        loss = ((sharded(kjt) - target) ** 2).mean()
+        loss = ((sharded(kjt) - target) ** 2).mean()  # the root forward: dense grad sync
+        pooled = seen["pooled"]
         loss.backward()
-        if step == 0:
-            for name, table in sharded.sparse.embedding_bags.items():
-                w, g = table.weight, table.weight.grad
+
+        ref_pooled = [reference.sparse(k).values() for k, _ in batches]
+        ref_losses = [
+            ((reference.head(p) - t) ** 2).mean() for p, (_, t) in zip(ref_pooled, batches)
+        ]
+        torch.stack(ref_losses).mean().backward()
+        result.max_loss_diff = max(result.max_loss_diff, abs(loss.item() - ref_losses[rank].item()))
+        out_diff = (
+            (pooled.float() - ref_pooled[rank].float()).abs().max().item()
+            if pooled.numel()
+            else 0.0
+        )
+        result.max_output_diff = max(result.max_output_diff, out_diff)
+        result.max_output = max(
+            [result.max_output] + [p.abs().max().item() for p in ref_pooled if p.numel()]
+        )
+
+        for name, table in sharded.sparse.embedding_bags.items():
+            w, g = table.weight, table.weight.grad
+            if step == 0:
                 if fused is not None and g is not None:
                     result.grads_sharded_like_weights = False
                     result.notes.append(f"{name}: fused optimizer left a .grad")
@@ -139,30 +204,53 @@ def check_numerics(
                 if not same:
                     result.grads_sharded_like_weights = False
                     result.notes.append(f"{name}: grad {g.placements} vs weight {w.placements}")
+            # with sync_every replicas keep their own gradients (summed over S, not W)
+            if fused is None and sync_every is None and blocks[name] is not None:
+                want = ref_tables[name].weight.grad
+                want = torch.zeros_like(ref_tables[name].weight) if want is None else want
+                got = torch.zeros_like(w.to_local()) if g is None else g.to_local()
+                diff = (got.float() - block_of(name, want).float()).abs().max().item()
+                result.max_grad_diff = max(result.max_grad_diff, diff if got.numel() else 0.0)
+                result.max_grad = max(
+                    result.max_grad, block_of(name, want).abs().max().item() if got.numel() else 0.0
+                )
         opt.step()
         opt.zero_grad()
 
-        ref_losses = [((reference(k) - t) ** 2).mean() for k, t in batches]
-        torch.stack(ref_losses).mean().backward()
         if fused is not None:
-            fused_reference_update(reference, tables, fused, fused_state, [k for k, _ in batches])
+            fused_reference_update(
+                reference, tables, fused, fused_state, [k for k, _ in batches], dtype
+            )
         ref_opt.step()
         ref_opt.zero_grad()
-        result.max_loss_diff = max(result.max_loss_diff, abs(loss.item() - ref_losses[rank].item()))
+    if sync_every is not None:
+        sharded.sparse.sync_replicas()  # the last steps since a sync
 
-    ref_tables = reference.sparse.embedding_bags
     for name, table in sharded.sparse.embedding_bags.items():
-        block = table.layout.block_at(dtrec.mesh.shard_position(mesh))
-        if block is None:
+        if blocks[name] is None:
             continue
-        want = ref_tables[name].weight.detach()[
-            block.rows[0] : block.rows[1], block.cols[0] : block.cols[1]
-        ]
-        diff = (table.weight.to_local() - want).abs().max().item()
-        result.max_weight_diff = max(result.max_weight_diff, diff)
-    dense_diff = (sharded.dense.weight - reference.dense.weight).abs().max().item()
-    result.max_weight_diff = max(result.max_weight_diff, dense_diff)
+        full = ref_tables[name].weight.detach()
+        want = block_of(name, full)
+        diff = (table.weight.to_local().float() - want.float()).abs()
+        if dtype != torch.float32 and diff.numel():  # the unit: set by the row's largest
+            rows = blocks[name].rows
+            scale = full[rows[0] : rows[1]].float().abs().amax(dim=1, keepdim=True)
+            diff = diff / spacing(scale.to(dtype))
+        result.max_weight_diff = max(
+            result.max_weight_diff, diff.max().item() if diff.numel() else 0.0
+        )
+    result.max_dense_diff = (sharded.dense.weight - reference.dense.weight).abs().max().item()
+    if dtype == torch.float32:
+        result.max_weight_diff = max(result.max_weight_diff, result.max_dense_diff)
     return result
+
+
+def spacing(x: torch.Tensor) -> torch.Tensor:
+    """The gap between ``x`` and the next representable value of its dtype (at least the
+    smallest normal's), as fp32: the unit bf16 weights are compared in."""
+    info = torch.finfo(x.dtype)
+    exponent = torch.frexp(x.float().abs().clamp_min(info.tiny)).exponent
+    return torch.ldexp(torch.full_like(x, info.eps, dtype=torch.float32), exponent - 1)
 
 
 def fused_reference_update(
@@ -171,12 +259,15 @@ def fused_reference_update(
     fused: dtrec.optim.FusedOptimizer,
     state: dict[str, dict[str, torch.Tensor]],
     batches: list[dtrec.KeyedJaggedTensor],
+    dtype: torch.dtype = torch.float32,
 ) -> None:
-    """The unsharded model's fused step: the update rule on rows the global batch touched."""
+    """The unsharded model's fused step: the update rule on rows the global batch touched,
+    in fp32, the weights then rounded to ``dtype`` (as the sharded tables store them)."""
     for cfg in tables:
         weight = model.sparse.embedding_bags[cfg.name].weight
         ids = torch.cat([b[f].values() for b in batches for f in cfg.feature_names])
         rows = torch.unique(ids.long())
         with torch.no_grad():
             fused.update_rows(weight, state[cfg.name], rows, weight.grad[rows].float())
+            weight.copy_(weight.to(dtype).float())
         weight.grad = None
