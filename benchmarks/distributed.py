@@ -416,7 +416,8 @@ def _build_dtrec(w: Workload, kinds: list[str], shard_group_size: int):
         [
             dtrec.EmbeddingBagConfig(f"t{i}", r, w.dim, [f"f{i}"], "sum")
             for i, r in enumerate(w.rows)
-        ]
+        ],
+        device="meta",  # like TorchRec's: each rank creates only its blocks
     )
     plan = {f"ebc.t{i}": dtrec_spec(k) for i, k in enumerate(kinds)}
     model = dtrec.distribute_module(
