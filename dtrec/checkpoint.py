@@ -58,6 +58,16 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used: incomplete, missing files, or not this model's."""
 
 
+def _check_args(model: object, optimizer: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be the dense torch.optim.Optimizer or None, got "
+            f"{type(optimizer).__name__} (a fused optimizer's state is part of the model's)"
+        )
+
+
 # --------------------------------------------------------------------------- model side
 
 
@@ -247,7 +257,10 @@ def save(
     the fused optimizer's state is part of the model's checkpoint. ``keep_last=N``
     deletes all but the newest N complete checkpoints after publishing this one.
     """
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+    _check_args(model, optimizer)
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
         raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
     root = Path(path)
     state = _model_state(model, optimizer)
@@ -333,35 +346,36 @@ def read_marker(path: str | os.PathLike) -> dict[str, Any]:
 def _check_compatible(
     marker: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> None:
-    """Errors naming the key and both values for every way the checkpoint does not fit."""
+    """CheckpointError naming the key and both values for every way the checkpoint does not
+    fit the model."""
     saved, mine = marker["tables"], _describe(model, optimizer)
     missing = sorted(set(mine["tables"]) - set(saved))
     if missing:
-        raise KeyError(f"tables {missing} of the model are not in the checkpoint")
+        raise CheckpointError(f"tables {missing} of the model are not in the checkpoint")
     unknown = sorted(set(saved) - set(mine["tables"]))
     if unknown:
-        raise KeyError(f"checkpoint has tables {unknown} the model does not have")
+        raise CheckpointError(f"checkpoint has tables {unknown} the model does not have")
     for fqn, cfg in mine["tables"].items():
         for field in ("num_embeddings", "embedding_dim", "pooling"):
             if saved[fqn][field] != cfg[field]:
-                raise ValueError(
+                raise CheckpointError(
                     f"table {fqn!r}: {field} is {cfg[field]!r} in the model but "
                     f"{saved[fqn][field]!r} in the checkpoint"
                 )
     want, have = mine["fused_optimizer"], marker["fused_optimizer"]
     if want is not None:
         if have is None:
-            raise ValueError(
+            raise CheckpointError(
                 f"the model's fused optimizer is {want['type']} but the checkpoint has no "
                 "fused optimizer state"
             )
         if have["type"] != want["type"]:
-            raise ValueError(
+            raise CheckpointError(
                 f"fused optimizer type: {want['type']} in the model, {have['type']} in the "
                 "checkpoint"
             )
     if optimizer is not None and marker["optimizer"] != type(optimizer).__name__:
-        raise ValueError(
+        raise CheckpointError(
             f"optimizer type: {type(optimizer).__name__} given, {marker['optimizer']} in the "
             "checkpoint"
         )
@@ -371,13 +385,13 @@ def _check_shapes(state: dict[str, Any], directory: Path) -> None:
     saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     missing = sorted(k for k, v in state.items() if isinstance(v, Tensor) and k not in saved)
     if missing:
-        raise KeyError(f"checkpoint {directory} lacks entries {missing[:8]}")
+        raise CheckpointError(f"checkpoint {directory} lacks entries {missing[:8]}")
     for key, value in state.items():
         if not isinstance(value, Tensor):
             continue  # DCP stores other objects (param_groups) flattened under other keys
         size = getattr(saved[key], "size", None)
         if size is not None and tuple(size) != tuple(value.shape):
-            raise ValueError(
+            raise CheckpointError(
                 f"{key}: shape {tuple(value.shape)} in the model, {tuple(size)} in the checkpoint"
             )
 
@@ -404,11 +418,14 @@ def load(
     model without a process group. A model without a fused optimizer loads the weights
     only. Collective when distributed. Returns the directory read.
 
-    Everything that can be checked is checked before reading. ``staged=True`` then reads
-    into fresh tensors and copies them in only when every rank read its part, so a read
-    error (a corrupt or unreadable file) changes nothing; ``staged=False`` reads in place
-    (faster, no extra memory), and such an error can leave the model half loaded.
+    Everything that can be checked is checked before reading: a checkpoint that is
+    missing, incomplete, damaged or not this model's raises CheckpointError naming what
+    differs. ``staged=True`` then reads into fresh tensors and copies them in only when
+    every rank read its part, so a read error (a corrupt or unreadable file) changes
+    nothing; ``staged=False`` reads in place (faster, no extra memory), and such an error
+    can leave the model half loaded.
     """
+    _check_args(model, optimizer)
     directory = resolve(path)
     marker = read_marker(directory)
     _check_compatible(marker, model, optimizer)

@@ -43,6 +43,8 @@ class CommStats:
 
     def per_step(self, steps: int = 1) -> dict[str, dict[str, float]]:
         """Kind -> {"calls", "bytes", "seconds"} per step (for JSON reports)."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be a positive int, got {steps!r}")
         return {
             kind: {
                 "calls": self.calls[kind] / steps,

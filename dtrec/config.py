@@ -41,6 +41,11 @@ class EmbeddingBagConfig:
             raise ValueError(
                 f"table {self.name!r}: pooling must be one of {POOLING_MODES}, got {self.pooling!r}"
             )
+        if isinstance(self.feature_names, str):
+            raise TypeError(
+                f"table {self.name!r}: feature_names must be a list of str, got the str "
+                f"{self.feature_names!r}; write [{self.feature_names!r}]"
+            )
         names = list(self.feature_names) or [self.name]
         if any(not isinstance(f, str) or not f for f in names):
             raise TypeError(f"table {self.name!r}: feature_names must be non-empty strings")

@@ -27,6 +27,7 @@ simulator: it ignores overlap, latency and the dense part of the model.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -78,11 +79,25 @@ class Topology:
                 f"Topology.optimizer must be one of {sorted(OPTIMIZER_STATE)}, "
                 f"got {self.optimizer!r}"
             )
-        for name in ("memory_per_rank", "hbm_bandwidth", "intra_node_bandwidth"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"Topology.{name} must be positive, got {getattr(self, name)}")
-        if self.inter_node_bandwidth <= 0 or self.node_size < 1 or self.batch_size_per_rank < 1:
-            raise ValueError(f"invalid topology {self}")
+        for name in _POSITIVE_NUMBERS:
+            _check_number(f"Topology.{name}", getattr(self, name), positive=True)
+        for name in ("node_size", "batch_size_per_rank", "bytes_per_element"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"Topology.{name} must be an int >= 1, got {value!r}")
+        _check_number("Topology.default_pooling_factor", self.default_pooling_factor)
+        if not isinstance(self.pooling_factors, Mapping):
+            raise TypeError(
+                f"Topology.pooling_factors must be a mapping feature -> ids per bag, got "
+                f"{type(self.pooling_factors).__name__}"
+            )
+        for feature, factor in self.pooling_factors.items():
+            _check_number(f"Topology.pooling_factors[{feature!r}]", factor)
+        _check_number("Topology.memory_headroom", self.memory_headroom)
+        if self.memory_headroom >= 1:
+            raise ValueError(
+                f"Topology.memory_headroom is a fraction in [0, 1), got {self.memory_headroom}"
+            )
 
     @classmethod
     def h100(cls, **overrides: object) -> Topology:
@@ -119,6 +134,24 @@ class Topology:
         return sum(
             self.pooling_factors.get(f, self.default_pooling_factor) for f in cfg.feature_names
         )
+
+
+_POSITIVE_NUMBERS = (
+    "memory_per_rank",
+    "hbm_bandwidth",
+    "intra_node_bandwidth",
+    "inter_node_bandwidth",
+    "synced_update_factor",
+)
+
+
+def _check_number(name: str, value: object, positive: bool = False) -> None:
+    """A finite real number, > 0 (``positive``) or >= 0: TypeError / ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        want = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name} must be a finite number {want}, got {value}")
 
 
 class IdDistribution(Protocol):

@@ -21,7 +21,7 @@ from dtrec.placements.layout import Block
 from dtrec.placements.tensor import load_block
 from dtrec.plan import check_plan_keys, find_collections, model_tables, table_fqn
 from dtrec.plan import plan as make_plan
-from dtrec.sharded_ebc import ShardedEmbeddingBagCollection
+from dtrec.sharded_ebc import ShardedEmbeddingBagCollection, check_sync_every
 
 
 def distribute_module(
@@ -53,6 +53,12 @@ def distribute_module(
         model = dtrec.distribute_module(model, mesh, {"sparse.t0": RowWise()})
     """
     shard_axis(mesh)
+    if plan is not None and not isinstance(plan, Mapping):
+        raise TypeError(
+            f"plan must be a mapping {{'<collection fqn>.<table>': spec}} or None, got "
+            f"{type(plan).__name__}"
+        )
+    check_sync_every(sync_every)
     if mesh.size() != dist.get_world_size():
         raise ValueError(
             f"mesh covers {mesh.size()} ranks but the world has {dist.get_world_size()}; "
@@ -65,6 +71,11 @@ def distribute_module(
         )
     collections = find_collections(model)
     if not collections:
+        if any(isinstance(m, ShardedEmbeddingBagCollection) for m in model.modules()):
+            raise ValueError(
+                "model is already distributed (it holds ShardedEmbeddingBagCollection(s)); "
+                "distribute the unsharded model once"
+            )
         raise ValueError("model has no dtrec.EmbeddingBagCollection to distribute")
     tables = model_tables(model)
     check_plan_keys(dict(plan or {}), tables)

@@ -39,15 +39,21 @@ def prepare_features(
     tables: Sequence[EmbeddingBagConfig],
     rank: int | None = None,
     bounds_check: str = "on",
+    device: torch.device | None = None,
 ) -> KeyedJaggedTensor:
     """Validate a batch and permute it into ``feature_order(tables)``.
 
     Raises KeyError for a feature the batch lacks, ValueError for a key no table
-    reads or per-sample weights on a mean-pooled table, IndexError for an id
-    outside ``[0, num_embeddings)`` (unless ``bounds_check="off"``: an
-    out-of-range id is then undefined behaviour).
+    reads, per-sample weights on a mean-pooled table or a batch not on ``device``
+    (where the tables are), IndexError for an id outside ``[0, num_embeddings)``
+    (unless ``bounds_check="off"``: an out-of-range id is then undefined behaviour).
     """
     kjt = as_kjt(features)
+    if device is not None and kjt.device != device:
+        raise ValueError(
+            f"batch{_where(rank)} is on {kjt.device} but the tables are on {device}; "
+            f"move it with kjt.to({str(device)!r})"
+        )
     order = feature_order(tables)
     present = set(kjt.keys())
     missing = [f for f in order if f not in present]

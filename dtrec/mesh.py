@@ -33,7 +33,9 @@ def init_mesh(device_type: str, shard_group_size: int, node_size: int | None = N
     world = dist.get_world_size()
     if isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int):
         raise TypeError(f"shard_group_size must be an int, got {shard_group_size!r}")
-    if shard_group_size < 1 or world % shard_group_size != 0:
+    if shard_group_size < 1:
+        raise ValueError(f"shard_group_size must be >= 1, got {shard_group_size}")
+    if world % shard_group_size != 0:
         raise ValueError(
             f"world size {world} is not divisible by shard_group_size {shard_group_size}"
         )
@@ -56,8 +58,10 @@ _NODE_SPLITS: dict[int, tuple[DeviceMesh, int]] = {}
 def positions_per_node(world: int, shards: int, node_size: int) -> int:
     """How many shard-axis positions one node holds (1 when a replica group spans nodes)."""
     replicas = world // shards
-    if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
-        raise ValueError(f"node_size must be a positive int, got {node_size!r}")
+    if isinstance(node_size, bool) or not isinstance(node_size, int):
+        raise TypeError(f"node_size must be an int or None, got {node_size!r}")
+    if node_size < 1:
+        raise ValueError(f"node_size must be >= 1, got {node_size}")
     if world % node_size != 0:
         raise ValueError(f"world size {world} is not divisible by node_size {node_size}")
     if node_size % replicas == 0:
@@ -88,6 +92,8 @@ class ShardAxis:
 
 def shard_axis(mesh: DeviceMesh) -> ShardAxis:
     """Read S, R and the node split off a mesh made by ``init_mesh``."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"expected a DeviceMesh from dtrec.init_mesh, got {type(mesh).__name__}")
     names = mesh.mesh_dim_names
     if names != (SHARD, REPLICATE):
         raise ValueError(

@@ -35,6 +35,8 @@ class EmbeddingBagCollection(nn.Module):
         bounds_check: str = "on",
     ) -> None:
         super().__init__()
+        if isinstance(tables, EmbeddingBagConfig):
+            raise TypeError("tables must be a list of EmbeddingBagConfig; write [config]")
         tables = list(tables)
         validate_tables(tables)
         self._tables = tables
@@ -58,12 +60,20 @@ class EmbeddingBagCollection(nn.Module):
                 with torch.no_grad():
                     weight.uniform_(-bound, bound)
 
+    def _device(self) -> torch.device | None:
+        """Where the tables live (None without tables): batches must be there too."""
+        if not self._tables:
+            return None
+        return self.embedding_bags[self._tables[0].name].weight.device
+
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         """The table configs, in output order."""
         return list(self._tables)
 
     def forward(self, features: object) -> KeyedTensor:
-        kjt = prepare_features(features, self._tables, bounds_check=self.bounds_check)
+        kjt = prepare_features(
+            features, self._tables, bounds_check=self.bounds_check, device=self._device()
+        )
         weights, modes, dims = [], [], []
         for cfg in self._tables:
             for _ in cfg.feature_names:

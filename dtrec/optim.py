@@ -13,6 +13,8 @@ Example::
 
 from __future__ import annotations
 
+import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -257,9 +259,21 @@ def _state_offsets(states: list[dict[str, Tensor]], key: str) -> tuple[Tensor, T
     return flat, device_list(offsets, torch.int64, flat.device)
 
 
+def _check_hyper(name: str, attr: str, value: object, positive: bool = False) -> None:
+    """A finite real hyperparameter, >= 0 (> 0 with ``positive``), else ValueError naming it."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value < 0 or (positive and value == 0):
+        want = "> 0" if positive else ">= 0"
+        raise ValueError(f"{name}: {attr} must be a finite number {want}, got {value!r}")
+
+
 def _check_lr(lr: float, name: str) -> None:
-    if not isinstance(lr, (int, float)) or lr < 0:
-        raise ValueError(f"{name}: lr must be a non-negative number, got {lr!r}")
+    _check_hyper(name, "lr", lr)
+
+
+def _check_eps(eps: float, name: str) -> None:
+    # eps = 0 divides 0 by 0 on a touched row whose gradient and state are 0: NaN weights.
+    _check_hyper(name, "eps", eps, positive=True)
 
 
 @dataclass(frozen=True)
@@ -310,6 +324,7 @@ class RowWiseAdagrad(FusedOptimizer):
 
     def __post_init__(self) -> None:
         _check_lr(self.lr, "RowWiseAdagrad")
+        _check_eps(self.eps, "RowWiseAdagrad")
 
     def init_state(self, weight: Tensor) -> dict[str, Tensor]:
         return {"sum": torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)}
@@ -380,8 +395,15 @@ class Adam(FusedOptimizer):
 
     def __post_init__(self) -> None:
         _check_lr(self.lr, "Adam")
-        if not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"Adam: betas must be in [0, 1), got {self.betas}")
+        _check_eps(self.eps, "Adam")
+        betas = self.betas
+        if (
+            not isinstance(betas, (tuple, list))
+            or len(betas) != 2
+            or not all(isinstance(b, numbers.Real) and 0.0 <= b < 1.0 for b in betas)
+        ):
+            raise ValueError(f"Adam: betas must be a pair of numbers in [0, 1), got {betas!r}")
+        object.__setattr__(self, "betas", tuple(betas))  # hashable, and saved alike
 
     def init_state(self, weight: Tensor) -> dict[str, Tensor]:
         zeros = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)

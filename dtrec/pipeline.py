@@ -59,6 +59,17 @@ class TrainPipeline:
         loss_fn: Callable[[nn.Module, Any], Tensor],
         sparse_features: Callable[[Any], object] = _default_sparse_features,
     ) -> None:
+        for name, fn in (("loss_fn", loss_fn), ("sparse_features", sparse_features)):
+            if not callable(fn):
+                raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+        if optimizer is not None and not all(
+            callable(getattr(optimizer, m, None)) for m in ("step", "zero_grad")
+        ):
+            raise TypeError(
+                f"optimizer must be a torch optimizer (with step() and zero_grad()) or None, "
+                f"got {type(optimizer).__name__}; a dtrec.optim fused optimizer goes to "
+                "dtrec.distribute_module(..., optimizer=...)"
+            )
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn

@@ -24,13 +24,27 @@ def spec_to_dict(spec: TableSpec) -> dict:
     return {"type": type(spec).__name__, **{f.name: getattr(spec, f.name) for f in fields(spec)}}
 
 
-def spec_from_dict(data: Mapping) -> TableSpec:
+def spec_from_dict(data: Mapping, key: str = "?") -> TableSpec:
+    """The spec ``spec_to_dict`` wrote; ValueError naming the plan ``key`` otherwise."""
+    if not isinstance(data, Mapping):
+        raise ValueError(
+            f'plan JSON entry {key!r}: expected an object like {{"type": "RowWise"}}, got {data!r}'
+        )
     kind = data.get("type")
     if kind not in SPEC_TYPES:
         raise ValueError(
-            f"unknown spec type {kind!r} in plan JSON; expected one of {list(SPEC_TYPES)}"
+            f"plan JSON entry {key!r}: unknown spec type {kind!r}; expected one of "
+            f"{list(SPEC_TYPES)}"
         )
-    return SPEC_TYPES[kind](**{k: v for k, v in data.items() if k != "type"})
+    cls = SPEC_TYPES[kind]
+    allowed = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - allowed - {"type"})
+    if unknown:
+        raise ValueError(
+            f"plan JSON entry {key!r}: {kind} has no field(s) {unknown}; its fields: "
+            f"{sorted(allowed)}"
+        )
+    return cls(**{k: v for k, v in data.items() if k != "type"})
 
 
 @dataclass
@@ -94,13 +108,15 @@ class ShardingPlan(dict[str, TableSpec]):
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError("plan JSON must be an object {table fqn: spec}")
-        return cls({key: spec_from_dict(value) for key, value in data.items()})
+        return cls({key: spec_from_dict(value, key) for key, value in data.items()})
 
 
 def find_collections(model: nn.Module) -> dict[str, nn.Module]:
     """FQN -> every unsharded ``EmbeddingBagCollection`` in ``model`` (outermost only)."""
     from dtrec.modules import EmbeddingBagCollection
 
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     found: dict[str, nn.Module] = {}
     for fqn, module in model.named_modules():
         if isinstance(module, EmbeddingBagCollection) and not any(
@@ -149,8 +165,15 @@ def plan(
 
     axis = shard_axis(mesh)
     tables = model_tables(model)
+    if constraints is not None and not isinstance(constraints, Mapping):
+        raise TypeError(
+            f"constraints must be a mapping {{table fqn: spec or TableConstraint}} or None, "
+            f"got {type(constraints).__name__}"
+        )
     constraints = dict(constraints or {})
     check_plan_keys(constraints, tables)
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a dtrec.Topology or None, got {topology!r}")
     if topology is None:
         topology = Topology.h100() if mesh.device_type == "cuda" else Topology.cpu()
     choices, sums = plan_tables(tables, axis, constraints, topology)

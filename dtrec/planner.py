@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -65,6 +66,47 @@ class TableConstraint:
     max_shards: int | None = None
     pooling_factor: float | None = None
     """Ids per bag of the table's features, overriding ``Topology.pooling_factors``."""
+
+    def __post_init__(self) -> None:
+        if self.types is not None and (
+            not isinstance(self.types, tuple)
+            or not all(isinstance(t, type) and issubclass(t, TableSpec) for t in self.types)
+        ):
+            raise TypeError(
+                "TableConstraint.types must be a tuple of dtrec.placements spec classes "
+                f"(e.g. (RowWise, ColumnWise)) or None, got {self.types!r}"
+            )
+        for name in ("min_shards", "max_shards"):
+            value = getattr(self, name)
+            if value is None and name == "max_shards":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TableConstraint.{name} must be an int >= 1, got {value!r}")
+        if self.max_shards is not None and self.max_shards < self.min_shards:
+            raise ValueError(
+                f"TableConstraint.max_shards={self.max_shards} < min_shards={self.min_shards}"
+            )
+        if self.pooling_factor is not None and not (
+            isinstance(self.pooling_factor, (int, float))
+            and math.isfinite(self.pooling_factor)
+            and self.pooling_factor >= 0
+        ):
+            raise ValueError(
+                f"TableConstraint.pooling_factor must be a number >= 0 or None, got "
+                f"{self.pooling_factor!r}"
+            )
+
+    def __str__(self) -> str:
+        """Like the repr, with class names for types and defaults left out (for errors)."""
+        names = None if self.types is None else [t.__name__ for t in self.types]
+        shown = {
+            "types": None if names is None else f"({', '.join(names)}{',' * (len(names) == 1)})",
+            "min_shards": self.min_shards if self.min_shards != 1 else None,
+            "max_shards": self.max_shards,
+            "pooling_factor": self.pooling_factor,
+        }
+        args = ", ".join(f"{k}={v}" for k, v in shown.items() if v is not None)
+        return f"TableConstraint({args})"
 
     def allows(self, spec: TableSpec, cfg: EmbeddingBagConfig, axis: ShardAxis) -> bool:
         if self.types is not None and not isinstance(spec, self.types):

@@ -105,6 +105,14 @@ class ShardedTable(nn.Module):
             errors.append(str(exc))
 
 
+def check_sync_every(sync_every: int | None) -> None:
+    """``sync_every``: None (replicas sync gradients every step) or a positive int."""
+    if sync_every is not None and (
+        isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1
+    ):
+        raise ValueError(f"sync_every must be a positive int or None, got {sync_every!r}")
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     """``EmbeddingBagCollection`` with tables sharded per a spec each.
 
@@ -129,8 +137,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
     ) -> None:
         super().__init__()
         self.bounds_check = check_bounds_mode(bounds_check)
-        if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
-            raise ValueError(f"sync_every must be a positive int or None, got {sync_every!r}")
+        check_sync_every(sync_every)
+        names = [cfg.name for cfg in tables]
+        for what, given in (("weights", weights), ("specs", specs)):
+            missing = [n for n in names if n not in given]
+            if missing:
+                raise KeyError(f"{what} has no entry for table(s) {missing}; tables: {names}")
         self.sync_every = sync_every
         self._steps = 0
         axis = shard_axis(mesh)
@@ -398,7 +410,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         error: Exception | None = None
         kjt: KeyedJaggedTensor | None = None
         try:
-            kjt = prepare_features(features, self._tables, rank, self.bounds_check)
+            kjt = prepare_features(
+                features, self._tables, rank, self.bounds_check, mesh_device(self._mesh)
+            )
         except (KeyError, ValueError, IndexError, TypeError) as exc:
             error = exc
         if not routing.has_sharded:

@@ -20,6 +20,8 @@ _KJT_METHODS = ("keys", "values", "lengths", "weights_or_none")
 
 
 def _check_keys(keys: Sequence[str]) -> list[str]:
+    if isinstance(keys, str):
+        raise TypeError(f"keys must be a sequence of str, got the str {keys!r}; write [{keys!r}]")
     keys, seen = list(keys), set()
     for k in keys:
         if not isinstance(k, str):
@@ -39,6 +41,25 @@ def _key_index(keys: list[str], key: str, owner: str) -> int:
 
 def _describe(t: object) -> str:
     return f"dim={t.dim()} dtype={t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+
+
+def _check_tensors(values: object, lengths: object, weights: object) -> None:
+    """dtypes, dims and devices shared by ``JaggedTensor`` and ``KeyedJaggedTensor``."""
+    for name, t in (("values", values), ("lengths", lengths)):
+        if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype not in _INDEX_DTYPES:
+            raise TypeError(f"{name} must be a 1-D int32/int64 tensor, got {_describe(t)}")
+    assert isinstance(values, Tensor) and isinstance(lengths, Tensor)
+    if weights is not None:
+        if not isinstance(weights, Tensor) or not weights.is_floating_point():
+            raise TypeError(f"weights must be floating point, got {_describe(weights)}")
+        if weights.dim() != 1 or weights.numel() != values.numel():
+            raise ValueError(
+                f"weights must be 1-D with numel == values.numel()={values.numel()}, "
+                f"got shape {tuple(weights.shape)}"
+            )
+    for name, t in (("lengths", lengths), ("weights", weights)):
+        if t is not None and t.device != values.device:
+            raise ValueError(f"{name} on {t.device} but values on {values.device}")
 
 
 def _prefix_sums(lengths: Sequence[int]) -> list[int]:
@@ -62,15 +83,33 @@ class JaggedTensor:
     """One feature's ids for a batch: ``values`` split into rows by ``lengths``.
 
     Returned by ``KeyedJaggedTensor.to_dict`` / ``__getitem__`` and accepted by
-    ``KeyedJaggedTensor.from_dict``. Immutable; tensors are not copied.
+    ``KeyedJaggedTensor.from_dict``. Immutable; tensors are not copied. Checked on
+    construction like a KJT (dtypes, devices, ``sum(lengths) == values.numel()``).
     """
 
     __slots__ = ("_values", "_lengths", "_weights")
 
     def __init__(self, values: Tensor, lengths: Tensor, weights: Tensor | None = None) -> None:
+        _check_tensors(values, lengths, weights)
+        if lengths.numel() and bool((lengths < 0).any()):
+            b = int((lengths < 0).nonzero()[0])
+            raise ValueError(f"negative length {int(lengths[b])} at sample {b}")
+        total = int(lengths.sum()) if lengths.numel() else 0
+        if total != values.numel():
+            raise ValueError(f"sum(lengths)={total} != values.numel()={values.numel()}")
+        self._init(values, lengths, weights)
+
+    def _init(self, values: Tensor, lengths: Tensor, weights: Tensor | None) -> None:
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_lengths", lengths)
         object.__setattr__(self, "_weights", weights)
+
+    @classmethod
+    def _trusted(cls, values: Tensor, lengths: Tensor, weights: Tensor | None) -> JaggedTensor:
+        # A slice of an already validated KJT: no second validation (it would sync).
+        jt = cls.__new__(cls)
+        jt._init(values, lengths, weights)
+        return jt
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"{type(self).__name__} is immutable")
@@ -108,20 +147,7 @@ class KeyedJaggedTensor:
         self, keys: Sequence[str], values: Tensor, lengths: Tensor, weights: Tensor | None = None
     ) -> None:
         keys = _check_keys(keys)
-        for name, t in (("values", values), ("lengths", lengths)):
-            if not isinstance(t, Tensor) or t.dim() != 1 or t.dtype not in _INDEX_DTYPES:
-                raise TypeError(f"{name} must be a 1-D int32/int64 tensor, got {_describe(t)}")
-        if weights is not None:
-            if not isinstance(weights, Tensor) or not weights.is_floating_point():
-                raise TypeError(f"weights must be floating point, got {_describe(weights)}")
-            if weights.dim() != 1 or weights.numel() != values.numel():
-                raise ValueError(
-                    f"weights must be 1-D with numel == values.numel()={values.numel()}, "
-                    f"got shape {tuple(weights.shape)}"
-                )
-        for name, t in (("lengths", lengths), ("weights", weights)):
-            if t is not None and t.device != values.device:
-                raise ValueError(f"{name} on {t.device} but values on {values.device}")
+        _check_tensors(values, lengths, weights)
         num_keys, n = len(keys), lengths.numel()
         if (n % num_keys) if num_keys else n:
             raise ValueError(f"lengths.numel()={n} is not divisible by number of keys {num_keys}")
@@ -171,6 +197,11 @@ class KeyedJaggedTensor:
     @staticmethod
     def from_dict(d: Mapping[str, JaggedTensor]) -> KeyedJaggedTensor:
         """Concatenate per-feature ``JaggedTensor``s (same batch size) into one KJT."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"from_dict takes a dict key -> JaggedTensor, got {type(d).__name__}")
+        for k, jt in d.items():
+            if not isinstance(jt, JaggedTensor):
+                raise TypeError(f"key {k!r}: expected a JaggedTensor, got {type(jt).__name__}")
         keys, jts = list(d), list(d.values())
         if not jts:
             empty = torch.empty(0, dtype=torch.int64)
@@ -235,7 +266,9 @@ class KeyedJaggedTensor:
         start, end = self.offset_per_key()[i : i + 2]
         b = self._stride
         lengths = self._lengths[i * b : (i + 1) * b]
-        return JaggedTensor(self._values[start:end], lengths, _slice(self._weights, start, end))
+        return JaggedTensor._trusted(
+            self._values[start:end], lengths, _slice(self._weights, start, end)
+        )
 
     def to_dict(self) -> dict[str, JaggedTensor]:
         return {k: self._jagged(i) for i, k in enumerate(self._keys)}

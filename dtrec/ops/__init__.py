@@ -45,19 +45,29 @@ def embedding_bag(
     Bags are table-major (bag ``t * B + b``) and ``offsets`` has ``T * B + 1``
     entries into ``values``; ``pooling`` is one mode or one per table. The same
     tensor may appear several times in ``weights`` (it is looked up once per
-    appearance and gets one gradient). ``bounds_check="off"`` skips the id range
-    check for callers that validate upstream (an out-of-range id is then
-    undefined behaviour).
+    appearance and gets one gradient). ``bounds_check="off"`` skips the checks of
+    the ids and offsets' values (in range; offsets from 0 to ``values.numel()``,
+    non-decreasing) for callers that validate upstream (a bad one is then
+    undefined behaviour); they cost a device-to-host read each.
 
     Example::
 
         out = dtrec.ops.embedding_bag([w0, w1], ids, offsets, pooling=["sum", "mean"])
     """
+    if isinstance(weights, Tensor) or not all(isinstance(w, Tensor) for w in weights):
+        raise TypeError(
+            "weights must be a list of 2-D tensors (one per table), got "
+            + (
+                "one Tensor; write [weight]"
+                if isinstance(weights, Tensor)
+                else str([type(w).__name__ for w in weights])
+            )
+        )
+    if bounds_check not in ("on", "off"):
+        raise ValueError(f"bounds_check must be 'on' or 'off', got {bounds_check!r}")
     mean = pooling_flags(pooling, len(weights))
     tables, entry_table = distinct_tables(weights)
     batch = check_embedding_bag_args(tables, entry_table, values, offsets, mean, per_sample_weights)
-    if bounds_check not in ("on", "off"):
-        raise ValueError(f"bounds_check must be 'on' or 'off', got {bounds_check!r}")
     if not entry_table or batch == 0:
         width = sum(w.shape[1] for w in weights)
         dtype = weights[0].dtype if weights else torch.float32

@@ -101,12 +101,14 @@ def check_embedding_bag_args(
         raise TypeError(f"values must be 1-D int32/int64, got {values.dtype} {tuple(values.shape)}")
     if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"offsets must be 1-D int32/int64, got {offsets.dtype}")
+    if offsets.device != values.device:
+        raise ValueError(f"offsets on {offsets.device}, values on {values.device}")
     num_entries = len(entry_table)
     if len(mean) != num_entries:
         raise ValueError(f"{len(mean)} pooling flags for {num_entries} entries")
     if num_entries == 0:
         return 0
-    if (offsets.numel() - 1) % num_entries != 0:
+    if offsets.numel() < 1 or (offsets.numel() - 1) % num_entries != 0:
         raise ValueError(
             f"offsets has {offsets.numel()} entries; expected T * B + 1 with T={num_entries}"
         )
@@ -127,6 +129,10 @@ def check_embedding_bag_args(
             f"entry_table {list(entry_table)} names a table outside 0..{len(weights) - 1}"
         )
     if per_sample_weights is not None:
+        if per_sample_weights.device != values.device:
+            raise ValueError(
+                f"per_sample_weights on {per_sample_weights.device}, values on {values.device}"
+            )
         if per_sample_weights.shape != values.shape:
             raise ValueError(
                 f"per_sample_weights has shape {tuple(per_sample_weights.shape)}, "
@@ -142,6 +148,26 @@ def check_embedding_bag_args(
                 f"per_sample_weights need sum pooling; table entries {bad} use mean pooling"
             )
     return (offsets.numel() - 1) // num_entries
+
+
+def check_offsets(offsets: Tensor, num_values: int) -> None:
+    """``offsets`` run from 0 to ``num_values`` without decreasing (one host read)."""
+    if offsets.numel() == 0:
+        return
+    steps = torch.diff(offsets)
+    ends = torch.stack([offsets[0], offsets[-1] - num_values])
+    if not bool((ends != 0).any() | (steps < 0).any()):
+        return
+    if int(offsets[0]) != 0 or int(offsets[-1]) != num_values:
+        raise ValueError(
+            f"offsets must start at 0 and end at values.numel()={num_values}, got first "
+            f"{int(offsets[0])} and last {int(offsets[-1])}"
+        )
+    bag = int(torch.nonzero(steps < 0)[0])
+    raise ValueError(
+        f"offsets must be non-decreasing, got offsets[{bag}]={int(offsets[bag])} > "
+        f"offsets[{bag + 1}]={int(offsets[bag + 1])}"
+    )
 
 
 def check_bounds(

@@ -18,10 +18,13 @@ from dtrec.ops.embedding_bag import Lookup
 def lookup_forward(lookup: Lookup, check_ids: bool = False) -> Tensor:
     """Forward on the selected backend, no autograd.
 
-    ``check_ids``: IndexError for an id outside its table. The Triton kernel
-    raises a flag while it gathers (no extra pass over the ids); other
-    backends check first with one vectorized pass.
+    ``check_ids``: ValueError for offsets that do not run from 0 to ``values.numel()``
+    without decreasing (one vectorized pass, before any kernel reads them), IndexError
+    for an id outside its table. The Triton kernel raises a flag while it gathers (no
+    extra pass over the ids); other backends check first with one vectorized pass.
     """
+    if check_ids:
+        torch_impl.check_offsets(lookup.offsets, lookup.values.numel())
     backend = resolve_backend(lookup.values.device)
     if backend == "triton":
         from dtrec.ops import triton_backend

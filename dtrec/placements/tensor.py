@@ -44,10 +44,12 @@ def distribute_tensor(
 
         w = dtrec.distribute_tensor(torch.randn(1000, 64), mesh, dtrec.placements.RowWise())
     """
-    if not isinstance(weight, Tensor) or weight.dim() != 2:
-        raise ValueError(
-            f"table {name!r}: expected a 2-D weight, got {getattr(weight, 'shape', weight)}"
-        )
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"table {name!r}: expected a 2-D tensor, got {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"table {name!r}: expected a 2-D weight, got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise TypeError(f"table {name!r}: weight must be floating point, got {weight.dtype}")
     if not isinstance(spec, TableSpec):
         raise TypeError(f"table {name!r}: expected a dtrec.placements spec, got {spec!r}")
     rows, dim = weight.shape

@@ -1,0 +1,438 @@
+"""One way to trigger every error listed in docs/errors.md, keyed by the row's id.
+
+``LOCAL``: cases run in the test process, each a function of a fresh temporary directory
+(a fake process group stands in for the world where a mesh is needed). ``WORLD``: cases
+that need real peers; ``run_world_cases`` runs them all in one gloo world and returns each
+rank's outcome. ``tests/test_errors.py`` checks both against the doc.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from unittest import mock
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import dtrec
+from dtrec import checkpoint, ops
+from dtrec.ops import backend
+from dtrec.optim import SGD, Adam, RowWiseAdagrad
+from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
+from dtrec.plan import ShardingPlan
+from dtrec.planner import TableConstraint, load_config
+from tests.fake_world import fake_world
+
+KJT, JT, KT = dtrec.KeyedJaggedTensor, dtrec.JaggedTensor, dtrec.KeyedTensor
+Cfg, EBC = dtrec.EmbeddingBagConfig, dtrec.EmbeddingBagCollection
+Case = Callable[[Path], object]
+
+
+def ids(*xs: int) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int64)
+
+
+def tables() -> list[dtrec.EmbeddingBagConfig]:
+    return [Cfg("t0", 10, 4, ["f0"]), Cfg("t1", 5, 3, ["f1"], pooling="mean")]
+
+
+class Model(nn.Module):
+    """Two small tables and a linear layer."""
+
+    def __init__(self, configs: list[dtrec.EmbeddingBagConfig] | None = None) -> None:
+        super().__init__()
+        self.sparse = EBC(configs or tables())
+        self.dense = nn.Linear(7, 1)
+
+    def forward(self, kjt: dtrec.KeyedJaggedTensor) -> torch.Tensor:
+        return self.dense(self.sparse(kjt).values()).squeeze(1)
+
+
+class TwoCollections(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = EBC([Cfg("t0", 10, 4, ["f0"])])
+        self.b = EBC([Cfg("t1", 5, 3, ["f1"])])
+
+
+def batch(f0: tuple[int, ...] = (1, 2), f1: tuple[int, ...] = (3,)) -> dtrec.KeyedJaggedTensor:
+    """Batch of 2: f0 = [[f0...], []], f1 = [[], [f1...]]."""
+    return KJT(["f0", "f1"], ids(*f0, *f1), ids(len(f0), 0, 0, len(f1)))
+
+
+def fake(size: int, fn: Callable[[], object]) -> Case:
+    """A case that runs ``fn()`` as rank 0 of a fake world of ``size`` ranks."""
+
+    def run(tmp: Path) -> None:
+        with fake_world(0, size):
+            fn()
+
+    return run
+
+
+def on_mesh(size: int, shards: int, fn: Callable[[DeviceMesh], object], nodes=None) -> Case:
+    """A case that runs ``fn(mesh)`` on a (shards, size / shards) mesh of a fake world."""
+    return fake(size, lambda: fn(dtrec.init_mesh("cpu", shards, nodes)))
+
+
+def distributed(mesh, plan=None, optimizer=None, model: nn.Module | None = None) -> nn.Module:
+    torch.manual_seed(0)
+    return dtrec.distribute_module(model or Model(), mesh, plan, optimizer)
+
+
+def all_dp(mesh: DeviceMesh) -> nn.Module:
+    """A distributed model whose input-dist needs no collective (all tables data parallel)."""
+    return distributed(mesh, {"sparse.t0": DataParallel(), "sparse.t1": DataParallel()})
+
+
+def loss(model: nn.Module, kjt: dtrec.KeyedJaggedTensor) -> torch.Tensor:
+    return model(kjt).sum()
+
+
+def run_pipeline(mesh: DeviceMesh, model=None, loss_fn=loss, **kw) -> None:
+    list(dtrec.TrainPipeline(model or all_dp(mesh), None, loss_fn, **kw).run([batch()]))
+
+
+def load_fused(mesh: DeviceMesh, t0_state: dict | None) -> None:
+    """Load a fused row-wise Adagrad state whose "sparse.t0" entry is ``t0_state``
+    (None: leave the table out)."""
+    model = distributed(mesh, optimizer=RowWiseAdagrad(lr=0.1))
+    state = model.fused_optimizer.state_dict()
+    if t0_state is None:
+        del state["sparse.t1"]
+    else:
+        state["sparse.t0"] = t0_state
+    model.fused_optimizer.load_state_dict(state)
+
+
+def load_shape(mesh: DeviceMesh) -> None:
+    model = distributed(mesh)
+    state = model.state_dict()
+    state["sparse.embedding_bags.t0.weight"] = torch.zeros(11, 4)
+    model.load_state_dict(state)
+
+
+def _w(rows: int = 10, dim: int = 4, **kw) -> torch.Tensor:
+    return torch.zeros(rows, dim, **kw)
+
+
+def eb(*args, **kw) -> Case:
+    """A case calling ``dtrec.ops.embedding_bag(*args, **kw)``."""
+    return lambda tmp: ops.embedding_bag(*args, **kw)
+
+
+def triton_on_cpu_without_interpreter(tmp: Path) -> None:
+    with (
+        mock.patch.object(backend, "_backend", "triton"),
+        mock.patch.object(backend, "triton_available", lambda: True),
+        mock.patch.dict(os.environ),
+    ):
+        os.environ.pop("TRITON_INTERPRET", None)
+        ops.embedding_bag([_w()], ids(1), ids(0, 1))
+
+
+def planner_config(tmp: Path, data: object) -> None:
+    path = tmp / "model.json"
+    path.write_text(json.dumps(data))
+    load_config(str(path))
+
+
+def saved(tmp: Path) -> Path:
+    """A checkpoint root of ``Model`` (unsharded, no process group) with torch SGD state."""
+    model = Model()
+    checkpoint.save(tmp / "ckpt", model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return tmp / "ckpt"
+
+
+def load_into(
+    change: Callable[[Path], object] = lambda root: None,
+    model: Callable[[], nn.Module] = Model,
+    optimizer: Callable[[object], torch.optim.Optimizer] | None = None,
+) -> Case:
+    """A case: save a checkpoint, ``change(root)``, load it into ``model()``."""
+
+    def run(tmp: Path) -> None:
+        root = saved(tmp)
+        change(root)
+        target = model()
+        checkpoint.load(root, target, optimizer(target.parameters()) if optimizer else None)
+
+    return run
+
+
+def unpublish(root: Path) -> Path:
+    directory = next(root.iterdir())
+    (directory / checkpoint.MARKER).unlink()
+    return directory
+
+
+def with_layer(name: str, layer: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        model = Model()
+        setattr(model, name, layer())
+        return model
+
+    return make
+
+
+def a_file(tmp: Path) -> Path:
+    (tmp / "file").write_text("not a directory")
+    return tmp / "file"
+
+
+def fused_model_loads_unfused_checkpoint(tmp: Path) -> None:
+    root = saved(tmp)
+    with fake_world(0, 2):
+        model = distributed(dtrec.init_mesh("cpu", 2), optimizer=Adam(lr=0.1))
+        checkpoint.load(root, model)
+
+
+def unknown_backend_from_env(tmp: Path) -> None:
+    with mock.patch.object(backend, "_backend", "cudnn"):  # as if DTREC_BACKEND=cudnn
+        ops.get_backend()
+
+
+def summary_of_no_steps(tmp: Path) -> None:
+    with dtrec.comm_stats() as stats:
+        pass
+    stats.summary(steps=0)
+
+
+LOCAL: dict[str, Case] = {
+    # KeyedJaggedTensor, JaggedTensor, KeyedTensor
+    "E001": lambda tmp: KJT("f0", ids(1), ids(1)),
+    "E002": lambda tmp: KJT(["f0", 3], ids(1), ids(1, 0)),
+    "E003": lambda tmp: KJT(["f0", "f0"], ids(1), ids(1, 0)),
+    "E004": lambda tmp: KJT(["f0"], torch.tensor([1.0]), ids(1)),
+    "E005": lambda tmp: KJT(["f0"], ids(1), ids(1).view(1, 1)),
+    "E006": lambda tmp: KJT(["f0"], ids(1, 2, 3), ids(3), weights=ids(1, 1, 1)),
+    "E007": lambda tmp: KJT(["f0"], ids(1, 2, 3), ids(3), weights=torch.ones(2)),
+    "E008": lambda tmp: KJT(["f0"], ids(1), torch.ones(1, dtype=torch.int64, device="meta")),
+    "E009": lambda tmp: KJT(["f0", "f1"], ids(1, 2, 3), ids(1, 1, 1)),
+    "E010": lambda tmp: KJT(["f0", "f1"], ids(1), ids(1, 0, -1, 1)),
+    "E011": lambda tmp: KJT(["f0", "f1"], ids(1, 2, 3), ids(1, 0, 2, 1)),
+    "E012": lambda tmp: KJT.from_dict({"f0": ids(1, 2)}),
+    "E013": lambda tmp: KJT.from_dict(
+        {"f0": JT(ids(1), ids(1, 0)), "f1": JT(ids(2), ids(1, 0, 0))}
+    ),
+    "E014": lambda tmp: KJT.from_dict(
+        {"f0": JT(ids(1), ids(1), torch.ones(1)), "f1": JT(ids(2), ids(1))}
+    ),
+    "E015": lambda tmp: batch()["f9"],
+    "E016": lambda tmp: batch().permute([0, 5]),
+    "E017": lambda tmp: batch().permute([1.0]),
+    "E018": lambda tmp: batch().split([1]),
+    "E019": lambda tmp: batch().weights(),
+    "E020": lambda tmp: JT(ids(1, 2), ids(1, 2)),
+    "E021": lambda tmp: JT(ids(1, 2), ids(3, -1)),
+    "E022": lambda tmp: KT(["f0", "f1"], [4], torch.zeros(2, 4)),
+    "E023": lambda tmp: KT(["f0", "f1"], [4, 4], torch.zeros(2, 7)),
+    "E024": lambda tmp: KT(["f0"], [4], torch.zeros(2, 4))["f9"],
+    # EmbeddingBagConfig, EmbeddingBagCollection
+    "E025": lambda tmp: Cfg("", 10, 4),
+    "E026": lambda tmp: Cfg("t0", 0, 4),
+    "E027": lambda tmp: Cfg("t0", 10, 4, pooling="max"),
+    "E028": lambda tmp: Cfg("t0", 10, 4, "user_id"),
+    "E029": lambda tmp: Cfg("t0", 10, 4, ["f0", ""]),
+    "E030": lambda tmp: Cfg("t0", 10, 4, ["f0", "f0"]),
+    "E031": lambda tmp: EBC(Cfg("t0", 10, 4)),
+    "E032": lambda tmp: EBC([{"name": "t0"}]),
+    "E033": lambda tmp: EBC([*tables(), Cfg("t0", 3, 2, ["f9"])]),
+    "E034": lambda tmp: EBC([*tables(), Cfg("t2", 3, 2, ["f0"])]),
+    "E035": lambda tmp: EBC(tables(), bounds_check="warn"),
+    # forward
+    "E036": lambda tmp: EBC(tables())({"f0": ids(1)}),
+    "E037": lambda tmp: EBC(tables())(batch().permute(["f0"])),
+    "E038": lambda tmp: EBC(tables())(KJT(["f0", "f1", "f9"], ids(1, 2), ids(1, 0, 0, 1, 0, 0))),
+    "E039": lambda tmp: EBC(tables())(KJT(["f0", "f1"], ids(1, 2), ids(1, 0, 0, 1), torch.ones(2))),
+    "E040": lambda tmp: EBC(tables())(batch(f0=(1, 10))),
+    "E041": lambda tmp: EBC(tables())(batch(f1=(-1,))),
+    "E042": lambda tmp: EBC(tables(), device="meta")(batch()),
+    # init_mesh
+    "E046": lambda tmp: dtrec.init_mesh("cpu", 1),
+    "E047": fake(4, lambda: dtrec.init_mesh("cpu", "2")),
+    "E048": fake(4, lambda: dtrec.init_mesh("cpu", 0)),
+    "E049": fake(4, lambda: dtrec.init_mesh("cpu", 3)),
+    "E050": fake(4, lambda: dtrec.init_mesh("cpu", 2, node_size="2")),
+    "E051": fake(4, lambda: dtrec.init_mesh("cpu", 2, node_size=0)),
+    "E052": fake(4, lambda: dtrec.init_mesh("cpu", 2, node_size=3)),
+    "E053": fake(12, lambda: dtrec.init_mesh("cpu", 2, node_size=4)),
+    # specs that do not fit the mesh
+    "E054": on_mesh(2, 2, lambda m: distributed(m, {"sparse.t0": TableWise(rank=2)})),
+    "E055": on_mesh(2, 2, lambda m: dtrec.distribute_tensor(_w(), m, TableWise(), "t0")),
+    "E056": on_mesh(8, 8, lambda m: distributed(m, {"sparse.t0": ColumnWise()})),
+    "E057": on_mesh(4, 2, lambda m: distributed(m, {"sparse.t0": TableRowWise()})),
+    "E058": on_mesh(4, 4, lambda m: distributed(m, {"sparse.t0": TableRowWise(node=2)}), 2),
+    "E059": on_mesh(8, 8, lambda m: distributed(m, {"sparse.t1": Grid()}), 1),
+    # distribute_tensor
+    "E060": on_mesh(2, 2, lambda m: dtrec.distribute_tensor([[0.0]], m, RowWise(), "t0")),
+    "E061": on_mesh(2, 2, lambda m: dtrec.distribute_tensor(torch.zeros(10), m, RowWise(), "t0")),
+    "E062": on_mesh(
+        2, 2, lambda m: dtrec.distribute_tensor(_w(dtype=torch.int64), m, RowWise(), "t0")
+    ),
+    "E063": on_mesh(2, 2, lambda m: dtrec.distribute_tensor(_w(0), m, RowWise(), "t0")),
+    "E064": on_mesh(2, 2, lambda m: dtrec.distribute_tensor(_w(), m, "RW", "t0")),
+    "E065": lambda tmp: dtrec.distribute_tensor(_w(), "cpu", RowWise(), "t0"),
+    "E066": fake(2, lambda: dtrec.distribute_tensor(_w(), DeviceMesh("cpu", [0, 1]), RowWise())),
+    # distribute_module and the distributed model
+    "E067": on_mesh(2, 2, lambda m: dtrec.distribute_module(Model().state_dict(), m)),
+    "E068": on_mesh(2, 2, lambda m: distributed(m, [RowWise(), RowWise()])),
+    "E069": on_mesh(2, 2, lambda m: distributed(m, {"t0": RowWise()})),
+    "E070": on_mesh(2, 2, lambda m: distributed(m, {"sparse.t0": "RowWise"})),
+    "E071": on_mesh(2, 2, lambda m: distributed(m, optimizer=torch.optim.SGD)),
+    "E072": on_mesh(2, 2, lambda m: dtrec.distribute_module(Model(), m, sync_every=0)),
+    "E073": on_mesh(2, 2, lambda m: distributed(m, model=nn.Linear(2, 2))),
+    "E074": on_mesh(2, 2, lambda m: distributed(m, model=distributed(m))),
+    "E075": on_mesh(2, 2, lambda m: distributed(m, model=Model().to("meta"))),
+    "E076": fake(
+        4,
+        lambda: distributed(
+            DeviceMesh("cpu", torch.arange(2).view(2, 1), mesh_dim_names=("shard", "replicate"))
+        ),
+    ),
+    "E078": on_mesh(2, 2, load_shape),
+    "E079": on_mesh(2, 2, lambda m: load_fused(m, None)),
+    "E080": on_mesh(2, 2, lambda m: load_fused(m, {"exp_avg": torch.zeros(10, 4)})),
+    "E081": on_mesh(2, 2, lambda m: load_fused(m, {"sum": torch.zeros(11)})),
+    "E082": on_mesh(
+        2, 2, lambda m: dtrec.ShardedEmbeddingBagCollection(tables(), {}, m, {"t0": RowWise()})
+    ),
+    # plan, TableConstraint, ShardingPlan.from_json, Topology, the planner CLI
+    "E083": on_mesh(2, 2, lambda m: dtrec.plan(Model(), m, [("sparse.t0", RowWise())])),
+    "E084": on_mesh(2, 2, lambda m: dtrec.plan(Model(), m, topology="h100")),
+    "E085": on_mesh(
+        4, 4, lambda m: dtrec.plan(Model(), m, {"sparse.t1": TableConstraint(types=(ColumnWise,))})
+    ),
+    "E086": on_mesh(
+        2, 2, lambda m: dtrec.plan(Model(), m, topology=dtrec.Topology.cpu(memory_per_rank=100.0))
+    ),
+    "E087": lambda tmp: TableConstraint(types=("RowWise",)),
+    "E088": lambda tmp: TableConstraint(min_shards=0),
+    "E089": lambda tmp: TableConstraint(min_shards=4, max_shards=2),
+    "E090": lambda tmp: TableConstraint(pooling_factor=-1.0),
+    "E091": lambda tmp: ShardingPlan.from_json('["RowWise"]'),
+    "E092": lambda tmp: ShardingPlan.from_json('{"sparse.t0": "RowWise"}'),
+    "E093": lambda tmp: ShardingPlan.from_json('{"sparse.t0": {"type": "Rowwise"}}'),
+    "E094": lambda tmp: ShardingPlan.from_json('{"sparse.t0": {"type": "TableWise", "rnak": 1}}'),
+    "E095": lambda tmp: ShardingPlan.from_json('{"sparse.t0": '),
+    "E096": lambda tmp: dtrec.Topology(optimizer="adagrad"),
+    "E097": lambda tmp: dtrec.Topology(hbm_bandwidth=0),
+    "E098": lambda tmp: dtrec.Topology(hbm_bandwidth="3e12"),
+    "E099": lambda tmp: dtrec.Topology(memory_headroom=1.0),
+    "E100": lambda tmp: dtrec.Topology(pooling_factors={"f0": -2.0}),
+    "E101": lambda tmp: planner_config(tmp, [{"name": "t0"}]),
+    "E102": lambda tmp: planner_config(tmp, {"tables": [{"name": "t0", "rows": 10}]}),
+    # fused optimizers
+    "E103": lambda tmp: SGD(lr=-0.1),
+    "E104": lambda tmp: SGD(lr=float("nan")),
+    "E105": lambda tmp: RowWiseAdagrad(lr=0.1, eps=0.0),
+    "E106": lambda tmp: Adam(lr=0.1, betas=0.9),
+    # the op
+    "E107": eb(_w(), ids(1), ids(0, 1)),
+    "E108": eb([_w()], torch.tensor([1.0]), ids(0, 1)),
+    "E109": eb([_w()], ids(1), torch.tensor([0.0, 1.0])),
+    "E110": eb([_w(), _w()], ids(1), ids(0, 1)),
+    "E111": eb([_w()], ids(1, 2), ids(1, 2)),
+    "E112": eb([_w()], ids(1, 2, 3), ids(0, 2, 1, 3)),
+    "E113": eb([_w()], ids(1), torch.tensor([0, 1], device="meta")),
+    "E114": eb([_w(device="meta")], ids(1), ids(0, 1)),
+    "E115": eb([_w(dtype=torch.int64)], ids(1), ids(0, 1)),
+    "E116": eb([_w(), _w(dtype=torch.float16)], ids(1), ids(0, 1, 1)),
+    "E117": eb([torch.zeros(10)], ids(1), ids(0, 1)),
+    "E118": eb([_w()], ids(1), ids(0, 1), pooling="max"),
+    "E119": eb([_w(), _w()], ids(1), ids(0, 1, 1), pooling=["sum"]),
+    "E120": eb([_w()], ids(1), ids(0, 1), per_sample_weights=torch.ones(2)),
+    "E121": eb([_w()], ids(1), ids(0, 1), per_sample_weights=ids(1)),
+    "E122": eb([_w()], ids(1), ids(0, 1), "mean", per_sample_weights=torch.ones(1)),
+    "E123": eb([_w(), _w(3)], ids(1, 3), ids(0, 1, 2)),
+    "E124": eb([_w()], ids(1), ids(0, 1), bounds_check="warn"),
+    "E125": lambda tmp: ops.set_backend("cudnn"),
+    "E126": unknown_backend_from_env,
+    "E127": triton_on_cpu_without_interpreter,
+    # checkpoints
+    "E128": lambda tmp: checkpoint.save(tmp, Model(), keep_last=0),
+    "E129": lambda tmp: checkpoint.save(tmp, Model(), optimizer=RowWiseAdagrad(lr=0.1)),
+    "E130": lambda tmp: checkpoint.save(a_file(tmp), Model()),
+    "E131": lambda tmp: checkpoint.load(tmp / "nothing", Model()),
+    "E132": lambda tmp: checkpoint.load(unpublish(saved(tmp)), Model()),
+    "E133": load_into(lambda root: next(root.glob("*/*.distcp")).unlink()),
+    "E134": load_into(model=lambda: Model([*tables(), Cfg("t9", 3, 2)])),
+    "E135": load_into(model=lambda: Model(tables()[:1])),
+    "E136": load_into(model=lambda: Model([Cfg("t0", 10, 5, ["f0"]), tables()[1]])),
+    "E137": fused_model_loads_unfused_checkpoint,
+    "E138": load_into(optimizer=lambda ps: torch.optim.Adagrad(ps, lr=0.1)),
+    "E139": load_into(model=with_layer("dense", lambda: nn.Linear(7, 2))),
+    "E140": load_into(model=with_layer("extra", lambda: nn.Linear(2, 2))),
+    "E141": load_into(lambda root: next(root.glob("*/*.distcp")).write_bytes(b"not a checkpoint")),
+    # TrainPipeline
+    "E142": lambda tmp: dtrec.TrainPipeline(Model(), None, loss),
+    "E143": on_mesh(2, 2, lambda m: dtrec.TrainPipeline(all_dp(m), None, "mse")),
+    "E144": on_mesh(2, 2, lambda m: dtrec.TrainPipeline(all_dp(m), SGD(lr=0.1), loss)),
+    "E145": on_mesh(
+        2, 2, lambda m: list(dtrec.TrainPipeline(all_dp(m), None, loss).run([{"ids": batch()}]))
+    ),
+    "E146": on_mesh(2, 2, lambda m: run_pipeline(m, model=distributed(m, model=TwoCollections()))),
+    "E147": on_mesh(2, 2, lambda m: run_pipeline(m, sparse_features=lambda b: {"sprase": b})),
+    "E148": on_mesh(2, 2, lambda m: run_pipeline(m, loss_fn=lambda model, b: torch.zeros(()))),
+    # comm stats
+    "E149": summary_of_no_steps,
+}
+
+
+# --------------------------------------------------------------------------- real peers
+
+WORLD_SIZE = 2
+WORLD: dict[str, tuple[int, ...]] = {
+    # error id -> the ranks that raise it
+    "E043": (1,),
+    "E044": (0,),
+    "E045": (0, 1),
+    "E077": (0, 1),
+}
+
+
+def outcome(fn: Callable[[], object]) -> tuple[str, str] | None:
+    """(exception type, message) of ``fn``, or None if it returned."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the type is what the caller checks
+        return type(exc).__name__, message(exc)
+    return None
+
+
+def message(exc: BaseException) -> str:
+    """The text the user reads (a KeyError's str() is its message in quotes)."""
+    if isinstance(exc, KeyError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        return exc.args[0]
+    return str(exc)
+
+
+def run_world_cases(rank: int, world_size: int) -> dict:
+    """Every WORLD case on every rank (each fails on all ranks alike, so they stay in step),
+    plus what a rejected batch leaves behind: weights unchanged, the next step works."""
+    mesh = dtrec.init_mesh("cpu", world_size)
+    plan = {"sparse.t0": RowWise(), "sparse.t1": TableWise(rank=1)}
+    model = distributed(mesh, plan, optimizer=SGD(lr=0.5))
+    before = {n: t.weight.to_local().clone() for n, t in model.sparse.embedding_bags.items()}
+
+    def unchanged() -> bool:
+        weights = model.sparse.embedding_bags.items()
+        return all(torch.equal(t.weight.to_local(), before[n]) for n, t in weights)
+
+    out: dict[str, object] = {}
+    bad_ids = batch(f0=(1, 10_000) if rank == 1 else (1, 2))
+    out["E043"] = out["E044"] = outcome(lambda: model(bad_ids).sum().backward())
+    out["unchanged"] = unchanged()
+    three = KJT(["f0", "f1"], ids(1, 2, 3), ids(1, 0, 1, 0, 0, 1))
+    out["E045"] = outcome(lambda: model(three if rank == 1 else batch()))
+    out["next_step"] = outcome(lambda: model(batch()).sum().backward())
+    out["updated"] = not unchanged()
+    configs = tables()
+    if rank == 1:
+        configs[0] = Cfg("t0", 11, 4, ["f0"])
+    out["E077"] = outcome(lambda: distributed(mesh, plan, model=Model(configs)))
+    return out

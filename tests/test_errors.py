@@ -1,0 +1,93 @@
+"""docs/errors.md is true: every row's error is raised, with that type and that message.
+
+Each row of the doc carries an id (``E001``), the exception type and an example message
+(``…`` marks elided text). ``tests/error_cases.py`` triggers each id; the test checks the
+type by name and matches the message against the doc's example. Ids in the doc and in
+the cases must agree, so neither can drift from the other.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.error_cases import LOCAL, WORLD, WORLD_SIZE, message, run_world_cases
+from tests.multiprocess import run_world
+
+# Checkpoint cases save and load unsharded models without a process group, on purpose.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+_ROW = re.compile(r"^\|\s*(E\d{3})\s*\|.*\|\s*(\w+)\s*\|\s*`(.+)`\s*\|\s*$")
+
+
+@dataclass(frozen=True)
+class Row:
+    error_id: str
+    exception: str
+    example: str
+
+    def matches(self, text: str) -> bool:
+        pattern = ".*?".join(re.escape(part) for part in self.example.split("…"))
+        return re.search(pattern, text, re.DOTALL) is not None
+
+
+def doc_rows() -> dict[str, Row]:
+    rows: dict[str, Row] = {}
+    for line in DOC.read_text().splitlines():
+        if line.startswith("| E"):
+            m = _ROW.match(line)
+            assert m, f"docs/errors.md: malformed row {line!r}"
+            assert m.group(1) not in rows, f"docs/errors.md: duplicate id {m.group(1)}"
+            rows[m.group(1)] = Row(m.group(1), m.group(2), m.group(3))
+    return rows
+
+
+ROWS = doc_rows()
+
+
+def test_every_row_has_a_case_and_every_case_a_row() -> None:
+    assert not set(LOCAL) & set(WORLD)
+    cases = set(LOCAL) | set(WORLD)
+    assert sorted(set(ROWS) - cases) == [], "rows without a case in tests/error_cases.py"
+    assert sorted(cases - set(ROWS)) == [], "cases without a row in docs/errors.md"
+
+
+def check(row: Row, kind: str, text: str) -> None:
+    assert kind == row.exception, f"{row.error_id}: raised {kind}: {text}"
+    assert row.matches(text), f"{row.error_id}: message {text!r} != doc {row.example!r}"
+
+
+@pytest.mark.parametrize("error_id", sorted(LOCAL))
+def test_local(error_id: str, tmp_path: Path) -> None:
+    row = ROWS[error_id]
+    try:
+        LOCAL[error_id](tmp_path)
+    except Exception as exc:  # noqa: BLE001 - the type is checked against the doc
+        check(row, type(exc).__name__, message(exc))
+    else:
+        pytest.fail(f"{error_id}: nothing raised (doc: {row.exception}: {row.example})")
+
+
+@pytest.fixture(scope="module")
+def world_results() -> list[dict]:
+    return run_world(WORLD_SIZE, run_world_cases, timeout=120)
+
+
+@pytest.mark.parametrize("error_id", sorted(WORLD))
+def test_world(error_id: str, world_results: list[dict]) -> None:
+    row = ROWS[error_id]
+    for rank in WORLD[error_id]:
+        got = world_results[rank][error_id]
+        assert got is not None, f"{error_id}: nothing raised on rank {rank}"
+        check(row, *got)
+
+
+def test_rejected_batch_changes_nothing_and_the_next_step_runs(world_results) -> None:
+    for rank, r in enumerate(world_results):
+        assert r["unchanged"], rank
+        assert r["next_step"] is None, (rank, r["next_step"])
+        assert r["updated"], rank
