@@ -156,6 +156,17 @@ class PendingTensor:
         return self._output
 
 
+def all_reduce_start(
+    tensor: Tensor, group: ProcessGroup, kind: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> PendingTensor:
+    """Start an in-place all-reduce of ``tensor`` over ``group``; return at once."""
+    size = dist.get_world_size(group)
+    nbytes = 2 * (size - 1) * tensor.numel() * tensor.element_size() // size
+    with collective(kind, nbytes, group):
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    return PendingTensor(tensor, work, kind, group)
+
+
 def all_to_all_start(
     input: Tensor,
     output_splits: Sequence[int],

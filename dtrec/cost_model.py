@@ -381,13 +381,15 @@ def totals(costs: list[TableCost], positions: int) -> PositionTotals:
 
 
 HEADER_BYTES = 4 * 8  # input-dist header per peer: status, batch, id count, weighted
+VERDICT_BYTES = 8  # input-dist verdict: the lowest rank that refused its batch
 
 
 def comm_by_kind(costs: list[TableCost], axis: ShardAxis) -> dict[str, np.ndarray]:
     """Bytes each position sends per step per collective kind, for a plan's tables.
 
-    Adds the input-dist header (one per peer when any table is sharded) and
-    ``input_dist.ids`` (lengths + id values, sent in one all-to-all).
+    Adds the input-dist header (one per peer when any table is sharded),
+    ``input_dist.ids`` (lengths + id values, sent in one all-to-all) and the
+    verdict all-reduce (over the replicas, or over the world without a header).
     """
     out: dict[str, np.ndarray] = {}
     for cost in costs:
@@ -396,4 +398,7 @@ def comm_by_kind(costs: list[TableCost], axis: ShardAxis) -> dict[str, np.ndarra
     if "input_dist.lengths" in out:
         out["input_dist.header"] = np.full(axis.size, (axis.size - 1) * HEADER_BYTES, float)
         out["input_dist.ids"] = out["input_dist.lengths"] + out["input_dist.id_values"]
+    group = axis.replicas if "input_dist.lengths" in out else axis.size * axis.replicas
+    if costs and group > 1:
+        out["input_dist.verdict"] = np.full(axis.size, 2 * (group - 1) * VERDICT_BYTES // group)
     return out

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtrec.collectives import (
     PendingTensor,
     all_reduce_coalesced,
+    all_reduce_start,
     all_to_all,
     all_to_all_autograd,
     all_to_all_start,
@@ -63,14 +64,18 @@ class RoutedBatch:
     """A batch after input-dist: its validated features and the ids this rank serves.
 
     ``ids`` holds, per source rank, ``[lengths of the served segments | ids]``; it and
-    ``psw`` (per-sample weights) may still be in flight until waited on.
+    ``psw`` (per-sample weights) may still be in flight until waited on. ``error``: why
+    this rank's sharding group refused the batch (``forward`` raises it); ``verdict``:
+    the lowest rank in the world that refused its batch, or W (in flight).
     """
 
-    kjt: KeyedJaggedTensor
+    kjt: KeyedJaggedTensor | None
     batch: int
     peer_counts: list[int]
     ids: PendingTensor | None
     psw: PendingTensor | None
+    error: Exception | None = None
+    verdict: PendingTensor | None = None
 
 
 class ShardedTable(nn.Module):
@@ -361,6 +366,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         routed = self._take_prefetched(features)
         if routed is None:
             routed = self.input_dist(features)
+        if routed.error is not None:
+            if routed.verdict is not None:
+                routed.verdict.wait()  # the other sharding groups learn of it too
+            raise routed.error
+        assert routed.kjt is not None
         routing = self._routing
         local = self._local_weights()
         dtype = self._dtype
@@ -375,6 +385,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 1, self._local_cols.to(device), self._data_parallel_lookup(kjt, local)
             )
         out = out * self._pooling_scale(kjt, dtype)
+        self._check_verdict(routed)
         dims = [routing.slots[k].dim for k in range(len(routing.slots))]
         return KeyedTensor(feature_order(self._tables), dims, out)
 
@@ -401,9 +412,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def input_dist(self, features: object) -> RoutedBatch:
         """Validate the batch and send each id to the shard(s) holding its row.
 
-        One blocking header all-to-all (batch sizes, id counts, input validity:
-        a bad batch raises on every rank of the sharding group), then the ids
-        (+ per-sample weights) all-to-all, left in flight.
+        One blocking header all-to-all (batch sizes, id counts, input validity),
+        then the ids (+ per-sample weights) all-to-all, left in flight. A bad batch
+        sends no ids: the error is kept for ``forward`` (so a prefetch does not
+        raise before the step in progress ends), and a small all-reduce, also in
+        flight, tells the other sharding groups, so every rank fails the step.
         """
         rank = dist.get_rank()
         routing = self._routing
@@ -415,12 +428,30 @@ class ShardedEmbeddingBagCollection(nn.Module):
             )
         except (KeyError, ValueError, IndexError, TypeError) as exc:
             error = exc
-        if not routing.has_sharded:
-            if error is not None:
-                raise error
-            assert kjt is not None
-            return RoutedBatch(kjt, kjt.stride(), [], None, None)
+        if not routing.has_sharded:  # no header: the verdict goes over the world
+            failed = rank if error is not None else self._world_size
+            verdict = self._start_verdict(failed, world_group(self._mesh))
+            batch = kjt.stride() if kjt is not None else 0
+            return RoutedBatch(kjt, batch, [], None, None, error, verdict)
         return self._exchange_ids(kjt, error)
+
+    def _start_verdict(self, failed: int, group: dist.ProcessGroup) -> PendingTensor | None:
+        """MIN over ``group`` of the lowest rank that refused its batch (W: none), in flight."""
+        if dist.get_world_size(group) == 1:
+            return None
+        verdict = torch.tensor([failed], dtype=torch.long)
+        return all_reduce_start(verdict, group, "input_dist.verdict", dist.ReduceOp.MIN)
+
+    def _check_verdict(self, routed: RoutedBatch) -> None:
+        """Raise if a rank of another sharding group refused its batch for this step."""
+        if routed.verdict is None:
+            return
+        failed = int(routed.verdict.wait()[0])
+        if failed < self._world_size:
+            raise ValueError(
+                f"rank {failed} rejected its input batch (see the error on that rank): every "
+                "rank stops this step in forward, before any weight changes"
+            )
 
     def _pooling_scale(self, kjt: KeyedJaggedTensor, dtype: torch.dtype) -> Tensor:
         """``[B, total_dim]`` factors: 1 / bag length on mean-pooled features, 1 elsewhere."""
@@ -469,22 +500,25 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Per destination: int64 [lengths | ids] buffer, weights, and id count."""
         return self._routing.bucketize(kjt.values(), bag_lengths(kjt), kjt.weights_or_none())
 
-    def _check_peers(self, header: Tensor, batch: int) -> None:
-        """Fail on every rank of the group if any peer's batch was bad or differs."""
-        bad = [j for j in range(header.shape[0]) if int(header[j, 0]) != _STATUS_OK]
+    def _check_peers(self, header: Tensor, batch: int) -> tuple[Exception | None, int]:
+        """Why this sharding group refuses the batch (None: it does not) and the lowest
+        rank at fault (W: none). Every rank of the group computes the same."""
+        bad = [
+            self._shard_ranks[j] for j in range(header.shape[0]) if int(header[j, 0]) != _STATUS_OK
+        ]
         if bad:
-            ranks = [self._shard_ranks[j] for j in bad]
-            raise ValueError(
-                f"rank(s) {ranks} of this sharding group rejected their input batch "
+            return ValueError(
+                f"rank(s) {bad} of this sharding group rejected their input batch "
                 "(see the error on those ranks); no collective was run with it"
-            )
+            ), min(bad)
         sizes = header[:, 1].tolist()
-        if any(b != batch for b in sizes):
+        if any(b != sizes[0] for b in sizes):
             per_rank = {self._shard_ranks[j]: b for j, b in enumerate(sizes)}
-            raise ValueError(
+            return ValueError(
                 f"batch size differs across the sharding group (rank -> batch size: {per_rank}); "
                 "every rank of a sharding group must feed the same local batch size"
-            )
+            ), min(self._shard_ranks)
+        return None, self._world_size
 
     def _exchange_ids(self, kjt: KeyedJaggedTensor | None, error: Exception | None) -> RoutedBatch:
         routing = self._routing
@@ -505,10 +539,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
             header.flatten(), [_HEADER] * shards, [_HEADER] * shards, group, "input_dist.header"
         )
         peer = peer.view(shards, _HEADER)
-        if error is not None:
-            raise error
+        group_error, failed = self._check_peers(peer, batch)
+        verdict = self._start_verdict(failed, self._replicate_group)
+        if error is not None or group_error is not None:
+            return RoutedBatch(kjt, batch, [], None, None, error or group_error, verdict)
         assert kjt is not None
-        self._check_peers(peer, batch)
 
         device = kjt.values().device
         n_served = len(routing.served) * batch
@@ -529,7 +564,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             psw = all_to_all_start(
                 torch.cat(send_w).float(), peer_counts, counts, group, "input_dist.weights"
             )
-        return RoutedBatch(kjt, batch, peer_counts, ids, psw)
+        return RoutedBatch(kjt, batch, peer_counts, ids, psw, verdict=verdict)
 
     def _lookup_and_output(
         self,

@@ -154,6 +154,64 @@ def _bad_input(rank: int) -> dict:
     return out
 
 
+def _bad_batch_everywhere(rank: int) -> dict:
+    """A bad id on rank 1 fails the step on every rank, not only its sharding group's:
+    on a 2D mesh, in a data-parallel-only collection, and one step ahead in a pipeline."""
+    import torch
+
+    import dtrec
+    from dtrec.checkpoint import full_state_dict
+    from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
+
+    def bad_on_rank_1(kjt):
+        if rank != 1:
+            return kjt
+        values = kjt.values().clone()
+        values[-1] = 10_000
+        return dtrec.KeyedJaggedTensor(kjt.keys(), values, kjt.lengths())
+
+    mixed = {"sparse.t0": RowWise(), "sparse.t1": TableWise(rank=1), "sparse.t2": ColumnWise()}
+    cases = {
+        "2d_fused": (2, mixed, dtrec.optim.RowWiseAdagrad(lr=0.1)),
+        "2d_torch": (2, mixed, None),
+        "data_parallel_only": (4, {f"sparse.t{i}": DataParallel() for i in range(4)}, None),
+    }
+    out = {}
+    for name, (shards, plan, fused) in cases.items():
+        model = dtrec.distribute_module(_model(), dtrec.init_mesh("cpu", shards), plan, fused)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        before = {k: v.clone() for k, v in full_state_dict(model).items()}
+
+        def step(kjt, model=model, opt=opt):
+            model(kjt).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+        error = error_of(lambda step=step: step(bad_on_rank_1(_batch(rank))))
+        after = full_state_dict(model)
+        unchanged = all(torch.equal(after[k], before[k]) for k in before)
+        out[name] = {
+            "error": error,
+            "unchanged": unchanged,
+            "next": error_of(lambda step=step: step(_batch(rank))),
+        }
+
+    # Pipeline: batch 1 is bad on rank 1; its prefetch runs during step 0, which completes
+    # on every rank; step 1 then fails on every rank.
+    model = dtrec.distribute_module(_model(), dtrec.init_mesh("cpu", 2), mixed)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    pipeline = dtrec.TrainPipeline(model, opt, lambda m, b: m(b).square().sum())
+    batches = [_batch(rank), bad_on_rank_1(_batch(rank + 10)), _batch(rank + 20)]
+    losses = []
+
+    def run():
+        for loss in pipeline.run(batches):
+            losses.append(float(loss))
+
+    out["pipeline"] = {"error": error_of(run), "steps_done": len(losses)}
+    return out
+
+
 def _plans(rank: int) -> dict:
     import dtrec
     from dtrec.placements import RowWise, TableWise
@@ -363,6 +421,7 @@ def _all_checks(rank: int, world: int) -> dict:
         "round_trips": _round_trips(rank),
         "comm": _comm_counts(rank),
         "bad_input": _bad_input(rank),
+        "bad_batch_everywhere": _bad_batch_everywhere(rank),
         "plans": _plans(rank),
     }
 
@@ -417,6 +476,22 @@ def test_bad_batch_fails_every_rank_cleanly(results) -> None:
         assert by_rank[rank]["recovers"] == "ok", by_rank[rank]
     assert by_rank[3]["missing_key"].startswith("KeyError") and "'f3'" in by_rank[3]["missing_key"]
     assert "rank(s) [3]" in by_rank[0]["missing_key"]
+
+
+def test_bad_batch_fails_the_step_on_every_sharding_group(results) -> None:
+    for name in ("2d_fused", "2d_torch", "data_parallel_only", "pipeline"):
+        for rank, r in enumerate(results):
+            case = r["bad_batch_everywhere"][name]
+            if rank == 1:
+                assert case["error"].startswith("IndexError"), (name, case)
+            else:
+                assert case["error"].startswith("ValueError"), (name, rank, case)
+                assert "rank 1 " in case["error"] or "rank(s) [1]" in case["error"], case
+            if name == "pipeline":
+                assert case["steps_done"] == 1, (name, rank, case)  # step 0 ran everywhere
+            else:
+                assert case["unchanged"], (name, rank)  # weights and fused state
+                assert case["next"] == "ok", (name, rank, case["next"])
 
 
 def test_ranks_that_disagree_on_model_or_plan_all_refuse(results) -> None:
