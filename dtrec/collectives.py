@@ -156,15 +156,12 @@ class PendingTensor:
         return self._output
 
 
-def all_reduce_start(
-    tensor: Tensor, group: ProcessGroup, kind: str, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
-) -> PendingTensor:
-    """Start an in-place all-reduce of ``tensor`` over ``group``; return at once."""
+def all_reduce_min(tensor: Tensor, group: ProcessGroup, kind: str) -> Tensor:
+    """Elementwise MIN of ``tensor`` over ``group``, in place; returns it when done."""
     size = dist.get_world_size(group)
-    nbytes = 2 * (size - 1) * tensor.numel() * tensor.element_size() // size
-    with collective(kind, nbytes, group):
-        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
-    return PendingTensor(tensor, work, kind, group)
+    with collective(kind, 2 * (size - 1) * tensor.numel() * tensor.element_size() // size, group):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+    return tensor
 
 
 def all_to_all_start(

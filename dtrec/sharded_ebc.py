@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtrec.collectives import (
     PendingTensor,
     all_reduce_coalesced,
-    all_reduce_start,
+    all_reduce_min,
     all_to_all,
     all_to_all_autograd,
     all_to_all_start,
@@ -65,8 +65,7 @@ class RoutedBatch:
 
     ``ids`` holds, per source rank, ``[lengths of the served segments | ids]``; it and
     ``psw`` (per-sample weights) may still be in flight until waited on. ``error``: why
-    this rank's sharding group refused the batch (``forward`` raises it); ``verdict``:
-    the lowest rank in the world that refused its batch, or W (in flight).
+    the batch was refused, here or on another rank (``forward`` raises it; no ids sent).
     """
 
     kjt: KeyedJaggedTensor | None
@@ -75,7 +74,6 @@ class RoutedBatch:
     ids: PendingTensor | None
     psw: PendingTensor | None
     error: Exception | None = None
-    verdict: PendingTensor | None = None
 
 
 class ShardedTable(nn.Module):
@@ -161,6 +159,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._shard_group = mesh.get_group(SHARD)
         self._replicate_group = mesh.get_group(REPLICATE)
         self._shard_ranks = dist.get_process_group_ranks(self._shard_group)
+        self._comm_device = mesh_device(mesh)  # NCCL takes device tensors only
         layouts = [specs[cfg.name].layout(cfg, axis) for cfg in tables]
         self.embedding_bags = nn.ModuleDict()
         into = self._packed_meta_blocks(tables, weights, layouts, position, mesh)
@@ -367,8 +366,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if routed is None:
             routed = self.input_dist(features)
         if routed.error is not None:
-            if routed.verdict is not None:
-                routed.verdict.wait()  # the other sharding groups learn of it too
             raise routed.error
         assert routed.kjt is not None
         routing = self._routing
@@ -385,7 +382,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 1, self._local_cols.to(device), self._data_parallel_lookup(kjt, local)
             )
         out = out * self._pooling_scale(kjt, dtype)
-        self._check_verdict(routed)
         dims = [routing.slots[k].dim for k in range(len(routing.slots))]
         return KeyedTensor(feature_order(self._tables), dims, out)
 
@@ -412,11 +408,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def input_dist(self, features: object) -> RoutedBatch:
         """Validate the batch and send each id to the shard(s) holding its row.
 
-        One blocking header all-to-all (batch sizes, id counts, input validity),
-        then the ids (+ per-sample weights) all-to-all, left in flight. A bad batch
-        sends no ids: the error is kept for ``forward`` (so a prefetch does not
-        raise before the step in progress ends), and a small all-reduce, also in
-        flight, tells the other sharding groups, so every rank fails the step.
+        One blocking header all-to-all over the sharding group (batch sizes, id
+        counts, input validity) and an 8-byte verdict all-reduce over the replicas
+        (the first rank in the world that refused its batch), then the ids (+
+        per-sample weights) all-to-all, left in flight. A batch refused anywhere
+        sends no ids on any rank: the error is kept for ``forward``, so a prefetch
+        does not raise before the step in progress ends, and every rank fails the
+        same step before any weight changes.
         """
         rank = dist.get_rank()
         routing = self._routing
@@ -430,28 +428,25 @@ class ShardedEmbeddingBagCollection(nn.Module):
             error = exc
         if not routing.has_sharded:  # no header: the verdict goes over the world
             failed = rank if error is not None else self._world_size
-            verdict = self._start_verdict(failed, world_group(self._mesh))
+            elsewhere = self._verdict(failed, world_group(self._mesh))  # every rank joins it
+            error = error or elsewhere
             batch = kjt.stride() if kjt is not None else 0
-            return RoutedBatch(kjt, batch, [], None, None, error, verdict)
+            return RoutedBatch(kjt, batch, [], None, None, error)
         return self._exchange_ids(kjt, error)
 
-    def _start_verdict(self, failed: int, group: dist.ProcessGroup) -> PendingTensor | None:
-        """MIN over ``group`` of the lowest rank that refused its batch (W: none), in flight."""
-        if dist.get_world_size(group) == 1:
+    def _verdict(self, failed: int, group: dist.ProcessGroup) -> Exception | None:
+        """The error for a batch refused elsewhere: MIN over ``group`` of the lowest rank
+        that refused its batch (``failed``, W for none). Blocking: right after the header's
+        host read, it adds one small latency and no device sync of its own."""
+        if dist.get_world_size(group) > 1:
+            verdict = torch.tensor([failed], dtype=torch.long, device=self._comm_device)
+            failed = int(all_reduce_min(verdict, group, "input_dist.verdict")[0])
+        if failed >= self._world_size:
             return None
-        verdict = torch.tensor([failed], dtype=torch.long)
-        return all_reduce_start(verdict, group, "input_dist.verdict", dist.ReduceOp.MIN)
-
-    def _check_verdict(self, routed: RoutedBatch) -> None:
-        """Raise if a rank of another sharding group refused its batch for this step."""
-        if routed.verdict is None:
-            return
-        failed = int(routed.verdict.wait()[0])
-        if failed < self._world_size:
-            raise ValueError(
-                f"rank {failed} rejected its input batch (see the error on that rank): every "
-                "rank stops this step in forward, before any weight changes"
-            )
+        return ValueError(
+            f"rank {failed} rejected its input batch (see the error on that rank): every rank "
+            "stops this step in forward, before any weight changes"
+        )
 
     def _pooling_scale(self, kjt: KeyedJaggedTensor, dtype: torch.dtype) -> Tensor:
         """``[B, total_dim]`` factors: 1 / bag length on mean-pooled features, 1 elsewhere."""
@@ -500,7 +495,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Per destination: int64 [lengths | ids] buffer, weights, and id count."""
         return self._routing.bucketize(kjt.values(), bag_lengths(kjt), kjt.weights_or_none())
 
-    def _check_peers(self, header: Tensor, batch: int) -> tuple[Exception | None, int]:
+    def _check_peers(self, header: Tensor) -> tuple[Exception | None, int]:
         """Why this sharding group refuses the batch (None: it does not) and the lowest
         rank at fault (W: none). Every rank of the group computes the same."""
         bad = [
@@ -525,7 +520,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         group = self._shard_group
         shards = routing.shard_size
         batch = kjt.stride() if kjt is not None else 0
-        header = torch.zeros(shards, _HEADER, dtype=torch.long)
+        header = torch.zeros(shards, _HEADER, dtype=torch.long)  # built on the host
         if error is None:
             assert kjt is not None
             buffers, sent_weights, counts = self._bucketize(kjt)
@@ -536,13 +531,18 @@ class ShardedEmbeddingBagCollection(nn.Module):
         else:
             header[:, 0] = _STATUS_BAD_INPUT
         peer = all_to_all(
-            header.flatten(), [_HEADER] * shards, [_HEADER] * shards, group, "input_dist.header"
+            header.flatten().to(self._comm_device),
+            [_HEADER] * shards,
+            [_HEADER] * shards,
+            group,
+            "input_dist.header",
         )
-        peer = peer.view(shards, _HEADER)
-        group_error, failed = self._check_peers(peer, batch)
-        verdict = self._start_verdict(failed, self._replicate_group)
-        if error is not None or group_error is not None:
-            return RoutedBatch(kjt, batch, [], None, None, error or group_error, verdict)
+        peer = peer.view(shards, _HEADER).cpu()  # one host read for every check below
+        group_error, failed = self._check_peers(peer)
+        elsewhere = self._verdict(failed, self._replicate_group)  # every rank joins it
+        error = error or group_error or elsewhere
+        if error is not None:
+            return RoutedBatch(kjt, batch, [], None, None, error)
         assert kjt is not None
 
         device = kjt.values().device
@@ -564,7 +564,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             psw = all_to_all_start(
                 torch.cat(send_w).float(), peer_counts, counts, group, "input_dist.weights"
             )
-        return RoutedBatch(kjt, batch, peer_counts, ids, psw, verdict=verdict)
+        return RoutedBatch(kjt, batch, peer_counts, ids, psw)
 
     def _lookup_and_output(
         self,
