@@ -242,6 +242,7 @@ _PY_COLLECTIVES = {
     "_reduce_scatter_base": ("reduce_scatter", lambda a: ([a["input"]], None)),
     "reduce_scatter": ("reduce_scatter", lambda a: (list(a["input_list"]), None)),
     "all_gather_into_tensor": ("all_gather", lambda a: ([a["input_tensor"]], None)),
+    "all_gather_single": ("all_gather", lambda a: ([a["input_tensor"]], None)),
     "_all_gather_base": ("all_gather", lambda a: ([a["input_tensor"]], None)),
     "all_gather": ("all_gather", lambda a: ([a["tensor"]], None)),
     "broadcast": ("broadcast", lambda a: ([a["tensor"]], None)),

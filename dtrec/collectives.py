@@ -156,6 +156,14 @@ class PendingTensor:
         return self._output
 
 
+def all_gather_flat(output: Tensor, input: Tensor, group: ProcessGroup) -> None:
+    """Every member's ``input`` concatenated into ``output`` (rank order). torch 2.13 renamed
+    ``all_gather_into_tensor`` to ``all_gather_single`` (looked up per call, so wrappers
+    installed later, like the benchmark's counters, see it)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
+
+
 def all_reduce_min(tensor: Tensor, group: ProcessGroup, kind: str) -> Tensor:
     """Elementwise MIN of ``tensor`` over ``group``, in place; returns it when done."""
     size = dist.get_world_size(group)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from dtrec.collectives import collective
+from dtrec.collectives import all_gather_flat, collective
 from dtrec.ops.embedding_bag import sum_rows_by_key
 
 MODES = ("auto", "sparse", "dense")
@@ -75,7 +75,7 @@ def sync_rows(
     counts = torch.tensor([t.rows.numel() for t in tables], dtype=torch.long, device=device)
     gathered = torch.empty(size * len(tables), dtype=torch.long, device=device)
     with collective(kind + ".counts", (size - 1) * counts.numel() * 8, group):
-        dist.all_gather_into_tensor(gathered, counts, group=group)
+        all_gather_flat(gathered, counts, group)
     most = gathered.view(size, len(tables)).max(0).values.tolist()
 
     dense = []
@@ -113,8 +113,8 @@ def _all_gather_rows(
     all_ids = torch.empty(size * id_len, dtype=torch.long, device=device)
     all_grads = torch.empty(size * grad_len, dtype=torch.float32, device=device)
     with collective(kind + ".sparse", (size - 1) * (id_len * 8 + grad_len * 4), group):
-        dist.all_gather_into_tensor(all_ids, ids, group=group)
-        dist.all_gather_into_tensor(all_grads, grads, group=group)
+        all_gather_flat(all_ids, ids, group)
+        all_gather_flat(all_grads, grads, group)
     all_ids, all_grads = all_ids.view(size, id_len), all_grads.view(size, grad_len)
     out, id_at, grad_at = [], 0, 0
     for t, m in zip(tables, most, strict=True):
