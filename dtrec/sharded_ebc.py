@@ -159,7 +159,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._shard_group = mesh.get_group(SHARD)
         self._replicate_group = mesh.get_group(REPLICATE)
         self._shard_ranks = dist.get_process_group_ranks(self._shard_group)
-        self._comm_device = mesh_device(mesh)  # NCCL takes device tensors only
+        self._device = mesh_device(mesh)  # tables, batches and collective buffers (NCCL: cuda)
         layouts = [specs[cfg.name].layout(cfg, axis) for cfg in tables]
         self.embedding_bags = nn.ModuleDict()
         into = self._packed_meta_blocks(tables, weights, layouts, position, mesh)
@@ -421,9 +421,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         error: Exception | None = None
         kjt: KeyedJaggedTensor | None = None
         try:
-            kjt = prepare_features(
-                features, self._tables, rank, self.bounds_check, mesh_device(self._mesh)
-            )
+            kjt = prepare_features(features, self._tables, rank, self.bounds_check, self._device)
         except (KeyError, ValueError, IndexError, TypeError) as exc:
             error = exc
         if not routing.has_sharded:  # no header: the verdict goes over the world
@@ -439,7 +437,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         that refused its batch (``failed``, W for none). Blocking: right after the header's
         host read, it adds one small latency and no device sync of its own."""
         if dist.get_world_size(group) > 1:
-            verdict = torch.tensor([failed], dtype=torch.long, device=self._comm_device)
+            verdict = torch.tensor([failed], dtype=torch.long, device=self._device)
             failed = int(all_reduce_min(verdict, group, "input_dist.verdict")[0])
         if failed >= self._world_size:
             return None
@@ -531,7 +529,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         else:
             header[:, 0] = _STATUS_BAD_INPUT
         peer = all_to_all(
-            header.flatten().to(self._comm_device),
+            header.flatten().to(self._device),
             [_HEADER] * shards,
             [_HEADER] * shards,
             group,
