@@ -93,7 +93,7 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
     saves, loads, in_place, written = [], [], [], []
     for i in range(opts["repeats"]):
         if lib == "dtrec":
-            from dtrec import checkpoint
+            from dtrec.checkpoint import dcp as checkpoint
 
             published: list[Path] = []
             save = functools.partial(checkpoint.save, root, model)

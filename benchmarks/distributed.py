@@ -71,9 +71,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtrec
-from dtrec.config import EmbeddingBagConfig
-from dtrec.cost_model import Topology, comm_by_kind, table_cost
-from dtrec.mesh import ShardAxis, positions_per_node
+from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import (
     ColumnWise,
     DataParallel,
@@ -83,6 +81,8 @@ from dtrec.placements import (
     TableSpec,
     TableWise,
 )
+from dtrec.placements.mesh import ShardAxis, positions_per_node
+from dtrec.planning.cost_model import Topology, comm_by_kind, table_cost
 from tests.multiprocess import WorldError, run_world
 
 TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel", "mixed")
@@ -687,9 +687,9 @@ def cost_model(
 ) -> dict:
     """Expected bytes one rank sends per training step in dtrec, per dtrec collective kind.
 
-    Built from each table's ``TableLayout.blocks`` the way ``dtrec.sharded_ebc``,
-    ``dtrec.fused`` and ``dtrec.replica_sync`` route data (B = batch per rank, L = mean bag
-    length, S shard group, R = W / S replicas, P(b) = probability mass of block b's rows,
+    Built from each table's ``TableLayout.blocks`` the way ``dtrec.sharded`` routes data
+    (B = batch per rank, L = mean bag length, S shard group, R = W / S replicas,
+    P(b) = probability mass of block b's rows,
     U(n, b) = expected distinct rows of block b among n ids = sum_r in b 1 - (1 - p_r)^n):
 
     * ``input_dist.header``: (S - 1) x 4 int64 when any table is not data parallel;

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import dtrec
-from dtrec.ops.embedding_bag import Lookup
+from dtrec.ops.lookup import Lookup
 from dtrec.ops.op import lookup_forward
 
 
@@ -197,7 +197,7 @@ IMPLS = ("dtrec", "pytorch", "fbgemm")
 
 def _fbgemm_split_tbe(weights: list[torch.Tensor]):
     """fbgemm's CPU TBE with fused exact row-wise Adagrad, or None without fbgemm."""
-    from dtrec._fbgemm import fbgemm_available
+    from dtrec.ops.backends.fbgemm_loader import fbgemm_available
 
     if not fbgemm_available() or weights[0].dtype != torch.float32:
         return None

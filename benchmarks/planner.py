@@ -37,11 +37,11 @@ from benchmarks.distributed import (
     workload,
     write_report,
 )
-from dtrec.config import EmbeddingBagConfig
-from dtrec.cost_model import Topology, table_cost, totals
-from dtrec.mesh import ShardAxis
+from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import ColumnWise, DataParallel, RowWise, TableSpec, TableWise
-from dtrec.planner import dry_run, plan_tables
+from dtrec.placements.mesh import ShardAxis
+from dtrec.planning.cost_model import Topology, table_cost, totals
+from dtrec.planning.planner import dry_run, plan_tables
 
 WORLDS = (8, 64, 512, 4096)
 TIE = 0.05  # predictions closer than this are a tie for the ordering check

@@ -8,18 +8,18 @@ Example (under torchrun)::
     model = dtrec.distribute_module(model, mesh, {"sparse.t0": dtrec.placements.RowWise()})
 """
 
-from dtrec import checkpoint, cost_model, ops, optim, placements
-from dtrec.collectives import CollectiveError, CommStats, comm_stats, count_comm
-from dtrec.config import EmbeddingBagConfig
-from dtrec.cost_model import Topology
-from dtrec.distribute import distribute_module
-from dtrec.failures import report_failures
-from dtrec.mesh import init_mesh
-from dtrec.modules import EmbeddingBagCollection
-from dtrec.pipeline import TrainPipeline
-from dtrec.placements.tensor import distribute_tensor
-from dtrec.plan import ShardingPlan, plan
-from dtrec.sharded_ebc import ShardedEmbeddingBagCollection
+from dtrec import checkpoint, ops, optim, placements
+from dtrec.comm.collectives import CollectiveError, CommStats, comm_stats, count_comm
+from dtrec.comm.failures import report_failures
+from dtrec.modules import EmbeddingBagCollection, EmbeddingBagConfig
+from dtrec.placements.mesh import init_mesh
+from dtrec.planning import cost_model
+from dtrec.planning.cost_model import Topology
+from dtrec.planning.plan import ShardingPlan, plan
+from dtrec.sharded.distribute import distribute_module
+from dtrec.sharded.module import ShardedEmbeddingBagCollection
+from dtrec.sharded.pipeline import TrainPipeline
+from dtrec.sharded.tensor import distribute_tensor
 from dtrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 __all__ = [

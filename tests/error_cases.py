@@ -19,12 +19,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import dtrec
-from dtrec import checkpoint, ops
-from dtrec.ops import backend
+from dtrec import ops
+from dtrec.checkpoint import dcp as checkpoint
+from dtrec.ops.backends import registry as backend
 from dtrec.optim import SGD, Adam, RowWiseAdagrad
 from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
-from dtrec.plan import ShardingPlan
-from dtrec.planner import TableConstraint, load_config
+from dtrec.planning.plan import ShardingPlan
+from dtrec.planning.planner import TableConstraint, load_config
 from tests.fake_world import fake_world
 
 KJT, JT, KT = dtrec.KeyedJaggedTensor, dtrec.JaggedTensor, dtrec.KeyedTensor

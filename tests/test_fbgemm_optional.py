@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-MODULE_PATH = Path(__file__).resolve().parents[1] / "dtrec" / "_fbgemm.py"
+MODULE_PATH = Path(__file__).resolve().parents[1] / "dtrec/ops/backends/fbgemm_loader.py"
 
 # Run in a fresh interpreter: loads the module by path, calls it twice, reports as JSON.
 PROBE = textwrap.dedent(

@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 import dtrec
-from dtrec.mesh import positions_per_node, shard_axis
+from dtrec.placements.mesh import positions_per_node, shard_axis
 from tests.fake_world import fake_world
 
 

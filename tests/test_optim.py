@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dtrec
-from dtrec.ops.backend import triton_available
+from dtrec.ops.backends.registry import triton_available
 from dtrec.optim import RowUpdate
 
 CASES = [("torch", "cpu")]
@@ -78,7 +78,7 @@ def test_batched_update_matches_per_table_reference(backend_device, optimizer) -
 
 
 def _fbgemm_or_skip() -> None:
-    from dtrec._fbgemm import fbgemm_available
+    from dtrec.ops.backends.fbgemm_loader import fbgemm_available
 
     if not fbgemm_available():
         pytest.skip("fbgemm_gpu does not load here")
@@ -92,8 +92,8 @@ ENTRY_TABLES = [[0, 1, 2], [0, 0, 2, 1], [2, 1, 1, 0], [1, 0, 2, 1, 0], [2, 0, 1
 
 def _fused_step(backend: str, optimizer, entry_table, psw: bool, mean: bool, empty: bool):
     """Two backward_update steps on packed tables; (weights, states, fbgemm calls)."""
-    from dtrec.ops import fbgemm_backend
-    from dtrec.ops.embedding_bag import Lookup
+    from dtrec.ops.backends import fbgemm as fbgemm_backend
+    from dtrec.ops.lookup import Lookup
 
     gen = torch.Generator().manual_seed(0)
     weights = _tables(torch.device("cpu"), gen)
@@ -148,8 +148,8 @@ def test_fbgemm_fused_cpu_step_matches_torch(optimizer, entry_table, psw, mean, 
 
 def test_fbgemm_fused_cpu_step_declines_what_it_cannot_serve() -> None:
     """Mixed pooling, unpacked tables, an empty table: the torch path runs. Adam: no rule."""
-    from dtrec.ops import fbgemm_backend
-    from dtrec.ops.embedding_bag import Lookup
+    from dtrec.ops.backends import fbgemm as fbgemm_backend
+    from dtrec.ops.lookup import Lookup
 
     _fbgemm_or_skip()
     gen = torch.Generator().manual_seed(0)

@@ -9,8 +9,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dtrec
-from dtrec.cost_model import Topology, table_cost, totals
-from dtrec.mesh import ShardAxis
 from dtrec.placements import (
     ColumnWise,
     DataParallel,
@@ -20,8 +18,10 @@ from dtrec.placements import (
     TableSpec,
     TableWise,
 )
-from dtrec.plan import ShardingPlan
-from dtrec.planner import plan_tables
+from dtrec.placements.mesh import ShardAxis
+from dtrec.planning.cost_model import Topology, table_cost, totals
+from dtrec.planning.plan import ShardingPlan
+from dtrec.planning.planner import plan_tables
 
 TOPOLOGY = Topology(default_pooling_factor=10.0, batch_size_per_rank=256)
 
@@ -124,7 +124,7 @@ def test_dry_run_cli_on_the_fake_process_group(tmp_path, capsys):
 
     import torch.distributed as dist
 
-    from dtrec.planner import main
+    from dtrec.planning.planner import main
 
     config = {
         "tables": [
@@ -154,7 +154,7 @@ def test_dry_run_cli_on_the_fake_process_group(tmp_path, capsys):
 
 
 def test_table_constraints_limit_types_and_shards():
-    from dtrec.planner import TableConstraint
+    from dtrec.planning.planner import TableConstraint
 
     tables = _tables([(100_000, 64), (5000, 32), (300, 8)])
     axis = ShardAxis(4, 1, None)

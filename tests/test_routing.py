@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import dtrec
-from dtrec.mesh import ShardAxis
 from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
-from dtrec.routing import Routing
+from dtrec.placements.mesh import ShardAxis
+from dtrec.sharded.routing import Routing
 
 AXIS = ShardAxis(size=4, replicas=1, per_node=2)
 TABLES = [

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dtrec.ops.backend import get_backend, set_backend
-from dtrec.ops.embedding_bag import check_embedding_bag_args, pooling_flags
+from dtrec.ops.backends.registry import get_backend, set_backend
+from dtrec.ops.lookup import check_embedding_bag_args, pooling_flags
 from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.ops.sharding_rules import register_dtensor_rules as register_dtensor_rules
 

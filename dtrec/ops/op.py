@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dtrec.ops import embedding_bag as torch_impl
-from dtrec.ops.backend import resolve_backend
-from dtrec.ops.embedding_bag import Lookup
+from dtrec.ops import lookup as torch_impl
+from dtrec.ops.backends.registry import resolve_backend
+from dtrec.ops.lookup import Lookup
 
 
 def lookup_forward(lookup: Lookup, check_ids: bool = False) -> Tensor:
@@ -27,13 +27,13 @@ def lookup_forward(lookup: Lookup, check_ids: bool = False) -> Tensor:
         torch_impl.check_offsets(lookup.offsets, lookup.values.numel())
     backend = resolve_backend(lookup.values.device)
     if backend == "triton":
-        from dtrec.ops import triton_backend
+        from dtrec.ops.backends import triton as triton_backend
 
         return triton_backend.forward(lookup, check_ids)
     if check_ids:
         torch_impl.check_bounds(lookup.weights, lookup.entry_table, lookup.values, lookup.offsets)
     if backend == "fbgemm":
-        from dtrec.ops import fbgemm_backend
+        from dtrec.ops.backends import fbgemm as fbgemm_backend
 
         out = fbgemm_backend.forward(lookup)
         if out is not None:
@@ -44,7 +44,7 @@ def lookup_forward(lookup: Lookup, check_ids: bool = False) -> Tensor:
 def lookup_backward_rows(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     """Per table: (sorted unique rows touched, their summed fp32 gradient rows)."""
     if resolve_backend(lookup.values.device) == "triton":
-        from dtrec.ops import triton_backend
+        from dtrec.ops.backends import triton as triton_backend
 
         return triton_backend.backward_rows(lookup, grad_out)
     return torch_impl.backward_rows_torch(lookup, grad_out)

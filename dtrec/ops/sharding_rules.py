@@ -43,7 +43,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dtrec.ops import op as _op  # noqa: F401  (registers torch.ops.dtrec.*)
-from dtrec.ops.embedding_bag import check_bounds
+from dtrec.ops.lookup import check_bounds
 
 __all__ = [
     "embedding_bag_backward_strategy",

@@ -11,9 +11,9 @@ from dataclasses import dataclass, replace
 
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from dtrec.config import EmbeddingBagConfig
-from dtrec.mesh import SHARD, SHARD_LOCAL, SHARD_NODE, ShardAxis
+from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements.layout import Block, TableLayout, chunk_bounds
+from dtrec.placements.mesh import SHARD, SHARD_LOCAL, SHARD_NODE, ShardAxis
 
 
 class TableSpec(ABC):

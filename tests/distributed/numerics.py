@@ -158,7 +158,7 @@ def check_numerics(
     result = Result()
     gen = torch.Generator().manual_seed(seed + 1)
     blocks = {
-        name: table.layout.block_at(dtrec.mesh.shard_position(mesh))
+        name: table.layout.block_at(dtrec.placements.mesh.shard_position(mesh))
         for name, table in sharded.sparse.embedding_bags.items()
     }
     ref_tables = reference.sparse.embedding_bags

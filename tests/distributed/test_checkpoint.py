@@ -110,7 +110,7 @@ def _other_s4():
 
 def _continue_from(root: Path, plan: dict, shards: int, fused=None, staged=True) -> dict:
     """Load into a differently initialised model, compare, train on."""
-    from dtrec import checkpoint
+    from dtrec.checkpoint import dcp as checkpoint
 
     model, opt = _build(plan, shards, seed=99, fused=fused)
     read = checkpoint.load(root, model, opt, staged=staged)
@@ -128,7 +128,7 @@ def _world4(rank: int, world: int, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     import dtrec
-    from dtrec import checkpoint
+    from dtrec.checkpoint import dcp as checkpoint
 
     root = Path(root)
     model, opt = _build(_mixed_s2(), 2, seed=0)
@@ -266,7 +266,7 @@ def _world1(rank: int, world: int, source: str) -> dict:
 def _kill_while_writing(rank: int, world: int, root: str) -> dict:
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from dtrec import checkpoint
+    from dtrec.checkpoint import dcp as checkpoint
 
     model, opt = _build(_mixed_s2(), 2, seed=0)
     _train(model, opt, 1, 0)
@@ -336,7 +336,7 @@ def test_reshard_to_one_process(worlds) -> None:
 
 
 def test_load_into_unsharded_model_without_process_group(worlds) -> None:
-    from dtrec import checkpoint
+    from dtrec.checkpoint import dcp as checkpoint
     from tests.distributed.numerics import TinyModel, make_tables
 
     ref = worlds["w4"][0]
@@ -382,7 +382,7 @@ def test_keep_last_rotation(worlds) -> None:
 
 
 def test_killed_save_leaves_last_checkpoint_intact(worlds) -> None:
-    from dtrec import checkpoint
+    from dtrec.checkpoint import dcp as checkpoint
     from tests.distributed.numerics import TinyModel, make_tables
 
     killed, root = worlds["killed"], worlds["kill_root"]

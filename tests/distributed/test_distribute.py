@@ -374,12 +374,12 @@ def _determinism(rank: int) -> dict:
 
 def _meta_tables(rank: int) -> dict:
     """Tables on the meta device: each rank creates only its blocks; the same full tables
-    under two plans, equal to ``dtrec.init.table_block`` of the whole table."""
+    under two plans, equal to ``dtrec.modules.init.table_block`` of the whole table."""
     import torch
 
     import dtrec
     from dtrec.checkpoint import full_state_dict
-    from dtrec.init import table_block
+    from dtrec.modules.init import table_block
     from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
     from tests.distributed.numerics import TinyModel, make_tables
 

@@ -22,8 +22,8 @@ CASES = [
 
 def _run(rank: int, world: int) -> dict:
     import dtrec
-    from dtrec._fbgemm import fbgemm_available
-    from dtrec.ops import fbgemm_backend
+    from dtrec.ops.backends import fbgemm as fbgemm_backend
+    from dtrec.ops.backends.fbgemm_loader import fbgemm_available
     from tests.distributed.numerics import PLANS, check_numerics
 
     if not fbgemm_available():

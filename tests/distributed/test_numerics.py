@@ -57,7 +57,7 @@ def _run_world_cases(rank: int, world: int) -> dict[str, tuple]:
                     _summary(r)
                 )
         if world // shards > 1:  # replicas: both replica-sync paths, forced
-            from dtrec.sharded_ebc import ShardedEmbeddingBagCollection as Sharded
+            from dtrec.sharded.module import ShardedEmbeddingBagCollection as Sharded
 
             for mode in SYNC_MODES:
                 Sharded.replica_sync = mode

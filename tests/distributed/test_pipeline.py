@@ -23,7 +23,7 @@ def _train(rank: int, shards: int, fused_name: str | None, weighted: bool) -> di
     import torch
 
     import dtrec
-    from dtrec.sharded_ebc import ShardedEmbeddingBagCollection
+    from dtrec.sharded.module import ShardedEmbeddingBagCollection
     from tests.distributed.numerics import PLANS, TinyModel, make_batch, make_tables
 
     mesh = dtrec.init_mesh("cpu", shards)

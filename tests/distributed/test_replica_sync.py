@@ -1,4 +1,4 @@
-"""dtrec.replica_sync on gloo: sparse, dense and auto give the dense all-reduce's rows and sums.
+"""dtrec.sharded.grad_sync on gloo: sparse, dense and auto give the dense all-reduce's sums.
 
 Every rank builds all members' inputs from seeds, so each can check its result against
 the dense sum over the group computed locally; the chosen path is read off the bytes
@@ -50,7 +50,7 @@ def _run(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     import dtrec
-    from dtrec.replica_sync import TableRows, sync_rows
+    from dtrec.sharded.grad_sync import TableRows, sync_rows
 
     group = dist.new_group(list(range(world)))
     out = {}
@@ -97,7 +97,7 @@ def test_sync_rows_matches_dense_sum(results, mode: str) -> None:
 
 
 def test_auto_picks_by_bytes() -> None:
-    from dtrec.replica_sync import sync_bytes
+    from dtrec.sharded.grad_sync import sync_bytes
 
     sparse, dense = sync_bytes(size=3, most=5, dim=8, num_rows=1000)
     assert sparse < dense  # 5 of 1000 rows: all-gather

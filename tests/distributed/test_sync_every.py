@@ -22,7 +22,7 @@ def _train(rank: int, fused_name: str | None, sync_every: int | None) -> dict:
     import torch.distributed as dist
 
     import dtrec
-    from dtrec.mesh import REPLICATE
+    from dtrec.placements.mesh import REPLICATE
     from tests.distributed.numerics import PLANS, TinyModel, make_batch, make_tables
 
     mesh = dtrec.init_mesh("cpu", SHARDS)
@@ -102,7 +102,7 @@ def test_k2_rowwise_adagrad_replicas_agree_after_sync(results) -> None:
 
 
 def test_sync_every_rejects_bad_values() -> None:
-    from dtrec.sharded_ebc import ShardedEmbeddingBagCollection
+    from dtrec.sharded.module import ShardedEmbeddingBagCollection
 
     with pytest.raises(ValueError, match="sync_every"):
         ShardedEmbeddingBagCollection.__init__(object.__new__(ShardedEmbeddingBagCollection),

@@ -21,8 +21,8 @@ CASES = [
 
 def _run(rank: int, world: int) -> dict:
     import dtrec
-    from dtrec.ops import triton_backend
-    from dtrec.ops.backend import resolve_backend
+    from dtrec.ops.backends import triton as triton_backend
+    from dtrec.ops.backends.registry import resolve_backend
     from tests.distributed.numerics import PLANS, check_numerics
 
     optimizers = {

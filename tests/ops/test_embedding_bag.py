@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import dtrec
-from dtrec.ops.backend import triton_available
+from dtrec.ops.backends.registry import triton_available
 
 # Triton runs on CUDA tensors, or on CPU tensors in its interpreter (tests/conftest.py).
 CASES = [("torch", "cpu"), ("fbgemm", "cpu")]

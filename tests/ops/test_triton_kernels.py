@@ -14,9 +14,9 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from dtrec.ops import triton_kernels as K  # noqa: E402
-from dtrec.ops import triton_reference as R  # noqa: E402
-from dtrec.ops import triton_update_kernels as U  # noqa: E402
+from dtrec.kernels import embedding_bag as K  # noqa: E402
+from dtrec.kernels import reference as R  # noqa: E402
+from dtrec.kernels import update_rows as U  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
 DEVICE = torch.device("cuda" if not INTERPRET and torch.cuda.is_available() else "cpu")
@@ -41,7 +41,7 @@ def dev(*tensors):
 
 
 class Case:
-    """Packed tables + a jagged batch in the layout of dtrec.ops.triton_kernels (CPU)."""
+    """Packed tables + a jagged batch in the layout of dtrec.kernels.embedding_bag (CPU)."""
 
     def __init__(
         self,
@@ -478,7 +478,7 @@ def _hot_adagrad_case(seed):
 @pytest.mark.parametrize("case_fn", ["small", "hot"])
 def test_bwd_update_matches_bwd_rows_then_update(kind, chunk_size, case_fn):
     """The fused pass updates exactly the rows (and state) the two-pass path does."""
-    from dtrec.ops import triton_row_updates as F_
+    from dtrec.kernels import row_updates as F_
 
     if case_fn == "small":
         case = Case(weighted=True, seed=18)
@@ -526,7 +526,7 @@ def test_bwd_update_matches_bwd_rows_then_update(kind, chunk_size, case_fn):
 
 
 def test_bwd_update_rowwise_adagrad_rejects_wide_rows():
-    from dtrec.ops import triton_row_updates as F_
+    from dtrec.kernels import row_updates as F_
 
     case = _hot_row_case(seed=21)  # dim 300: two column blocks
     z = dev(torch.zeros(int(case.rows.sum())))

@@ -7,7 +7,6 @@ import torch
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import dtrec
-from dtrec.mesh import ShardAxis
 from dtrec.placements import (
     ColumnWise,
     DataParallel,
@@ -17,7 +16,8 @@ from dtrec.placements import (
     TableWise,
     chunk_bounds,
 )
-from dtrec.placements.tensor import table_mesh
+from dtrec.placements.mesh import ShardAxis
+from dtrec.sharded.tensor import table_mesh
 from tests.fake_world import fake_world
 
 ALL_SPECS = [
@@ -77,7 +77,7 @@ def test_blocks_match_dtensor_local_shards(world: int, shards: int, node: int) -
     for rank in range(world):
         with fake_world(rank, world):
             mesh = dtrec.init_mesh("cpu", shards, node_size=node)
-            axis = dtrec.mesh.shard_axis(mesh)
+            axis = dtrec.placements.mesh.shard_axis(mesh)
             position = rank // (world // shards)
             for spec in specs:
                 layout = spec.layout(table, axis)

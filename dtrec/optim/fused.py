@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dtrec.ops.device_lists import device_list
-from dtrec.ops.embedding_bag import Lookup, packed_views, shared_storage
+from dtrec.ops.backends.device_lists import device_list
+from dtrec.ops.lookup import Lookup, packed_views, shared_storage
 
 if TYPE_CHECKING:  # the Triton modules load only when the Triton backend runs
-    from dtrec.ops.triton_row_updates import FusedRowUpdate
+    from dtrec.kernels.row_updates import FusedRowUpdate
 
 
 @dataclass
@@ -120,7 +120,7 @@ class FusedOptimizer(ABC):
         self._begin_step(states)
         fused = self._fused_row_update(lookup.weights, states, grad_scale)
         if fused is not None:
-            from dtrec.ops import triton_backend
+            from dtrec.ops.backends import triton as triton_backend
 
             triton_backend.backward_update(lookup, grad_out, fused)
             return
@@ -184,7 +184,7 @@ class FusedOptimizer(ABC):
 
 def _packed_for_triton(weights: list[Tensor]) -> tuple[Tensor, Tensor] | None:
     """(flat buffer, int64 table offsets) when the Triton backend serves these packed shards."""
-    from dtrec.ops.backend import resolve_backend
+    from dtrec.ops.backends.registry import resolve_backend
 
     if not weights or resolve_backend(weights[0].device) != "triton":
         return None
@@ -210,7 +210,7 @@ def _hyper(
 
 
 def _row_update_args(kind: str, *buffers: Tensor) -> FusedRowUpdate:
-    from dtrec.ops import triton_row_updates
+    from dtrec.kernels import row_updates as triton_row_updates
 
     return triton_row_updates.FusedRowUpdate(getattr(triton_row_updates, kind), *buffers)
 
@@ -289,7 +289,7 @@ class SGD(FusedOptimizer):
         return {}
 
     def _update_triton(self, updates: list[RowUpdate], args: dict) -> bool:
-        from dtrec.ops.triton_update_kernels import sgd_update_rows
+        from dtrec.kernels.update_rows import sgd_update_rows
 
         sgd_update_rows(lr=self.lr, **args)
         return True
@@ -300,7 +300,7 @@ class SGD(FusedOptimizer):
         return _row_update_args("SGD", flat, offsets, hyper, flat, offsets, flat, offsets)
 
     def _fbgemm_backward_update(self, lookup, grad_out, states, grad_scale):  # type: ignore[override]
-        from dtrec.ops import fbgemm_backend
+        from dtrec.ops.backends import fbgemm as fbgemm_backend
 
         return fbgemm_backend.backward_update(lookup, grad_out, "sgd", self.lr, grad_scale)
 
@@ -330,7 +330,7 @@ class RowWiseAdagrad(FusedOptimizer):
         return {"sum": torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)}
 
     def _update_triton(self, updates: list[RowUpdate], args: dict) -> bool:
-        from dtrec.ops.triton_update_kernels import rowwise_adagrad_update_rows
+        from dtrec.kernels.update_rows import rowwise_adagrad_update_rows
 
         state = _state_offsets([u.state for u in updates], "sum")
         if state is None:
@@ -356,7 +356,7 @@ class RowWiseAdagrad(FusedOptimizer):
         return True
 
     def _row_update(self, packed, weights, states, grad_scale):  # type: ignore[override]
-        from dtrec.ops.triton_kernels import MAX_FUSED_ROWWISE_DIM
+        from dtrec.kernels.embedding_bag import MAX_FUSED_ROWWISE_DIM
 
         state = _state_offsets(states, "sum")
         if state is None or max(w.shape[1] for w in weights) > MAX_FUSED_ROWWISE_DIM:
@@ -368,7 +368,7 @@ class RowWiseAdagrad(FusedOptimizer):
         return _row_update_args("ROWWISE_ADAGRAD", flat, offsets, hyper, *state, flat, dims)
 
     def _fbgemm_backward_update(self, lookup, grad_out, states, grad_scale):  # type: ignore[override]
-        from dtrec.ops import fbgemm_backend
+        from dtrec.ops.backends import fbgemm as fbgemm_backend
 
         sums = [st["sum"] for st in states]
         return fbgemm_backend.backward_update(
@@ -435,7 +435,7 @@ class Adam(FusedOptimizer):
         return _row_update_args("ADAM", flat, offsets, hyper, m[0], offsets, v[0], offsets)
 
     def _update_triton(self, updates: list[RowUpdate], args: dict) -> bool:
-        from dtrec.ops.triton_update_kernels import adam_update_rows
+        from dtrec.kernels.update_rows import adam_update_rows
 
         states = [u.state for u in updates]
         m, v = _state_offsets(states, "exp_avg"), _state_offsets(states, "exp_avg_sq")

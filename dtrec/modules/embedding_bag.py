@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from dtrec import ops
-from dtrec.config import EmbeddingBagConfig, validate_tables
-from dtrec.features import check_bounds_mode, feature_order, prepare_features
+from dtrec.modules.config import EmbeddingBagConfig, validate_tables
+from dtrec.modules.features import check_bounds_mode, feature_order, prepare_features
 from dtrec.sparse import KeyedTensor
 
 

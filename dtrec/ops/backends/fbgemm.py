@@ -7,7 +7,7 @@ touched row's gradient, update it in place, all in C++) serves fused SGD and
 row-wise Adagrad steps on CPU under ``"auto"`` and ``"fbgemm"``: it is 3-5x
 faster than the torch reference and has the same update rule. Both return
 None / False (the caller then uses the torch backend) when fbgemm does not load
-(warned once by ``dtrec._fbgemm``), for mixed sum/mean pooling in one call
+(warned once by ``dtrec.ops.backends.fbgemm_loader``), for mixed sum/mean pooling in one call
 (fbgemm pools a whole call one way), for non-fp32 tables, and (backward) for
 tables or states not packed in one buffer or empty tables.
 """
@@ -21,9 +21,9 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-from dtrec._fbgemm import fbgemm_ops
-from dtrec.ops.backend import get_backend
-from dtrec.ops.embedding_bag import Lookup, shared_storage
+from dtrec.ops.backends.fbgemm_loader import fbgemm_ops
+from dtrec.ops.backends.registry import get_backend
+from dtrec.ops.lookup import Lookup, shared_storage
 
 _SUM, _MEAN = 0, 1  # fbgemm PoolingMode values
 _HOST = 3  # fbgemm EmbeddingLocation.HOST
@@ -65,7 +65,7 @@ def forward(lookup: Lookup) -> Tensor | None:
     ops = fbgemm_ops()
     if ops is None or not _servable(lookup):
         return None
-    from dtrec.ops.triton_backend import pack_tables  # pure-torch helper, no triton needed
+    from dtrec.ops.backends.triton import pack_tables  # pure-torch helper, no triton needed
 
     flat, table_offsets = pack_tables(lookup.weights)
     layout = _layout(lookup)

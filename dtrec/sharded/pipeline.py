@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dtrec.sharded_ebc import ShardedEmbeddingBagCollection
+from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sparse import KeyedJaggedTensor
 
 

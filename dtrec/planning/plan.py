@@ -14,10 +14,10 @@ from dataclasses import dataclass, fields
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtrec.config import EmbeddingBagConfig
-from dtrec.cost_model import Topology
-from dtrec.mesh import shard_axis
+from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import SPEC_TYPES, TableSpec
+from dtrec.placements.mesh import shard_axis
+from dtrec.planning.cost_model import Topology
 
 
 def spec_to_dict(spec: TableSpec) -> dict:
@@ -160,8 +160,8 @@ def plan(
 
         p = dtrec.plan(model, mesh, constraints={"sparse.big": RowWise()})
     """
-    from dtrec.cost_model import totals
-    from dtrec.planner import plan_tables
+    from dtrec.planning.cost_model import totals
+    from dtrec.planning.planner import plan_tables
 
     axis = shard_axis(mesh)
     tables = model_tables(model)
@@ -199,7 +199,7 @@ def check_plan_keys(plan: Mapping[str, object], tables: Mapping[str, EmbeddingBa
         raise KeyError(
             f"plan names unknown table(s) {unknown}; the model's tables are {sorted(tables)}"
         )
-    from dtrec.planner import TableConstraint
+    from dtrec.planning.planner import TableConstraint
 
     for key, spec in plan.items():
         if not isinstance(spec, (TableSpec, TableConstraint)):

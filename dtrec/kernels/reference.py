@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F  # noqa: F401
 from torch import Tensor
 
-from dtrec.ops.triton_kernels import RowGrads
+from dtrec.kernels.embedding_bag import RowGrads
 
 
 def embedding_bag_fwd_reference(

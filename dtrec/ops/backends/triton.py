@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dtrec.ops.device_lists import device_list
-from dtrec.ops.embedding_bag import Lookup, shared_storage
+from dtrec.ops.backends.device_lists import device_list
+from dtrec.ops.lookup import Lookup, shared_storage
 
 if TYPE_CHECKING:
-    from dtrec.ops.triton_row_updates import FusedRowUpdate
+    from dtrec.kernels.row_updates import FusedRowUpdate
 
 
 def pack_tables(weights: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
@@ -56,7 +56,7 @@ def _layout(lookup: Lookup) -> dict:
 
 def forward(lookup: Lookup, check_ids: bool = False) -> Tensor:
     """One kernel launch for every entry; with ``check_ids`` the kernel flags bad ids."""
-    from dtrec.ops import triton_kernels as k
+    from dtrec.kernels import embedding_bag as k
 
     weights = lookup.weights
     flat, table_offsets = pack_tables(weights)
@@ -85,7 +85,7 @@ def _rows(lookup: Lookup) -> dict:
 
 def backward_update(lookup: Lookup, grad_out: Tensor, update: FusedRowUpdate) -> None:
     """Backward fused with an optimizer step: touched rows are updated in place, no grads."""
-    from dtrec.ops import triton_kernels as k
+    from dtrec.kernels import embedding_bag as k
 
     k.embedding_bag_bwd_rows(
         grad_out.contiguous(), update=update, **_rows(lookup), **_layout(lookup)
@@ -94,7 +94,7 @@ def backward_update(lookup: Lookup, grad_out: Tensor, update: FusedRowUpdate) ->
 
 def backward_rows(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     """Per table: (sorted unique rows, fp32 grad rows ``[U_t, D_t]``), deterministic."""
-    from dtrec.ops import triton_kernels as k
+    from dtrec.kernels import embedding_bag as k
 
     weights = lookup.weights
     g = k.embedding_bag_bwd_rows(grad_out.contiguous(), **_rows(lookup), **_layout(lookup))

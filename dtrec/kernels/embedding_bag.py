@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dtrec.ops.triton_row_updates import ROWWISE_ADAGRAD, FusedRowUpdate, apply_row_update
+from dtrec.kernels.row_updates import ROWWISE_ADAGRAD, FusedRowUpdate, apply_row_update
 
 __all__ = ["RowGrads", "embedding_bag_bwd_rows", "embedding_bag_fwd"]
 

@@ -8,7 +8,7 @@ others, in table order:
 
 1. merges the stashed parts and averages over the ranks whose batches they
    sum (1 / W; 1 / S when replicas sync weights instead, ``sync_every``);
-2. sums them over the table's replicas (``dtrec.replica_sync``: a sparse
+2. sums them over the table's replicas (``dtrec.sharded.grad_sync``: a sparse
    all-gather whose bytes grow with rows touched, or a dense all-reduce when
    that is cheaper; all tables of a group share the collectives), so every
    replica sees the union of touched rows and the same sums;
@@ -31,11 +31,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from dtrec.collectives import all_reduce_coalesced
-from dtrec.ops.embedding_bag import Lookup
+from dtrec.comm.collectives import all_reduce_coalesced
+from dtrec.ops.lookup import Lookup
 from dtrec.ops.op import lookup_backward_rows, lookup_forward
 from dtrec.optim import FusedOptimizer, RowUpdate
-from dtrec.replica_sync import TableRows, sum_by_row, sync_rows
+from dtrec.sharded.grad_sync import TableRows, sum_by_row, sync_rows
 
 
 def merge_rows(parts: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from dtrec.collectives import all_gather_flat, collective
-from dtrec.ops.embedding_bag import sum_rows_by_key
+from dtrec.comm.collectives import all_gather_flat, collective
+from dtrec.ops.lookup import sum_rows_by_key
 
 MODES = ("auto", "sparse", "dense")
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dtrec.config import EmbeddingBagConfig
+from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import Block, TableLayout
 
 

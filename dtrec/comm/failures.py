@@ -45,7 +45,7 @@ def report_failure(exc: BaseException) -> None:
 
     Not for ``CollectiveError``: that is a consequence of another rank's failure.
     """
-    from dtrec.collectives import CollectiveError
+    from dtrec.comm.collectives import CollectiveError
 
     store = _store()
     if store is None or isinstance(exc, CollectiveError):

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dtrec.ops.triton_kernels import _dim_blocks, _max_dim
+from dtrec.kernels.embedding_bag import _dim_blocks, _max_dim
 
 _ADAGRAD_MAX_BLOCK_D = 512  # wider rows: one program per row, column blocks in a loop
 

@@ -13,15 +13,15 @@ from torch.distributed._composable import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dtrec.failures import install_excepthook
-from dtrec.mesh import shard_axis
+from dtrec.comm.failures import install_excepthook
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.layout import Block
-from dtrec.placements.tensor import load_block
-from dtrec.plan import check_plan_keys, find_collections, model_tables, table_fqn
-from dtrec.plan import plan as make_plan
-from dtrec.sharded_ebc import ShardedEmbeddingBagCollection, check_sync_every
+from dtrec.placements.mesh import shard_axis
+from dtrec.planning.plan import check_plan_keys, find_collections, model_tables, table_fqn
+from dtrec.planning.plan import plan as make_plan
+from dtrec.sharded.module import ShardedEmbeddingBagCollection, check_sync_every
+from dtrec.sharded.tensor import load_block
 
 
 def distribute_module(

@@ -43,10 +43,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from dtrec.collectives import CollectiveError
-from dtrec.config import EmbeddingBagConfig
-from dtrec.placements.tensor import full_tensor, like_dtensor
-from dtrec.plan import table_fqn
+from dtrec.comm.collectives import CollectiveError
+from dtrec.modules.config import EmbeddingBagConfig
+from dtrec.planning.plan import table_fqn
+from dtrec.sharded.tensor import full_tensor, like_dtensor
 
 MARKER = "COMPLETE.json"
 FORMAT = 1
@@ -74,7 +74,7 @@ def _check_args(model: object, optimizer: object) -> None:
 def _collections(model: nn.Module) -> dict[str, nn.Module]:
     """FQN -> each (sharded or unsharded) embedding-bag collection of ``model``."""
     from dtrec.modules import EmbeddingBagCollection
-    from dtrec.sharded_ebc import ShardedEmbeddingBagCollection
+    from dtrec.sharded.module import ShardedEmbeddingBagCollection
 
     kinds = (EmbeddingBagCollection, ShardedEmbeddingBagCollection)
     return {fqn: m for fqn, m in model.named_modules() if isinstance(m, kinds)}

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dtrec.config import EmbeddingBagConfig
+from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.sparse import KeyedJaggedTensor, as_kjt
 
 

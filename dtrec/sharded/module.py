@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtrec.collectives import (
+from dtrec.comm.collectives import (
     PendingTensor,
     all_reduce_coalesced,
     all_reduce_min,
@@ -35,24 +35,24 @@ from dtrec.collectives import (
     all_to_all_autograd,
     all_to_all_start,
 )
-from dtrec.config import EmbeddingBagConfig
-from dtrec.features import bag_lengths, check_bounds_mode, feature_order, prepare_features
-from dtrec.fused import FusedUpdater, TableUpdate, fused_lookup
-from dtrec.groups import column_groups, world_group
-from dtrec.mesh import REPLICATE, SHARD, mesh_device, shard_axis, shard_position
-from dtrec.ops.embedding_bag import packed_views, shared_storage
+from dtrec.modules.config import EmbeddingBagConfig
+from dtrec.modules.features import bag_lengths, check_bounds_mode, feature_order, prepare_features
+from dtrec.ops.lookup import packed_views, shared_storage
 from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableLayout, TableSpec
 from dtrec.placements.layout import Block
-from dtrec.placements.tensor import (
+from dtrec.placements.mesh import REPLICATE, SHARD, mesh_device, shard_axis, shard_position
+from dtrec.sharded.fused_update import FusedUpdater, TableUpdate, fused_lookup
+from dtrec.sharded.grad_sync import sync_grads
+from dtrec.sharded.groups import column_groups, world_group
+from dtrec.sharded.routing import Routing
+from dtrec.sharded.tensor import (
     distribute_tensor,
     like_dtensor,
     load_block,
     state_dtensor,
 )
-from dtrec.replica_sync import sync_grads
-from dtrec.routing import Routing
 from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 _HEADER = 4  # status, batch size, ids sent to this peer, has per-sample weights
@@ -124,7 +124,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     """
 
     #: How replicas sum gradients (fused or not): "auto" (sparse or dense per table,
-    #: whichever sends fewer bytes), "sparse" or "dense"; see ``dtrec.replica_sync``.
+    #: whichever sends fewer bytes), "sparse" or "dense"; see ``dtrec.sharded.grad_sync``.
     replica_sync: str = "auto"
 
     def __init__(

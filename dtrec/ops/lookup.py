@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dtrec.config import POOLING_MODES
+from dtrec.modules.config import POOLING_MODES
 
 
 @dataclass(frozen=True)

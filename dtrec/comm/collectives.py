@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from dtrec.failures import failed_peers
+from dtrec.comm.failures import failed_peers
 
 
 @dataclass

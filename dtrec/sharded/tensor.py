@@ -10,10 +10,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import distribute_tensor as _torch_distribute_tensor
 
-from dtrec.config import EmbeddingBagConfig
-from dtrec.mesh import positions_mesh, shard_axis
+from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.ops.sharding_rules import register_dtensor_rules
 from dtrec.placements.layout import Block, TableLayout
+from dtrec.placements.mesh import positions_mesh, shard_axis
 from dtrec.placements.specs import TableSpec
 
 
@@ -36,7 +36,7 @@ def distribute_tensor(
     of the table; ranks outside a table-wise table's sub-mesh hold an empty
     local tensor. Data comes from each sub-mesh's first rank (like torch's
     ``distribute_tensor``). A ``weight`` on the meta device is not copied: every rank
-    creates its own block with ``dtrec.init.table_block`` (default init from ``seed``,
+    creates its own block with ``dtrec.modules.init.table_block`` (default init from ``seed``,
     the same values under any plan), in ``out`` when given (this rank's block shape).
     Collective: call on every rank in the same order.
 
@@ -73,8 +73,8 @@ def _init_on_ranks(
     seed: int,
     out: Tensor | None,
 ) -> DTensor:
-    from dtrec.init import table_block
-    from dtrec.mesh import mesh_device, shard_position
+    from dtrec.modules.init import table_block
+    from dtrec.placements.mesh import mesh_device, shard_position
 
     rows, dim = weight.shape
     device = mesh_device(mesh)

@@ -1,0 +1,27 @@
+"""Checkpoints of distributed (and unsharded) models: DCP save / load with resharding.
+
+Example::
+
+    dtrec.checkpoint.save("ckpt/step_100", model, optimizer)
+    dtrec.checkpoint.load("ckpt/step_100", model, optimizer)  # any plan, any world size
+"""
+
+from dtrec.checkpoint.dcp import (
+    CheckpointError,
+    full_state_dict,
+    full_tensor,
+    load,
+    read_marker,
+    resolve,
+    save,
+)
+
+__all__ = [
+    "CheckpointError",
+    "full_state_dict",
+    "full_tensor",
+    "load",
+    "read_marker",
+    "resolve",
+    "save",
+]

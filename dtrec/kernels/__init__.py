@@ -1,0 +1,6 @@
+"""Triton kernels: plain tensors in, plain tensors out (no DTensor, mesh or process group).
+
+Each kernel module holds the ``@triton.jit`` kernels and their launchers;
+``reference`` holds the pure-torch math they are tested against. Importing this
+package does not import triton: the backends import the kernel modules lazily.
+"""

@@ -1,0 +1,5 @@
+"""Planning: which spec each table gets, and why.
+
+``plan`` (plan types, ``dtrec.plan``), ``cost_model`` (per-position bytes and time
+of a table under a spec), ``planner`` (the search and the dry-run CLI).
+"""

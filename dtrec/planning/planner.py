@@ -1,0 +1,485 @@
+"""The planner: choose a spec per table that minimises the slowest rank's step time.
+
+Costs come from ``dtrec.planning.cost_model`` (per table and spec, per shard position). The
+search, deterministic so every rank computes the same plan:
+
+1. candidates per table: the pinned spec's variants (``TableWise(rank=None)`` -> every
+   position), else data-parallel, table-wise on each position, row-wise, column-wise
+   (when the dim splits over the shard axis), and table-row-wise / grid on node-aware
+   meshes, filtered by a ``TableConstraint`` (allowed types, min / max shards; it may
+   also set the table's pooling factor);
+2. greedy: tables from the largest, each takes the candidate that keeps the slowest
+   position fastest (then the fullest least full) within every position's memory budget;
+3. local search: revisit every table, move it to a better candidate while the plan's
+   slowest position gets faster; stops when a full pass changes nothing.
+
+A table no candidate fits raises ValueError naming it and the bytes missing.
+
+Dry run at scale, one process, no tensors (the mesh is built on torch's fake process
+group)::
+
+    python -m dtrec.planner --config model.json --world-size 4096 \
+        --shard-group-size 64 --node-size 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from dtrec.modules.config import EmbeddingBagConfig
+from dtrec.placements import (
+    ColumnWise,
+    DataParallel,
+    Grid,
+    RowWise,
+    TableRowWise,
+    TableSpec,
+    TableWise,
+)
+from dtrec.placements.mesh import ShardAxis
+from dtrec.planning.cost_model import PositionTotals, TableCost, Topology, step_time, table_cost
+
+MAX_PASSES = 8
+
+
+@dataclass(frozen=True)
+class TableConstraint:
+    """Limits on one table's spec, for ``dtrec.plan`` (a spec there pins it instead).
+
+    Example::
+
+        dtrec.plan(model, mesh, {"sparse.big": TableConstraint(types=(RowWise, ColumnWise),
+                                                               min_shards=4)})
+    """
+
+    types: tuple[type[TableSpec], ...] | None = None
+    """Spec classes allowed (None: any)."""
+    min_shards: int = 1
+    """Fewest distinct blocks the table is cut into (data-parallel and table-wise: 1)."""
+    max_shards: int | None = None
+    pooling_factor: float | None = None
+    """Ids per bag of the table's features, overriding ``Topology.pooling_factors``."""
+
+    def __post_init__(self) -> None:
+        if self.types is not None and (
+            not isinstance(self.types, tuple)
+            or not all(isinstance(t, type) and issubclass(t, TableSpec) for t in self.types)
+        ):
+            raise TypeError(
+                "TableConstraint.types must be a tuple of dtrec.placements spec classes "
+                f"(e.g. (RowWise, ColumnWise)) or None, got {self.types!r}"
+            )
+        for name in ("min_shards", "max_shards"):
+            value = getattr(self, name)
+            if value is None and name == "max_shards":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TableConstraint.{name} must be an int >= 1, got {value!r}")
+        if self.max_shards is not None and self.max_shards < self.min_shards:
+            raise ValueError(
+                f"TableConstraint.max_shards={self.max_shards} < min_shards={self.min_shards}"
+            )
+        if self.pooling_factor is not None and not (
+            isinstance(self.pooling_factor, (int, float))
+            and math.isfinite(self.pooling_factor)
+            and self.pooling_factor >= 0
+        ):
+            raise ValueError(
+                f"TableConstraint.pooling_factor must be a number >= 0 or None, got "
+                f"{self.pooling_factor!r}"
+            )
+
+    def __str__(self) -> str:
+        """Like the repr, with class names for types and defaults left out (for errors)."""
+        names = None if self.types is None else [t.__name__ for t in self.types]
+        shown = {
+            "types": None if names is None else f"({', '.join(names)}{',' * (len(names) == 1)})",
+            "min_shards": self.min_shards if self.min_shards != 1 else None,
+            "max_shards": self.max_shards,
+            "pooling_factor": self.pooling_factor,
+        }
+        args = ", ".join(f"{k}={v}" for k, v in shown.items() if v is not None)
+        return f"TableConstraint({args})"
+
+    def allows(self, spec: TableSpec, cfg: EmbeddingBagConfig, axis: ShardAxis) -> bool:
+        if self.types is not None and not isinstance(spec, self.types):
+            return False
+        shards = len({(b.rows, b.cols) for b in spec.layout(cfg, axis).blocks})
+        return self.min_shards <= shards and (self.max_shards is None or shards <= self.max_shards)
+
+    def topology(self, cfg: EmbeddingBagConfig, topology: Topology) -> Topology:
+        if self.pooling_factor is None:
+            return topology
+        ours = {f: self.pooling_factor for f in cfg.feature_names}
+        return replace(topology, pooling_factors={**topology.pooling_factors, **ours})
+
+
+def candidates(
+    cfg: EmbeddingBagConfig, axis: ShardAxis, constraint: TableSpec | TableConstraint | None
+) -> list:
+    """The resolved specs the planner may choose for ``cfg`` (a pinned spec: its variants)."""
+    if isinstance(constraint, TableSpec):  # the user's choice: its layout errors are theirs
+        options = constraint.candidates(axis)
+        for spec in options:
+            spec.layout(cfg, axis)
+        return options
+    options = [DataParallel(), *TableWise().candidates(axis), RowWise()]
+    if cfg.embedding_dim >= axis.size > 1:
+        options.append(ColumnWise())
+    if axis.per_node is not None and axis.size > axis.per_node:
+        options += [*TableRowWise().candidates(axis), Grid()]
+    out = []
+    for spec in options:
+        try:
+            spec.layout(cfg, axis)
+        except ValueError:
+            continue  # e.g. column-wise with a dim smaller than the shard axis
+        if constraint is None or constraint.allows(spec, cfg, axis):
+            out.append(spec)
+    return out
+
+
+@dataclass
+class Choice:
+    """One table's chosen spec, and what every candidate would have cost (for ``explain``)."""
+
+    spec: TableSpec
+    costs: list[tuple[TableSpec, TableCost]]
+
+    @property
+    def cost(self) -> TableCost:
+        return next(c for s, c in self.costs if s == self.spec)
+
+
+def work(cost: TableCost, axis: ShardAxis, topology: Topology) -> float:
+    """Seconds a table adds summed over positions (what balancing spreads around)."""
+    return float(step_time(cost.stack, axis, topology).sum())
+
+
+class Search:
+    """The greedy + local search state: per-position totals and each table's choice.
+
+    Score of a state (lower is better): the larger of the slowest position's time and
+    the mean time once the tables not yet placed add their least work (so early
+    tables do not split just to flatten a peak the later ones would fill), then the
+    total time, then the fullest position's memory.
+    """
+
+    def __init__(self, axis: ShardAxis, topology: Topology) -> None:
+        self.axis, self.topology = axis, topology
+        self.totals = PositionTotals.zeros(axis.size)
+        self.budget = topology.memory_budget
+        self.remaining = 0.0  # least work of the tables not placed yet
+        self._stacked: dict[int, np.ndarray] = {}  # id(candidate list) -> their stacks
+
+    def score(self, cost: TableCost | None = None) -> tuple[float, float, float]:
+        stack = self.totals.stack if cost is None else self.totals.stack + cost.stack
+        time = step_time(stack, self.axis, self.topology)
+        total = float(time.sum())
+        bound = max(float(time.max()), (total + self.remaining) / self.axis.size)
+        return bound, total, float(stack[0].max())
+
+    def best(self, costs: list[tuple[TableSpec, TableCost]]) -> tuple[TableSpec, TableCost] | None:
+        """The candidate with the lowest score that fits (all candidates in one numpy pass)."""
+        key = id(costs)
+        if key not in self._stacked:
+            self._stacked[key] = np.stack([c.stack for _, c in costs])
+        trial = self.totals.stack[None] + self._stacked[key]  # [candidates, rows, S]
+        time = step_time(trial, self.axis, self.topology)
+        total = time.sum(1)
+        bound = np.maximum(time.max(1), (total + self.remaining) / self.axis.size)
+        memory = trial[:, 0].max(1)
+        fits = np.flatnonzero(memory <= self.budget)
+        if not fits.size:
+            return None
+        # Lowest (bound, total, memory), then the first candidate: as min() over tuples.
+        pick = fits[np.lexsort((fits, memory[fits], total[fits], bound[fits]))[0]]
+        return costs[pick]
+
+    def missing(self, costs: list[tuple[TableSpec, TableCost]]) -> tuple[float, TableSpec]:
+        """Bytes the cheapest candidate lacks on its fullest position, and that candidate."""
+        over = [
+            (float(np.max(self.totals.memory + c.memory - self.budget)), i)
+            for i, (_, c) in enumerate(costs)
+        ]
+        amount, i = min(over)
+        return amount, costs[i][0]
+
+    def improve(self, chosen: dict[str, Choice], order: list[str]) -> None:
+        """Local search: move single tables while the score improves (at most MAX_PASSES)."""
+        for _ in range(MAX_PASSES):
+            moved = False
+            for key in order:
+                current = chosen[key]
+                self.totals.add(current.cost, -1.0)
+                before = self.score(current.cost)
+                spec, cost = self.best(current.costs) or (current.spec, current.cost)
+                if spec != current.spec and self.score(cost) < before:
+                    current.spec, moved = spec, True
+                self.totals.add(current.cost)
+            if not moved:
+                return
+
+
+def _uniform_seed(
+    options: dict[str, list[tuple[TableSpec, TableCost]]], kind: type, search: Search
+) -> dict[str, Choice] | None:
+    """Every table as ``kind`` (e.g. all row-wise), if each has it and it fits."""
+    totals = PositionTotals.zeros(search.axis.size)
+    chosen = {}
+    for key, costs in options.items():
+        match = [(s, c) for s, c in costs if type(s) is kind]
+        if len(match) != 1:
+            return None
+        totals.add(match[0][1])
+        chosen[key] = Choice(match[0][0], costs)
+    return chosen if np.all(totals.memory <= search.budget) else None
+
+
+def _costs(
+    cfg: EmbeddingBagConfig, specs: list[TableSpec], axis: ShardAxis, topology: Topology
+) -> list[tuple[TableSpec, TableCost]]:
+    """Each candidate's cost; table-wise ones are the first one's, moved to their position."""
+    out: list[tuple[TableSpec, TableCost]] = []
+    first_tw: tuple[int, TableCost] | None = None
+    for spec in specs:
+        if isinstance(spec, TableWise) and spec.rank is not None and first_tw is not None:
+            cost = TableCost(axis.size, with_comm=False)
+            cost.stack = np.roll(first_tw[1].stack, spec.rank - first_tw[0], axis=1)
+        else:
+            cost = table_cost(cfg, spec, axis, topology, with_comm=False)
+            if isinstance(spec, TableWise) and spec.rank is not None:
+                first_tw = (spec.rank, cost)
+        out.append((spec, cost))
+    return out
+
+
+def plan_tables(
+    tables: Mapping[str, EmbeddingBagConfig],
+    axis: ShardAxis,
+    constraints: Mapping[str, TableSpec | TableConstraint] | None = None,
+    topology: Topology | None = None,
+) -> tuple[dict[str, Choice], PositionTotals]:
+    """Choose a spec per table FQN (see the module doc); the choices and their totals.
+
+    Starts from the greedy plan or, when one scores better, from a plan of one type
+    for every table (all row-wise, all column-wise, all data-parallel), then improves
+    it by local search.
+    """
+    topology = topology or Topology()
+    constraints = dict(constraints or {})
+    search = Search(axis, topology)
+    options: dict[str, list[tuple[TableSpec, TableCost]]] = {}
+    least: dict[str, float] = {}
+    for key, cfg in tables.items():
+        constraint = constraints.get(key)
+        specs = candidates(cfg, axis, constraint)
+        if not specs:
+            raise ValueError(
+                f"table {key!r}: no sharding spec on a shard axis of {axis.size} satisfies "
+                f"{constraint or 'the layout rules'}"
+            )
+        own = (
+            constraint.topology(cfg, topology)
+            if isinstance(constraint, TableConstraint)
+            else topology
+        )
+        options[key] = _costs(cfg, specs, axis, own)
+        least[key] = min(work(c, axis, topology) for _, c in options[key])
+    order = sorted(tables, key=lambda k: (-tables[k].num_embeddings * tables[k].embedding_dim, k))
+    search.remaining = sum(least.values())
+    chosen: dict[str, Choice] = {}
+    for key in order:
+        search.remaining -= least[key]
+        picked = search.best(options[key])
+        if picked is None:
+            amount, spec = search.missing(options[key])
+            raise ValueError(
+                f"table {key!r} ({tables[key].num_embeddings} x {tables[key].embedding_dim}) "
+                f"does not fit: even as {spec} it needs {amount / 2**20:.1f} MiB more on its "
+                f"fullest rank than the budget of {search.budget / 2**20:.1f} MiB per rank "
+                "(Topology.memory_per_rank minus headroom)"
+            )
+        search.totals.add(picked[1])
+        chosen[key] = Choice(picked[0], options[key])
+    search.remaining = 0.0
+    best_score = search.score()
+    for kind in (RowWise, ColumnWise, DataParallel):
+        seed = _uniform_seed(options, kind, search)
+        if seed is None:
+            continue
+        trial = Search(axis, topology)
+        for choice in seed.values():
+            trial.totals.add(choice.cost)
+        if trial.score() < best_score:
+            chosen, search, best_score = seed, trial, trial.score()
+    search.improve(chosen, order)
+    return {key: chosen[key] for key in tables}, search.totals
+
+
+# --------------------------------------------------------------------------- dry run
+
+
+def load_config(path: str) -> tuple[list[EmbeddingBagConfig], dict]:
+    """A planner config JSON: tables, ``batch_size_per_rank``, ``pooling_factors``."""
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("tables"), list):
+        raise ValueError(f"{path}: expected {{'tables': [...], ...}}")
+    allowed = {"name", "num_embeddings", "embedding_dim", "feature_names", "pooling"}
+    tables = []
+    for i, entry in enumerate(data["tables"]):
+        unknown = sorted(set(entry) - allowed)
+        if unknown:
+            raise ValueError(f"{path}: table #{i} has unknown fields {unknown}")
+        tables.append(EmbeddingBagConfig(**entry))
+    options = {
+        "batch_size_per_rank": int(data.get("batch_size_per_rank", 512)),
+        "pooling_factors": {str(k): float(v) for k, v in data.get("pooling_factors", {}).items()},
+    }
+    return tables, options
+
+
+def dry_run(
+    tables: list[EmbeddingBagConfig],
+    world_size: int,
+    shard_group_size: int,
+    node_size: int | None,
+    topology: Topology,
+) -> dict:
+    """Plan ``tables`` for a (S, R) mesh of ``world_size`` ranks built on torch's fake
+    process group in this process; every table's blocks (no tensors) and the costs."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dtrec.placements.mesh import init_mesh, shard_axis
+    from dtrec.planning.plan import ShardingPlan
+
+    started = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        mesh = init_mesh("cpu", shard_group_size, node_size)
+        axis = shard_axis(mesh)
+    finally:
+        dist.destroy_process_group()
+    mesh_s = time.perf_counter() - started
+    named = {cfg.name: cfg for cfg in tables}
+    started = time.perf_counter()
+    choices, sums = plan_tables(named, axis, None, topology)
+    plan_s = time.perf_counter() - started
+    blocks = {key: len(c.spec.layout(named[key], axis).blocks) for key, c in choices.items()}
+    time_per_position = sums.time(axis, topology)
+    return {
+        "world_size": world_size,
+        "shard_group_size": axis.size,
+        "replicas": axis.replicas,
+        "node_size": node_size,
+        "plan": ShardingPlan({k: c.spec for k, c in choices.items()}),
+        "blocks": blocks,
+        "memory": sums.memory,
+        "time": time_per_position,
+        "shard_bytes": np.maximum(sums.shard_sent, sums.shard_received),
+        "replicate_bytes": sums.replica_bytes,
+        "world_bytes": sums.world_bytes,
+        "mesh_seconds": mesh_s,
+        "plan_seconds": plan_s,
+    }
+
+
+def _stats(values: np.ndarray, scale: float, unit: str) -> str:
+    lo, mid, hi = (float(np.min(values)), float(np.median(values)), float(np.max(values)))
+    return f"min {lo / scale:.2f} / median {mid / scale:.2f} / max {hi / scale:.2f} {unit}"
+
+
+def print_dry_run(result: dict) -> None:
+    plan = result["plan"]
+    counts: dict[str, int] = {}
+    for spec in plan.values():
+        kind = type(spec).__name__
+        counts[kind] = counts.get(kind, 0) + 1
+    print(
+        f"W={result['world_size']} = S {result['shard_group_size']} x R {result['replicas']}"
+        f" (node size {result['node_size']}): {len(plan)} tables, "
+        f"{sum(result['blocks'].values())} blocks; types {counts}"
+    )
+    print(f"mesh on the fake process group: {result['mesh_seconds']:.2f} s; "
+          f"planning: {result['plan_seconds']:.2f} s")  # fmt: skip
+    print(f"memory per rank:  {_stats(result['memory'], 2**30, 'GiB')}")
+    print(f"comm per rank per step, shard dim:     {_stats(result['shard_bytes'], 2**20, 'MiB')}")
+    print(
+        f"comm per rank per step, replicate dim: {_stats(result['replicate_bytes'], 2**20, 'MiB')}"
+    )
+    print(f"comm per rank per step, world (DP):    {_stats(result['world_bytes'], 2**20, 'MiB')}")
+    t = result["time"]
+    print(f"predicted step time: {1e3 * float(t.max()):.3f} ms (slowest rank), "
+          f"imbalance {float(t.max() / t.mean()) if t.mean() > 0 else 1.0:.2f}")  # fmt: skip
+
+
+def plot_dry_run(result: dict, path: str) -> None:
+    """Per shard position: memory and estimated time (every replica is the same)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    positions = np.arange(len(result["memory"]))
+    top.bar(positions, result["memory"] / 2**30, width=1.0)
+    top.set_ylabel("memory per rank (GiB)")
+    bottom.bar(positions, 1e3 * result["time"], width=1.0, color="tab:orange")
+    bottom.set_ylabel("est. step time (ms)")
+    bottom.set_xlabel("shard position (each is R ranks)")
+    fig.suptitle(
+        f"dtrec plan: W={result['world_size']}, S={result['shard_group_size']}, "
+        f"R={result['replicas']}, {len(result['plan'])} tables"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m dtrec.planner",
+        description="Plan a model's tables for a large 2D mesh in one process (a dry run).",
+    )
+    parser.add_argument("--config", required=True, help="model JSON (see DESIGN.md)")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--shard-group-size", type=int, required=True)
+    parser.add_argument("--node-size", type=int, default=None)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--memory-per-rank-gb", type=float, default=None)
+    parser.add_argument("--plan-json", help="write the plan here")
+    parser.add_argument("--png", default="dtrec_plan.png", help="per-rank plot ('' to skip)")
+    args = parser.parse_args(argv)
+    tables, options = load_config(args.config)
+    base = Topology.h100 if args.device == "cuda" else Topology.cpu
+    overrides: dict[str, object] = dict(options)
+    if args.node_size is not None:
+        overrides["node_size"] = args.node_size
+    if args.memory_per_rank_gb is not None:
+        overrides["memory_per_rank"] = args.memory_per_rank_gb * 1e9
+    topology = base(**overrides)
+    result = dry_run(tables, args.world_size, args.shard_group_size, args.node_size, topology)
+    print_dry_run(result)
+    if args.plan_json:
+        with open(args.plan_json, "w") as f:
+            f.write(result["plan"].to_json())
+        print(f"wrote {args.plan_json}")
+    if args.png:
+        try:
+            plot_dry_run(result, args.png)
+            print(f"wrote {args.png}")
+        except ImportError:
+            print("matplotlib is not installed: no PNG (pip install matplotlib)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,6 @@
+"""TorchRec-compatible sparse inputs and pooled outputs: KeyedJaggedTensor, JaggedTensor,
+KeyedTensor (same method names, so model code written for TorchRec runs unchanged)."""
+
+from dtrec.sparse.jagged import JaggedTensor, KeyedJaggedTensor, KeyedTensor, as_kjt
+
+__all__ = ["JaggedTensor", "KeyedJaggedTensor", "KeyedTensor", "as_kjt"]
