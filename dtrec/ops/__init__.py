@@ -12,9 +12,9 @@ import torch
 from torch import Tensor
 
 from dtrec.ops.backends.registry import get_backend, set_backend
+from dtrec.ops.dtensor_bridge import register_dtensor_rules as register_dtensor_rules
 from dtrec.ops.lookup import check_embedding_bag_args, pooling_flags
 from dtrec.ops.op import EmbeddingBagFunction
-from dtrec.ops.sharding_rules import register_dtensor_rules as register_dtensor_rules
 
 __all__ = ["embedding_bag", "get_backend", "set_backend"]
 

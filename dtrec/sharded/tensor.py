@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import distribute_tensor as _torch_distribute_tensor
 
 from dtrec.modules.config import EmbeddingBagConfig
-from dtrec.ops.sharding_rules import register_dtensor_rules
+from dtrec.ops.dtensor_bridge import register_dtensor_rules
 from dtrec.placements.layout import Block, TableLayout
 from dtrec.placements.mesh import positions_mesh, shard_axis
 from dtrec.placements.specs import TableSpec
