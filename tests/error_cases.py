@@ -248,7 +248,9 @@ LOCAL: dict[str, Case] = {
     # forward
     "E036": lambda tmp: EBC(tables())({"f0": ids(1)}),
     "E037": lambda tmp: EBC(tables())(batch().permute(["f0"])),
-    "E038": lambda tmp: EBC(tables())(KJT(["f0", "f1", "f9"], ids(1, 2), ids(1, 0, 0, 1, 0, 0))),
+    "E038": lambda tmp: EBC(tables())(
+        KJT(["f0", "f1"], ids(1, 2, 3), ids(1, 1, 1), stride_per_key_per_rank=[[1], [2]])
+    ),
     "E039": lambda tmp: EBC(tables())(KJT(["f0", "f1"], ids(1, 2), ids(1, 0, 0, 1), torch.ones(2))),
     "E040": lambda tmp: EBC(tables())(batch(f0=(1, 10))),
     "E041": lambda tmp: EBC(tables())(batch(f1=(-1,))),

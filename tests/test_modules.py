@@ -69,6 +69,19 @@ def test_duck_typed_torchrec_kjt_is_accepted() -> None:
     torch.testing.assert_close(_ebc()(FakeTorchRecKJT()).values(), _ebc()(real).values())
 
 
+def test_keys_no_table_reads_are_ignored() -> None:
+    """As TorchRec's collections do: an extra key (here with ids out of every range) is dropped."""
+    ebc = _ebc()
+    extra = _kjt(
+        keys=["c", "zzz", "a", "b"],
+        values=torch.tensor([4, 0, 99, -5, 1, 2, 9, 9, 3]),
+        lengths=torch.tensor([2, 0, 1, 1, 1, 2, 1, 1]),
+    )
+    out = ebc(extra)
+    assert out.keys() == ["a", "b", "c"]
+    torch.testing.assert_close(out.values(), ebc(_kjt()).values(), rtol=0, atol=0)
+
+
 def test_bad_input_names_the_table_and_feature() -> None:
     ebc = _ebc()
     with pytest.raises(
@@ -79,8 +92,6 @@ def test_bad_input_names_the_table_and_feature() -> None:
         ebc(_kjt(values=torch.tensor([-1, 0, 1, 2, 9, 9, 3])))
     with pytest.raises(KeyError, match="lacks feature.*'b' \\(table 't0'\\)"):
         ebc(dtrec.KeyedJaggedTensor(["a", "c"], torch.tensor([1]), torch.tensor([1, 0, 0, 0])))
-    with pytest.raises(ValueError, match="key\\(s\\) \\['zzz'\\] that no table reads"):
-        ebc(_kjt(keys=["c", "a", "b", "zzz"], lengths=torch.tensor([2, 0, 1, 2, 1, 1, 0, 0])))
     with pytest.raises(ValueError, match="need sum pooling.*\\['t1'\\]"):
         ebc(_kjt(weights=torch.ones(7)))
     with pytest.raises(ValueError, match="sum"):

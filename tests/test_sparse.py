@@ -35,7 +35,7 @@ def test_basic_accessors() -> None:
     assert kjt.offsets().dtype == torch.int64
     assert kjt.offsets() is kjt.offsets()  # cached
     assert kjt.weights_or_none() is None
-    assert kjt.device == torch.device("cpu")
+    assert kjt.device() == torch.device("cpu")  # a method, as in TorchRec
     assert "f1" in repr(kjt) and "stride=3" in repr(kjt)
     with pytest.raises(ValueError, match="no weights"):
         kjt.weights()
@@ -144,7 +144,7 @@ def test_weights_through_to_dict_and_to() -> None:
     kjt = make_kjt(weighted=True)
     assert kjt["f2"].weights_or_none().tolist() == [3, 4, 5, 6]
     moved = kjt.to("cpu")
-    assert moved.device == torch.device("cpu")
+    assert moved.device() == torch.device("cpu")
     assert torch.equal(moved.weights(), kjt.weights())
     assert moved.length_per_key() == kjt.length_per_key()
 

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.sparse import KeyedJaggedTensor, as_kjt
+from dtrec.sparse.variable_batch import expand_variable_batch
 
 
 def _where(rank: int | None) -> str:
@@ -43,15 +44,19 @@ def prepare_features(
 ) -> KeyedJaggedTensor:
     """Validate a batch and permute it into ``feature_order(tables)``.
 
-    Raises KeyError for a feature the batch lacks, ValueError for a key no table
-    reads, per-sample weights on a mean-pooled table or a batch not on ``device``
-    (where the tables are), IndexError for an id outside ``[0, num_embeddings)``
-    (unless ``bounds_check="off"``: an out-of-range id is then undefined behaviour).
+    Keys no table reads are dropped (as TorchRec's collections ignore them). A KJT with
+    ``inverse_indices`` (TorchRec's variable batch per feature) is expanded to its full
+    batch (``dtrec.sparse.variable_batch``), so the output has one row per sample as
+    TorchRec's has. Raises KeyError for a feature the batch lacks, ValueError for a
+    variable-batch KJT without inverse indices, per-sample weights on a mean-pooled
+    table or a batch not on ``device`` (where the tables are), IndexError for an id
+    outside ``[0, num_embeddings)`` (unless ``bounds_check="off"``: an out-of-range id
+    is then undefined behaviour).
     """
     kjt = as_kjt(features)
-    if device is not None and kjt.device != device:
+    if device is not None and kjt.device() != device:
         raise ValueError(
-            f"batch{_where(rank)} is on {kjt.device} but the tables are on {device}; "
+            f"batch{_where(rank)} is on {kjt.device()} but the tables are on {device}; "
             f"move it with kjt.to({str(device)!r})"
         )
     order = feature_order(tables)
@@ -64,14 +69,17 @@ def prepare_features(
             + ", ".join(f"{f!r} (table {owner[f]!r})" for f in missing)
             + f"; batch keys: {kjt.keys()}"
         )
-    known = set(order)
-    unknown = [k for k in kjt.keys() if k not in known]
-    if unknown:
+    if kjt.inverse_indices_or_none() is not None:
+        kjt = expand_variable_batch(kjt, order)
+    elif kjt.variable_stride_per_key():
         raise ValueError(
-            f"batch{_where(rank)} has key(s) {unknown} that no table reads; model features: {order}"
+            f"batch{_where(rank)} has a variable batch per feature (stride_per_key_per_rank "
+            f"{kjt.stride_per_key_per_rank()}) but no inverse_indices: the pooled output needs "
+            "them to map each sample to its bag (build the KJT with inverse_indices=(keys, "
+            "[F, B] tensor), as TorchRec's VBE does)"
         )
-    if kjt.keys() != order:
-        kjt = kjt.permute(order)
+    elif kjt.keys() != order:
+        kjt = kjt.permute(order)  # also drops keys no table reads
     if kjt.weights_or_none() is not None:
         mean_tables = [cfg.name for cfg in tables if cfg.pooling == "mean"]
         if mean_tables:

@@ -141,31 +141,70 @@ class KeyedJaggedTensor:
 
         kjt = KeyedJaggedTensor(["f1", "f2"], torch.tensor([5, 6, 7]), torch.tensor([1, 0, 2, 0]))
         kjt["f1"].values()  # tensor([5]); kjt["f2"].lengths() -> tensor([2, 0])
+
+    Variable batch per feature (TorchRec's VBE): ``stride_per_key_per_rank[f]`` lists
+    key f's bag counts (per source rank; their sum is its stride), ``lengths`` holds
+    each key's own bags in turn, and ``inverse_indices = (keys, [F, B] tensor)`` maps
+    sample b of the full batch to its bag of key f. Embedding collections expand the
+    pooled rows through ``inverse_indices`` (``dtrec.sparse.variable_batch``), as
+    TorchRec's do. ``offsets`` may replace ``lengths`` (TorchRec's other constructor).
     """
 
     def __init__(
-        self, keys: Sequence[str], values: Tensor, lengths: Tensor, weights: Tensor | None = None
+        self,
+        keys: Sequence[str],
+        values: Tensor,
+        lengths: Tensor | None = None,
+        weights: Tensor | None = None,
+        *,
+        offsets: Tensor | None = None,
+        stride: int | None = None,
+        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+        inverse_indices: tuple[Sequence[str], Tensor] | None = None,
     ) -> None:
         keys = _check_keys(keys)
+        lengths = _lengths_from(lengths, offsets)
         _check_tensors(values, lengths, weights)
         num_keys, n = len(keys), lengths.numel()
-        if (n % num_keys) if num_keys else n:
-            raise ValueError(f"lengths.numel()={n} is not divisible by number of keys {num_keys}")
-        stride = n // num_keys if num_keys else 0
+        inverse = _check_inverse_indices(inverse_indices, values.device)
+        if stride_per_key_per_rank is not None:
+            per_rank = _check_stride_per_key_per_rank(stride_per_key_per_rank, keys)
+            stride_per_key = [sum(r) for r in per_rank]
+            if n != sum(stride_per_key):
+                raise ValueError(
+                    f"lengths.numel()={n} != sum of stride_per_key_per_rank="
+                    f"{sum(stride_per_key)} (per key: {dict(zip(keys, stride_per_key))})"
+                )
+            # TorchRec: the full batch is the inverse indices' width, else the largest key's
+            batch = inverse[1].shape[1] if inverse is not None else max(stride_per_key, default=0)
+        else:
+            per_rank = None
+            if (n % num_keys) if num_keys else n:
+                raise ValueError(
+                    f"lengths.numel()={n} is not divisible by number of keys {num_keys}"
+                )
+            batch = n // num_keys if num_keys else 0
+            if stride is not None and num_keys and stride != batch:
+                raise ValueError(
+                    f"stride={stride} but lengths has {n} entries for {num_keys} keys "
+                    f"(stride {batch})"
+                )
+            stride_per_key = [batch] * num_keys
         negative = lengths < 0
         if n and bool(negative.any()):
-            f, b = divmod(int(negative.nonzero()[0]), stride)
+            f, b = _key_and_bag(int(negative.nonzero()[0]), stride_per_key)
             raise ValueError(
-                f"negative length {int(lengths[f * stride + b])} for key {keys[f]!r} at sample {b}"
+                f"negative length {int(lengths[int(negative.nonzero()[0])])} for key "
+                f"{keys[f]!r} at sample {b}"
             )
         total = int(lengths.sum()) if n else 0
         if total != values.numel():
-            per_key = lengths.view(num_keys, stride).sum(1).tolist() if num_keys else []
+            per_key = _sum_per_key(lengths, stride_per_key).tolist()
             raise ValueError(
                 f"sum(lengths)={total} != values.numel()={values.numel()} "
                 f"(per-key sums: {dict(zip(keys, per_key, strict=True))})"
             )
-        self._set(keys, values, lengths, weights, stride, None)
+        self._set(keys, values, lengths, weights, batch, None, per_rank, inverse)
 
     def _set(
         self,
@@ -175,11 +214,15 @@ class KeyedJaggedTensor:
         weights: Tensor | None,
         stride: int,
         length_per_key: list[int] | None,
+        stride_per_key_per_rank: list[list[int]] | None = None,
+        inverse_indices: tuple[list[str], Tensor] | None = None,
     ) -> None:
         self._keys, self._values, self._lengths, self._weights = keys, values, lengths, weights
         self._stride = stride if keys else 0
         self._length_per_key = length_per_key
         self._offsets: Tensor | None = None
+        self._stride_per_key_per_rank = stride_per_key_per_rank
+        self._inverse_indices = inverse_indices
 
     def _derived(
         self,
@@ -188,10 +231,15 @@ class KeyedJaggedTensor:
         lengths: Tensor,
         weights: Tensor | None,
         length_per_key: list[int] | None,
+        stride_per_key_per_rank: list[list[int]] | None = None,
+        inverse_indices: tuple[list[str], Tensor] | None = None,
     ) -> KeyedJaggedTensor:
         # Build from pieces of this (already validated) KJT without re-validating.
         kjt = KeyedJaggedTensor.__new__(KeyedJaggedTensor)
-        kjt._set(keys, values, lengths, weights, self._stride, length_per_key)
+        kjt._set(
+            keys, values, lengths, weights, self._stride, length_per_key,
+            stride_per_key_per_rank, inverse_indices,
+        )  # fmt: skip
         return kjt
 
     @staticmethod
@@ -223,6 +271,48 @@ class KeyedJaggedTensor:
             None if missing else torch.cat([jt.weights_or_none() for jt in jts]),
         )
 
+    @staticmethod
+    def from_jt_dict(jt_dict: Mapping[str, JaggedTensor]) -> KeyedJaggedTensor:
+        """TorchRec's name for ``from_dict``."""
+        return KeyedJaggedTensor.from_dict(jt_dict)
+
+    @staticmethod
+    def from_lengths_sync(
+        keys: Sequence[str],
+        values: Tensor,
+        lengths: Tensor,
+        weights: Tensor | None = None,
+        stride: int | None = None,
+        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+        inverse_indices: tuple[Sequence[str], Tensor] | None = None,
+    ) -> KeyedJaggedTensor:
+        """TorchRec's constructor from lengths (same arguments); validated here, so synced."""
+        return KeyedJaggedTensor(
+            keys, values, lengths, weights, stride=stride,
+            stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices,
+        )  # fmt: skip
+
+    @staticmethod
+    def from_offsets_sync(
+        keys: Sequence[str],
+        values: Tensor,
+        offsets: Tensor,
+        weights: Tensor | None = None,
+        stride: int | None = None,
+        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+        inverse_indices: tuple[Sequence[str], Tensor] | None = None,
+    ) -> KeyedJaggedTensor:
+        """TorchRec's constructor from offsets (``len(lengths) + 1`` entries from 0)."""
+        return KeyedJaggedTensor(
+            keys, values, None, weights, offsets=offsets, stride=stride,
+            stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices,
+        )  # fmt: skip
+
+    def sync(self) -> KeyedJaggedTensor:
+        """TorchRec computes its cached sizes here; dtrec's are computed on demand."""
+        self.length_per_key()
+        return self
+
     def keys(self) -> list[str]:
         return self._keys
 
@@ -241,10 +331,32 @@ class KeyedJaggedTensor:
         return self._weights
 
     def stride(self) -> int:
+        """B: samples per key (a variable-batch KJT: the full batch of ``inverse_indices``)."""
         return self._stride
 
-    @property
+    def stride_per_key(self) -> list[int]:
+        """Bags per key (all equal to ``stride()`` unless the batch varies per key)."""
+        if self._stride_per_key_per_rank is None:
+            return [self._stride] * len(self._keys)
+        return [sum(r) for r in self._stride_per_key_per_rank]
+
+    def stride_per_key_per_rank(self) -> list[list[int]]:
+        """Per key, its bag count per source rank (``[]`` for a fixed-batch KJT, as TorchRec)."""
+        return [list(r) for r in self._stride_per_key_per_rank or []]
+
+    def variable_stride_per_key(self) -> bool:
+        return self._stride_per_key_per_rank is not None
+
+    def inverse_indices(self) -> tuple[list[str], Tensor]:
+        if self._inverse_indices is None:
+            raise ValueError("KeyedJaggedTensor has no inverse_indices")
+        return self._inverse_indices
+
+    def inverse_indices_or_none(self) -> tuple[list[str], Tensor] | None:
+        return self._inverse_indices
+
     def device(self) -> torch.device:
+        """The device of ``values`` (a method, as in TorchRec)."""
         return self._values.device
 
     def offsets(self) -> Tensor:
@@ -255,19 +367,25 @@ class KeyedJaggedTensor:
 
     def length_per_key(self) -> list[int]:
         if self._length_per_key is None:
-            f = len(self._keys)
-            self._length_per_key = self._lengths.view(f, self._stride).sum(1).tolist() if f else []
+            self._length_per_key = _sum_per_key(self._lengths, self.stride_per_key()).tolist()
         return self._length_per_key
 
     def offset_per_key(self) -> list[int]:
         return _prefix_sums(self.length_per_key())
 
+    def _key_indices(self) -> dict[str, int]:
+        return {k: i for i, k in enumerate(self._keys)}
+
+    def _bag_ranges(self) -> list[tuple[int, int]]:
+        """Per key: its range of entries in ``lengths``."""
+        starts = _prefix_sums(self.stride_per_key())
+        return list(zip(starts[:-1], starts[1:], strict=True))
+
     def _jagged(self, i: int) -> JaggedTensor:
         start, end = self.offset_per_key()[i : i + 2]
-        b = self._stride
-        lengths = self._lengths[i * b : (i + 1) * b]
+        lo, hi = self._bag_ranges()[i]
         return JaggedTensor._trusted(
-            self._values[start:end], lengths, _slice(self._weights, start, end)
+            self._values[start:end], self._lengths[lo:hi], _slice(self._weights, start, end)
         )
 
     def to_dict(self) -> dict[str, JaggedTensor]:
@@ -294,10 +412,19 @@ class KeyedJaggedTensor:
         def gather(t: Tensor) -> Tensor:
             return torch.cat([t[opk[i] : opk[i + 1]] for i in idx]) if idx else t[:0]
 
-        rows = torch.tensor(idx, dtype=torch.int64, device=self.device)
-        lengths = self._lengths.view(num_keys, self._stride)[rows].reshape(-1)
         weights = None if self._weights is None else gather(self._weights)
-        return self._derived(keys, gather(self._values), lengths, weights, [lpk[i] for i in idx])
+        per_rank = self._stride_per_key_per_rank
+        if per_rank is None:
+            rows = torch.tensor(idx, dtype=torch.int64, device=self.device())
+            lengths = self._lengths.view(num_keys, self._stride)[rows].reshape(-1)
+        else:
+            ranges = self._bag_ranges()
+            lengths = torch.cat([self._lengths[slice(*ranges[i])] for i in idx])
+            per_rank = [per_rank[i] for i in idx]
+        return self._derived(
+            keys, gather(self._values), lengths, weights, [lpk[i] for i in idx], per_rank,
+            self._inverse_indices,
+        )  # fmt: skip
 
     def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
         """Split into KJTs over consecutive groups of keys; tensors are views."""
@@ -307,7 +434,9 @@ class KeyedJaggedTensor:
                 f"segments {segments} must be non-negative and sum to the number of keys "
                 f"({len(self._keys)})"
             )
-        opk, lpk, b = self.offset_per_key(), self.length_per_key(), self._stride
+        opk, lpk = self.offset_per_key(), self.length_per_key()
+        bags = _prefix_sums(self.stride_per_key())
+        per_rank = self._stride_per_key_per_rank
         out, lo = [], 0
         for n in segments:
             hi, v0, v1 = lo + n, opk[lo], opk[lo + n]
@@ -315,9 +444,11 @@ class KeyedJaggedTensor:
                 self._derived(
                     self._keys[lo:hi],
                     self._values[v0:v1],
-                    self._lengths[lo * b : hi * b],
+                    self._lengths[bags[lo] : bags[hi]],
                     _slice(self._weights, v0, v1),
                     lpk[lo:hi],
+                    None if per_rank is None else per_rank[lo:hi],
+                    self._inverse_indices,
                 )
             )
             lo = hi
@@ -328,25 +459,117 @@ class KeyedJaggedTensor:
             return t.to(device, non_blocking=non_blocking)
 
         w = None if self._weights is None else move(self._weights)
-        lpk = self._length_per_key
-        return self._derived(list(self._keys), move(self._values), move(self._lengths), w, lpk)
+        inverse = self._inverse_indices
+        if inverse is not None:
+            inverse = (inverse[0], move(inverse[1]))
+        return self._derived(
+            list(self._keys), move(self._values), move(self._lengths), w, self._length_per_key,
+            self._stride_per_key_per_rank, inverse,
+        )  # fmt: skip
 
     def __repr__(self) -> str:
+        variable = ", variable batch" if self.variable_stride_per_key() else ""
         return (
-            f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}, "
+            f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}{variable}, "
             f"values={self._values.numel()}, weighted={self._weights is not None}, "
-            f"device={self.device})"
+            f"device={self.device()})"
         )
+
+
+def _lengths_from(lengths: Tensor | None, offsets: Tensor | None) -> Tensor:
+    """``lengths``, or the differences of ``offsets`` (exactly one of them given)."""
+    if (lengths is None) == (offsets is None):
+        raise ValueError("give exactly one of lengths and offsets")
+    if lengths is not None:
+        return lengths
+    if not isinstance(offsets, Tensor) or offsets.dim() != 1 or offsets.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"offsets must be a 1-D int32/int64 tensor, got {_describe(offsets)}")
+    if offsets.numel() == 0 or int(offsets[0]) != 0:
+        raise ValueError("offsets must start with 0 (len(lengths) + 1 entries)")
+    return torch.diff(offsets)
+
+
+def _check_stride_per_key_per_rank(
+    per_rank: Sequence[Sequence[int]], keys: list[str]
+) -> list[list[int]]:
+    """A list per key of non-negative bag counts (one per source rank)."""
+    rows = [list(r) for r in per_rank] if not isinstance(per_rank, Tensor) else per_rank.tolist()
+    if len(rows) != len(keys):
+        raise ValueError(
+            f"stride_per_key_per_rank has {len(rows)} entries for {len(keys)} keys {keys}"
+        )
+    for key, row in zip(keys, rows, strict=True):
+        if not row or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in row):
+            raise ValueError(
+                f"stride_per_key_per_rank for key {key!r} must be a non-empty list of ints "
+                f">= 0 (bags per rank), got {row!r}"
+            )
+    return rows
+
+
+def _check_inverse_indices(
+    inverse: tuple[Sequence[str], Tensor] | None, device: torch.device
+) -> tuple[list[str], Tensor] | None:
+    """``(keys, [len(keys), B] int tensor)`` on the values' device, or None."""
+    if inverse is None:
+        return None
+    if not isinstance(inverse, tuple) or len(inverse) != 2:
+        raise TypeError(f"inverse_indices must be a (keys, tensor) tuple, got {inverse!r}")
+    keys, index = _check_keys(inverse[0]), inverse[1]
+    if not isinstance(index, Tensor) or index.dim() != 2 or index.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"inverse_indices[1] must be a 2-D int tensor, got {_describe(index)}")
+    if index.shape[0] != len(keys):
+        raise ValueError(
+            f"inverse_indices[1] has {index.shape[0]} rows for {len(keys)} keys {keys}"
+        )
+    if index.device != device:
+        raise ValueError(f"inverse_indices on {index.device} but values on {device}")
+    return keys, index
+
+
+def _key_and_bag(position: int, stride_per_key: Sequence[int]) -> tuple[int, int]:
+    """(key, bag within the key) of entry ``position`` of ``lengths``."""
+    for f, n in enumerate(stride_per_key):
+        if position < n:
+            return f, position
+        position -= n
+    raise IndexError(position)
+
+
+def _sum_per_key(lengths: Tensor, stride_per_key: Sequence[int]) -> Tensor:
+    """Per key, the sum of its entries of ``lengths`` (int64)."""
+    num_keys = len(stride_per_key)
+    if not num_keys:
+        return lengths.new_zeros(0, dtype=torch.int64)
+    if len(set(stride_per_key)) == 1:
+        return lengths.view(num_keys, stride_per_key[0]).sum(1, dtype=torch.int64)
+    key = torch.repeat_interleave(
+        torch.arange(num_keys, device=lengths.device),
+        torch.tensor(list(stride_per_key), device=lengths.device),
+    )
+    return torch.zeros(num_keys, dtype=torch.int64, device=lengths.device).index_add_(
+        0, key, lengths.long()
+    )
 
 
 def as_kjt(obj: Any) -> KeyedJaggedTensor:
-    """Accept our KJT unchanged, or convert (and validate) a TorchRec-style KJT."""
+    """Accept our KJT unchanged, or convert (and validate) a TorchRec-style KJT, keeping
+    its variable batch per feature (``stride_per_key_per_rank``, ``inverse_indices``)."""
     if isinstance(obj, KeyedJaggedTensor):
         return obj
     if all(callable(getattr(obj, m, None)) for m in _KJT_METHODS):
+        per_rank = None
+        variable = getattr(obj, "variable_stride_per_key", None)
+        if callable(variable) and variable():
+            per_rank = obj.stride_per_key_per_rank()
+        inverse = None
+        if callable(getattr(obj, "inverse_indices_or_none", None)):
+            inverse = obj.inverse_indices_or_none()
         return KeyedJaggedTensor(
-            list(obj.keys()), obj.values(), obj.lengths(), obj.weights_or_none()
-        )
+            list(obj.keys()), obj.values(), obj.lengths(), obj.weights_or_none(),
+            stride_per_key_per_rank=per_rank,
+            inverse_indices=None if inverse is None else (list(inverse[0]), inverse[1]),
+        )  # fmt: skip
     raise TypeError(
         "expected a dtrec KeyedJaggedTensor or an object with TorchRec KJT methods "
         f"{list(_KJT_METHODS)}, got {type(obj).__name__}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from dtrec.sparse.jagged import _check_keys, _key_index, _prefix_sums
@@ -39,6 +40,47 @@ class KeyedTensor:
             )
         self._keys, self._length_per_key, self._values = keys, length_per_key, values
 
+    @staticmethod
+    def from_tensor_list(
+        keys: Sequence[str], tensors: Sequence[Tensor], key_dim: int = 1, cat_dim: int = 1
+    ) -> KeyedTensor:
+        """One KeyedTensor from per-key ``[B, D_k]`` tensors (TorchRec's signature; dim 1 only)."""
+        if key_dim != 1 or cat_dim != 1:
+            raise ValueError(f"dtrec's KeyedTensor is [B, sum D]: key_dim and cat_dim must be 1, "
+                             f"got {key_dim}, {cat_dim}")  # fmt: skip
+        return KeyedTensor(keys, [t.shape[1] for t in tensors], torch.cat(list(tensors), dim=1))
+
+    @staticmethod
+    def regroup(
+        keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]
+    ) -> list[Tensor]:
+        """Per group, its keys' columns side by side (``[B, sum D of the group]``).
+
+        TorchRec's ``KeyedTensor.regroup`` (and ``KTRegroupAsDict``) accept dtrec's
+        KeyedTensors too; this is the same without torchrec. A key found in several
+        inputs is taken from the last one, as TorchRec does.
+        """
+        where: dict[str, KeyedTensor] = {}
+        for kt in keyed_tensors:
+            for key in kt.keys():
+                where[key] = kt
+        out = []
+        for group in groups:
+            unknown = [k for k in group if k not in where]
+            if unknown:
+                raise KeyError(f"regroup: keys {unknown} are in none of the KeyedTensors")
+            out.append(torch.cat([where[k][k] for k in group], dim=1))
+        return out
+
+    @staticmethod
+    def regroup_as_dict(
+        keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]], keys: Sequence[str]
+    ) -> dict[str, Tensor]:
+        """``regroup`` with a name per group."""
+        if len(groups) != len(keys):
+            raise ValueError(f"regroup_as_dict: {len(groups)} groups but {len(keys)} keys")
+        return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups), strict=True))
+
     def keys(self) -> list[str]:
         return self._keys
 
@@ -53,6 +95,18 @@ class KeyedTensor:
 
     def offset_per_key(self) -> list[int]:
         return _prefix_sums(self._length_per_key)
+
+    def device(self) -> torch.device:
+        """The device of ``values`` (a method, as in TorchRec)."""
+        return self._values.device
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedTensor:
+        values = self._values.to(device, non_blocking=non_blocking)
+        return KeyedTensor(self._keys, self._length_per_key, values)
+
+    def _key_indices(self) -> dict[str, int]:
+        """Key -> its position (TorchRec's regroup reads it)."""
+        return {k: i for i, k in enumerate(self._keys)}
 
     def to_dict(self) -> dict[str, Tensor]:
         opk = self.offset_per_key()
