@@ -37,8 +37,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# ruff, then the layering check (no import cycles, no import against the layer order).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dtrec tests benchmarks examples
+	$(PY) -m pytest -q tests/test_layering.py
 
 # TorchRec (comparison only: tests against it and benchmarks) must go in with --no-deps:
 # its declared deps would replace torch/fbgemm with incompatible builds. Part of every

@@ -41,7 +41,8 @@ from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import ColumnWise, DataParallel, RowWise, TableSpec, TableWise
 from dtrec.placements.mesh import ShardAxis
 from dtrec.planning.cost_model import Topology, table_cost, totals
-from dtrec.planning.planner import dry_run, plan_tables
+from dtrec.planning.dry_run import dry_run
+from dtrec.planning.planner import plan_tables
 
 WORLDS = (8, 64, 512, 4096)
 TIE = 0.05  # predictions closer than this are a tie for the ordering check

@@ -9,8 +9,8 @@ Example (under torchrun)::
 """
 
 from dtrec import checkpoint, ops, optim, placements
-from dtrec.comm.collectives import CollectiveError, CommStats, comm_stats, count_comm
-from dtrec.comm.failures import report_failures
+from dtrec.comm.collectives import CommStats, comm_stats, count_comm
+from dtrec.comm.failures import CollectiveError, report_failures
 from dtrec.modules import EmbeddingBagCollection, EmbeddingBagConfig
 from dtrec.placements.mesh import init_mesh
 from dtrec.planning import cost_model

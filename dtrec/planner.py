@@ -1,9 +1,10 @@
-"""``python -m dtrec.planner``: the planner's dry run (see ``dtrec.planning.planner``).
+"""``python -m dtrec.planner``: the planner's dry run (see ``dtrec.planning.dry_run``).
 
 ``dtrec.planner.TableConstraint`` stays importable from here (error messages name it).
 """
 
-from dtrec.planning.planner import TableConstraint, main
+from dtrec.planning.dry_run import main
+from dtrec.planning.planner import TableConstraint
 
 __all__ = ["TableConstraint", "main"]
 

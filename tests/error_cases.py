@@ -24,8 +24,9 @@ from dtrec.checkpoint import dcp as checkpoint
 from dtrec.ops.backends import registry as backend
 from dtrec.optim import SGD, Adam, RowWiseAdagrad
 from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
+from dtrec.planning.dry_run import load_config
 from dtrec.planning.plan import ShardingPlan
-from dtrec.planning.planner import TableConstraint, load_config
+from dtrec.planning.planner import TableConstraint
 from tests.fake_world import fake_world
 
 KJT, JT, KT = dtrec.KeyedJaggedTensor, dtrec.JaggedTensor, dtrec.KeyedTensor

@@ -124,7 +124,7 @@ def test_dry_run_cli_on_the_fake_process_group(tmp_path, capsys):
 
     import torch.distributed as dist
 
-    from dtrec.planning.planner import main
+    from dtrec.planning.dry_run import main
 
     config = {
         "tables": [

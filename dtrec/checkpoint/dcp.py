@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from dtrec.comm.collectives import CollectiveError
+from dtrec.comm.failures import CollectiveError
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.planning.plan import table_fqn
 from dtrec.sharded.tensor import full_tensor, like_dtensor

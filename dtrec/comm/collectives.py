@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from dtrec.comm.failures import failed_peers
+from dtrec.comm.failures import CollectiveError, failed_peers
 
 
 @dataclass
@@ -87,8 +87,19 @@ def comm_stats() -> Iterator[CommStats]:
 count_comm = comm_stats  # the earlier name
 
 
-class CollectiveError(RuntimeError):
-    """A collective failed: a peer died, or it did not join within the group's timeout."""
+def sync_bytes(size: int, most: float, dim: int, num_rows: int) -> tuple[float, float]:
+    """(sparse all-gather, dense all-reduce) bytes one member sends for one table: an
+    all-gather of (row id, grad row) for ``most`` rows, or a ring all-reduce of
+    ``[num_rows, dim + 1]`` fp32 (the extra column counts touches).
+
+    The replicate-axis gradient sync (``dtrec.sharded.grad_sync``) picks the cheaper one
+    with it, and the cost model (``dtrec.planning.cost_model``) predicts that choice.
+    """
+    if size <= 1:
+        return 0.0, 0.0
+    sparse = (size - 1) * most * (8 + 4 * dim)
+    dense = 2 * (size - 1) * num_rows * (dim + 1) * 4 / size
+    return sparse, dense
 
 
 @contextmanager

@@ -20,17 +20,25 @@ from contextlib import contextmanager, suppress
 
 import torch.distributed as dist
 
+from dtrec._torch_compat import default_store
+
 _KEY = "dtrec/failed/{rank}"
 _hook_installed = False
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer died, or it did not join within the group's timeout.
+
+    Defined here, beside the failure reports, because a report is never written for
+    one (it is a consequence of another rank's failure, which reports itself).
+    """
 
 
 def _store() -> object | None:
     if not dist.is_available() or not dist.is_initialized():
         return None
     try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
+        return default_store()
     except Exception:  # noqa: BLE001 - no store, no reports
         return None
 
@@ -45,8 +53,6 @@ def report_failure(exc: BaseException) -> None:
 
     Not for ``CollectiveError``: that is a consequence of another rank's failure.
     """
-    from dtrec.comm.collectives import CollectiveError
-
     store = _store()
     if store is None or isinstance(exc, CollectiveError):
         return

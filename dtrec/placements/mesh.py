@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from dtrec._torch_compat import concatenate_meshes, flatten_mesh_dims, root_mesh
 
 SHARD = "shard"
 REPLICATE = "replicate"
@@ -18,10 +22,12 @@ def init_mesh(device_type: str, shard_group_size: int, node_size: int | None = N
     """Build the (S, R) mesh ``arange(W).reshape(S, R)`` with dims ("shard", "replicate").
 
     Replica groups are contiguous ranks (their gradient all-reduce stays on a
-    node's fast links); sharding groups are strided. With ``node_size`` dtrec
-    records which shard positions share a node, so node-aware specs
-    (TableRowWise, Grid) can place tables on ("shard_node", "shard_local")
-    sub-meshes.
+    node's fast links); sharding groups are strided. With ``node_size`` the mesh
+    itself carries which shard positions share a node: it is a view of a root mesh
+    ``arange(W).reshape(S // P, P, R)`` with dims ("shard_node", "shard_local",
+    "replicate") whose first two dims are flattened into "shard" (P shard
+    positions per node; ``shard_axis`` reads it back), so node-aware specs
+    (TableRowWise, Grid) can place tables on those sub-dims.
 
     Example (W=8)::
 
@@ -39,20 +45,21 @@ def init_mesh(device_type: str, shard_group_size: int, node_size: int | None = N
         raise ValueError(
             f"world size {world} is not divisible by shard_group_size {shard_group_size}"
         )
-    shards = shard_group_size
-    per_node = None if node_size is None else positions_per_node(world, shards, node_size)
-    mesh = DeviceMesh(
+    shards, replicas = shard_group_size, world // shard_group_size
+    if node_size is None:
+        return DeviceMesh(
+            device_type,
+            torch.arange(world).reshape(shards, replicas),
+            mesh_dim_names=(SHARD, REPLICATE),
+        )
+    per_node = positions_per_node(world, shards, node_size)
+    root = DeviceMesh(
         device_type,
-        torch.arange(world).reshape(shards, world // shards),
-        mesh_dim_names=(SHARD, REPLICATE),
+        torch.arange(world).reshape(shards // per_node, per_node, replicas),
+        mesh_dim_names=(SHARD_NODE, SHARD_LOCAL, REPLICATE),
     )
-    if per_node is not None:
-        _NODE_SPLITS[id(mesh)] = (mesh, per_node)
-    return mesh
-
-
-# id(mesh) -> (mesh, shard positions per node); holding the mesh keeps its id unique.
-_NODE_SPLITS: dict[int, tuple[DeviceMesh, int]] = {}
+    shard = flatten_mesh_dims(root[SHARD_NODE, SHARD_LOCAL], SHARD)
+    return concatenate_meshes([shard, root[REPLICATE]])
 
 
 def positions_per_node(world: int, shards: int, node_size: int) -> int:
@@ -100,8 +107,17 @@ def shard_axis(mesh: DeviceMesh) -> ShardAxis:
             f"expected a mesh with dims ({SHARD!r}, {REPLICATE!r}) from dtrec.init_mesh, "
             f"got dims {names}"
         )
-    split = _NODE_SPLITS.get(id(mesh))
-    return ShardAxis(mesh.size(0), mesh.size(1), None if split is None else split[1])
+    root = node_split_mesh(mesh)
+    return ShardAxis(mesh.size(0), mesh.size(1), None if root is None else root.size(1))
+
+
+def node_split_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The ("shard_node", "shard_local", "replicate") root ``init_mesh(..., node_size=N)``
+    built ``mesh`` from (None for a mesh made without ``node_size``)."""
+    root = root_mesh(mesh)
+    if root is mesh or root.mesh_dim_names != (SHARD_NODE, SHARD_LOCAL, REPLICATE):
+        return None
+    return root
 
 
 def shard_position(mesh: DeviceMesh) -> int | None:
@@ -110,8 +126,32 @@ def shard_position(mesh: DeviceMesh) -> int | None:
     return None if coord is None else coord[0]
 
 
-# key -> (mesh, sub-mesh); holding the mesh keeps its id from being reused.
-_SUBMESHES: dict[tuple, tuple[DeviceMesh, DeviceMesh]] = {}
+class _SubMeshCache:
+    """Sub-meshes made for each parent mesh, alive exactly as long as that parent.
+
+    Why a cache: a DeviceMesh over some ranks creates process groups (a collective,
+    and communicators that hold memory), and every table placed on the same positions
+    should share one; ``distribute_tensor`` is public and called per table, so there is
+    no caller object to hold them. Why keyed on the parent's identity and not on
+    DeviceMesh equality: two equal meshes from different worlds (e.g. a fake world per
+    simulated rank) must not share groups. A ``weakref.finalize`` on the parent drops
+    its entry, so an id is never looked up after its mesh is gone and nothing leaks.
+    """
+
+    def __init__(self) -> None:
+        self._by_parent: dict[int, dict[tuple, DeviceMesh]] = {}
+
+    def get(self, parent: DeviceMesh, key: tuple, make: Callable[[], DeviceMesh]) -> DeviceMesh:
+        subs = self._by_parent.get(id(parent))
+        if subs is None:
+            subs = self._by_parent[id(parent)] = {}
+            weakref.finalize(parent, self._by_parent.pop, id(parent), None)
+        if key not in subs:
+            subs[key] = make()
+        return subs[key]
+
+
+_sub_meshes = _SubMeshCache()
 
 
 def positions_mesh(
@@ -123,14 +163,18 @@ def positions_mesh(
     The whole shard axis returns ``mesh`` itself (or its node-split root).
     """
     axis = shard_axis(mesh)
-    if positions == tuple(range(axis.size)) and names == (SHARD,):
+    whole = positions == tuple(range(axis.size))
+    if whole and names == (SHARD,):
         return mesh
-    key = (id(mesh), positions, shape, names)
-    if key not in _SUBMESHES:
+    root = node_split_mesh(mesh)
+    if whole and root is not None and names == (SHARD_NODE, SHARD_LOCAL):
+        return root
+
+    def make() -> DeviceMesh:
         ranks = mesh.mesh[list(positions)].reshape(*shape, axis.replicas)
-        sub = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(*names, REPLICATE))
-        _SUBMESHES[key] = (mesh, sub)
-    return _SUBMESHES[key][1]
+        return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(*names, REPLICATE))
+
+    return _sub_meshes.get(mesh, (positions, shape, names), make)
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -35,10 +35,10 @@ from typing import Protocol
 
 import numpy as np
 
+from dtrec.comm.collectives import sync_bytes
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import ShardAxis
-from dtrec.sharded.grad_sync import sync_bytes
 
 # Optimizer state bytes: (per row, per element).
 OPTIMIZER_STATE = {"sgd": (0, 0), "rowwise_adagrad": (4, 0), "adam": (0, 8)}

@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import SPEC_TYPES, TableSpec
 from dtrec.placements.mesh import shard_axis
-from dtrec.planning.cost_model import Topology
+from dtrec.planning.cost_model import Topology, totals
+from dtrec.planning.planner import TableConstraint, plan_tables
 
 
 def spec_to_dict(spec: TableSpec) -> dict:
@@ -160,9 +161,6 @@ def plan(
 
         p = dtrec.plan(model, mesh, constraints={"sparse.big": RowWise()})
     """
-    from dtrec.planning.cost_model import totals
-    from dtrec.planning.planner import plan_tables
-
     axis = shard_axis(mesh)
     tables = model_tables(model)
     if constraints is not None and not isinstance(constraints, Mapping):
@@ -199,8 +197,6 @@ def check_plan_keys(plan: Mapping[str, object], tables: Mapping[str, EmbeddingBa
         raise KeyError(
             f"plan names unknown table(s) {unknown}; the model's tables are {sorted(tables)}"
         )
-    from dtrec.planning.planner import TableConstraint
-
     for key, spec in plan.items():
         if not isinstance(spec, (TableSpec, TableConstraint)):
             raise TypeError(

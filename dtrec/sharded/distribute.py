@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from dtrec._torch_compat import replicate_module
 from dtrec.comm.failures import install_excepthook
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.layout import Block
 from dtrec.placements.mesh import shard_axis
-from dtrec.planning.plan import check_plan_keys, find_collections, model_tables, table_fqn
+from dtrec.planning.plan import (
+    ShardingPlan,
+    check_plan_keys,
+    find_collections,
+    model_tables,
+    table_fqn,
+)
 from dtrec.planning.plan import plan as make_plan
 from dtrec.sharded.module import ShardedEmbeddingBagCollection, check_sync_every
 from dtrec.sharded.tensor import load_block
@@ -44,7 +52,11 @@ def distribute_module(
     less replicate-axis traffic, but each replica group takes its own steps in
     between, so results differ from the unsharded model unless k=1 with SGD (see
     ``ShardedEmbeddingBagCollection.sync_replicas``). Returns ``model`` itself,
-    changed in place (or the sharded collection when ``model`` is one).
+    changed in place (or the sharded collection when ``model`` is one), as a
+    ``DistributedModule``: its class becomes a subclass of ``DistributedModule`` and
+    its own class (as torch's ``fully_shard`` does), so ``isinstance`` checks and
+    ``state_dict`` keys stay the same and ``model.sharding_plan`` /
+    ``model.fused_optimizer`` read the distribution's state.
     Collective: every rank calls it with the same model config and plan.
 
     Example::
@@ -98,10 +110,9 @@ def distribute_module(
             tables, weights, mesh, specs, optimizer, ebc.bounds_check, sync_every, seed
         )
     fused = FusedOptimizerView(sharded, optimizer) if optimizer is not None else None
+    state = DistributedState(full_plan, fused)
     if "" in sharded:
-        sharded[""].sharding_plan = full_plan
-        sharded[""].fused_optimizer = fused
-        return sharded[""]
+        return as_distributed(sharded[""], state)
     for fqn, module in sharded.items():
         parent_name, _, attr = fqn.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, module)
@@ -116,10 +127,63 @@ def distribute_module(
             "be (each rank then creates its own blocks); build the dense part on cpu or cuda"
         )
     if any(id(p) not in sharded_params for p in model.parameters()):
-        replicate(model, ignored_modules=list(sharded.values()))
-    model.sharding_plan = full_plan
-    model.fused_optimizer = fused
-    return model
+        replicate_module(model, ignored_modules=sharded.values())
+    return as_distributed(model, state)
+
+
+@dataclass(frozen=True)
+class DistributedState:
+    """What ``distribute_module`` decided for a model: read through ``DistributedModule``."""
+
+    sharding_plan: ShardingPlan
+    """The full plan, every table's spec (the user's pins and the planner's choices)."""
+    fused_optimizer: FusedOptimizerView | None
+    """The fused optimizer's state per table, or None without a fused optimizer."""
+
+
+class DistributedModule:
+    """The class a model gets from ``distribute_module``, in front of its own class.
+
+    Torch's composable pattern (``fully_shard``, ``replicate``): the module's class is
+    swapped for a generated subclass of this mixin and the original class, instead of
+    setting attributes on the user's object; the only state is one ``DistributedState``.
+
+    Example::
+
+        model = dtrec.distribute_module(model, mesh, optimizer=dtrec.optim.SGD(lr=0.1))
+        print(model.sharding_plan)
+        model.fused_optimizer.state_dict()
+    """
+
+    _dtrec_state: DistributedState
+
+    def __new__(cls, *args, **kwargs):  # type: ignore[no-untyped-def]
+        # Rebuilding the class (e.g. nn.Sequential slicing calls type(self)(...)) builds
+        # the original class: index 0 is the generated class, 1 this mixin.
+        original = cls.__mro__[2]
+        return original.__new__(original, *args, **kwargs)
+
+    @property
+    def sharding_plan(self) -> ShardingPlan:
+        """Every table FQN's spec (``print`` it to see the planner's reasons)."""
+        return self._dtrec_state.sharding_plan
+
+    @property
+    def fused_optimizer(self) -> FusedOptimizerView | None:
+        """The fused optimizer's per-table state (checkpoints), None without one."""
+        return self._dtrec_state.fused_optimizer
+
+
+@functools.cache
+def _distributed_class(cls: type[nn.Module]) -> type[nn.Module]:
+    return type(f"Distributed{cls.__name__}", (DistributedModule, cls), {})
+
+
+def as_distributed(module: nn.Module, state: DistributedState) -> nn.Module:
+    """``module`` with its class swapped for the ``DistributedModule`` subclass of it."""
+    module.__class__ = _distributed_class(type(module))
+    module._dtrec_state = state
+    return module
 
 
 def check_same_on_every_rank(

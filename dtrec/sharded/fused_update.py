@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
+from dtrec._torch_compat import queue_backward_callback
 from dtrec.comm.collectives import all_reduce_coalesced
 from dtrec.ops.lookup import Lookup
 from dtrec.ops.op import lookup_backward_rows, lookup_forward
@@ -85,7 +86,7 @@ class FusedUpdater:
     def stash(self, table_ids: list[int], lookup: Lookup, grad_out: Tensor) -> None:
         """Record a lookup's backward input; the sync and update run when backward ends."""
         if not self._pending:
-            torch.autograd.Variable._execution_engine.queue_callback(self.apply_pending)
+            queue_backward_callback(self.apply_pending)
         self._pending.append((table_ids, lookup, grad_out))
 
     def _syncs(self, t: int) -> bool:

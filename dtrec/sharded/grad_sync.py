@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from dtrec.comm.collectives import all_gather_flat, collective
+from dtrec.comm.collectives import all_gather_flat, collective, sync_bytes
 from dtrec.ops.lookup import sum_rows_by_key
 
 MODES = ("auto", "sparse", "dense")
@@ -44,17 +44,6 @@ class TableRows:
 def sum_by_row(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
     """Sum gradient rows with the same id; result sorted by id (deterministic)."""
     return sum_rows_by_key(ids, grads)
-
-
-def sync_bytes(size: int, most: float, dim: int, num_rows: int) -> tuple[float, float]:
-    """(sparse all-gather, dense all-reduce) bytes one member sends for one table: an
-    all-gather of (row id, grad row) for ``most`` rows, or a ring all-reduce of
-    ``[num_rows, dim + 1]`` fp32 (the extra column counts touches). Also the cost model's."""
-    if size <= 1:
-        return 0.0, 0.0
-    sparse = (size - 1) * most * (8 + 4 * dim)
-    dense = 2 * (size - 1) * num_rows * (dim + 1) * 4 / size
-    return sparse, dense
 
 
 def sync_rows(

@@ -97,7 +97,7 @@ def test_sync_rows_matches_dense_sum(results, mode: str) -> None:
 
 
 def test_auto_picks_by_bytes() -> None:
-    from dtrec.sharded.grad_sync import sync_bytes
+    from dtrec.comm.collectives import sync_bytes
 
     sparse, dense = sync_bytes(size=3, most=5, dim=8, num_rows=1000)
     assert sparse < dense  # 5 of 1000 rows: all-gather

@@ -1,0 +1,136 @@
+"""Every private torch API dtrec uses, each behind one small named function.
+
+A torch upgrade that moves or changes one of these breaks here, and
+``tests/test_torch_compat.py`` calls each wrapper for real so it fails loudly in
+one place. Each wrapper names the torch versions it was checked against.
+It is the lowest layer of dtrec (``tests/test_layering.py``): it imports no dtrec module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
+
+# --------------------------------------------------------------------------- process groups
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Initialise torch's fake process group (no communication) as ``rank`` of ``world_size``.
+
+    For single-process simulation of a large world (planner dry runs, tests). The
+    "fake" backend is only registered by importing a module under
+    ``torch.testing._internal``; the store is the public in-memory ``HashStore``
+    (the fake backend never reads it). Checked: torch 2.13.
+    """
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
+
+
+def default_store() -> dist.Store:
+    """The default process group's key-value store (``_get_default_store``). Checked: torch 2.13."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+# --------------------------------------------------------------------------- device mesh
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced, flattened or concatenated from (itself if none).
+
+    Checked: torch 2.13 (``DeviceMesh._get_root_mesh``).
+    """
+    return mesh._get_root_mesh()
+
+
+def flatten_mesh_dims(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh``'s dims merged into one 1-D mesh called ``name`` (``DeviceMesh._flatten``).
+
+    The flattened dim is registered on the root mesh, so its process groups are
+    created once. Collective. Checked: torch 2.13.
+    """
+    return mesh._flatten(name)
+
+
+def concatenate_meshes(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dims are those of ``meshes`` (all from one root), reusing their
+    process groups (``DeviceMesh._concatenate``; no collective). Checked: torch 2.13."""
+    return DeviceMesh._concatenate(list(meshes))
+
+
+# --------------------------------------------------------------------------- autograd / DDP
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current backward pass ends (the autograd engine's
+    ``queue_callback``; must be called during backward). Checked: torch 2.13."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def replicate_module(module: nn.Module, ignored_modules: Iterable[nn.Module]) -> nn.Module:
+    """Data parallel over the default group for ``module``'s parameters, except those of
+    ``ignored_modules`` (composable DDP, ``torch.distributed._composable.replicate``; its
+    public successor is not in torch yet). Changes ``module``'s class in place, like
+    ``fully_shard``. Checked: torch 2.13."""
+    from torch.distributed._composable import replicate
+
+    return replicate(module, ignored_modules=list(ignored_modules))
+
+
+# --------------------------------------------------------------------------- DTensor internals
+
+
+def dtensor_custom_op_handlers() -> MutableMapping[Any, Callable[..., object]]:
+    """DTensor's table of ops it hands to a handler instead of a sharding strategy
+    (``DTensor._op_dispatcher._custom_op_handlers``; handlers get
+    ``(op_call, args, kwargs)``). Checked: torch 2.13."""
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def implicit_replication_enabled() -> bool:
+    """Whether plain tensors mixed with DTensors count as replicated right now (inside
+    ``torch.distributed.tensor.experimental.implicit_replication()``). Checked: torch 2.13."""
+    return bool(DTensor._op_dispatcher._allow_implicit_replication)
+
+
+def op_argument_names(op: torch._ops.OpOverload) -> list[str]:
+    """The argument names of an op overload's schema (``OpOverload._schema``). Checked:
+    torch 2.13."""
+    return [a.name for a in op._schema.arguments]
+
+
+def contiguous_dtensor(
+    local: Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int]
+) -> DTensor:
+    """A DTensor of global ``shape`` (contiguous strides) around this rank's ``local``,
+    without ``from_local``'s autograd node or checks (DTensor's private constructor,
+    ``DTensorSpec``, ``TensorMeta``). For op handlers, which run below autograd.
+    Checked: torch 2.13."""
+    import torch._prims_common
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    size = torch.Size(shape)
+    meta = TensorMeta(size, torch._prims_common.make_contiguous_strides_for(size), local.dtype)
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+    return DTensor(local, spec, requires_grad=False)
+
+
+def local_shape_and_offset(
+    global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's shard shape and its offset in the global tensor under ``placements``
+    (``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``).
+    Checked: torch 2.13."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, list(placements))
+    return tuple(shape), tuple(offset)

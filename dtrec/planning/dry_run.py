@@ -1,0 +1,171 @@
+"""The planner's dry run at scale, one process, no tensors: the mesh is built on torch's
+fake process group, the tables are planned (``dtrec.planning.planner``) and the
+per-rank memory, traffic and step time are printed and plotted::
+
+    python -m dtrec.planner --config model.json --world-size 4096 \
+        --shard-group-size 64 --node-size 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch.distributed as dist
+
+from dtrec._torch_compat import init_fake_process_group
+from dtrec.modules.config import EmbeddingBagConfig
+from dtrec.placements.mesh import init_mesh, shard_axis
+from dtrec.planning.cost_model import Topology
+from dtrec.planning.plan import ShardingPlan
+from dtrec.planning.planner import plan_tables
+
+
+def load_config(path: str) -> tuple[list[EmbeddingBagConfig], dict]:
+    """A planner config JSON: tables, ``batch_size_per_rank``, ``pooling_factors``."""
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("tables"), list):
+        raise ValueError(f"{path}: expected {{'tables': [...], ...}}")
+    allowed = {"name", "num_embeddings", "embedding_dim", "feature_names", "pooling"}
+    tables = []
+    for i, entry in enumerate(data["tables"]):
+        unknown = sorted(set(entry) - allowed)
+        if unknown:
+            raise ValueError(f"{path}: table #{i} has unknown fields {unknown}")
+        tables.append(EmbeddingBagConfig(**entry))
+    options = {
+        "batch_size_per_rank": int(data.get("batch_size_per_rank", 512)),
+        "pooling_factors": {str(k): float(v) for k, v in data.get("pooling_factors", {}).items()},
+    }
+    return tables, options
+
+
+def dry_run(
+    tables: list[EmbeddingBagConfig],
+    world_size: int,
+    shard_group_size: int,
+    node_size: int | None,
+    topology: Topology,
+) -> dict:
+    """Plan ``tables`` for a (S, R) mesh of ``world_size`` ranks built on torch's fake
+    process group in this process; every table's blocks (no tensors) and the costs."""
+    started = time.perf_counter()
+    init_fake_process_group(rank=0, world_size=world_size)
+    try:
+        mesh = init_mesh("cpu", shard_group_size, node_size)
+        axis = shard_axis(mesh)
+    finally:
+        dist.destroy_process_group()
+    mesh_s = time.perf_counter() - started
+    named = {cfg.name: cfg for cfg in tables}
+    started = time.perf_counter()
+    choices, sums = plan_tables(named, axis, None, topology)
+    plan_s = time.perf_counter() - started
+    blocks = {key: len(c.spec.layout(named[key], axis).blocks) for key, c in choices.items()}
+    time_per_position = sums.time(axis, topology)
+    return {
+        "world_size": world_size,
+        "shard_group_size": axis.size,
+        "replicas": axis.replicas,
+        "node_size": node_size,
+        "plan": ShardingPlan({k: c.spec for k, c in choices.items()}),
+        "blocks": blocks,
+        "memory": sums.memory,
+        "time": time_per_position,
+        "shard_bytes": np.maximum(sums.shard_sent, sums.shard_received),
+        "replicate_bytes": sums.replica_bytes,
+        "world_bytes": sums.world_bytes,
+        "mesh_seconds": mesh_s,
+        "plan_seconds": plan_s,
+    }
+
+
+def _stats(values: np.ndarray, scale: float, unit: str) -> str:
+    lo, mid, hi = (float(np.min(values)), float(np.median(values)), float(np.max(values)))
+    return f"min {lo / scale:.2f} / median {mid / scale:.2f} / max {hi / scale:.2f} {unit}"
+
+
+def print_dry_run(result: dict) -> None:
+    plan = result["plan"]
+    counts: dict[str, int] = {}
+    for spec in plan.values():
+        kind = type(spec).__name__
+        counts[kind] = counts.get(kind, 0) + 1
+    print(
+        f"W={result['world_size']} = S {result['shard_group_size']} x R {result['replicas']}"
+        f" (node size {result['node_size']}): {len(plan)} tables, "
+        f"{sum(result['blocks'].values())} blocks; types {counts}"
+    )
+    print(f"mesh on the fake process group: {result['mesh_seconds']:.2f} s; "
+          f"planning: {result['plan_seconds']:.2f} s")  # fmt: skip
+    print(f"memory per rank:  {_stats(result['memory'], 2**30, 'GiB')}")
+    print(f"comm per rank per step, shard dim:     {_stats(result['shard_bytes'], 2**20, 'MiB')}")
+    print(
+        f"comm per rank per step, replicate dim: {_stats(result['replicate_bytes'], 2**20, 'MiB')}"
+    )
+    print(f"comm per rank per step, world (DP):    {_stats(result['world_bytes'], 2**20, 'MiB')}")
+    t = result["time"]
+    print(f"predicted step time: {1e3 * float(t.max()):.3f} ms (slowest rank), "
+          f"imbalance {float(t.max() / t.mean()) if t.mean() > 0 else 1.0:.2f}")  # fmt: skip
+
+
+def plot_dry_run(result: dict, path: str) -> None:
+    """Per shard position: memory and estimated time (every replica is the same)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    positions = np.arange(len(result["memory"]))
+    top.bar(positions, result["memory"] / 2**30, width=1.0)
+    top.set_ylabel("memory per rank (GiB)")
+    bottom.bar(positions, 1e3 * result["time"], width=1.0, color="tab:orange")
+    bottom.set_ylabel("est. step time (ms)")
+    bottom.set_xlabel("shard position (each is R ranks)")
+    fig.suptitle(
+        f"dtrec plan: W={result['world_size']}, S={result['shard_group_size']}, "
+        f"R={result['replicas']}, {len(result['plan'])} tables"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m dtrec.planner",
+        description="Plan a model's tables for a large 2D mesh in one process (a dry run).",
+    )
+    parser.add_argument("--config", required=True, help="model JSON (see DESIGN.md)")
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--shard-group-size", type=int, required=True)
+    parser.add_argument("--node-size", type=int, default=None)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--memory-per-rank-gb", type=float, default=None)
+    parser.add_argument("--plan-json", help="write the plan here")
+    parser.add_argument("--png", default="dtrec_plan.png", help="per-rank plot ('' to skip)")
+    args = parser.parse_args(argv)
+    tables, options = load_config(args.config)
+    base = Topology.h100 if args.device == "cuda" else Topology.cpu
+    overrides: dict[str, object] = dict(options)
+    if args.node_size is not None:
+        overrides["node_size"] = args.node_size
+    if args.memory_per_rank_gb is not None:
+        overrides["memory_per_rank"] = args.memory_per_rank_gb * 1e9
+    topology = base(**overrides)
+    result = dry_run(tables, args.world_size, args.shard_group_size, args.node_size, topology)
+    print_dry_run(result)
+    if args.plan_json:
+        with open(args.plan_json, "w") as f:
+            f.write(result["plan"].to_json())
+        print(f"wrote {args.plan_json}")
+    if args.png:
+        try:
+            plot_dry_run(result, args.png)
+            print(f"wrote {args.png}")
+        except ImportError:
+            print("matplotlib is not installed: no PNG (pip install matplotlib)")
