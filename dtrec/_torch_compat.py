@@ -89,7 +89,7 @@ def replicate_module(module: nn.Module, ignored_modules: Iterable[nn.Module]) ->
 # --------------------------------------------------------------------------- DTensor internals
 
 
-def dtensor_custom_op_handlers() -> MutableMapping[Any, Callable[..., object]]:
+def dtensor_op_handlers() -> MutableMapping[Any, Callable[..., object]]:
     """DTensor's table of ops it hands to a handler instead of a sharding strategy
     (``DTensor._op_dispatcher._custom_op_handlers``; handlers get
     ``(op_call, args, kwargs)``). Checked: torch 2.13."""

@@ -111,7 +111,7 @@ def _twice(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
 
-def test_dtensor_custom_op_handlers_route_an_op() -> None:
+def test_dtensor_op_handlers_route_an_op() -> None:
     op = torch.ops.dtrec_compat_test.twice.default
     seen = []
 
@@ -121,7 +121,7 @@ def test_dtensor_custom_op_handlers_route_an_op() -> None:
         local = op_call(x.to_local())
         return compat.contiguous_dtensor(local, x.device_mesh, x.placements, x.shape)
 
-    handlers = compat.dtensor_custom_op_handlers()
+    handlers = compat.dtensor_op_handlers()
     with gloo_world_of_one() as mesh:
         x = distribute_tensor(torch.ones(2, 2), mesh, [Replicate()])
         handlers[op] = handler
@@ -135,10 +135,9 @@ def test_dtensor_custom_op_handlers_route_an_op() -> None:
 
 # --------------------------------------------------------------------------- one place
 
-# The ops rewrite moves these into _torch_compat; delete an entry once its file is clean.
-PENDING: dict[str, str] = {
-    "dtrec/ops/dtensor_bridge.py": "DTensor internals, moving with the ops rewrite",
-}
+# Files still allowed private torch uses outside _torch_compat (none today); delete an
+# entry once its file is clean.
+PENDING: dict[str, str] = {}
 
 
 def private_torch_uses(path: Path) -> list[str]:

@@ -17,13 +17,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch._prims_common
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from dtrec._torch_compat import (
+    contiguous_dtensor,
+    dtensor_op_handlers,
+    implicit_replication_enabled,
+    local_shape_and_offset,
+    op_argument_names,
+)
 from dtrec.ops import op as _op  # noqa: F401  (registers torch.ops.dtrec.*)
 from dtrec.ops.lookup import check_bounds
 from dtrec.ops.row_blocks import bag_scale, ids_in_rows
@@ -41,8 +45,9 @@ __all__ = ["register_dtensor_rules"]
 # --------------------------------------------------------------------------- layouts
 
 
-def _bind(op_call: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, object]:
-    names = [a.name for a in op_call._schema.arguments]
+def _bind(op_call: object, args: tuple, kwargs: dict) -> dict[str, object]:
+    """The op's arguments by name (``op_call`` is the ``torch.ops.dtrec.*`` overload)."""
+    names = op_argument_names(op_call)
     bound = dict(zip(names, args))
     bound.update(kwargs)
     return bound
@@ -71,7 +76,7 @@ def _weights_layout(weights: Sequence[object]) -> tuple[DeviceMesh, Placements]:
 
 def _inputs_layout(mesh: DeviceMesh, bound: dict[str, object]) -> Placements:
     """The common placements of values / offsets / per-sample weights."""
-    implicit = DTensor._op_dispatcher._allow_implicit_replication
+    implicit = implicit_replication_enabled()
     found: dict[str, Placements] = {}
     for name in ("values", "offsets", "per_sample_weights"):
         t = bound.get(name)
@@ -142,7 +147,7 @@ def _local_call(
         call.check_ids = False  # every id left after masking is in its shard
     starts, sizes = [], []
     for w in weights:
-        shape, offset = compute_local_shape_and_global_offset(w.shape, mesh, w.placements)
+        shape, offset = local_shape_and_offset(w.shape, mesh, w.placements)
         starts.append(offset[0])
         sizes.append(shape[0])
     call.values, call.offsets, call.per_sample_weights = _rows_of_shard(
@@ -189,9 +194,7 @@ def _rows_of_shard(
 
 
 def _dtensor(local: Tensor, mesh: DeviceMesh, placements: Placements, shape) -> DTensor:
-    shape = torch.Size(shape)
-    meta = TensorMeta(shape, torch._prims_common.make_contiguous_strides_for(shape), local.dtype)
-    return DTensor(local, DTensorSpec(mesh, placements, tensor_meta=meta), requires_grad=False)
+    return contiguous_dtensor(local, mesh, placements, shape)
 
 
 def _entry_widths(weights: Sequence[Tensor], entry_table: Sequence[int]) -> list[int]:
@@ -303,7 +306,7 @@ def _local_columns(
     pieces, first = [], 0
     for t in entry_table:
         w = weights[t]
-        shape, offset = compute_local_shape_and_global_offset(w.shape, mesh, w.placements)
+        shape, offset = local_shape_and_offset(w.shape, mesh, w.placements)
         pieces.append(grad_out[:, first + offset[1] : first + offset[1] + shape[1]])
         first += w.shape[1]
     return torch.cat(pieces, dim=1)
@@ -335,7 +338,7 @@ def _embedding_bag_psw_backward_handler(op_call, args, kwargs):
         # Ids outside this rank's rows contribute 0 here (another shard has them).
         row_start = []
         for w in weights:
-            _, offset = compute_local_shape_and_global_offset(w.shape, mesh, w.placements)
+            _, offset = local_shape_and_offset(w.shape, mesh, w.placements)
             row_start.append(offset[0])
         batch = (local_offsets.numel() - 1) // len(entry_table)
         lengths = torch.diff(local_offsets.long()).view(len(entry_table), batch).sum(1)
@@ -365,7 +368,7 @@ def register_dtensor_rules() -> None:
         out = dtrec.ops.embedding_bag([w], ids, offsets)  # ids/offsets: replicated DTensors
         out.full_tensor()  # one all-reduce (out is Partial over "shard")
     """
-    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers = dtensor_op_handlers()
     handlers[torch.ops.dtrec.embedding_bag.default] = _embedding_bag_handler
     handlers[torch.ops.dtrec.embedding_bag_backward.default] = _embedding_bag_backward_handler
     handlers[torch.ops.dtrec.embedding_bag_psw_backward.default] = (
