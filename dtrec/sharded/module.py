@@ -12,12 +12,14 @@ One training step of a ``ShardedEmbeddingBagCollection``, each stage in its file
    assembled into output columns (row blocks add up, column blocks tile), then
    the mean-pooling scale;
 4. backward mirrors 3 -> 2 through autograd;
-5. fused update (``fused_update.py``, with a fused optimizer): at the end of
-   backward, row gradients are summed and the touched rows updated;
-6. replicate-axis sync (``sync_plan.py`` decides the group and scale per table,
-   ``grad_sync.py`` sums row-sparse gradients): over the "replicate" axis for
-   routed tables, over the world for data-parallel ones, averaged over all W
-   batches; with ``sync_every=k`` replicas average weights every k steps instead.
+5. fused update (``fused_update.py``, with a fused optimizer): when backward
+   ends, each table's row gradients are averaged, synced (6) and only the
+   touched rows updated; without one, autograd's gradients are synced (6) and
+   any torch optimizer steps the DTensor parameters;
+6. replicate-axis sync: ``sync_plan.py`` decides per table the group and scale
+   (the "replicate" axis for routed tables, the world for data-parallel ones,
+   averaged over all W batches), ``grad_sync.py`` sums the row-sparse gradients;
+   with ``sync_every=k`` replicas average their weights every k steps instead.
 
 The tables themselves (DTensor parameters, packed local shards, optimizer state
 views) are ``storage.py``.
