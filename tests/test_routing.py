@@ -69,3 +69,45 @@ def test_bucketize_matches_the_per_segment_layout(weighted: bool, position: int)
         assert (a is None and b is None) or torch.equal(a, b)
     # column-wise ids are sent to every column block: more ids than the batch holds
     assert sum(got[2]) > values.numel() - int(lengths[4].sum())  # dp feature "e" stays home
+
+
+def test_data_parallel_tables_are_decided_once_and_not_routed() -> None:
+    layouts = [spec.layout(cfg, AXIS) for spec, cfg in zip(SPECS, TABLES, strict=True)]
+    routing = Routing(TABLES, layouts, AXIS.size, position=1)
+    assert routing.data_parallel_tables == {3}
+    assert routing.local_features == [4]  # feature "e", in output order
+    assert all(s.table != 3 for segs in routing.segments_to for s in segs)
+    assert 3 in routing.local_tables  # every rank holds a data-parallel table whole
+
+
+def test_only_routing_reads_the_data_parallel_flag() -> None:
+    """The sharded engine asks ``Routing.data_parallel_tables``; the flag is read once."""
+    import pathlib
+
+    sharded = pathlib.Path(dtrec.__file__).parent / "sharded"
+    readers = sorted(p.name for p in sharded.glob("*.py") if "batch_local" in p.read_text())
+    assert readers == ["routing.py"]
+
+
+@pytest.mark.parametrize("sync_every", [None, 2])
+def test_grad_sync_plan_sums_data_parallel_tables_over_the_world(sync_every) -> None:
+    from dtrec.placements.mesh import REPLICATE
+    from dtrec.sharded.groups import world_group
+    from dtrec.sharded.sync_plan import GradSyncPlan
+    from tests.fake_world import fake_world
+
+    with fake_world(0, 8):
+        mesh = dtrec.init_mesh("cpu", AXIS.size, node_size=AXIS.per_node)
+        layouts = [spec.layout(cfg, AXIS) for spec, cfg in zip(SPECS, TABLES, strict=True)]
+        plan = GradSyncPlan(mesh, Routing(TABLES, layouts, AXIS.size, position=0))
+        dp, rw = plan.table(3, sync_every), plan.table(0, sync_every)
+        assert (dp.group, dp.scale, dp.kind) == (
+            world_group(mesh),
+            1 / 8,
+            "grad_sync.data_parallel",
+        )
+        if sync_every is None:  # replicas sum, so the sum covers all 8 batches
+            assert (rw.group, rw.scale) == (mesh.get_group(REPLICATE), 1 / 8)
+        else:  # replicas average weights every k steps instead: own 4 batches only
+            assert (rw.group, rw.scale) == (None, 1 / 4)
+        assert rw.kind == "grad_sync.replicate"

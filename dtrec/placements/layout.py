@@ -61,7 +61,9 @@ class TableLayout:
     blocks: tuple[Block, ...]
     """Non-empty blocks; together they cover the table once (per batch-owner, see batch_local)."""
     batch_local: bool = False
-    """True when every rank looks up its own batch in its own full copy (data parallel)."""
+    """Data parallel: every rank looks up its own batch in its own full copy, so ids are
+    not routed and gradients are summed over the whole world instead of the "replicate"
+    axis. Set by the spec; the sharded engine reads it once (``Routing.data_parallel_tables``)."""
 
     def block_at(self, position: int) -> Block | None:
         """The block stored at ``position`` (specs put at most one per position)."""

@@ -29,15 +29,17 @@ def world_group(mesh: DeviceMesh) -> dist.ProcessGroup:
 
 
 def column_groups(
-    mesh: DeviceMesh, layouts: list[TableLayout], position: int
+    mesh: DeviceMesh, layouts: dict[int, TableLayout], position: int
 ) -> dict[int, dist.ProcessGroup]:
-    """Per table: the group of this rank's column-shard peers (same rows, other columns)."""
+    """Per table: the group of this rank's column-shard peers (same rows, other columns).
+
+    ``layouts``: the routed tables' layouts by table index (a data-parallel table's
+    full copies are not column shards of one another).
+    """
     coord = mesh.get_coordinate()
     assert coord is not None
     out: dict[int, dist.ProcessGroup] = {}
-    for t, layout in enumerate(layouts):
-        if layout.batch_local:
-            continue
+    for t, layout in sorted(layouts.items()):
         by_rows: dict[tuple[int, int], list[int]] = {}
         for block in layout.blocks:
             by_rows.setdefault(block.rows, []).append(block.position)

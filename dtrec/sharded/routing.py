@@ -64,14 +64,22 @@ class Routing:
                 col += cfg.embedding_dim
         self.total_dim = col
 
-        self.local_features: list[int] = []  # data-parallel: looked up on the own batch
+        # The one place the sharded engine reads ``TableLayout.batch_local``; every other
+        # stage asks this set whether a table is data parallel.
+        self.data_parallel_tables: frozenset[int] = frozenset(
+            t for t, layout in enumerate(layouts) if layout.batch_local
+        )
+        """Tables every rank holds whole and looks up on its own batch: their ids are not
+        routed, and their gradients are summed over the world, not the "replicate" axis."""
+        self.local_features: list[int] = [
+            k for k, slot in enumerate(self.slots) if slot.table in self.data_parallel_tables
+        ]
+        """Features of data-parallel tables (output order): looked up where they are."""
         self.segments_to: list[list[Segment]] = [[] for _ in range(shard_size)]
         for k, slot in enumerate(self.slots):
-            layout = layouts[slot.table]
-            if layout.batch_local:
-                self.local_features.append(k)
+            if slot.table in self.data_parallel_tables:
                 continue
-            for block in layout.blocks:
+            for block in layouts[slot.table].blocks:
                 self.segments_to[block.position].append(Segment(slot.table, k, block))
         for segs in self.segments_to:
             segs.sort(key=lambda s: (s.feature, s.block.rows, s.block.cols))

@@ -1,0 +1,89 @@
+"""Output dist: send served partials back to their batch's rank, assemble the output.
+
+One all-to-all over the sharding group (``output_dist``, differentiable: its
+backward sends the output's gradient columns back to the blocks) carries each
+served segment's ``[B, block cols]`` partial to the rank whose batch it pooled.
+The requester adds every received partial into its output columns: row blocks of
+one feature add up (a Partial sum), column blocks tile the row. Data-parallel
+features are added in their own columns, then mean-pooled features are scaled
+by 1 / bag length (the epilogue: only the whole bag's length is known here).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from dtrec.comm.collectives import all_to_all_autograd
+from dtrec.modules.config import EmbeddingBagConfig
+from dtrec.modules.features import bag_lengths, feature_order
+from dtrec.sharded.routing import Routing
+from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
+
+
+class OutputDist:
+    """Turns pooled partials into a collection's ``[B, sum of dims]`` output."""
+
+    def __init__(
+        self,
+        tables: list[EmbeddingBagConfig],
+        routing: Routing,
+        shard_group: ProcessGroup,
+        dtype: torch.dtype,
+    ) -> None:
+        self._tables = tables
+        self._routing = routing
+        self._shard_group = shard_group
+        self._dtype = dtype  # of the tables, hence of an output no lookup produced
+        self._received_cols = routing.received_columns(torch.device("cpu"))
+        self._local_cols = routing.local_columns(torch.device("cpu"))
+
+    def __call__(self, served: Tensor | None, batch: int, device: torch.device) -> Tensor:
+        """Exchange the partials (``LocalLookup.served``) and add the received ones into
+        a ``[B, total dim]`` output."""
+        routing = self._routing
+        shards = routing.shard_size
+        if served is not None:  # columns source-major -> the send buffer destination-major
+            send_back = served.view(batch, shards, routing.served_width).transpose(0, 1)
+            send_back = send_back.reshape(-1)
+        else:
+            send_back = torch.zeros(0, dtype=self._dtype, device=device)
+        partials = all_to_all_autograd(
+            send_back,
+            [batch * w for w in routing.widths],
+            [batch * routing.served_width] * shards,
+            self._shard_group,
+            "output_dist",
+        )
+        pieces = torch.split(partials, [batch * w for w in routing.widths])
+        received = torch.cat(
+            [p.view(batch, w) for p, w in zip(pieces, routing.widths, strict=True)], dim=1
+        )
+        out = torch.zeros(batch, routing.total_dim, dtype=received.dtype, device=device)
+        return out.index_add(1, self._received_cols.to(device), received)
+
+    def zeros(self, batch: int, device: torch.device) -> Tensor:
+        """The output of a collection without routed tables, before its data-parallel part."""
+        return torch.zeros(batch, self._routing.total_dim, dtype=self._dtype, device=device)
+
+    def add_data_parallel(self, out: Tensor, pooled: Tensor) -> Tensor:
+        """``out`` plus the data-parallel features' pooled values in their columns."""
+        return out.index_add(1, self._local_cols.to(out.device), pooled)
+
+    def keyed(self, out: Tensor, kjt: KeyedJaggedTensor) -> KeyedTensor:
+        """The epilogue: mean-pooled features scaled, columns keyed by feature."""
+        out = out * self._pooling_scale(kjt)
+        dims = [slot.dim for slot in self._routing.slots]
+        return KeyedTensor(feature_order(self._tables), dims, out)
+
+    def _pooling_scale(self, kjt: KeyedJaggedTensor) -> Tensor:
+        """``[B, total_dim]`` factors: 1 / bag length on mean-pooled features, 1 elsewhere."""
+        lengths = bag_lengths(kjt).to(self._dtype)
+        is_mean = torch.tensor(
+            [self._tables[s.table].pooling == "mean" for s in self._routing.slots],
+            device=lengths.device,
+        ).unsqueeze(1)
+        factor = torch.where(is_mean, 1.0 / lengths.clamp(min=1), torch.ones_like(lengths))
+        dims = torch.tensor([s.dim for s in self._routing.slots], device=lengths.device)
+        return factor.t().repeat_interleave(dims, dim=1)

@@ -1,0 +1,146 @@
+"""Storage: a collection's tables as DTensor parameters, this rank's shards packed.
+
+Each table is a ``ShardedTable`` holding its DTensor weight
+(``embedding_bags.<t>.weight``, the unsharded model's key). This rank's shards
+live in one flat buffer, each weight a view of it, so a lookup reads every
+local table with one kernel launch and in-place updates write through the views.
+Fused optimizer state is kept alongside (``FusedUpdater.state``) and shown to
+checkpoints as DTensors placed like its table.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtrec.modules.config import EmbeddingBagConfig
+from dtrec.ops.lookup import packed_views, shared_storage
+from dtrec.placements import TableLayout, TableSpec
+from dtrec.placements.layout import Block
+from dtrec.placements.mesh import mesh_device
+from dtrec.sharded.tensor import distribute_tensor, like_dtensor, load_block, state_dtensor
+
+
+class ShardedTable(nn.Module):
+    """Holds one table's weight as a DTensor parameter (``embedding_bags.<t>.weight``).
+
+    ``load_state_dict`` takes the weight as a full tensor (e.g. from the unsharded
+    model) or as a DTensor of any placements, and copies this rank's block in place.
+    """
+
+    def __init__(
+        self, weight: nn.Parameter, spec: TableSpec, layout: TableLayout, block: Block | None
+    ) -> None:
+        super().__init__()
+        self.weight = weight
+        self.spec = spec
+        self.layout = layout
+        self.block = block  # this rank's block (None: the table has none here)
+
+    def extra_repr(self) -> str:
+        return f"spec={self.spec!r}"
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ) -> None:
+        key = prefix + "weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        try:
+            load_block(self.weight, state_dict[key], self.block, key)
+        except ValueError as exc:
+            errors.append(str(exc))
+
+
+def shard_tables(
+    tables: list[EmbeddingBagConfig],
+    weights: dict[str, Tensor],
+    mesh: DeviceMesh,
+    specs: dict[str, TableSpec],
+    layouts: list[TableLayout],
+    position: int,
+    init_seed: int,
+    requires_grad: bool,
+) -> nn.ModuleDict:
+    """Table name -> ``ShardedTable``, each weight distributed per its spec."""
+    into = _packed_meta_blocks(tables, weights, layouts, position, mesh)
+    out = nn.ModuleDict()
+    for cfg, layout in zip(tables, layouts, strict=True):
+        dtensor = distribute_tensor(
+            weights[cfg.name], mesh, specs[cfg.name], cfg.name, init_seed, into.get(cfg.name)
+        )
+        block = layout.block_at(position)
+        if block is not None and tuple(dtensor.to_local().shape) != (
+            block.num_rows,
+            block.num_cols,
+        ):
+            raise AssertionError(
+                f"table {cfg.name!r}: local shard {tuple(dtensor.to_local().shape)} does not "
+                f"match its block {block}"
+            )
+        out[cfg.name] = ShardedTable(
+            nn.Parameter(dtensor, requires_grad=requires_grad), specs[cfg.name], layout, block
+        )
+    return out
+
+
+def _packed_meta_blocks(
+    tables: list[EmbeddingBagConfig],
+    weights: dict[str, Tensor],
+    layouts: list[TableLayout],
+    position: int,
+    mesh: DeviceMesh,
+) -> dict[str, Tensor]:
+    """For meta-device tables: this rank's blocks as views of one new flat buffer, to
+    be initialised in place (already packed: no second copy of the shards)."""
+    if not tables or not all(weights[cfg.name].is_meta for cfg in tables):
+        return {}
+    dtype = weights[tables[0].name].dtype
+    shapes = {
+        cfg.name: (block.num_rows, block.num_cols)
+        for cfg, layout in zip(tables, layouts, strict=True)
+        if (block := layout.block_at(position)) is not None
+    }
+    views = packed_views(list(shapes.values()), dtype, mesh_device(mesh))
+    return dict(zip(shapes, views, strict=True))
+
+
+def pack_local_shards(tables: list[ShardedTable]) -> None:
+    """Put these tables' local shards in one flat buffer, each parameter a view of it.
+
+    Lookup kernels then read every local table in place with one launch
+    (no per-call packing copy); in-place optimizer updates and
+    ``load_state_dict`` keep writing through the views.
+    """
+    locals_ = [table.weight.to_local() for table in tables]
+    if len(locals_) < 2:
+        return
+    shared = shared_storage(locals_)
+    if shared is not None and shared[1] == list(
+        itertools.accumulate((w.numel() for w in locals_[:-1]), initial=locals_[0].storage_offset())
+    ):
+        return  # already one buffer, in order (meta-device tables are made that way)
+    views = packed_views([w.shape for w in locals_], locals_[0].dtype, locals_[0].device)
+    for table, local, view in zip(tables, locals_, views, strict=True):
+        with torch.no_grad():  # the views become new leaf parameters below
+            view.copy_(local)
+        old = table.weight
+        table.weight = nn.Parameter(like_dtensor(view, old), requires_grad=old.requires_grad)
+
+
+def state_dtensors(
+    states: dict[str, dict[str, Tensor]], tables: nn.ModuleDict, kinds: dict[str, str]
+) -> dict[str, dict[str, Tensor]]:
+    """Table name -> its fused optimizer state as DTensors placed like the table.
+
+    ``kinds``: ``FusedOptimizer.state_layout()``. The DTensors wrap the live state:
+    loading into them writes the optimizer's own buffers.
+    """
+    return {
+        name: {k: state_dtensor(v, tables[name].weight, kinds[k]) for k, v in state.items()}
+        for name, state in states.items()
+    }
