@@ -18,6 +18,7 @@ from torch.distributed import ProcessGroup
 from dtrec.comm.collectives import all_to_all_autograd
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.features import bag_lengths, feature_order
+from dtrec.ops.row_blocks import bag_scale
 from dtrec.sharded.routing import Routing
 from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -79,11 +80,11 @@ class OutputDist:
 
     def _pooling_scale(self, kjt: KeyedJaggedTensor) -> Tensor:
         """``[B, total_dim]`` factors: 1 / bag length on mean-pooled features, 1 elsewhere."""
-        lengths = bag_lengths(kjt).to(self._dtype)
+        lengths = bag_lengths(kjt)
         is_mean = torch.tensor(
             [self._tables[s.table].pooling == "mean" for s in self._routing.slots],
             device=lengths.device,
         ).unsqueeze(1)
-        factor = torch.where(is_mean, 1.0 / lengths.clamp(min=1), torch.ones_like(lengths))
+        factor = bag_scale(lengths, is_mean, self._dtype)
         dims = torch.tensor([s.dim for s in self._routing.slots], device=lengths.device)
         return factor.t().repeat_interleave(dims, dim=1)

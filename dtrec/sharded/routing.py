@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from dtrec.modules.config import EmbeddingBagConfig
+from dtrec.ops.row_blocks import ids_in_rows
 from dtrec.placements import Block, TableLayout
 
 
@@ -146,7 +147,7 @@ class Routing:
             segment = maps.row_block_segments.index_select(0, block_first + within)
             values, sample = values.index_select(0, source), sample.index_select(0, source)
             weights = None if weights is None else weights.index_select(0, source)
-        local_ids = values - maps.segment_row_start.index_select(0, segment)
+        local_ids, _ = ids_in_rows(values, segment, maps.segment_row_start)
         seg_lengths = torch.bincount(
             segment * batch + sample, minlength=maps.num_segments * batch
         ).view(maps.num_segments, batch)
