@@ -4,7 +4,7 @@
 update a row where they would have stored its gradient (the one-pass backward +
 optimizer of ``embedding_bag_bwd_rows(update=...)``: no gradient buffer is written or
 read back). ``FusedRowUpdate`` carries its arguments. Layouts as in
-``triton_kernels.py``.
+``embedding_bag.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One program per (row or block of rows); deterministic, in place; fp32 math,
 results stored in the weights' dtype; states fp32. Layout as in
-``triton_kernels.py`` (``row_table``, ``row_ids``, ``grad_rows``,
+``embedding_bag.py`` (``row_table``, ``row_ids``, ``grad_rows``,
 ``grad_offsets`` come from ``embedding_bag_bwd_rows``).
 """
 
