@@ -34,9 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 """Lowest first; each entry is one layer's packages (or top-level modules)."""
 
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    # ops -> modules.config: POOLING_MODES, being moved (owned by the ops rewrite);
-    # delete this entry when dtrec/ops stops importing dtrec.modules.
-    ("dtrec.ops.lookup", "dtrec.modules.config"): "POOLING_MODES, being moved",
+    # (importer, imported): why; none today
 }
 """(importer, imported) -> why it is tolerated for now. Entries must still occur."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -91,8 +92,8 @@ ENTRY_TABLES = [[0, 1, 2], [0, 0, 2, 1], [2, 1, 1, 0], [1, 0, 2, 1, 0], [2, 0, 1
 
 
 def _fused_step(backend: str, optimizer, entry_table, psw: bool, mean: bool, empty: bool):
-    """Two backward_update steps on packed tables; (weights, states, fbgemm calls)."""
-    from dtrec.ops.backends import fbgemm as fbgemm_backend
+    """Two backward_update steps on packed tables; (weights, states, fbgemm step results)."""
+    from dtrec.ops.backends.fbgemm import FbgemmBackend
     from dtrec.ops.lookup import Lookup
 
     gen = torch.Generator().manual_seed(0)
@@ -113,15 +114,19 @@ def _fused_step(backend: str, optimizer, entry_table, psw: bool, mean: bool, emp
     lookup = Lookup(weights, entry_table, values, offsets, [mean] * len(entry_table), weight)
     width = sum(weights[t].shape[1] for t in entry_table)
     calls = []
-    real = fbgemm_backend.backward_update
+    real = FbgemmBackend.backward_update
+
+    def counted(*args, **kwargs) -> bool:
+        calls.append(real(*args, **kwargs))
+        return calls[-1]
+
     dtrec.ops.set_backend(backend)
     try:
-        fbgemm_backend.backward_update = lambda *a, **k: calls.append(real(*a, **k)) or calls[-1]
-        for _ in range(2):
-            grad = torch.randn(batch, width, generator=gen)
-            optimizer.backward_update(lookup, grad, states, grad_scale=0.5)
+        with mock.patch.object(FbgemmBackend, "backward_update", counted):
+            for _ in range(2):
+                grad = torch.randn(batch, width, generator=gen)
+                optimizer.backward_update(lookup, grad, states, grad_scale=0.5)
     finally:
-        fbgemm_backend.backward_update = real
         dtrec.ops.set_backend("auto")
     return weights, states, calls
 
@@ -137,7 +142,7 @@ def test_fbgemm_fused_cpu_step_matches_torch(optimizer, entry_table, psw, mean, 
     _fbgemm_or_skip()
     ref_w, ref_s, ref_calls = _fused_step("torch", optimizer, entry_table, psw, mean, empty)
     got_w, got_s, calls = _fused_step("auto", optimizer, entry_table, psw, mean, empty)
-    assert ref_calls == [False, False]  # the torch backend never uses fbgemm
+    assert ref_calls == []  # the torch backend never uses fbgemm
     assert calls == [True, True]  # and "auto" on CPU does, every step
     for a, b in zip(got_w, ref_w):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -148,7 +153,8 @@ def test_fbgemm_fused_cpu_step_matches_torch(optimizer, entry_table, psw, mean, 
 
 def test_fbgemm_fused_cpu_step_declines_what_it_cannot_serve() -> None:
     """Mixed pooling, unpacked tables, an empty table: the torch path runs. Adam: no rule."""
-    from dtrec.ops.backends import fbgemm as fbgemm_backend
+    from dtrec.ops.backends.base import StepRule
+    from dtrec.ops.backends.fbgemm import FbgemmBackend
     from dtrec.ops.lookup import Lookup
 
     _fbgemm_or_skip()
@@ -163,10 +169,13 @@ def test_fbgemm_fused_cpu_step_declines_what_it_cannot_serve() -> None:
         "not packed": (apart, [0, 1, 2], [False] * 3),
         "empty table": ([packed[0], packed[1][:0], packed[2]], [0, 1, 2], [False] * 3),
     }
+    fbgemm, sgd, states = FbgemmBackend(), StepRule("sgd", 0.1), [{}] * 3
     for name, (weights, entries, mean) in cases.items():
         lookup = Lookup(weights, entries, values, offsets, mean)
-        assert not fbgemm_backend.backward_update(lookup, grad, "sgd", 0.1), name
+        assert not fbgemm.backward_update(lookup, grad, sgd, states), name
     lookup = Lookup(packed, [0, 1, 2], values, offsets, [False] * 3)
-    assert fbgemm_backend.backward_update(lookup, grad, "sgd", 0.1)
-    with pytest.raises(ValueError, match="no fused CPU step for 'adam'"):
-        fbgemm_backend.backward_update(lookup, grad, "adam", 0.1)
+    adam = dtrec.optim.Adam(lr=0.1)
+    before = [w.clone() for w in packed]
+    assert not fbgemm.backward_update(lookup, grad, adam.step_rule(), adam.init_states(packed))
+    assert all(torch.equal(a, b) for a, b in zip(packed, before))
+    assert fbgemm.backward_update(lookup, grad, sgd, states)

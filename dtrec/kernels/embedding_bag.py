@@ -2,8 +2,8 @@
 
 Plain tensors only: nothing here knows of DTensor, meshes or process groups, and
 there is no autograd. Each kernel sits beside its launcher; the fused optimizer
-updates live in ``triton_update_kernels.py`` and the pure-torch references of
-both in ``triton_reference.py``; ``tests/ops/test_triton_kernels.py`` compares them.
+updates live in ``update_rows.py`` and the pure-torch references of
+both in ``reference.py``; ``tests/ops/test_triton_kernels.py`` compares them.
 
 Packed layout shared by every kernel here:
 

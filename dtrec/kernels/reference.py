@@ -1,16 +1,18 @@
 """Pure-torch references of the Triton kernels: simple, obviously right, used by the tests.
 
-Same arguments and packed layout as the kernels in ``triton_kernels.py`` and
-``triton_update_kernels.py`` (see their docstrings).
+Same arguments and packed layout as the kernels in ``embedding_bag.py`` and
+``update_rows.py`` (see their docstrings). The update references walk the packed
+rows one by one and apply the optimizers' own math (``update_math.py``), so a
+kernel is checked against the very formula the torch path runs.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F  # noqa: F401
 from torch import Tensor
 
 from dtrec.kernels.embedding_bag import RowGrads
+from dtrec.kernels.update_math import adam_rows, rowwise_adagrad_rows, sgd_rows
 
 
 def embedding_bag_fwd_reference(
@@ -118,7 +120,7 @@ def sgd_update_rows_reference(
     for _, _, _, ws, g in _touched_rows(
         table_offsets, dims, row_table, row_ids, grad_rows, grad_offsets
     ):
-        weights[ws] = (weights[ws].float() - lr * g).to(weights.dtype)
+        weights[ws] = sgd_rows(weights[ws][None], g[None], lr)[0].to(weights.dtype)
 
 
 def rowwise_adagrad_update_rows_reference(
@@ -142,9 +144,12 @@ def rowwise_adagrad_update_rows_reference(
         table_offsets, dims, row_table, row_ids, grad_rows, grad_offsets
     ):
         sq = (g * g).sum() if row_sq_sum is None else row_sq_sum[k].float()
-        s = int(state_offsets[t]) + r
-        state[s] += sq / int(full_dims[t])
-        weights[ws] = (weights[ws].float() - lr * g / (state[s].sqrt() + eps)).to(weights.dtype)
+        s = slice(int(state_offsets[t]) + r, int(state_offsets[t]) + r + 1)
+        new, acc = rowwise_adagrad_rows(
+            weights[ws][None], state[s], g[None], sq[None], int(full_dims[t]), lr, eps
+        )
+        state[s] = acc
+        weights[ws] = new[0].to(weights.dtype)
 
 
 def adam_update_rows_reference(
@@ -164,11 +169,12 @@ def adam_update_rows_reference(
     step,
 ) -> None:
     """Row-by-row torch version of :func:`adam_update_rows` (in place)."""
-    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     for _, _, _, ws, g in _touched_rows(
         table_offsets, dims, row_table, row_ids, grad_rows, grad_offsets
     ):
-        exp_avg[ws] = beta1 * exp_avg[ws] + (1 - beta1) * g
-        exp_avg_sq[ws] = beta2 * exp_avg_sq[ws] + (1 - beta2) * g * g
-        denom = exp_avg_sq[ws].sqrt() / bc2**0.5 + eps
-        weights[ws] = (weights[ws].float() - lr / bc1 * exp_avg[ws] / denom).to(weights.dtype)
+        new, m, v = adam_rows(
+            weights[ws][None], exp_avg[ws][None], exp_avg_sq[ws][None], g[None], lr,
+            (beta1, beta2), eps, step,
+        )  # fmt: skip
+        exp_avg[ws], exp_avg_sq[ws] = m[0], v[0]
+        weights[ws] = new[0].to(weights.dtype)

@@ -1,10 +1,13 @@
 """The fused optimizers' math on a tile of rows, shared by the Triton kernels that apply it.
 
+``sgd_step``, ``rowwise_adagrad_step``, ``adam_moments`` and ``adam_step`` are each
+rule's arithmetic on loaded values (the Triton twin of ``dtrec.optim.rules``), inlined
+by both the standalone update kernels (``update_rows.py``) and ``apply_row_update``.
 ``apply_row_update`` is inlined by the backward's segment kernels, which then
 update a row where they would have stored its gradient (the one-pass backward +
 optimizer of ``embedding_bag_bwd_rows(update=...)``: no gradient buffer is written or
 read back). ``FusedRowUpdate`` carries its arguments. Layouts as in
-``triton_kernels.py``.
+``embedding_bag.py``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,34 @@ class FusedRowUpdate(NamedTuple):
 
 
 @triton.jit
+def sgd_step(w, g, lr):
+    """``w - lr g``: SGD, and row-wise Adagrad's weight step with its per-row factor as ``lr``."""
+    return w - lr * g
+
+
+@triton.jit
+def rowwise_adagrad_step(s, sq, full_dim, lr, eps):
+    """Row-wise Adagrad's accumulator ``s`` of a row whose gradient's ``sum_d g^2`` is ``sq``:
+    ``(s + sq / full_dim, lr / (sqrt(s_new) + eps))``, the new accumulator and the factor
+    the row's gradient is scaled by (``sgd_step(w, g, factor)``)."""
+    s = s + sq / full_dim
+    return s, lr / (tl.sqrt_rn(s) + eps)
+
+
+@triton.jit
+def adam_moments(m, v, g, beta1, beta2):
+    """Adam's new ``(m, v)``: ``m = lerp(m, g, 1 - beta1)`` (torch's form), ``v = beta2 v +
+    (1 - beta2) g^2``."""
+    return m + (1.0 - beta1) * (g - m), beta2 * v + (1.0 - beta2) * g * g
+
+
+@triton.jit
+def adam_step(w, m, v, lr, sqrt_bc2, eps):
+    """``w - lr m / (sqrt(v) / sqrt_bc2 + eps)`` (``lr`` already divided by bias correction 1)."""
+    return w - lr * m / (tl.sqrt_rn(v) / sqrt_bc2 + eps)
+
+
+@triton.jit
 def apply_row_update(
     g,
     mask,
@@ -72,27 +103,34 @@ def apply_row_update(
     w_ptrs = weights_ptr + w_off[:, None] + cols[None, :]
     w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
     if KIND == 1:
-        w = w - lr * g
+        w = sgd_step(w, g, lr)
     elif KIND == 2:
         s_ptrs = state_ptr + tl.load(state_offsets_ptr + table, mask=live, other=0) + row
         s = tl.load(s_ptrs, mask=live, other=0.0)
         full = tl.load(full_dims_ptr + table, mask=live, other=1).to(tl.float32)
-        s = s + tl.sum(g * g, axis=1) / full
+        s, factor = rowwise_adagrad_step(s, tl.sum(g * g, axis=1), full, lr, tl.load(hyper_ptr + 1))
         tl.store(s_ptrs, s, mask=live)
-        w = w - (lr / (tl.sqrt_rn(s) + tl.load(hyper_ptr + 1)))[:, None] * g
+        w = sgd_step(w, g, factor[:, None])
     else:
-        beta1 = tl.load(hyper_ptr + 2)
-        beta2 = tl.load(hyper_ptr + 3)
         m_ptrs = state_ptr + w_off[:, None] + cols[None, :]
         v_ptrs = state2_ptr + w_off[:, None] + cols[None, :]
         m = tl.load(m_ptrs, mask=mask, other=0.0)
         v = tl.load(v_ptrs, mask=mask, other=0.0)
-        m = m + (1.0 - beta1) * (g - m)
-        v = beta2 * v + (1.0 - beta2) * g * g
+        m, v = adam_moments(m, v, g, tl.load(hyper_ptr + 2), tl.load(hyper_ptr + 3))
         tl.store(m_ptrs, m, mask=mask)
         tl.store(v_ptrs, v, mask=mask)
-        w = w - lr * m / (tl.sqrt_rn(v) / tl.load(hyper_ptr + 4) + tl.load(hyper_ptr + 1))
+        w = adam_step(w, m, v, lr, tl.load(hyper_ptr + 4), tl.load(hyper_ptr + 1))
     tl.store(w_ptrs, w.to(weights_ptr.dtype.element_ty), mask=mask)
 
 
-__all__ = ["ADAM", "ROWWISE_ADAGRAD", "SGD", "FusedRowUpdate", "apply_row_update"]
+__all__ = [
+    "ADAM",
+    "ROWWISE_ADAGRAD",
+    "SGD",
+    "FusedRowUpdate",
+    "adam_moments",
+    "adam_step",
+    "apply_row_update",
+    "rowwise_adagrad_step",
+    "sgd_step",
+]

@@ -1,8 +1,11 @@
 """Triton kernels of the fused optimizers: update only the touched rows of packed tables.
 
+Each kernel does its own loads and stores; the arithmetic of every rule is the
+shared ``row_updates`` helpers (the same the fused backward applies).
+
 One program per (row or block of rows); deterministic, in place; fp32 math,
 results stored in the weights' dtype; states fp32. Layout as in
-``triton_kernels.py`` (``row_table``, ``row_ids``, ``grad_rows``,
+``embedding_bag.py`` (``row_table``, ``row_ids``, ``grad_rows``,
 ``grad_offsets`` come from ``embedding_bag_bwd_rows``).
 """
 
@@ -14,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dtrec.kernels.embedding_bag import _dim_blocks, _max_dim
+from dtrec.kernels.row_updates import adam_moments, adam_step, rowwise_adagrad_step, sgd_step
 
 _ADAGRAD_MAX_BLOCK_D = 512  # wider rows: one program per row, column blocks in a loop
 
@@ -52,7 +56,8 @@ def _sgd_update_rows_kernel(
     mask = cols < dim
     g = tl.load(grad_rows_ptr + g_off + cols, mask=mask, other=0.0)
     w = tl.load(weights_ptr + w_off + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(weights_ptr + w_off + cols, (w - lr * g).to(weights_ptr.dtype.element_ty), mask=mask)
+    w = sgd_step(w, g, lr)
+    tl.store(weights_ptr + w_off + cols, w.to(weights_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -97,15 +102,15 @@ def _rowwise_adagrad_update_rows_kernel(
             sq_acc += g * g
         sq = tl.sum(sq_acc, axis=0)
     s_ptr = state_ptr + tl.load(state_offsets_ptr + table) + row
-    s = tl.load(s_ptr) + sq / tl.load(full_dims_ptr + table).to(tl.float32)
+    full = tl.load(full_dims_ptr + table).to(tl.float32)
+    s, multiplier = rowwise_adagrad_step(tl.load(s_ptr), sq, full, lr, eps)
     tl.store(s_ptr, s)
-    multiplier = lr / (tl.sqrt_rn(s) + eps)
     for d0 in range(0, dim, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         mask = cols < dim
         g = tl.load(grad_rows_ptr + g_off + cols, mask=mask, other=0.0)
         w = tl.load(weights_ptr + w_off + cols, mask=mask, other=0.0).to(tl.float32)
-        w = w - multiplier * g
+        w = sgd_step(w, g, multiplier)
         tl.store(weights_ptr + w_off + cols, w.to(weights_ptr.dtype.element_ty), mask=mask)
 
 
@@ -154,10 +159,10 @@ def _rowwise_adagrad_row_block_kernel(
         sq = tl.load(row_sq_sum_ptr + ks, mask=live, other=0.0).to(tl.float32)
     else:
         sq = tl.sum(g * g, axis=1)
-    s = s + sq / tl.load(full_dims_ptr + table, mask=live, other=1).to(tl.float32)
+    full = tl.load(full_dims_ptr + table, mask=live, other=1).to(tl.float32)
+    s, multiplier = rowwise_adagrad_step(s, sq, full, lr, eps)
     tl.store(s_ptrs, s, mask=live)
-    multiplier = lr / (tl.sqrt_rn(s) + eps)
-    w = w - multiplier[:, None] * g
+    w = sgd_step(w, g, multiplier[:, None])
     tl.store(w_ptrs, w.to(weights_ptr.dtype.element_ty), mask=mask)
 
 
@@ -198,12 +203,11 @@ def _adam_update_rows_kernel(
     g = tl.load(grad_rows_ptr + g_off + cols, mask=mask, other=0.0)
     m = tl.load(exp_avg_ptr + w_off + cols, mask=mask, other=0.0)
     v = tl.load(exp_avg_sq_ptr + w_off + cols, mask=mask, other=0.0)
-    m = m + (1.0 - beta1) * (g - m)  # torch's lerp form
-    v = beta2 * v + (1.0 - beta2) * g * g
+    m, v = adam_moments(m, v, g, beta1, beta2)
     tl.store(exp_avg_ptr + w_off + cols, m, mask=mask)
     tl.store(exp_avg_sq_ptr + w_off + cols, v, mask=mask)
     w = tl.load(weights_ptr + w_off + cols, mask=mask, other=0.0).to(tl.float32)
-    w = w - lr_over_bc1 * m / (tl.sqrt_rn(v) / sqrt_bc2 + eps)
+    w = adam_step(w, m, v, lr_over_bc1, sqrt_bc2, eps)
     tl.store(weights_ptr + w_off + cols, w.to(weights_ptr.dtype.element_ty), mask=mask)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-POOLING_MODES = ("sum", "mean")
+from dtrec.ops.lookup import POOLING_MODES
 
 
 @dataclass(frozen=True)

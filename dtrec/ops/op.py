@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dtrec.ops import lookup as torch_impl
 from dtrec.ops.backends.registry import resolve_backend
-from dtrec.ops.lookup import Lookup
+from dtrec.ops.backends.torch import per_sample_weights_grad
+from dtrec.ops.lookup import Lookup, check_offsets
 
 
 def lookup_forward(lookup: Lookup, check_ids: bool = False) -> Tensor:
@@ -20,34 +20,17 @@ def lookup_forward(lookup: Lookup, check_ids: bool = False) -> Tensor:
 
     ``check_ids``: ValueError for offsets that do not run from 0 to ``values.numel()``
     without decreasing (one vectorized pass, before any kernel reads them), IndexError
-    for an id outside its table. The Triton kernel raises a flag while it gathers (no
-    extra pass over the ids); other backends check first with one vectorized pass.
+    for an id outside its table (the Triton kernel flags them while it gathers; other
+    backends check first with one vectorized pass).
     """
     if check_ids:
-        torch_impl.check_offsets(lookup.offsets, lookup.values.numel())
-    backend = resolve_backend(lookup.values.device)
-    if backend == "triton":
-        from dtrec.ops.backends import triton as triton_backend
-
-        return triton_backend.forward(lookup, check_ids)
-    if check_ids:
-        torch_impl.check_bounds(lookup.weights, lookup.entry_table, lookup.values, lookup.offsets)
-    if backend == "fbgemm":
-        from dtrec.ops.backends import fbgemm as fbgemm_backend
-
-        out = fbgemm_backend.forward(lookup)
-        if out is not None:
-            return out
-    return torch_impl.forward_torch(lookup)
+        check_offsets(lookup.offsets, lookup.values.numel())
+    return resolve_backend(lookup.values.device).forward(lookup, check_ids)
 
 
 def lookup_backward_rows(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     """Per table: (sorted unique rows touched, their summed fp32 gradient rows)."""
-    if resolve_backend(lookup.values.device) == "triton":
-        from dtrec.ops.backends import triton as triton_backend
-
-        return triton_backend.backward_rows(lookup, grad_out)
-    return torch_impl.backward_rows_torch(lookup, grad_out)
+    return resolve_backend(lookup.values.device).backward_rows(lookup, grad_out)
 
 
 @torch.library.custom_op("dtrec::embedding_bag", mutates_args=())
@@ -110,9 +93,7 @@ def embedding_bag_psw_backward_op(
 ) -> Tensor:
     """Gradient w.r.t. per-sample weights (sum pooling): ``<grad_out[bag, cols_e], row>`` per id."""
     mean = [False] * len(entry_table)
-    return torch_impl.per_sample_weights_grad_torch(
-        Lookup(weights, entry_table, values, offsets, mean), grad_out
-    )
+    return per_sample_weights_grad(Lookup(weights, entry_table, values, offsets, mean), grad_out)
 
 
 @embedding_bag_psw_backward_op.register_fake

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from dtrec.comm.collectives import all_gather_flat, collective, sync_bytes
-from dtrec.ops.lookup import sum_rows_by_key
+from dtrec.ops.backends.torch import sum_rows_by_key
 
 MODES = ("auto", "sparse", "dense")
 

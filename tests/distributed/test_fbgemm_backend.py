@@ -22,16 +22,21 @@ CASES = [
 
 def _run(rank: int, world: int) -> dict:
     import dtrec
-    from dtrec.ops.backends import fbgemm as fbgemm_backend
+    from dtrec.ops.backends.fbgemm import FbgemmBackend
     from dtrec.ops.backends.fbgemm_loader import fbgemm_available
     from tests.distributed.numerics import PLANS, check_numerics
 
     if not fbgemm_available():
         return {"fbgemm": False}
     optimizers = {"sgd": dtrec.optim.SGD(0.1), "rowwise_adagrad": dtrec.optim.RowWiseAdagrad(0.1)}
-    real = fbgemm_backend.backward_update
+    real = FbgemmBackend.backward_update
     calls = []
-    fbgemm_backend.backward_update = lambda *a, **k: calls.append(real(*a, **k)) or calls[-1]
+
+    def counted(*args, **kwargs) -> bool:
+        calls.append(real(*args, **kwargs))
+        return calls[-1]
+
+    FbgemmBackend.backward_update = counted
     out: dict = {"fbgemm": True}
     mesh = dtrec.init_mesh("cpu", 2)
     for fused, plan, weighted in CASES:

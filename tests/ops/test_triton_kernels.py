@@ -17,6 +17,7 @@ import torch.nn.functional as F  # noqa: E402
 from dtrec.kernels import embedding_bag as K  # noqa: E402
 from dtrec.kernels import reference as R  # noqa: E402
 from dtrec.kernels import update_rows as U  # noqa: E402
+from dtrec.kernels.update_math import rowwise_adagrad_rows, sgd_rows  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
 DEVICE = torch.device("cuda" if not INTERPRET and torch.cuda.is_available() else "cpu")
@@ -341,15 +342,16 @@ def test_sgd_update_rows(dtype):
     torch.testing.assert_close(w.cpu().float(), w_ref.float(), **tol)
     for new, old, g in zip(case.tables(w.cpu(), torch.float32), case.tables(dtype=torch.float32),
                            _dense_grads(case, grads)):  # fmt: skip
-        torch.testing.assert_close(new, (old - 0.1 * g).to(dtype).float(), **tol)
+        torch.testing.assert_close(new, sgd_rows(old, g, 0.1).to(dtype).float(), **tol)
 
 
 def _dense_rowwise_adagrad(table, state, grad, lr, eps):
-    """Hand-written exact row-wise Adagrad on the rows with a nonzero gradient."""
-    touched = (grad != 0).any(1)
-    state = state + torch.where(touched, (grad * grad).mean(1), 0.0)
-    step = lr * grad / (state.sqrt() + eps)[:, None]
-    return torch.where(touched[:, None], table - step, table), state
+    """The optimizer's row-wise Adagrad math on the rows with a nonzero gradient."""
+    rows = (grad != 0).any(1).nonzero().flatten()
+    g = grad[rows]
+    new, acc = rowwise_adagrad_rows(table[rows], state[rows], g, g.square().sum(1), grad.shape[1],
+                                    lr, eps)  # fmt: skip
+    return table.index_copy(0, rows, new), state.index_copy(0, rows, acc)
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,14 @@
 """fbgemm's table-batched CPU kernels as a backend: forward, and the fused backward + step.
 
-Forward (``dense_embedding_codegen_lookup_function``) is used where the
+``FbgemmBackend`` is the torch backend with fbgemm's kernels where they serve the
+call. Forward (``dense_embedding_codegen_lookup_function``) runs where the
 ``"fbgemm"`` backend is chosen. The fused CPU backward
 (``split_embedding_backward_codegen_{sgd,rowwise_adagrad}_cpu``: sort, sum each
 touched row's gradient, update it in place, all in C++) serves fused SGD and
 row-wise Adagrad steps on CPU under ``"auto"`` and ``"fbgemm"``: it is 3-5x
-faster than the torch reference and has the same update rule. Both return
-None / False (the caller then uses the torch backend) when fbgemm does not load
-(warned once by ``dtrec.ops.backends.fbgemm_loader``), for mixed sum/mean pooling in one call
+faster than the torch reference and has the same update rule. Calls fbgemm does
+not serve run on torch's implementation: when fbgemm does not load (warned once
+by ``dtrec.ops.backends.fbgemm_loader``), for mixed sum/mean pooling in one call
 (fbgemm pools a whole call one way), for non-fp32 tables, and (backward) for
 tables or states not packed in one buffer or empty tables.
 """
@@ -17,20 +18,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from itertools import accumulate
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from dtrec.ops.backends.base import Capabilities, StepRule
 from dtrec.ops.backends.fbgemm_loader import fbgemm_ops
-from dtrec.ops.backends.registry import get_backend
-from dtrec.ops.lookup import Lookup, shared_storage
+from dtrec.ops.backends.torch import TorchBackend
+from dtrec.ops.lookup import Lookup, pack_tables, shared_storage
 
 _SUM, _MEAN = 0, 1  # fbgemm PoolingMode values
 _HOST = 3  # fbgemm EmbeddingLocation.HOST
-
-
-def _servable(lookup: Lookup) -> bool:
-    return len(set(lookup.mean)) == 1 and lookup.weights[0].dtype == torch.float32
 
 
 def _layout(lookup: Lookup) -> dict:
@@ -60,13 +59,8 @@ def _indice_weights(lookup: Lookup) -> Tensor | None:
     return None if psw is None else psw.float()
 
 
-def forward(lookup: Lookup) -> Tensor | None:
-    """Pooled lookup via fbgemm, or None when fbgemm cannot serve this call."""
-    ops = fbgemm_ops()
-    if ops is None or not _servable(lookup):
-        return None
-    from dtrec.ops.backends.triton import pack_tables  # pure-torch helper, no triton needed
-
+def _pooled_in_fbgemm(ops: Any, lookup: Lookup) -> Tensor:
+    """Pooled lookup via fbgemm's ``ops`` (the call must be one fbgemm serves)."""
     flat, table_offsets = pack_tables(lookup.weights)
     layout = _layout(lookup)
     return ops.dense_embedding_codegen_lookup_function(
@@ -120,66 +114,97 @@ def _grouped_by_table(lookup: Lookup, grad_out: Tensor) -> tuple[Lookup, Tensor]
     return grouped, torch.cat(columns, dim=1)
 
 
-def backward_update(
-    lookup: Lookup,
-    grad_out: Tensor,
-    rule: str,
-    lr: float,
-    grad_scale: float = 1.0,
-    eps: float = 0.0,
-    row_sums: Sequence[Tensor] | None = None,
-) -> bool:
-    """The lookup's backward + one ``rule`` step ("sgd" or "rowwise_adagrad") in place.
+_FUSED_CPU_RULES = ("sgd", "rowwise_adagrad")
 
-    ``row_sums``: row-wise Adagrad's per-row accumulator of each table, packed in
-    one buffer. False (nothing changed) when fbgemm cannot serve the call, or the
-    backend is not "auto"/"fbgemm", or the tensors are not on the CPU.
+
+class FbgemmBackend(TorchBackend):
+    """The torch backend with fbgemm's kernels where they serve the call.
+
+    ``lookups``: run forward in fbgemm too (the ``"fbgemm"`` backend); without it only
+    the fused CPU backward + step does (what ``"auto"`` picks on CPU, named "torch" since
+    its lookups are torch's).
     """
-    weights = lookup.weights
-    if (
-        get_backend() not in ("auto", "fbgemm")
-        or lookup.values.device.type != "cpu"
-        or grad_out.dtype != torch.float32
-        or not _servable(lookup)
-        or any(w.shape[0] == 0 for w in weights)
-    ):
-        return False
-    packed = shared_storage(weights)
-    sums = None if row_sums is None else shared_storage(row_sums)
-    if packed is None or (rule == "rowwise_adagrad" and sums is None):
-        return False
-    ops = fbgemm_ops()
-    if ops is None:
-        return False
-    flat, offsets = packed
-    given = grad_out
-    lookup, grad_out = _grouped_by_table(lookup, grad_out)
-    if grad_scale != 1.0:  # scale in place when grouping made a copy
-        grad_out = grad_out * grad_scale if grad_out is given else grad_out.mul_(grad_scale)
-    entries = list(lookup.entry_table)
-    num = len(entries)
-    psw = _indice_weights(lookup)
-    args = {
-        "grad_output": grad_out,
-        "host_weights": flat,
-        "weights_placements": torch.full((num,), _HOST, dtype=torch.int32),
-        "weights_offsets": torch.tensor([offsets[t] for t in entries], dtype=torch.int64),
-        "indice_weights": torch.empty(0) if psw is None else psw,
-        "stochastic_rounding": False,
-        "learning_rate_tensor": torch.tensor(lr, dtype=torch.float32),
-        **_layout(lookup),
-    }
-    if rule == "sgd":
-        ops.split_embedding_backward_codegen_sgd_cpu(**args)
-    elif rule == "rowwise_adagrad":
+
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "cuda"}),  # the fused backward + step: CPU only
+        dtypes=frozenset({torch.float32}),
+        per_sample_weights=True,
+        mean_pooling=True,
+        mixed_pooling=False,
+        fused_backward_update=True,
+    )
+
+    def __init__(self, name: str = "fbgemm", lookups: bool = True) -> None:
+        self.name = name
+        self.lookups = lookups
+
+    def _pooled(self, lookup: Lookup) -> Tensor:
+        ops = fbgemm_ops() if self.lookups else None
+        if ops is not None and self.capabilities.serves(lookup):
+            return _pooled_in_fbgemm(ops, lookup)
+        return super()._pooled(lookup)
+
+    def backward_update(
+        self,
+        lookup: Lookup,
+        grad_out: Tensor,
+        rule: StepRule,
+        states: Sequence[dict[str, Tensor]],
+        grad_scale: float = 1.0,
+    ) -> bool:
+        """fbgemm's C++ backward + one SGD / row-wise Adagrad step, in place.
+
+        False (nothing changed) for other rules, when fbgemm does not load, or when the
+        tensors are not on the CPU, the tables or row-wise Adagrad's accumulators are not
+        packed in one buffer, or a table is empty.
+        """
+        weights = lookup.weights
+        if (
+            rule.kind not in _FUSED_CPU_RULES
+            or lookup.values.device.type != "cpu"
+            or grad_out.dtype != torch.float32
+            or not self.capabilities.serves(lookup)
+            or any(w.shape[0] == 0 for w in weights)
+        ):
+            return False
+        packed = shared_storage(weights)
+        adagrad = rule.kind == "rowwise_adagrad"
+        sums = shared_storage([st["sum"] for st in states]) if adagrad else None
+        if packed is None or (adagrad and sums is None):
+            return False
+        ops = fbgemm_ops()
+        if ops is None:
+            return False
+        flat, offsets = packed
+        given = grad_out
+        lookup, grad_out = _grouped_by_table(lookup, grad_out)
+        if grad_scale != 1.0:  # scale in place when grouping made a copy
+            grad_out = grad_out * grad_scale if grad_out is given else grad_out.mul_(grad_scale)
+        entries = list(lookup.entry_table)
+        num = len(entries)
+        psw = _indice_weights(lookup)
+        args = {
+            "grad_output": grad_out,
+            "host_weights": flat,
+            "weights_placements": torch.full((num,), _HOST, dtype=torch.int32),
+            "weights_offsets": torch.tensor([offsets[t] for t in entries], dtype=torch.int64),
+            "indice_weights": torch.empty(0) if psw is None else psw,
+            "stochastic_rounding": False,
+            "learning_rate_tensor": torch.tensor(rule.lr, dtype=torch.float32),
+            **_layout(lookup),
+        }
+        if rule.kind == "sgd":
+            ops.split_embedding_backward_codegen_sgd_cpu(**args)
+            return True
         sum_flat, sum_offsets = sums
         ops.split_embedding_backward_codegen_rowwise_adagrad_cpu(
             momentum1_host=sum_flat,
             momentum1_placements=torch.full((num,), _HOST, dtype=torch.int32),
             momentum1_offsets=torch.tensor([sum_offsets[t] for t in entries], dtype=torch.int64),
-            eps=eps,
+            eps=rule.eps,
             **args,
         )
-    else:
-        raise ValueError(f"fbgemm has no fused CPU step for {rule!r}")
-    return True
+        return True
+
+
+__all__ = ["FbgemmBackend"]

@@ -1,4 +1,10 @@
-"""Which implementation the embedding-bag op runs: chosen once, read per call."""
+"""Which backend runs the ops: a static table of backends, chosen once, resolved per device.
+
+The table holds backend objects whose modules import nothing heavy: the Triton
+backend imports triton only inside its methods and fbgemm's loads fbgemm_gpu on
+first use, so a CPU install never imports triton unless "triton" is selected
+(or "auto" meets CUDA tensors).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,37 @@ import os
 
 import torch
 
-BACKENDS = ("auto", "triton", "torch", "fbgemm")
+from dtrec.ops.backends.base import Backend
+from dtrec.ops.backends.fbgemm import FbgemmBackend
+from dtrec.ops.backends.torch import TorchBackend
+from dtrec.ops.backends.triton import TritonBackend
+
+# The built-in backends, in the order set_backend's error message lists them.
+_REGISTRY: dict[str, Backend] = {
+    b.name: b for b in (TritonBackend(), TorchBackend(), FbgemmBackend())
+}
 _backend = os.environ.get("DTREC_BACKEND", "auto")
+# "auto" without Triton: torch's lookups, fbgemm's fused CPU backward + step where it serves.
+_AUTO_FALLBACK: Backend = FbgemmBackend(name="torch", lookups=False)
+
+
+def register_backend(backend: Backend) -> None:
+    """Make ``backend`` selectable by ``set_backend(backend.name)``; idempotent.
+
+    Example::
+
+        register_backend(MyBackend())  # then dtrec.ops.set_backend("mine")
+    """
+    if backend.name == "auto":
+        raise ValueError("backend name 'auto' is reserved")
+    known = _REGISTRY.get(backend.name)
+    if known is not None and known is not backend:
+        raise ValueError(f"a different backend is already registered as {backend.name!r}")
+    _REGISTRY[backend.name] = backend
+
+
+def _names() -> tuple[str, ...]:
+    return ("auto", *_REGISTRY)
 
 
 def set_backend(name: str) -> None:
@@ -23,23 +58,30 @@ def set_backend(name: str) -> None:
         dtrec.ops.set_backend("triton")
     """
     global _backend
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; available: {BACKENDS}")
+    if name not in _names():
+        raise ValueError(f"unknown backend {name!r}; available: {_names()}")
     _backend = name
 
 
 def get_backend() -> str:
     """The backend name as set (may be "auto")."""
-    if _backend not in BACKENDS:
-        raise ValueError(f"DTREC_BACKEND={_backend!r} is not one of {BACKENDS}")
+    if _backend not in _names():
+        raise ValueError(f"DTREC_BACKEND={_backend!r} is not one of {_names()}")
     return _backend
 
 
-def resolve_backend(device: torch.device) -> str:
-    """The concrete backend for tensors on ``device``."""
+def resolve_backend(device: torch.device) -> Backend:
+    """The backend that runs the ops on tensors on ``device``.
+
+    Example::
+
+        resolve_backend(torch.device("cpu")).name  # "torch" under "auto"
+    """
     name = get_backend()
     if name == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda" and triton_available():
+            return _REGISTRY["triton"]
+        return _AUTO_FALLBACK
     if name == "triton" and not triton_available():
         raise RuntimeError("DTREC backend 'triton' was requested but triton does not import")
     if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -47,7 +89,7 @@ def resolve_backend(device: torch.device) -> str:
             "the triton backend on CPU tensors needs TRITON_INTERPRET=1 set before triton is "
             "imported (it runs the kernels in Triton's interpreter)"
         )
-    return name
+    return _REGISTRY[name]
 
 
 _TRITON: bool | None = None
@@ -64,3 +106,12 @@ def triton_available() -> bool:
         except Exception:  # noqa: BLE001 - any import failure means "no triton"
             _TRITON = False
     return _TRITON
+
+
+__all__ = [
+    "get_backend",
+    "register_backend",
+    "resolve_backend",
+    "set_backend",
+    "triton_available",
+]
