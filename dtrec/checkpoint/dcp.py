@@ -28,22 +28,26 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
-from dtrec.comm.failures import CollectiveError
+from dtrec.checkpoint.agreement import (
+    CheckpointError,
+    from_rank0,
+    on_every_rank,
+    rank,
+    world_size,
+)
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.planning.plan import table_fqn
 from dtrec.sharded.tensor import full_tensor, like_dtensor
@@ -52,10 +56,6 @@ MARKER = "COMPLETE.json"
 FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d{6,})$")
 MODEL, FUSED, OPTIM = "model", "fused_optimizer", "optimizer"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: incomplete, missing files, or not this model's."""
 
 
 def _check_args(model: object, optimizer: object) -> None:
@@ -159,72 +159,6 @@ def _jsonable(values: Mapping[str, Any]) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
-# --------------------------------------------------------------------------- collectives
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _from_rank0(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (an exception there is re-raised everywhere)."""
-    if _world() == 1:
-        if isinstance(value, BaseException):
-            raise value
-        return value
-    box = [value]
-    try:
-        dist.broadcast_object_list(box, src=0)
-    except Exception as exc:  # noqa: BLE001 - a dead peer surfaces here
-        raise CollectiveError(f"rank {_rank()}: checkpoint broadcast failed: {exc}") from exc
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    return box[0]
-
-
-def _all_ok(error: BaseException | None, what: str) -> None:
-    """Raise on every rank if any rank failed ``what`` (so none waits on the others)."""
-    if _world() == 1:
-        if error is not None:
-            raise error
-        return
-    flags = torch.tensor([0 if error is None else 1])
-    try:
-        dist.all_reduce(flags)
-    except Exception as exc:  # noqa: BLE001
-        raise CollectiveError(f"rank {_rank()}: checkpoint {what} failed: {exc}") from exc
-    if error is not None:
-        raise error
-    if int(flags) != 0:
-        raise CheckpointError(f"checkpoint {what} failed on another rank (see its error)")
-
-
-def _on_every_rank(io: Callable[[], object], what: str, path: Path) -> None:
-    """Run DCP's ``io``; if it fails on any rank, every rank raises CheckpointError."""
-    error = None
-    try:
-        io()
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported on every rank
-        error = CheckpointError(f"rank {_rank()}: {what} of {path} failed: {_reason(exc)}")
-    _all_ok(error, what)
-
-
-def _reason(exc: BaseException) -> str:
-    """One line per failing rank (DCP's exception carries every rank's traceback)."""
-
-    def line(e: BaseException) -> str:
-        text = str(e).strip().splitlines()
-        return f"{type(e).__name__}: {text[0] if text else ''}"
-
-    if isinstance(exc, CheckpointException):
-        return "; ".join(f"rank {r}: {line(e)}" for r, (e, _) in sorted(exc.failures.items()))
-    return line(exc)
-
-
 # --------------------------------------------------------------------------- save
 
 
@@ -279,9 +213,9 @@ def save(
         except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there
             return CheckpointError(f"cannot prepare checkpoint directory {root}: {exc}")
 
-    name, partial = _from_rank0(prepare() if _rank() == 0 else None)
+    name, partial = from_rank0(prepare() if rank() == 0 else None)
     staging = root / partial
-    _on_every_rank(lambda: dcp.save(state, checkpoint_id=staging), "write", staging)
+    on_every_rank(lambda: dcp.save(state, checkpoint_id=staging), "write", staging)
 
     def publish() -> Path | BaseException:
         try:
@@ -289,7 +223,7 @@ def save(
                 "format": FORMAT,
                 "name": name,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "world_size": _world(),
+                "world_size": world_size(),
                 "files": sorted(p.name for p in staging.iterdir()),
                 **described,
             }
@@ -308,7 +242,7 @@ def save(
         except Exception as exc:  # noqa: BLE001 - sent to every rank, raised there
             return CheckpointError(f"publishing checkpoint {staging} failed: {exc}")
 
-    return _from_rank0(publish() if _rank() == 0 else None)
+    return from_rank0(publish() if rank() == 0 else None)
 
 
 # --------------------------------------------------------------------------- load
@@ -432,7 +366,7 @@ def load(
     live = _model_state(model, optimizer)
     _check_shapes(live, directory)
     read = {k: _staging_copy(v) for k, v in live.items()} if staged else dict(live)
-    _on_every_rank(lambda: dcp.load(read, checkpoint_id=directory), "read", directory)
+    on_every_rank(lambda: dcp.load(read, checkpoint_id=directory), "read", directory)
     if staged:
         with torch.no_grad():
             for key, value in live.items():

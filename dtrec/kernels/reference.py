@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dtrec.kernels.embedding_bag import RowGrads
+from dtrec.kernels.embedding_bag_bwd import RowGrads
 from dtrec.kernels.update_math import adam_rows, rowwise_adagrad_rows, sgd_rows
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dtrec.sparse.jagged import _check_keys, _key_index, _prefix_sums
+from dtrec.sparse.checks import check_keys, key_index, prefix_sums
 
 __all__ = ["KeyedTensor"]
 
@@ -24,7 +24,7 @@ class KeyedTensor:
     """
 
     def __init__(self, keys: Sequence[str], length_per_key: Sequence[int], values: Tensor) -> None:
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         length_per_key = [int(n) for n in length_per_key]
         if len(length_per_key) != len(keys) or any(n < 0 for n in length_per_key):
             raise ValueError(
@@ -94,7 +94,7 @@ class KeyedTensor:
         return self._length_per_key
 
     def offset_per_key(self) -> list[int]:
-        return _prefix_sums(self._length_per_key)
+        return prefix_sums(self._length_per_key)
 
     def device(self) -> torch.device:
         """The device of ``values`` (a method, as in TorchRec)."""
@@ -113,7 +113,7 @@ class KeyedTensor:
         return {k: self._values[:, opk[i] : opk[i + 1]] for i, k in enumerate(self._keys)}
 
     def __getitem__(self, key: str) -> Tensor:
-        i = _key_index(self._keys, key, "KeyedTensor")
+        i = key_index(self._keys, key, "KeyedTensor")
         opk = self.offset_per_key()
         return self._values[:, opk[i] : opk[i + 1]]
 

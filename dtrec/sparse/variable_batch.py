@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from dtrec.sparse.jagged import KeyedJaggedTensor, _exclusive_cumsum, _prefix_sums
+from dtrec.sparse.checks import exclusive_cumsum, prefix_sums
+from dtrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 
 __all__ = ["expand_variable_batch"]
 
@@ -47,7 +48,7 @@ def expand_variable_batch(kjt: KeyedJaggedTensor, keys: Sequence[str]) -> KeyedJ
     index_of = kjt._key_indices()
     positions = [index_of[k] for k in keys]
     stride_per_key = kjt.stride_per_key()
-    first_bag = _prefix_sums(stride_per_key)
+    first_bag = prefix_sums(stride_per_key)
     rows = torch.tensor([row_of[k] for k in keys], dtype=torch.long, device=device)
     chosen = inverse.index_select(0, rows).long()  # [F, B]: bag of each sample, per key
     bags = torch.tensor([stride_per_key[p] for p in positions], device=device).unsqueeze(1)
@@ -64,7 +65,7 @@ def expand_variable_batch(kjt: KeyedJaggedTensor, keys: Sequence[str]) -> KeyedJ
     starts = kjt.offsets().index_select(0, bag)
     total = int(lengths.sum()) if lengths.numel() else 0
     # each expanded id's position in kjt.values(): its bag's start + its rank in the bag
-    shift = torch.repeat_interleave(starts - _exclusive_cumsum(lengths)[:-1], lengths.long())
+    shift = torch.repeat_interleave(starts - exclusive_cumsum(lengths)[:-1], lengths.long())
     source = torch.arange(total, device=device) + shift
     weights = kjt.weights_or_none()
     return KeyedJaggedTensor(

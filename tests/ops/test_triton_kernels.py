@@ -15,6 +15,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dtrec.kernels import embedding_bag as K  # noqa: E402
+from dtrec.kernels import embedding_bag_bwd as KB  # noqa: E402
 from dtrec.kernels import reference as R  # noqa: E402
 from dtrec.kernels import update_rows as U  # noqa: E402
 from dtrec.kernels.update_math import rowwise_adagrad_rows, sgd_rows  # noqa: E402
@@ -135,8 +136,8 @@ def fwd(case, weights=None, **kwargs):
 
 
 def bwd(case, grad_out, **kwargs):
-    got = K.embedding_bag_bwd_rows(*dev(*case.bwd_args(grad_out)), **kwargs)
-    return K.RowGrads(*(t.cpu() for t in got))
+    got = KB.embedding_bag_bwd_rows(*dev(*case.bwd_args(grad_out)), **kwargs)
+    return KB.RowGrads(*(t.cpu() for t in got))
 
 
 FWD_CASES = [
@@ -280,7 +281,7 @@ def test_bwd_rows_hot_row_split_into_chunks(monkeypatch, int32_keys):
     """chunk_size=8: row 0 (37 ids) is summed as 5 chunks + partials, row 1 (6) as one long
     segment, row 2 (2) and table 1's rows by the row-block kernel; all match the reference."""
     if not int32_keys:
-        monkeypatch.setattr(K, "_INT32_KEYS", 0)
+        monkeypatch.setattr(KB, "_INT32_KEYS", 0)
     case = _hot_row_case(seed=16)
     grad_out = torch.randn(2, case.total_dim)
     ref = R.embedding_bag_bwd_rows_reference(*case.bwd_args(grad_out))
@@ -315,7 +316,7 @@ def _touched(case, seed):
     row_dim = case.dims.long()[row_table.long()]
     grad_offsets = torch.cumsum(row_dim, 0) - row_dim
     grad_rows = torch.randn(int(row_dim.sum()), generator=g)
-    return K.RowGrads(None, row_table, torch.cat(ids), grad_offsets, grad_rows)
+    return KB.RowGrads(None, row_table, torch.cat(ids), grad_offsets, grad_rows)
 
 
 def _dense_grads(case, grads):
@@ -517,7 +518,7 @@ def test_bwd_update_matches_bwd_rows_then_update(kind, chunk_size, case_fn):
         code, fused_w, *dev(case.table_offsets, torch.tensor(hyper, dtype=torch.float32)),
         fused_state, dev(state_offsets), fused_state2, dev(case.dims),
     )  # fmt: skip
-    got = K.embedding_bag_bwd_rows(
+    got = KB.embedding_bag_bwd_rows(
         *dev(*case.bwd_args(grad_out)[:10]), dev(case.psw), chunk_size=chunk_size, update=update
     )
     assert torch.equal(got.unique_keys.cpu(), grads.unique_keys) and got.grad_rows.numel() == 0
@@ -537,5 +538,5 @@ def test_bwd_update_rowwise_adagrad_rejects_wide_rows():
         dev(case.rows * 0), z, dev(case.dims),
     )  # fmt: skip
     with pytest.raises(ValueError, match="dims <="):
-        K.embedding_bag_bwd_rows(*dev(*case.bwd_args(torch.randn(2, case.total_dim))),
+        KB.embedding_bag_bwd_rows(*dev(*case.bwd_args(torch.randn(2, case.total_dim))),
                                  update=update)  # fmt: skip

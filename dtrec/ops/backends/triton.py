@@ -60,10 +60,10 @@ class TritonBackend:
 
     def backward_rows(self, lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Per table: (sorted unique rows, fp32 grad rows ``[U_t, D_t]``), deterministic."""
-        from dtrec.kernels import embedding_bag as k
+        from dtrec.kernels.embedding_bag_bwd import embedding_bag_bwd_rows
 
         weights = lookup.weights
-        g = k.embedding_bag_bwd_rows(grad_out.contiguous(), **_rows(lookup), **_layout(lookup))
+        g = embedding_bag_bwd_rows(grad_out.contiguous(), **_rows(lookup), **_layout(lookup))
         # Rows come sorted by table, so each table's rows and grads are contiguous.
         counts = torch.bincount(g.row_table.long(), minlength=len(weights)).tolist()
         result, start, grad_start = [], 0, 0
@@ -89,12 +89,12 @@ class TritonBackend:
     ) -> bool:
         """One pass sums each touched row's gradient and updates the row in place (no
         gradient buffer); needs the tables and states packed."""
-        from dtrec.kernels import embedding_bag as k
+        from dtrec.kernels.embedding_bag_bwd import embedding_bag_bwd_rows
 
         update = _fused_row_update(rule, list(lookup.weights), states, grad_scale)
         if update is None:
             return False
-        k.embedding_bag_bwd_rows(
+        embedding_bag_bwd_rows(
             grad_out.contiguous(), update=update, **_rows(lookup), **_layout(lookup)
         )
         return True
@@ -164,7 +164,7 @@ def _fused_row_update(
 ) -> FusedRowUpdate | None:
     """The fused backward's update arguments, or None where it cannot serve these tables."""
     from dtrec.kernels import row_updates as ru
-    from dtrec.kernels.embedding_bag import MAX_FUSED_ROWWISE_DIM
+    from dtrec.kernels.embedding_bag_bwd import MAX_FUSED_ROWWISE_DIM
 
     packed = _packed(weights) if weights else None
     if packed is None:
