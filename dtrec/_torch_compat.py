@@ -134,3 +134,41 @@ def local_shape_and_offset(
 
     shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, list(placements))
     return tuple(shape), tuple(offset)
+
+
+# --------------------------------------------------------------------------- ShardedTensor
+
+
+def is_sharded_tensor(value: object) -> bool:
+    """Whether ``value`` is a ``torch.distributed._shard.sharded_tensor.ShardedTensor`` (what
+    TorchRec's sharded modules put in their state dicts). Checked: torch 2.13."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(value, ShardedTensor)
+
+
+def sharded_tensor_full(value: Tensor) -> Tensor:
+    """A ShardedTensor assembled into a full tensor on every rank of its process group.
+
+    Each rank writes its local shards at their offsets into zeros and the group
+    all-reduces the sum (shards of one ShardedTensor never overlap). Collective over the
+    tensor's own group (``ShardedTensor._process_group``). Checked: torch 2.13.
+    """
+    shards = value.local_shards()
+    dtype = shards[0].tensor.dtype if shards else value.dtype
+    full = torch.zeros(tuple(value.size()), dtype=dtype)
+    for shard in shards:
+        index = tuple(
+            slice(offset, offset + size)
+            for offset, size in zip(
+                shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True
+            )
+        )
+        full[index] = shard.tensor.detach().to("cpu", dtype)
+    group = value._process_group
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        device = shards[0].tensor.device if shards else torch.device("cpu")
+        moved = full.to(device)
+        dist.all_reduce(moved, group=group)
+        full = moved.cpu()
+    return full

@@ -90,6 +90,22 @@ def test_replicate_module_ignores_the_given_modules() -> None:
         assert model[0].weight.grad is not None and model[1].weight.grad is not None
 
 
+def test_sharded_tensor_assembled_and_recognised() -> None:
+    """A one-rank ShardedTensor of two row shards (TorchRec's state-dict values)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    full = torch.arange(12.0).view(4, 3)
+    with gloo_world_of_one():
+        shards = [
+            Shard(full[0:1].clone(), ShardMetadata([0, 0], [1, 3], "rank:0/cpu")),
+            Shard(full[1:4].clone(), ShardMetadata([1, 0], [3, 3], "rank:0/cpu")),
+        ]
+        sharded = init_from_local_shards(shards, 4, 3)
+        assert compat.is_sharded_tensor(sharded) and not compat.is_sharded_tensor(full)
+        assert torch.equal(compat.sharded_tensor_full(sharded), full)
+
+
 def test_op_argument_names() -> None:
     assert compat.op_argument_names(torch.ops.aten.add.Tensor) == ["self", "other", "alpha"]
 

@@ -14,6 +14,7 @@ from dtrec.checkpoint.dcp import (
     read_marker,
     resolve,
     save,
+    to_full_state_dict,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "read_marker",
     "resolve",
     "save",
+    "to_full_state_dict",
 ]

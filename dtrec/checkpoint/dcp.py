@@ -390,7 +390,25 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     For single-device use: ``unsharded.load_state_dict(full_state_dict(model))``.
     Collective when distributed.
     """
-    return {key: full_tensor(value) for key, value in model.state_dict().items()}
+    return to_full_state_dict(model.state_dict())
+
+
+def to_full_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Any state dict with its DTensors (dtrec) and ShardedTensors (TorchRec's sharded
+    modules) assembled into full CPU tensors; other tensors copied to CPU, other values kept.
+
+    What a plain (unsharded) torch or TorchRec model loads: a DTensor state dict loaded
+    into one directly fails on ``copy_`` of mixed Tensor / DTensor. Collective: every
+    rank calls it with the same keys in the same order.
+
+    Example::
+
+        plain.load_state_dict(dtrec.checkpoint.to_full_state_dict(model.state_dict()))
+    """
+    return {
+        key: full_tensor(value) if isinstance(value, Tensor) else value
+        for key, value in state_dict.items()
+    }
 
 
 __all__ = [
@@ -401,4 +419,5 @@ __all__ = [
     "read_marker",
     "resolve",
     "save",
+    "to_full_state_dict",
 ]

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import distribute_tensor as _torch_distribute_tensor
 
+from dtrec._torch_compat import is_sharded_tensor, sharded_tensor_full
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.ops.dtensor_bridge import register_dtensor_rules
 from dtrec.placements.layout import Block, TableLayout
@@ -119,14 +120,17 @@ def state_dtensor(state: Tensor, weight: DTensor, kind: str) -> Tensor:
 def load_block(target: DTensor, value: Tensor, block: Block | None, key: str) -> None:
     """Copy this rank's block of a table-shaped (or row-shaped) ``value`` into ``target``.
 
-    ``value``: a full tensor, or a DTensor (same mesh and placements: its local part is
+    ``value``: a full tensor, a DTensor (same mesh and placements: its local part is
     copied; others: assembled with ``full_tensor``, a collective over the world that every
-    rank runs for every table in the same order). ValueError naming ``key`` and both
-    shapes on a shape mismatch.
+    rank runs for every table in the same order), or a TorchRec ``ShardedTensor``
+    (assembled over its process group, then this rank's block copied). ValueError naming
+    ``key`` and both shapes on a shape mismatch.
     """
     if tuple(value.shape) != tuple(target.shape):
         raise ValueError(f"{key}: expected shape {tuple(target.shape)}, got {tuple(value.shape)}")
     local = target.to_local()
+    if is_sharded_tensor(value):  # a TorchRec sharded state dict: assembled (collective)
+        value = full_tensor(value)
     if isinstance(value, DTensor):
         if value.device_mesh == target.device_mesh and value.placements == target.placements:
             with torch.no_grad():
@@ -143,12 +147,15 @@ def load_block(target: DTensor, value: Tensor, block: Block | None, key: str) ->
 
 
 def full_tensor(value: Tensor) -> Tensor:
-    """``value`` as a full CPU tensor on every rank (a DTensor is assembled).
+    """``value`` as a full CPU tensor on every rank (a DTensor or a TorchRec ShardedTensor
+    is assembled).
 
-    Collective for a DTensor: call on every rank in the same order. A DTensor on a
-    sub-mesh (a table-wise table) is gathered by its members, then broadcast from
-    the first of them.
+    Collective for a DTensor or ShardedTensor: call on every rank in the same order. A
+    DTensor on a sub-mesh (a table-wise table) is gathered by its members, then broadcast
+    from the first of them; a ShardedTensor is summed over its own process group.
     """
+    if is_sharded_tensor(value):
+        return sharded_tensor_full(value)
     if not isinstance(value, DTensor):
         return value.detach().cpu().clone()
     members = sorted(value.device_mesh.mesh.flatten().tolist())

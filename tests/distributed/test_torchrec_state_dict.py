@@ -1,0 +1,129 @@
+"""State dicts between TorchRec and dtrec, both ways, on 4 gloo ranks.
+
+* TorchRec's sharded model (``DistributedModelParallel``, table-wise / row-wise /
+  column-wise / data-parallel tables: ``ShardedTensor`` values) loads into a dtrec
+  model distributed under a different plan, and the weights are TorchRec's (checked
+  against TorchRec's own ``ShardedTensor.gather``, an independent assembly);
+* ``dtrec.checkpoint.to_full_state_dict`` of either sharded state dict loads into a
+  plain, unsharded ``torchrec.EmbeddingBagCollection`` (a DTensor state dict loaded
+  directly fails on ``copy_`` of mixed Tensor / DTensor, which is why it exists).
+
+Skipped without torchrec (the ``bench`` extra).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.multiprocess import run_world
+
+pytest.importorskip("torchrec", reason="torchrec (bench extra) not installed")
+
+ROWS, DIM = (40, 23, 64, 30), 8
+KINDS = ("tw:1", "rw", "cw", "dp")  # TorchRec's plan, per table t0..t3
+
+
+def _models():
+    import torch
+    from torch import nn
+
+    from benchmarks.torchrec_baseline import torchrec_ebc
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ebc = torchrec_ebc(ROWS, DIM)
+            self.dense = nn.Linear(len(ROWS) * DIM, 1)
+
+    torch.manual_seed(0)
+    return Model()
+
+
+def _gathered(value):
+    """TorchRec's own assembly of a ShardedTensor on rank 0 (None elsewhere)."""
+    import torch
+    import torch.distributed as dist
+
+    full = torch.zeros(tuple(value.size())) if dist.get_rank() == 0 else None
+    value.gather(dst=0, out=full)
+    return full
+
+
+def _check(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    import torchrec
+
+    import dtrec
+    from benchmarks.torchrec_baseline import shard_torchrec
+
+    theirs, _, _ = shard_torchrec(_models(), KINDS, world, lr=0.1, eps=1e-8)
+    their_state = theirs.state_dict()
+    keys = [f"ebc.embedding_bags.t{i}.weight" for i in range(len(ROWS))]
+    truth = {}
+    for key in keys:
+        value = their_state[key]
+        if hasattr(value, "local_shards"):
+            truth[key] = _gathered(value)
+        else:  # data-parallel: a plain tensor, the same on every rank
+            truth[key] = value.detach().clone() if rank == 0 else None
+    sharded_types = sorted(k for k in keys if hasattr(their_state[k], "local_shards"))
+
+    # dtrec, distributed under another plan (2D mesh), loads TorchRec's sharded state dict
+    model = _models()
+    model.ebc = dtrec.EmbeddingBagCollection(
+        [dtrec.EmbeddingBagConfig(f"t{i}", r, DIM, [f"f{i}"]) for i, r in enumerate(ROWS)]
+    )
+    specs = dtrec.placements
+    plan = {"ebc.t0": specs.RowWise(), "ebc.t1": specs.ColumnWise(),
+            "ebc.t2": specs.TableWise(rank=0), "ebc.t3": specs.RowWise()}  # fmt: skip
+    mine = dtrec.distribute_module(model, dtrec.init_mesh("cpu", 2), plan)
+    ebc_state = {k: v for k, v in their_state.items() if k.startswith("ebc.")}
+    missing, unexpected = mine.load_state_dict(ebc_state, strict=False)
+    full = dtrec.checkpoint.full_state_dict(mine)
+    errors = {}
+    if rank == 0:
+        errors["dtrec_from_torchrec"] = max((full[k] - truth[k]).abs().max().item() for k in keys)
+
+    # both sharded state dicts -> full tensors -> a plain TorchRec collection
+    plain = torchrec.EmbeddingBagCollection(
+        [
+            torchrec.EmbeddingBagConfig(
+                name=f"t{i}", num_embeddings=r, embedding_dim=DIM, feature_names=[f"f{i}"]
+            )
+            for i, r in enumerate(ROWS)
+        ]
+    )
+    prefix = "ebc."
+    for name, state in (
+        ("plain_from_torchrec", their_state),
+        ("plain_from_dtrec", mine.state_dict()),
+    ):
+        tables = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        plain.load_state_dict(dtrec.checkpoint.to_full_state_dict(tables))
+        if rank == 0:
+            errors[name] = max(
+                (plain.state_dict()[k[len(prefix) :]] - truth[k]).abs().max().item() for k in keys
+            )
+    dist.barrier()
+    return {
+        "errors": errors,
+        "sharded_tables": sharded_types,
+        "missing": sorted(k for k in missing if k.startswith("ebc.")),
+        "unexpected": sorted(unexpected),
+    }
+
+
+@pytest.fixture(scope="module")
+def world():
+    return run_world(4, _check, timeout=300)
+
+
+def test_torchrec_sharded_tensors_load_into_dtrec_and_plain_models(world):
+    for rank, r in enumerate(world):
+        assert r["missing"] == [] and r["unexpected"] == [], f"rank {rank}: {r}"
+        # the three sharded kinds really are ShardedTensors (data-parallel is a plain tensor)
+        assert r["sharded_tables"] == [f"ebc.embedding_bags.t{i}.weight" for i in range(3)]
+    errors = world[0]["errors"]
+    assert set(errors) == {"dtrec_from_torchrec", "plain_from_torchrec", "plain_from_dtrec"}
+    for name, err in errors.items():
+        assert err == 0.0, f"{name}: weights differ from TorchRec's by {err}"
