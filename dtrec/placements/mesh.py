@@ -5,12 +5,15 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtrec._torch_compat import concatenate_meshes, flatten_mesh_dims, root_mesh
+
+T = TypeVar("T")
 
 SHARD = "shard"
 REPLICATE = "replicate"
@@ -126,22 +129,23 @@ def shard_position(mesh: DeviceMesh) -> int | None:
     return None if coord is None else coord[0]
 
 
-class _SubMeshCache:
-    """Sub-meshes made for each parent mesh, alive exactly as long as that parent.
+class MeshCache:
+    """Sub-meshes and process groups made for each parent mesh, alive exactly as long as it.
 
-    Why a cache: a DeviceMesh over some ranks creates process groups (a collective,
-    and communicators that hold memory), and every table placed on the same positions
+    Why a cache: a DeviceMesh or process group over some ranks is created collectively
+    (and its communicators hold memory), and every table placed on the same positions
     should share one; ``distribute_tensor`` is public and called per table, so there is
     no caller object to hold them. Why keyed on the parent's identity and not on
-    DeviceMesh equality: two equal meshes from different worlds (e.g. a fake world per
-    simulated rank) must not share groups. A ``weakref.finalize`` on the parent drops
-    its entry, so an id is never looked up after its mesh is gone and nothing leaks.
+    DeviceMesh equality or rank lists: two equal meshes from different worlds (e.g. a
+    fake world per simulated rank, or a second ``init_process_group``) must not share
+    groups. A ``weakref.finalize`` on the parent drops its entry, so an id is never
+    looked up after its mesh is gone and nothing leaks.
     """
 
     def __init__(self) -> None:
-        self._by_parent: dict[int, dict[tuple, DeviceMesh]] = {}
+        self._by_parent: dict[int, dict[tuple, Any]] = {}
 
-    def get(self, parent: DeviceMesh, key: tuple, make: Callable[[], DeviceMesh]) -> DeviceMesh:
+    def get(self, parent: DeviceMesh, key: tuple, make: Callable[[], T]) -> T:
         subs = self._by_parent.get(id(parent))
         if subs is None:
             subs = self._by_parent[id(parent)] = {}
@@ -151,7 +155,8 @@ class _SubMeshCache:
         return subs[key]
 
 
-_sub_meshes = _SubMeshCache()
+mesh_cache = MeshCache()
+"""The one cache of what dtrec builds per mesh (sub-meshes, extra process groups)."""
 
 
 def positions_mesh(
@@ -174,7 +179,7 @@ def positions_mesh(
         ranks = mesh.mesh[list(positions)].reshape(*shape, axis.replicas)
         return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(*names, REPLICATE))
 
-    return _sub_meshes.get(mesh, (positions, shape, names), make)
+    return mesh_cache.get(mesh, (positions, shape, names), make)
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -2,7 +2,8 @@
 
 Every function here creates groups collectively: all ranks must call it with
 the same arguments in the same order (they do: plans are identical on all
-ranks). Groups are cached by their rank list.
+ranks). Groups are cached per mesh (``dtrec.placements.mesh.mesh_cache``), so a
+second world never gets a group of the first one back.
 """
 
 from __future__ import annotations
@@ -11,21 +12,18 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtrec.placements import TableLayout
+from dtrec.placements.mesh import mesh_cache
 
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
-
-def _group(ranks: list[int]) -> dist.ProcessGroup:
-    """A cached process group over ``ranks``. Collective: every rank calls it in the same order."""
-    key = tuple(ranks)
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(key))
-    return _GROUPS[key]
+def _group(mesh: DeviceMesh, ranks: list[int]) -> dist.ProcessGroup:
+    """The process group over ``ranks`` made for ``mesh`` (created once). Collective: every
+    rank calls it in the same order."""
+    return mesh_cache.get(mesh, ("group", tuple(ranks)), lambda: dist.new_group(list(ranks)))
 
 
 def world_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     """A group over all mesh ranks, separate from the default one DDP reduces on."""
-    return _group(sorted(mesh.mesh.flatten().tolist()))
+    return _group(mesh, sorted(mesh.mesh.flatten().tolist()))
 
 
 def column_groups(
@@ -47,7 +45,7 @@ def column_groups(
             if len(positions) < 2:
                 continue
             for c in range(mesh.size(1)):
-                group = _group([int(mesh.mesh[p, c]) for p in positions])
+                group = _group(mesh, [int(mesh.mesh[p, c]) for p in positions])
                 if position in positions and c == coord[1]:
                     out[t] = group
     return out
