@@ -8,9 +8,11 @@ rank's outcome. ``tests/test_errors.py`` checks both against the doc.
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
@@ -196,6 +198,88 @@ def fused_model_loads_unfused_checkpoint(tmp: Path) -> None:
 def unknown_backend_from_env(tmp: Path) -> None:
     with mock.patch.object(backend, "_backend", "cudnn"):  # as if DTREC_BACKEND=cudnn
         ops.get_backend()
+
+
+# ------------------------------------------------------------------- TorchRec look-alikes
+# dtrec recognises TorchRec objects by class name and fields (it never imports torchrec),
+# so these stand-ins trigger the same errors without torchrec installed.
+
+PoolingType = enum.Enum("PoolingType", {"SUM": "SUM", "MEAN": "MEAN", "NONE": "NONE"})
+
+
+DataType = enum.Enum("DataType", {"FP32": "FP32", "FP16": "FP16", "INT8": "INT8"})
+
+
+@dataclass
+class EmbeddingBagConfig:  # TorchRec's field names
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: list[str] = field(default_factory=list)
+    pooling: object = PoolingType.SUM
+    data_type: object = DataType.FP32
+    use_virtual_table: bool = False
+
+
+def torchrec_like(module: str, name: str) -> nn.Module:
+    return type(name, (nn.Module,), {"__module__": module})()
+
+
+def with_sequence_tower() -> nn.Module:
+    model = Model()
+    model.towers = nn.ModuleDict(
+        {"user": torchrec_like("torchrec.modules.embedding_modules", "EmbeddingCollection")}
+    )
+    return model
+
+
+class ShardingPlanTR:
+    """TorchRec's ShardingPlan: ``plan`` maps module path -> {table: ParameterSharding}."""
+
+    def __init__(self, plan: dict) -> None:
+        self.plan = plan
+
+
+ShardingPlanTR.__name__ = "ShardingPlan"
+
+
+@dataclass
+class ParameterSharding:
+    sharding_type: str
+    compute_kernel: str = "dense"
+    ranks: list[int] | None = None
+    sharding_spec: object = None
+
+
+@dataclass
+class _Shard:
+    shard_offsets: list[int]
+    shard_sizes: list[int]
+
+
+@dataclass
+class _Spec:
+    shards: list[_Shard]
+
+
+@dataclass
+class ParameterConstraints:
+    sharding_types: list[str] | None = None
+    compute_kernels: list[str] | None = None
+    min_partition: int | None = None
+    pooling_factors: list[float] = field(default_factory=lambda: [1.0])
+    cache_params: object = None
+
+
+def tr_plan(mesh: DeviceMesh, **t0: object) -> object:
+    """dtrec.plan of ``Model()`` under a TorchRec plan giving t0 ``ParameterSharding(**t0)``."""
+    entries = {"t0": ParameterSharding(**t0), "t1": ParameterSharding("data_parallel")}
+    return dtrec.plan(Model(), mesh, ShardingPlanTR({"sparse": entries}))
+
+
+def cw_blocks(ranks: list[int], width: int) -> dict:
+    shards = [_Shard([0, width * i], [10, width]) for i in range(len(ranks))]
+    return {"sharding_type": "column_wise", "ranks": ranks, "sharding_spec": _Spec(shards)}
 
 
 def summary_of_no_steps(tmp: Path) -> None:
@@ -384,6 +468,60 @@ LOCAL: dict[str, Case] = {
     "E148": on_mesh(2, 2, lambda m: run_pipeline(m, loss_fn=lambda model, b: torch.zeros(()))),
     # comm stats
     "E149": summary_of_no_steps,
+    # TorchRec modules, configs, plans and constraints
+    "E151": on_mesh(2, 2, lambda m: distributed(m, model=with_sequence_tower())),
+    "E152": lambda tmp: Cfg("t0", 10, 4, pooling=PoolingType.NONE),
+    "E153": lambda tmp: EBC([EmbeddingBagConfig("t0", 10, 4, ["f0"], data_type=DataType.INT8)]),
+    "E154": lambda tmp: EBC([EmbeddingBagConfig("t0", 10, 4, ["f0"], use_virtual_table=True)]),
+    "E155": lambda tmp: EBC(tables(), is_weighted="yes"),
+    "E156": lambda tmp: EBC(tables(), is_weighted=True)(batch()),
+    "E157": on_mesh(2, 2, lambda m: tr_plan(m, sharding_type="table_column_wise", ranks=[0])),
+    "E158": on_mesh(
+        2, 2, lambda m: tr_plan(m, sharding_type="table_wise", compute_kernel="key_value")
+    ),
+    "E159": on_mesh(
+        2,
+        2,
+        lambda m: dtrec.plan(
+            Model(), m, ShardingPlanTR({"sparse": {"t9": ParameterSharding("data_parallel")}})
+        ),
+    ),
+    "E160": on_mesh(2, 2, lambda m: tr_plan(m, **cw_blocks([0], 2))),
+    "E161": on_mesh(4, 2, lambda m: tr_plan(m, **cw_blocks([0, 2, 3, 1], 1))),
+    "E162": on_mesh(2, 2, lambda m: tr_plan(m, sharding_type="table_row_wise", ranks=[0, 1])),
+    "E163": on_mesh(2, 2, lambda m: tr_plan(m, sharding_type="table_wise", ranks=[5])),
+    "E164": on_mesh(
+        2, 2, lambda m: dtrec.plan(Model(), m, {"t0": ParameterSharding("data_parallel")})
+    ),
+    "E165": on_mesh(2, 2, lambda m: dtrec.plan(Model(), m, {"t9": ParameterConstraints()})),
+    "E166": on_mesh(
+        2, 2, lambda m: dtrec.plan(Model(), m, {"t0": ParameterConstraints(cache_params=0.2)})
+    ),
+    "E167": on_mesh(
+        2,
+        2,
+        lambda m: dtrec.plan(Model(), m, {"t0": ParameterConstraints(compute_kernels=["quant"])}),
+    ),
+    "E168": on_mesh(
+        2,
+        2,
+        lambda m: dtrec.plan(
+            Model(), m, {"t0": ParameterConstraints(["column_wise"], min_partition=4)}
+        ),
+    ),
+    "E169": on_mesh(
+        2,
+        2,
+        lambda m: tr_plan(
+            m,
+            sharding_type="row_wise",
+            ranks=[0, 1],
+            sharding_spec=_Spec([_Shard([0, 0], [10, 4])]),
+        ),
+    ),
+    "E170": lambda tmp: EBC(
+        [EmbeddingBagConfig("t0", 10, 4, ["f0"], data_type=DataType.FP16), *tables()[1:]]
+    ),
 }
 
 

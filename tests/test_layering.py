@@ -25,7 +25,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dtrec.optim",),
     ("dtrec.sparse",),
     ("dtrec.modules",),
+    ("dtrec.interop",),  # TorchRec modules and configs -> dtrec's (torchrec never imported)
     ("dtrec.placements",),
+    ("dtrec.planning.cost_model", "dtrec.planning.planner"),  # the plan search
+    ("dtrec.interop.plans",),  # TorchRec plans / constraints -> specs, TableConstraint
     ("dtrec.planning",),
     ("dtrec.sharded",),
     ("dtrec.checkpoint",),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from dtrec.ops.lookup import POOLING_MODES
 
 
@@ -26,11 +28,12 @@ class EmbeddingBagConfig:
     feature_names: list[str] = field(default_factory=list)
     """Features (KeyedJaggedTensor keys) pooled from this table; default: [name]."""
     pooling: str = "sum"
-    """How a bag's rows are combined: "sum" or "mean"."""
+    """How a bag's rows are combined: "sum" or "mean" (TorchRec's ``PoolingType`` is accepted)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"EmbeddingBagConfig.name must be a non-empty str, got {self.name!r}")
+        object.__setattr__(self, "pooling", pooling_mode(self.pooling, self.name))
         for attr in ("num_embeddings", "embedding_dim"):
             value = getattr(self, attr)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -63,6 +66,80 @@ class EmbeddingBagConfig:
                 self.pooling,
             )
         )
+
+
+def pooling_mode(pooling: object, table: str) -> object:
+    """``"sum"`` / ``"mean"`` for TorchRec's ``PoolingType.SUM`` / ``MEAN`` (an enum whose
+    value is the upper-case name); anything else is returned for the caller to check."""
+    value = getattr(pooling, "value", None)
+    if type(pooling).__name__ != "PoolingType" or not isinstance(value, str):
+        return pooling
+    if value == "NONE":
+        raise ValueError(
+            f"table {table!r}: PoolingType.NONE is an unpooled (sequence) table; an "
+            "EmbeddingBagConfig pools, so use PoolingType.SUM or MEAN"
+        )
+    return value.lower()
+
+
+_TORCHREC_DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "BF16": torch.bfloat16}
+"""TorchRec ``DataType`` value -> the weight dtype of a table with that ``data_type``."""
+
+
+def is_torchrec_bag_config(obj: object) -> bool:
+    """Whether ``obj`` is a TorchRec ``EmbeddingBagConfig`` (duck-typed: its class name and
+    fields; torchrec is never imported here)."""
+    fields = ("name", "num_embeddings", "embedding_dim", "feature_names", "pooling", "data_type")
+    return type(obj).__name__ == "EmbeddingBagConfig" and all(hasattr(obj, a) for a in fields)
+
+
+def table_dtype(cfg: object) -> torch.dtype:
+    """The weight dtype of a table: torch's default (float32) for dtrec's configs, the
+    ``data_type``'s (FP32, FP16, BF16) for TorchRec's."""
+    if isinstance(cfg, EmbeddingBagConfig):
+        return torch.get_default_dtype()
+    data_type = getattr(cfg, "data_type", None)
+    key = getattr(data_type, "value", data_type)
+    if key not in _TORCHREC_DTYPES:
+        shown = f"DataType.{getattr(data_type, 'name', data_type)}"
+        raise ValueError(
+            f"table {getattr(cfg, 'name', '?')!r}: data_type {shown} is not a float type "
+            f"dtrec trains; use one of {[f'DataType.{k}' for k in _TORCHREC_DTYPES]}"
+        )
+    return _TORCHREC_DTYPES[key]
+
+
+def as_bag_config(cfg: object) -> EmbeddingBagConfig:
+    """``cfg`` itself, or dtrec's config for a TorchRec ``EmbeddingBagConfig`` (same name,
+    rows, dim, features and pooling). TorchRec fields dtrec cannot honour (virtual /
+    pruned tables) are a ValueError naming the table, never dropped silently."""
+    if isinstance(cfg, EmbeddingBagConfig):
+        return cfg
+    if not is_torchrec_bag_config(cfg):
+        hint = ""
+        if type(cfg).__name__ == "EmbeddingConfig":
+            hint = " (an unpooled sequence table: sequence embeddings are not supported yet)"
+        raise TypeError(f"expected EmbeddingBagConfig, got {type(cfg).__name__}{hint}")
+    name = cfg.name  # type: ignore[attr-defined]
+    unsupported = {
+        "use_virtual_table": bool(getattr(cfg, "use_virtual_table", False)),
+        "num_embeddings_post_pruning": getattr(cfg, "num_embeddings_post_pruning", None)
+        is not None,
+    }
+    for field_name, is_set in unsupported.items():
+        if is_set:
+            raise ValueError(
+                f"table {name!r}: TorchRec's {field_name} is not supported by dtrec; "
+                "build the table without it"
+            )
+    table_dtype(cfg)
+    return EmbeddingBagConfig(
+        name,
+        cfg.num_embeddings,  # type: ignore[attr-defined]
+        cfg.embedding_dim,  # type: ignore[attr-defined]
+        list(cfg.feature_names),  # type: ignore[attr-defined]
+        cfg.pooling,  # type: ignore[attr-defined]
+    )
 
 
 def validate_tables(tables: list[EmbeddingBagConfig]) -> None:

@@ -9,8 +9,19 @@ import torch
 from torch import nn
 
 from dtrec import ops
-from dtrec.modules.config import EmbeddingBagConfig, validate_tables
-from dtrec.modules.features import check_bounds_mode, feature_order, prepare_features
+from dtrec.modules.config import (
+    EmbeddingBagConfig,
+    as_bag_config,
+    is_torchrec_bag_config,
+    table_dtype,
+    validate_tables,
+)
+from dtrec.modules.features import (
+    check_bounds_mode,
+    check_weighted,
+    feature_order,
+    prepare_features,
+)
 from dtrec.sparse import KeyedTensor
 
 
@@ -20,7 +31,12 @@ class EmbeddingBagCollection(nn.Module):
     ``state_dict`` keys are ``embedding_bags.<table>.weight`` (TorchRec's), so
     checkpoints move between this module and its sharded form. Ids are checked
     against their table's rows (IndexError naming table and feature) unless
-    ``bounds_check="off"``; the sharded form inherits the setting.
+    ``bounds_check="off"``; the sharded form inherits the setting, and ``is_weighted``.
+
+    ``is_weighted``: None (default) pools with the batch's per-sample weights when it
+    has them; False ignores them and True requires them, as TorchRec's unweighted and
+    weighted collections do. TorchRec ``EmbeddingBagConfig``s are accepted: their
+    ``data_type`` sets the weight dtype and their ``init_fn`` initialises the weight.
 
     Example::
 
@@ -33,31 +49,54 @@ class EmbeddingBagCollection(nn.Module):
         tables: Sequence[EmbeddingBagConfig],
         device: torch.device | str | None = None,
         bounds_check: str = "on",
+        is_weighted: bool | None = None,
     ) -> None:
         super().__init__()
-        if isinstance(tables, EmbeddingBagConfig):
+        if isinstance(tables, EmbeddingBagConfig) or is_torchrec_bag_config(tables):
             raise TypeError("tables must be a list of EmbeddingBagConfig; write [config]")
-        tables = list(tables)
+        given = list(tables)
+        tables = [as_bag_config(cfg) for cfg in given]
         validate_tables(tables)
         self._tables = tables
         self.bounds_check = check_bounds_mode(bounds_check)
+        self.is_weighted = check_weighted(is_weighted)
+        # TorchRec configs carry a weight dtype and an init function; dtrec's use fp32 and
+        # TorchRec's default init.
+        pairs = list(zip(tables, given, strict=True))
+        dtypes = {cfg.name: table_dtype(original) for cfg, original in pairs}
+        if len(set(dtypes.values())) > 1:
+            raise ValueError(
+                f"tables of one EmbeddingBagCollection must share a dtype (the pooled output "
+                f"has it); got {dtypes}: put the tables of each dtype in their own collection"
+            )
+        self._init_fns = {cfg.name: getattr(original, "init_fn", None) for cfg, original in pairs}
         self.embedding_bags = nn.ModuleDict(
             {
                 cfg.name: nn.EmbeddingBag(
-                    cfg.num_embeddings, cfg.embedding_dim, mode=cfg.pooling, device=device
+                    cfg.num_embeddings,
+                    cfg.embedding_dim,
+                    mode=cfg.pooling,
+                    device=device,
+                    dtype=dtypes[cfg.name],
                 )
-                for cfg in tables
+                for cfg, original in pairs
             }
         )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """TorchRec's default init: uniform in +-sqrt(1 / num_embeddings)."""
+        """TorchRec's default init: uniform in +-sqrt(1 / num_embeddings) (or the
+        ``init_fn`` of a TorchRec config)."""
         for cfg in self._tables:
             weight = self.embedding_bags[cfg.name].weight
-            if weight.device.type != "meta":
-                bound = math.sqrt(1.0 / cfg.num_embeddings)
-                with torch.no_grad():
+            if weight.device.type == "meta":
+                continue
+            with torch.no_grad():
+                init_fn = self._init_fns.get(cfg.name)
+                if init_fn is not None:
+                    init_fn(weight)
+                else:
+                    bound = math.sqrt(1.0 / cfg.num_embeddings)
                     weight.uniform_(-bound, bound)
 
     def _device(self) -> torch.device | None:
@@ -72,7 +111,11 @@ class EmbeddingBagCollection(nn.Module):
 
     def forward(self, features: object) -> KeyedTensor:
         kjt = prepare_features(
-            features, self._tables, bounds_check=self.bounds_check, device=self._device()
+            features,
+            self._tables,
+            bounds_check=self.bounds_check,
+            device=self._device(),
+            weighted=self.is_weighted,
         )
         weights, modes, dims = [], [], []
         for cfg in self._tables:

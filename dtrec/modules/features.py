@@ -35,12 +35,21 @@ def check_bounds_mode(mode: str) -> str:
     return mode
 
 
+def check_weighted(is_weighted: bool | None) -> bool | None:
+    """``is_weighted``: None (use a batch's per-sample weights when it has them), False
+    (ignore them: TorchRec's unweighted collection) or True (require them)."""
+    if is_weighted is not None and not isinstance(is_weighted, bool):
+        raise TypeError(f"is_weighted must be True, False or None, got {is_weighted!r}")
+    return is_weighted
+
+
 def prepare_features(
     features: object,
     tables: Sequence[EmbeddingBagConfig],
     rank: int | None = None,
     bounds_check: str = "on",
     device: torch.device | None = None,
+    weighted: bool | None = None,
 ) -> KeyedJaggedTensor:
     """Validate a batch and permute it into ``feature_order(tables)``.
 
@@ -51,7 +60,8 @@ def prepare_features(
     variable-batch KJT without inverse indices, per-sample weights on a mean-pooled
     table or a batch not on ``device`` (where the tables are), IndexError for an id
     outside ``[0, num_embeddings)`` (unless ``bounds_check="off"``: an out-of-range id
-    is then undefined behaviour).
+    is then undefined behaviour). ``weighted`` (``check_weighted``): False drops the
+    batch's per-sample weights, True makes a batch without them a ValueError.
     """
     kjt = as_kjt(features)
     if device is not None and kjt.device() != device:
@@ -80,6 +90,14 @@ def prepare_features(
         )
     elif kjt.keys() != order:
         kjt = kjt.permute(order)  # also drops keys no table reads
+    if weighted is False and kjt.weights_or_none() is not None:
+        kjt = KeyedJaggedTensor(kjt.keys(), kjt.values(), kjt.lengths(), stride=kjt.stride())
+    if weighted is True and kjt.weights_or_none() is None:
+        raise ValueError(
+            f"batch{_where(rank)} has no per-sample weights but the collection of tables "
+            f"{[cfg.name for cfg in tables]} is weighted (is_weighted=True); build the "
+            "KeyedJaggedTensor with weights"
+        )
     if kjt.weights_or_none() is not None:
         mean_tables = [cfg.name for cfg in tables if cfg.pooling == "mean"]
         if mean_tables:

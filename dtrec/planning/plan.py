@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtrec.interop.plans import from_torchrec
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import SPEC_TYPES, TableSpec
 from dtrec.placements.mesh import shard_axis
@@ -113,17 +114,32 @@ class ShardingPlan(dict[str, TableSpec]):
 
 
 def find_collections(model: nn.Module) -> dict[str, nn.Module]:
-    """FQN -> every unsharded ``EmbeddingBagCollection`` in ``model`` (outermost only)."""
+    """FQN -> every unsharded ``EmbeddingBagCollection`` in ``model`` (outermost only).
+
+    A ``torchrec.EmbeddingBagCollection`` is returned as dtrec's collection over the same
+    weights (``dtrec.interop``); any other TorchRec sparse module is a TypeError naming
+    it (``dtrec.interop.unsupported_module``), never left silently replicated.
+    """
+    from dtrec.interop import (
+        from_torchrec_bag_collection,
+        is_torchrec_bag_collection,
+        unsupported_module,
+    )
     from dtrec.modules import EmbeddingBagCollection
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     found: dict[str, nn.Module] = {}
     for fqn, module in model.named_modules():
-        if isinstance(module, EmbeddingBagCollection) and not any(
-            fqn.startswith(f + ".") or f == "" for f in found
-        ):
+        if any(fqn.startswith(f + ".") or f == "" for f in found):
+            continue
+        error = unsupported_module(fqn, module)
+        if error is not None:
+            raise error
+        if isinstance(module, EmbeddingBagCollection):
             found[fqn] = module
+        elif is_torchrec_bag_collection(module):
+            found[fqn] = from_torchrec_bag_collection(module)
     return found
 
 
@@ -151,7 +167,9 @@ def plan(
 
     ``constraints`` pins specs per table FQN (an unresolved one, e.g.
     ``TableWise(rank=None)``, gets its choice made here) or limits them with a
-    ``dtrec.planner.TableConstraint`` (types, shard counts, pooling factor); tables get the
+    ``dtrec.planner.TableConstraint`` (types, shard counts, pooling factor). A TorchRec
+    ``ShardingPlan``, or TorchRec ``ParameterConstraints`` per table name, are accepted
+    too (``dtrec.interop.plans`` maps them onto the mesh). Tables get the
     spec that keeps the slowest rank fastest within each rank's memory budget (see
     ``dtrec.planner``). ``topology`` defaults to ``Topology.h100()`` on CUDA meshes and
     ``Topology.cpu()`` otherwise. Deterministic, so every rank computes the same plan.
@@ -163,10 +181,11 @@ def plan(
     """
     axis = shard_axis(mesh)
     tables = model_tables(model)
+    constraints = from_torchrec(constraints, tables, mesh)
     if constraints is not None and not isinstance(constraints, Mapping):
         raise TypeError(
-            f"constraints must be a mapping {{table fqn: spec or TableConstraint}} or None, "
-            f"got {type(constraints).__name__}"
+            f"constraints must be a mapping {{table fqn: spec or TableConstraint}}, a TorchRec "
+            f"ShardingPlan or None, got {type(constraints).__name__}"
         )
     constraints = dict(constraints or {})
     check_plan_keys(constraints, tables)

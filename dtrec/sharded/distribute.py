@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from dtrec._torch_compat import replicate_module
 from dtrec.comm.failures import install_excepthook
+from dtrec.interop.plans import from_torchrec, is_torchrec_plan
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.layout import Block
@@ -35,28 +36,29 @@ from dtrec.sharded.tensor import load_block
 def distribute_module(
     model: nn.Module,
     mesh: DeviceMesh,
-    plan: Mapping[str, TableSpec] | None = None,
+    plan: Mapping[str, TableSpec] | object | None = None,
     optimizer: FusedOptimizer | None = None,
     sync_every: int | None = None,
 ) -> nn.Module:
     """Shard every ``EmbeddingBagCollection`` of ``model`` per ``plan``; DDP the rest.
 
-    ``plan`` maps ``"<collection fqn>.<table>"`` to a spec; tables it omits,
-    and open choices like ``TableWise(rank=None)``, are planned by
-    ``dtrec.plan``. Dense parameters become data parallel over all W ranks
-    (torch's ``replicate``). With ``optimizer`` (a ``dtrec.optim`` config)
-    the table update is fused into backward: table weights get no ``.grad``
-    and ``model.fused_optimizer`` holds the state. ``sync_every=k``: replicas of a
-    sharded table stop summing gradients every step and instead average weights
-    (and fused optimizer state) every k steps, like TorchRec's 2D ``DMPCollection``:
-    less replicate-axis traffic, but each replica group takes its own steps in
-    between, so results differ from the unsharded model unless k=1 with SGD (see
-    ``ShardedEmbeddingBagCollection.sync_replicas``). Returns ``model`` itself,
-    changed in place (or the sharded collection when ``model`` is one), as a
-    ``DistributedModule``: its class becomes a subclass of ``DistributedModule`` and
-    its own class (as torch's ``fully_shard`` does), so ``isinstance`` checks and
-    ``state_dict`` keys stay the same and ``model.sharding_plan`` /
-    ``model.fused_optimizer`` read the distribution's state.
+    ``plan`` maps ``"<collection fqn>.<table>"`` to a spec; tables it omits, and open
+    choices like ``TableWise(rank=None)``, are planned by ``dtrec.plan``. A TorchRec
+    ``ShardingPlan`` works too (``dtrec.interop.plans``). TorchRec's
+    ``EmbeddingBagCollection``s are sharded like dtrec's (same weights, same
+    ``is_weighted``); any other TorchRec sparse module is a TypeError naming it. Dense
+    parameters become data parallel over all W ranks (torch's ``replicate``). With
+    ``optimizer`` (a ``dtrec.optim`` config) the table update is fused into backward: table
+    weights get no ``.grad`` and ``model.fused_optimizer`` holds the state.
+    ``sync_every=k``: replicas of a sharded table stop summing gradients every step and
+    instead average weights (and fused optimizer state) every k steps, like TorchRec's 2D
+    ``DMPCollection``: less replicate-axis traffic, but each replica group takes its own
+    steps in between, so results differ from the unsharded model unless k=1 with SGD (see
+    ``ShardedEmbeddingBagCollection.sync_replicas``). Returns ``model`` itself, changed in
+    place (or the sharded collection when ``model`` is one), as a ``DistributedModule``: its
+    class becomes a subclass of ``DistributedModule`` and its own class (as torch's
+    ``fully_shard`` does), so ``isinstance`` checks and ``state_dict`` keys stay the same
+    and ``model.sharding_plan`` / ``model.fused_optimizer`` read the distribution's state.
     Collective: every rank calls it with the same model config and plan.
 
     Example::
@@ -65,10 +67,10 @@ def distribute_module(
         model = dtrec.distribute_module(model, mesh, {"sparse.t0": RowWise()})
     """
     shard_axis(mesh)
-    if plan is not None and not isinstance(plan, Mapping):
+    if plan is not None and not isinstance(plan, Mapping) and not is_torchrec_plan(plan):
         raise TypeError(
-            f"plan must be a mapping {{'<collection fqn>.<table>': spec}} or None, got "
-            f"{type(plan).__name__}"
+            f"plan must be a mapping {{'<collection fqn>.<table>': spec}}, a TorchRec "
+            f"ShardingPlan or None, got {type(plan).__name__}"
         )
     check_sync_every(sync_every)
     if mesh.size() != dist.get_world_size():
@@ -88,8 +90,12 @@ def distribute_module(
                 "model is already distributed (it holds ShardedEmbeddingBagCollection(s)); "
                 "distribute the unsharded model once"
             )
-        raise ValueError("model has no dtrec.EmbeddingBagCollection to distribute")
+        raise ValueError(
+            "model has no dtrec.EmbeddingBagCollection (or torchrec.EmbeddingBagCollection) "
+            "to distribute"
+        )
     tables = model_tables(model)
+    plan = from_torchrec(plan, tables, mesh)
     check_plan_keys(dict(plan or {}), tables)
     full_plan = make_plan(model, mesh, constraints=plan)
     on_meta = any(
@@ -107,8 +113,9 @@ def distribute_module(
         specs = {cfg.name: full_plan[table_fqn(fqn, cfg.name)] for cfg in tables}
         weights = {cfg.name: ebc.embedding_bags[cfg.name].weight for cfg in tables}
         sharded[fqn] = ShardedEmbeddingBagCollection(
-            tables, weights, mesh, specs, optimizer, ebc.bounds_check, sync_every, seed
-        )
+            tables, weights, mesh, specs, optimizer, ebc.bounds_check, sync_every, seed,
+            ebc.is_weighted,
+        )  # fmt: skip
     fused = FusedOptimizerView(sharded, optimizer) if optimizer is not None else None
     state = DistributedState(full_plan, fused)
     if "" in sharded:

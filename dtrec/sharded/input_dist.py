@@ -83,13 +83,18 @@ class InputDist:
         self._shard_ranks = dist.get_process_group_ranks(self._shard_group)
         self._device = mesh_device(mesh)  # batches and collective buffers (NCCL: cuda)
 
-    def __call__(self, features: object, bounds_check: str) -> RoutedBatch:
-        """Validate ``features`` and start sending its ids; a refusal is kept, not raised."""
+    def __call__(
+        self, features: object, bounds_check: str, weighted: bool | None = None
+    ) -> RoutedBatch:
+        """Validate ``features`` (``prepare_features``: ids, per-sample weights per
+        ``weighted``) and start sending its ids; a refusal is kept, not raised."""
         rank = dist.get_rank()
         error: Exception | None = None
         kjt: KeyedJaggedTensor | None = None
         try:
-            kjt = prepare_features(features, self._tables, rank, bounds_check, self._device)
+            kjt = prepare_features(
+                features, self._tables, rank, bounds_check, self._device, weighted
+            )
         except (KeyError, ValueError, IndexError, TypeError) as exc:
             error = exc
         if not self._routing.has_sharded:  # no header: the verdict goes over the world

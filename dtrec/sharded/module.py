@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtrec.modules.config import EmbeddingBagConfig
-from dtrec.modules.features import check_bounds_mode
+from dtrec.modules.features import check_bounds_mode, check_weighted
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import SHARD, shard_axis, shard_position
@@ -60,7 +60,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
     """``EmbeddingBagCollection`` with tables sharded per a spec each.
 
     Same forward contract on the local batch (same keys, order and values as
-    the unsharded module), same ``state_dict`` keys with DTensor values.
+    the unsharded module, per-sample weights used per its ``is_weighted``), same
+    ``state_dict`` keys with DTensor values.
     """
 
     #: How replicas sum gradients (fused or not): "auto" (sparse or dense per table,
@@ -77,9 +78,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         bounds_check: str = "on",
         sync_every: int | None = None,
         init_seed: int = 0,
+        is_weighted: bool | None = None,
     ) -> None:
         super().__init__()
         self.bounds_check = check_bounds_mode(bounds_check)
+        self.is_weighted = check_weighted(is_weighted)
         check_sync_every(sync_every)
         names = [cfg.name for cfg in tables]
         for what, given in (("weights", weights), ("specs", specs)):
@@ -251,4 +254,4 @@ class ShardedEmbeddingBagCollection(nn.Module):
         does not raise before the step in progress ends, and every rank fails the
         same step before any weight changes.
         """
-        return self._input_dist(features, self.bounds_check)
+        return self._input_dist(features, self.bounds_check, self.is_weighted)

@@ -1,0 +1,140 @@
+"""TorchRec's sparse modules, recognised by their class (torchrec is never imported).
+
+``torchrec.EmbeddingBagCollection`` (weighted or not) becomes dtrec's
+``EmbeddingBagCollection`` over the same weight tensors; every other module whose
+class comes from TorchRec's sparse code (sequence, feature-processed, managed-collision,
+quantized or fused collections, modules TorchRec already sharded) is an error naming
+its FQN, its type and what to do, so no table is ever left silently replicated.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from dtrec.modules import EmbeddingBagCollection
+
+_DENSE_TORCHREC_MODULES = (
+    "torchrec.modules.activation",
+    "torchrec.modules.crossnet",
+    "torchrec.modules.deepfm",
+    "torchrec.modules.lazy_extension",
+    "torchrec.modules.mlp",
+    "torchrec.modules.regroup",
+    "torchrec.modules.utils",
+    "torchrec.models",
+)
+"""TorchRec modules without tables (dense layers, models composing others): left as they
+are; their children are looked at one by one."""
+
+_BAG_COLLECTION = ("torchrec.modules.embedding_modules", "EmbeddingBagCollection")
+
+_ADVICE = {
+    "EmbeddingCollection": (
+        "sequence (unpooled) embeddings are not supported yet; keep the module out of the "
+        "model given to distribute_module, or use an EmbeddingBagCollection"
+    ),
+    "FeatureProcessedEmbeddingBagCollection": (
+        "feature processors are not supported; compute the per-sample weights in the input "
+        "pipeline and pass them in the KeyedJaggedTensor to a weighted "
+        "torchrec.EmbeddingBagCollection(is_weighted=True)"
+    ),
+    "torchrec.modules.mc_": (
+        "managed-collision modules are not supported; remap ids to rows before the model "
+        "and use a torchrec.EmbeddingBagCollection"
+    ),
+    "torchrec.modules.hash_mc_": (
+        "managed-collision modules are not supported; remap ids to rows before the model "
+        "and use a torchrec.EmbeddingBagCollection"
+    ),
+    "torchrec.quant": "dtrec trains float tables; distribute the float model, quantize after",
+    "torchrec.modules.fused_embedding_modules": (
+        "use torchrec.EmbeddingBagCollection and pass the optimizer to distribute_module "
+        "(e.g. optimizer=dtrec.optim.RowWiseAdagrad(lr=...)): dtrec fuses it into backward"
+    ),
+    "torchrec.distributed": (
+        "the module is already sharded by TorchRec; give distribute_module the unsharded model"
+    ),
+}
+"""Class name or module prefix -> what to do instead."""
+
+
+def _origin(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _torchrec_sparse_class(module: nn.Module) -> type | None:
+    """The first class in ``module``'s MRO that is TorchRec sparse code, or None."""
+    for cls in type(module).__mro__:
+        name = cls.__module__
+        if name.split(".")[0] != "torchrec":
+            continue
+        if any(name == d or name.startswith(d + ".") for d in _DENSE_TORCHREC_MODULES):
+            continue
+        return cls
+    return None
+
+
+def is_torchrec_bag_collection(module: nn.Module) -> bool:
+    """Exactly TorchRec's ``EmbeddingBagCollection`` (a subclass may change its forward,
+    so it is not converted: ``unsupported_module`` reports it)."""
+    cls = type(module)
+    return (cls.__module__, cls.__qualname__) == _BAG_COLLECTION
+
+
+def unsupported_module(fqn: str, module: nn.Module) -> TypeError | None:
+    """The error for a TorchRec sparse module dtrec cannot shard; None for any other
+    module (dtrec's own, TorchRec's ``EmbeddingBagCollection``, dense layers)."""
+    if is_torchrec_bag_collection(module):
+        return None
+    found = _torchrec_sparse_class(module)
+    if found is None:
+        return None
+    advice = _ADVICE.get(found.__qualname__)
+    if advice is None:
+        advice = next(
+            (text for prefix, text in _ADVICE.items() if found.__module__.startswith(prefix)),
+            None,
+        )
+    if advice is None and (found.__module__, found.__qualname__) == _BAG_COLLECTION:
+        advice = (
+            "it subclasses torchrec.EmbeddingBagCollection, whose forward dtrec cannot know; "
+            "use torchrec.EmbeddingBagCollection itself or dtrec.EmbeddingBagCollection"
+        )
+    if advice is None:
+        advice = (
+            "dtrec shards torchrec.EmbeddingBagCollection and dtrec.EmbeddingBagCollection "
+            "only; keep this module out of the model given to distribute_module"
+        )
+    where = repr(fqn) if fqn else "the model itself"
+    kind = _origin(type(module))
+    via = "" if found is type(module) else f" (a subclass of {_origin(found)})"
+    return TypeError(
+        f"module {where} is a {kind}{via}, a TorchRec sparse module dtrec cannot shard and "
+        f"will not leave silently replicated: {advice}"
+    )
+
+
+def from_torchrec_bag_collection(module: nn.Module) -> EmbeddingBagCollection:
+    """dtrec's ``EmbeddingBagCollection`` for a TorchRec one, holding the same weight
+    ``Parameter``s (no copy): same tables, features, pooling, dtype and ``is_weighted``.
+
+    Example::
+
+        ebc = from_torchrec_bag_collection(torchrec.EmbeddingBagCollection(tables))
+    """
+    if not is_torchrec_bag_collection(module):
+        raise TypeError(f"expected a torchrec.EmbeddingBagCollection, got {_origin(type(module))}")
+    configs = module.embedding_bag_configs()
+    converted = EmbeddingBagCollection(
+        configs, device="meta", is_weighted=bool(module.is_weighted())
+    )
+    for cfg in converted.embedding_bag_configs():
+        source = module.embedding_bags[cfg.name]
+        if tuple(source.weight.shape) != (cfg.num_embeddings, cfg.embedding_dim):
+            raise ValueError(
+                f"table {cfg.name!r}: weight has shape {tuple(source.weight.shape)}, its "
+                f"config says ({cfg.num_embeddings}, {cfg.embedding_dim})"
+            )
+        converted.embedding_bags[cfg.name].weight = source.weight
+    converted.train(module.training)
+    return converted

@@ -1,0 +1,289 @@
+"""TorchRec plans and constraints as dtrec's: ``ShardingPlan`` -> specs on the mesh,
+``ParameterConstraints`` -> ``TableConstraint``.
+
+Ranks in a TorchRec plan are positions on the "shard" axis when they all fit it (a
+``DMPCollection`` plan is made for one sharding group, ranks 0..S-1; with R = 1 they
+are the world's ranks, as ``DistributedModelParallel``'s are). A plan made for the whole
+world of a 2D mesh (some rank >= S) names global ranks: each maps to its mesh
+position, and every replica group the table's ranks touch must get the same positions.
+The spec chosen per table is then checked block by block (rows, columns, position)
+against the plan's own shards, so a plan dtrec cannot reproduce exactly (uneven rows,
+TorchRec's column blocks that are not one per position, a rank list off the mesh) is a
+ValueError naming the table, never a different layout in silence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from statistics import fmean
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtrec.modules.config import EmbeddingBagConfig
+from dtrec.placements import (
+    ColumnWise,
+    DataParallel,
+    Grid,
+    RowWise,
+    TableRowWise,
+    TableSpec,
+    TableWise,
+    chunk_bounds,
+)
+from dtrec.placements.mesh import ShardAxis, shard_axis
+from dtrec.planning.planner import TableConstraint
+
+SHARDING_TYPES: dict[str, type[TableSpec]] = {
+    "data_parallel": DataParallel,
+    "table_wise": TableWise,
+    "row_wise": RowWise,
+    "column_wise": ColumnWise,
+    "table_row_wise": TableRowWise,
+    "grid_shard": Grid,
+}
+"""TorchRec ``ShardingType`` value -> the dtrec spec class that lays a table out alike."""
+
+COMPUTE_KERNELS = ("dense", "fused")
+"""TorchRec compute kernels dtrec has (fused or not is ``distribute_module``'s
+``optimizer``); UVM caching, key-value, quantized and virtual-table kernels it lacks."""
+
+
+def is_torchrec_plan(obj: object) -> bool:
+    """Whether ``obj`` is a TorchRec ``ShardingPlan`` (module path -> per-table shardings)."""
+    return (
+        type(obj).__name__ == "ShardingPlan"
+        and not isinstance(obj, Mapping)  # dtrec's own ShardingPlan is a dict
+        and isinstance(getattr(obj, "plan", None), Mapping)
+    )
+
+
+def _is_parameter_sharding(obj: object) -> bool:
+    return all(hasattr(obj, a) for a in ("sharding_type", "compute_kernel", "ranks"))
+
+
+def _is_parameter_constraints(obj: object) -> bool:
+    return type(obj).__name__ == "ParameterConstraints" and hasattr(obj, "sharding_types")
+
+
+def from_torchrec(
+    constraints: object, tables: Mapping[str, EmbeddingBagConfig], mesh: DeviceMesh
+) -> object:
+    """dtrec's ``{table fqn: spec or TableConstraint}`` for a TorchRec ``ShardingPlan`` or
+    a mapping holding TorchRec ``ParameterConstraints`` (keyed by table name, as TorchRec's
+    planner takes them, or by table FQN); anything else is returned unchanged.
+
+    Example::
+
+        specs = from_torchrec(torchrec_plan, model_tables(model), mesh)
+    """
+    if is_torchrec_plan(constraints):
+        return from_torchrec_plan(constraints, tables, mesh)
+    if not isinstance(constraints, Mapping):
+        return constraints
+    values = list(constraints.values())
+    if any(_is_parameter_sharding(v) for v in values):
+        raise TypeError(
+            "got a TorchRec module plan (table -> ParameterSharding); wrap it in "
+            "torchrec's ShardingPlan({'<collection fqn>': module_plan}) so each table has "
+            "its collection's path"
+        )
+    if not any(_is_parameter_constraints(v) for v in values):
+        return constraints
+    axis = shard_axis(mesh)
+    converted: dict[str, object] = {}
+    for key, value in constraints.items():
+        if not _is_parameter_constraints(value):
+            converted[key] = value
+            continue
+        for fqn in _tables_named(key, tables):
+            converted[fqn] = from_parameter_constraints(tables[fqn], value, axis)
+    return converted
+
+
+def _tables_named(key: str, tables: Mapping[str, EmbeddingBagConfig]) -> list[str]:
+    if key in tables:
+        return [key]
+    matches = [fqn for fqn, cfg in tables.items() if cfg.name == key]
+    if not matches:
+        raise KeyError(
+            f"TorchRec ParameterConstraints for unknown table {key!r}; the model's tables "
+            f"are {sorted(tables)}"
+        )
+    return matches
+
+
+def from_parameter_constraints(
+    table: EmbeddingBagConfig, constraints: object, axis: ShardAxis
+) -> TableConstraint:
+    """A ``TableConstraint`` for one table's TorchRec ``ParameterConstraints``.
+
+    ``sharding_types`` -> allowed spec classes; ``min_partition`` (narrowest column
+    shard) drops ``ColumnWise`` when its columns per position would be narrower;
+    ``pooling_factors`` (per feature) -> their mean; ``compute_kernels`` must include one
+    dtrec has. Cache, key-value and virtual-table settings are a ValueError; the other
+    fields (batch sizes, bounds check mode, ...) are hints dtrec's planner does not use.
+    """
+    name = table.name
+    for field_name in ("cache_params", "key_value_params", "use_virtual_table"):
+        if getattr(constraints, field_name, None) not in (None, False):
+            raise ValueError(
+                f"table {name!r}: TorchRec constraint {field_name} is not supported by dtrec "
+                "(its tables live in device or host memory, without caches, key-value "
+                "stores or virtual tables); drop it"
+            )
+    kernels = getattr(constraints, "compute_kernels", None)
+    if kernels is not None and not any(_value(k) in COMPUTE_KERNELS for k in kernels):
+        raise ValueError(
+            f"table {name!r}: TorchRec compute_kernels {[_value(k) for k in kernels]} has none "
+            f"dtrec runs ({list(COMPUTE_KERNELS)})"
+        )
+    sharding_types = getattr(constraints, "sharding_types", None)
+    types = list(SHARDING_TYPES.values())
+    if sharding_types is not None:
+        types = [_spec_class(_value(t), name) for t in sharding_types]
+    min_partition = getattr(constraints, "min_partition", None)
+    if min_partition is not None and ColumnWise in types:
+        widths = [hi - lo for lo, hi in chunk_bounds(table.embedding_dim, axis.size)]
+        if min(widths) < min_partition:
+            types.remove(ColumnWise)
+            if not types:
+                raise ValueError(
+                    f"table {name!r}: TorchRec constraints allow only column_wise, but "
+                    f"embedding_dim {table.embedding_dim} over {axis.size} shard positions "
+                    f"gives columns of {min(widths)} < min_partition {min_partition}"
+                )
+    factors = getattr(constraints, "pooling_factors", None)
+    return TableConstraint(
+        types=tuple(types) if sharding_types is not None or min_partition is not None else None,
+        pooling_factor=float(fmean(factors)) if factors else None,
+    )
+
+
+def _value(item: object) -> object:
+    """An enum's value (TorchRec's ``ShardingType.ROW_WISE``), else the item itself."""
+    value = getattr(item, "value", None)
+    return value if isinstance(value, str) else item
+
+
+def _spec_class(sharding_type: object, table: str) -> type[TableSpec]:
+    if sharding_type not in SHARDING_TYPES:
+        raise ValueError(
+            f"table {table!r}: TorchRec sharding type {sharding_type!r} has no dtrec spec; "
+            f"dtrec has {list(SHARDING_TYPES)}"
+        )
+    return SHARDING_TYPES[sharding_type]
+
+
+def from_torchrec_plan(
+    plan: object, tables: Mapping[str, EmbeddingBagConfig], mesh: DeviceMesh
+) -> dict[str, TableSpec]:
+    """``{table fqn: spec}`` for a TorchRec ``ShardingPlan`` on this mesh (module doc)."""
+    axis = shard_axis(mesh)
+    ranks = mesh.mesh.tolist()  # [S][R] global ranks
+    position_of = {r: (p, c) for p, row in enumerate(ranks) for c, r in enumerate(row)}
+    entries: list[tuple[str, object]] = []
+    for module_path, module_plan in plan.plan.items():  # type: ignore[attr-defined]
+        for table, sharding in module_plan.items():
+            key = f"{module_path}.{table}" if module_path else table
+            if key not in tables:
+                raise KeyError(
+                    f"TorchRec plan names table {table!r} of module {module_path!r}, which is "
+                    f"no table of the model; the model's tables are {sorted(tables)}"
+                )
+            entries.append((key, sharding))
+    all_ranks = [r for _, s in entries for r in (s.ranks or [])]  # type: ignore[attr-defined]
+    world_ranks = any(r >= axis.size for r in all_ranks)
+    specs: dict[str, TableSpec] = {}
+    for key, sharding in entries:
+        kind = _value(getattr(sharding, "sharding_type", None))
+        kernel = _value(getattr(sharding, "compute_kernel", None))
+        if kernel not in COMPUTE_KERNELS:
+            raise ValueError(
+                f"TorchRec plan entry {key!r}: compute kernel {kernel!r} is not one dtrec has "
+                f"({list(COMPUTE_KERNELS)}; pass a dtrec.optim optimizer for fused updates)"
+            )
+        cls = _spec_class(kind, key)
+        if cls is DataParallel:
+            specs[key] = DataParallel()
+            continue
+        shards = _shards(key, tables[key], sharding, world_ranks, position_of)
+        specs[key] = _spec_for(key, tables[key], cls, sharding, shards, axis)
+    return specs
+
+
+def _shards(
+    key: str,
+    table: EmbeddingBagConfig,
+    sharding: object,
+    world_ranks: bool,
+    position_of: dict[int, tuple[int, int]],
+) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
+    """The plan's blocks of one table as (shard position, rows, cols), one replica group's."""
+    ranks = list(getattr(sharding, "ranks", None) or [])
+    spec = getattr(sharding, "sharding_spec", None)
+    metas = list(getattr(spec, "shards", None) or [])
+    if not metas:  # no sharding spec: the whole table on each listed rank
+        full = ([0, 0], [table.num_embeddings, table.embedding_dim])
+        metas_as = [full] * len(ranks)
+    else:
+        metas_as = [(list(m.shard_offsets), list(m.shard_sizes)) for m in metas]
+    if len(metas_as) != len(ranks):
+        raise ValueError(
+            f"TorchRec plan entry {key!r}: {len(ranks)} ranks for {len(metas_as)} shards"
+        )
+    by_group: dict[int, list[tuple[int, tuple[int, int], tuple[int, int]]]] = {}
+    for rank, (offsets, sizes) in zip(ranks, metas_as, strict=True):
+        if rank not in position_of:
+            raise ValueError(
+                f"TorchRec plan entry {key!r}: rank {rank} is not in the mesh {sorted(position_of)}"
+            )
+        position, group = position_of[rank] if world_ranks else (rank, 0)
+        rows = (offsets[0], offsets[0] + sizes[0])
+        cols = (offsets[1], offsets[1] + sizes[1])
+        if rows[1] > rows[0] and cols[1] > cols[0]:
+            by_group.setdefault(group, []).append((position, rows, cols))
+    groups = list(by_group.values())
+    if any(sorted(g) != sorted(groups[0]) for g in groups[1:]):
+        raise ValueError(
+            f"TorchRec plan entry {key!r}: ranks {ranks} place the table differently in "
+            f"different replica groups ({sorted(by_group.items())}); dtrec places a table "
+            "alike in every replica group"
+        )
+    return sorted(groups[0]) if groups else []
+
+
+def _spec_for(
+    key: str,
+    table: EmbeddingBagConfig,
+    cls: type[TableSpec],
+    sharding: object,
+    shards: list[tuple[int, tuple[int, int], tuple[int, int]]],
+    axis: ShardAxis,
+) -> TableSpec:
+    """The spec of class ``cls`` whose blocks on this mesh are exactly ``shards``."""
+    kind = _value(getattr(sharding, "sharding_type", None))
+    first = shards[0][0] if shards else 0
+    spec: TableSpec
+    if cls is TableWise:
+        spec = TableWise(rank=first)
+    elif cls is TableRowWise:
+        if axis.per_node is None:
+            raise ValueError(
+                f"TorchRec plan entry {key!r}: table_row_wise needs a node-aware mesh; build "
+                "it with dtrec.init_mesh(..., node_size=N)"
+            )
+        spec = TableRowWise(node=first // axis.per_node)
+    else:
+        spec = cls()
+    try:
+        layout = spec.layout(table, axis)
+    except ValueError as exc:
+        raise ValueError(f"TorchRec plan entry {key!r} ({kind}): {exc}") from None
+    ours = sorted((b.position, b.rows, b.cols) for b in layout.blocks)
+    if ours != shards:
+        raise ValueError(
+            f"TorchRec plan entry {key!r} ({kind}, ranks {getattr(sharding, 'ranks', None)}) "
+            f"has blocks (position, rows, cols) {shards}, which dtrec's {spec!r} does not "
+            f"reproduce on this mesh ({ours}); use a dtrec spec for this table instead"
+        )
+    return spec

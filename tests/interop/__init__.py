@@ -1,0 +1,1 @@
+"""TorchRec interop: modules, configs, plans and constraints taken as they are."""

@@ -1,0 +1,198 @@
+"""TorchRec ``ShardingPlan`` / ``ParameterConstraints`` as dtrec plans and constraints.
+
+Plans are real TorchRec objects, built with ``construct_module_sharding_plan`` and its
+per-table helpers (no GPU, no process group needed); meshes come from a fake world.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dtrec
+from dtrec.interop.plans import from_torchrec
+from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
+from dtrec.planning.plan import model_tables
+from dtrec.planning.planner import TableConstraint
+from tests.fake_world import fake_world
+from tests.interop.torchrec_or_skip import needs_torchrec, torchrec
+
+pytestmark = needs_torchrec
+
+
+def _model(dim: int = 16) -> nn.Module:
+    """Four tables on the meta device (TorchRec's grid helper needs dim >= 256: it cuts
+    columns into blocks of at least 128)."""
+    configs = [
+        torchrec.EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=rows, embedding_dim=dim, feature_names=[f"f{i}"]
+        )
+        for i, rows in enumerate([40, 10, 23, 8])
+    ]
+    model = nn.Module()
+    model.sparse = torchrec.EmbeddingBagCollection(configs, device=torch.device("meta"))
+    return model
+
+
+def _plan(model: nn.Module, world: int, per_table: dict, local_size: int | None = None):
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingPlan
+
+    module_plan = construct_module_sharding_plan(
+        model.sparse, per_table, world_size=world, local_size=local_size or world,
+        device_type="cpu",
+    )  # fmt: skip
+    return ShardingPlan({"sparse": module_plan})
+
+
+def _helpers():
+    from torchrec.distributed import sharding_plan as sp
+
+    return sp
+
+
+def _mapped(world: int, shards: int, per_table: dict, node_size: int | None = None, dim=16):
+    model = _model(dim)
+    plan = _plan(model, world, per_table, local_size=node_size)
+    with fake_world(0, world):
+        mesh = dtrec.init_mesh("cpu", shards, node_size=node_size)
+        return from_torchrec(plan, model_tables(model), mesh)
+
+
+def test_dmp_plan_maps_every_type() -> None:
+    sp = _helpers()
+    specs = _mapped(4, 4, {
+        "t0": sp.row_wise(compute_kernel="dense"),
+        "t1": sp.table_wise(rank=3, compute_kernel="fused"),
+        "t2": sp.column_wise(ranks=[0, 1, 2, 3], compute_kernel="dense"),
+        "t3": sp.data_parallel(),
+    })  # fmt: skip
+    assert specs == {
+        "sparse.t0": RowWise(),
+        "sparse.t1": TableWise(rank=3),
+        "sparse.t2": ColumnWise(),
+        "sparse.t3": DataParallel(),
+    }
+
+
+def test_node_aware_types() -> None:
+    sp = _helpers()
+    specs = _mapped(4, 4, {
+        "t0": sp.table_row_wise(host_index=1),
+        "t1": sp.grid_shard(host_indexes=[0, 1]),
+        "t2": sp.table_wise(rank=0, compute_kernel="dense"),
+        "t3": sp.table_wise(rank=2, compute_kernel="dense"),
+    }, node_size=2, dim=256)  # fmt: skip
+    assert specs["sparse.t0"] == TableRowWise(node=1)
+    assert specs["sparse.t1"] == Grid()
+    model = _model()
+    plan = _plan(model, 4, {
+        "t0": sp.table_row_wise(host_index=1), "t1": sp.data_parallel(),
+        "t2": sp.data_parallel(), "t3": sp.data_parallel(),
+    }, local_size=2)  # fmt: skip
+    with fake_world(0, 4):
+        mesh = dtrec.init_mesh("cpu", 4)  # no node_size
+        with pytest.raises(ValueError, match="'sparse.t0': table_row_wise needs a node-aware"):
+            from_torchrec(plan, model_tables(model), mesh)
+
+
+def test_2d_plans_per_sharding_group_and_world() -> None:
+    """A DMPCollection plan names ranks of one sharding group (positions); a plan for
+    the whole world names global ranks, mapped to their positions."""
+    sp = _helpers()
+    group_plan = {
+        "t0": sp.row_wise(compute_kernel="dense"),
+        "t1": sp.table_wise(rank=1, compute_kernel="dense"),
+        "t2": sp.column_wise(ranks=[0, 1], compute_kernel="dense"),
+        "t3": sp.data_parallel(),
+    }
+    model = _model()
+    plan = _plan(model, 2, group_plan)
+    with fake_world(3, 4):
+        mesh = dtrec.init_mesh("cpu", 2)  # sharding groups [0, 2], [1, 3]
+        specs = from_torchrec(plan, model_tables(model), mesh)
+        assert specs == {
+            "sparse.t0": RowWise(), "sparse.t1": TableWise(rank=1),
+            "sparse.t2": ColumnWise(), "sparse.t3": DataParallel(),
+        }  # fmt: skip
+        world_plan = _plan(model, 4, {
+            "t0": sp.data_parallel(), "t1": sp.table_wise(rank=3, compute_kernel="dense"),
+            "t2": sp.column_wise(ranks=[0, 1, 2, 3], size_per_rank=[8, 8, 0, 0],
+                                 compute_kernel="dense"),
+            "t3": sp.data_parallel(),
+        })  # fmt: skip
+        with pytest.raises(ValueError, match="'sparse.t2': ranks \\[0, 1, 2, 3\\] place"):
+            from_torchrec(world_plan, model_tables(model), mesh)
+        world_plan.plan["sparse"]["t2"] = world_plan.plan["sparse"]["t0"]
+        specs = from_torchrec(world_plan, model_tables(model), mesh)
+        assert specs["sparse.t1"] == TableWise(rank=1)  # rank 3 is shard position 1
+
+
+def test_unmappable_plans_are_errors_naming_the_table() -> None:
+    sp = _helpers()
+    dp = {"t1": sp.data_parallel(), "t2": sp.data_parallel(), "t3": sp.data_parallel()}
+    with pytest.raises(ValueError, match="'sparse.t0' .column_wise, ranks \\[0, 1\\]. has blocks"):
+        _mapped(4, 4, {"t0": sp.column_wise(ranks=[0, 1], compute_kernel="dense"), **dp})
+    with pytest.raises(ValueError, match="'sparse.t0': compute kernel 'fused_uvm_caching'"):
+        _mapped(4, 4, {"t0": sp.table_wise(rank=0, compute_kernel="fused_uvm_caching"), **dp})
+    model = _model()
+    plan = _plan(model, 4, {"t0": sp.table_wise(rank=0, compute_kernel="dense"), **dp})
+    plan.plan["sparse"]["t0"].sharding_type = "table_column_wise"
+    with fake_world(0, 4):
+        mesh = dtrec.init_mesh("cpu", 4)
+        with pytest.raises(ValueError, match="sharding type 'table_column_wise' has no dtrec"):
+            from_torchrec(plan, model_tables(model), mesh)
+        plan.plan["sparse"]["t9"] = plan.plan["sparse"].pop("t0")
+        with pytest.raises(KeyError, match="names table 't9' of module 'sparse'"):
+            from_torchrec(plan, model_tables(model), mesh)
+        with pytest.raises(TypeError, match="got a TorchRec module plan"):
+            from_torchrec(dict(plan.plan["sparse"]), model_tables(model), mesh)
+
+
+def test_distribute_module_and_plan_take_a_torchrec_plan() -> None:
+    sp = _helpers()
+    model = _model()
+    plan = _plan(model, 2, {
+        "t0": sp.row_wise(compute_kernel="dense"), "t1": sp.table_wise(rank=1),
+        "t2": sp.data_parallel(), "t3": sp.column_wise(ranks=[0, 1]),
+    })  # fmt: skip
+    with fake_world(0, 2):
+        mesh = dtrec.init_mesh("cpu", 2)
+        chosen = dtrec.plan(model, mesh, constraints=plan)
+        assert dict(chosen) == {
+            "sparse.t0": RowWise(), "sparse.t1": TableWise(rank=1),
+            "sparse.t2": DataParallel(), "sparse.t3": ColumnWise(),
+        }  # fmt: skip
+
+
+def test_parameter_constraints() -> None:
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    model = _model()
+    constraints = {
+        "t0": ParameterConstraints(sharding_types=["row_wise", "column_wise"], min_partition=8,
+                                   pooling_factors=[3.0]),
+        "t1": ParameterConstraints(sharding_types=["table_wise"]),
+        "sparse.t2": TableWise(rank=0),
+    }  # fmt: skip
+    with fake_world(0, 4):
+        mesh = dtrec.init_mesh("cpu", 4)
+        mapped = from_torchrec(constraints, model_tables(model), mesh)
+        # 16 columns over 4 positions are 4 wide < min_partition 8: no ColumnWise
+        assert mapped["sparse.t0"] == TableConstraint(types=(RowWise,), pooling_factor=3.0)
+        assert mapped["sparse.t1"] == TableConstraint(types=(TableWise,), pooling_factor=1.0)
+        assert mapped["sparse.t2"] == TableWise(rank=0)
+        chosen = dtrec.plan(model, mesh, constraints=constraints)
+        assert chosen["sparse.t0"] == RowWise()
+        assert isinstance(chosen["sparse.t1"], TableWise)
+        for bad, match in [
+            ({"t9": ParameterConstraints()}, "ParameterConstraints for unknown table 't9'"),
+            ({"t0": ParameterConstraints(compute_kernels=["key_value"])}, "'t0': TorchRec comp"),
+            ({"t0": ParameterConstraints(sharding_types=["table_column_wise"])}, "'t0': TorchRec "
+             "sharding type 'table_column_wise'"),
+            ({"t0": ParameterConstraints(sharding_types=["column_wise"], min_partition=8)},
+             "allow only column_wise"),
+        ]:  # fmt: skip
+            with pytest.raises((KeyError, ValueError), match=match):
+                dtrec.plan(model, mesh, constraints=bad)
