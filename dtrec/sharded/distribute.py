@@ -168,7 +168,8 @@ class DistributedModule:
 
     @property
     def fused_optimizer(self) -> FusedOptimizerView | None:
-        """The fused optimizer's per-table state (checkpoints), None without one."""
+        """The fused optimizer (a torch Optimizer: param groups for LR schedulers, per-table
+        state for checkpoints), None without one."""
         return self._dtrec_state.fused_optimizer
 
 
