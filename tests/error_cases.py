@@ -105,12 +105,29 @@ def load_fused(mesh: DeviceMesh, t0_state: dict | None) -> None:
     """Load a fused row-wise Adagrad state whose "sparse.t0" entry is ``t0_state``
     (None: leave the table out)."""
     model = distributed(mesh, optimizer=RowWiseAdagrad(lr=0.1))
-    state = model.fused_optimizer.state_dict()
+    state = model.fused_optimizer.state_dict()["state"]
     if t0_state is None:
         del state["sparse.t1"]
     else:
         state["sparse.t0"] = t0_state
+    model.fused_optimizer.load_state_dict(model.fused_optimizer.state_dict() | {"state": state})
+
+
+def load_fused_groups(mesh: DeviceMesh, change: Callable[[dict], object]) -> None:
+    """Load a fused row-wise Adagrad ``state_dict()`` after ``change(state_dict)``."""
+    model = distributed(mesh, optimizer=RowWiseAdagrad(lr=0.1))
+    state = model.fused_optimizer.state_dict()
+    change(state)
     model.fused_optimizer.load_state_dict(state)
+
+
+def fused_step_with_group(mesh: DeviceMesh, **change: object) -> None:
+    """A step of an all-data-parallel fused SGD model after ``change`` to its param group."""
+    model = distributed(
+        mesh, {"sparse.t0": DataParallel(), "sparse.t1": DataParallel()}, SGD(lr=0.1)
+    )
+    model.fused_optimizer.param_groups[0].update(change)
+    loss(model, batch()).backward()
 
 
 def load_shape(mesh: DeviceMesh) -> None:
@@ -193,6 +210,24 @@ def fused_model_loads_unfused_checkpoint(tmp: Path) -> None:
     with fake_world(0, 2):
         model = distributed(dtrec.init_mesh("cpu", 2), optimizer=Adam(lr=0.1))
         checkpoint.load(root, model)
+
+
+def checkpoint_with_bad_param_group(tmp: Path) -> None:
+    """A checkpoint whose marker records a fused SGD group with lr -1, into a fused model."""
+    root = saved(tmp)
+    directory = next(root.iterdir())
+    marker = json.loads((directory / checkpoint.MARKER).read_text())
+    group = {"lr": -1.0, "params": ["sparse.t0", "sparse.t1"]}
+    marker["fused_optimizer"] = {"type": "SGD", "config": {"lr": 0.1}, "param_groups": [group]}
+    (directory / checkpoint.MARKER).write_text(json.dumps(marker))
+    with fake_world(0, 2):
+        checkpoint.load(root, distributed(dtrec.init_mesh("cpu", 2), optimizer=SGD(lr=0.1)))
+
+
+def fused_optimizer_given_as_dense(tmp: Path) -> None:
+    with fake_world(0, 2):
+        model = distributed(dtrec.init_mesh("cpu", 2), optimizer=SGD(lr=0.1))
+        checkpoint.save(tmp, model, model.fused_optimizer)
 
 
 def unknown_backend_from_env(tmp: Path) -> None:
@@ -386,6 +421,26 @@ LOCAL: dict[str, Case] = {
     "E079": on_mesh(2, 2, lambda m: load_fused(m, None)),
     "E080": on_mesh(2, 2, lambda m: load_fused(m, {"exp_avg": torch.zeros(10, 4)})),
     "E081": on_mesh(2, 2, lambda m: load_fused(m, {"sum": torch.zeros(11)})),
+    # model.fused_optimizer: param groups read at every step, their state_dict
+    "E171": on_mesh(2, 2, lambda m: fused_step_with_group(m, weight_decay=0.01)),
+    "E172": on_mesh(2, 2, lambda m: fused_step_with_group(m, lr=float("nan"))),
+    "E173": on_mesh(2, 2, lambda m: load_fused_groups(m, lambda s: s.pop("param_groups"))),
+    "E174": on_mesh(
+        2, 2, lambda m: load_fused_groups(m, lambda s: s["param_groups"].append({"lr": 0.1}))
+    ),
+    "E175": on_mesh(
+        2, 2, lambda m: load_fused_groups(m, lambda s: s["param_groups"][0]["params"].reverse())
+    ),
+    "E176": on_mesh(
+        2, 2, lambda m: load_fused_groups(m, lambda s: s["param_groups"][0].pop("eps"))
+    ),
+    "E177": on_mesh(
+        2,
+        2,
+        lambda m: distributed(m, optimizer=SGD(lr=0.1)).fused_optimizer.add_param_group(
+            {"params": [torch.zeros(1)]}
+        ),
+    ),
     "E082": on_mesh(
         2, 2, lambda m: dtrec.ShardedEmbeddingBagCollection(tables(), {}, m, {"t0": RowWise()})
     ),
@@ -455,6 +510,8 @@ LOCAL: dict[str, Case] = {
     "E138": load_into(optimizer=lambda ps: torch.optim.Adagrad(ps, lr=0.1)),
     "E139": load_into(model=with_layer("dense", lambda: nn.Linear(7, 2))),
     "E140": load_into(model=with_layer("extra", lambda: nn.Linear(2, 2))),
+    "E178": checkpoint_with_bad_param_group,
+    "E179": fused_optimizer_given_as_dense,
     "E141": load_into(lambda root: next(root.glob("*/*.distcp")).write_bytes(b"not a checkpoint")),
     # TrainPipeline
     "E142": lambda tmp: dtrec.TrainPipeline(Model(), None, loss),

@@ -2,8 +2,10 @@
 
 What is saved: the model's state dict (tables as DTensors, so each rank writes only
 its blocks, and blocks its replicas also hold are written once), the fused
-optimizer's state (DTensors placed like their tables), and optionally a dense torch
-optimizer. DCP reshards on load: a checkpoint saved under one plan and mesh loads
+optimizer's state (DTensors placed like their tables) and its param groups' current
+hyperparameters (the marker records them: lr, eps, betas and any LR scheduler's keys,
+so a resumed run takes the same steps), and optionally a dense torch optimizer.
+DCP reshards on load: a checkpoint saved under one plan and mesh loads
 under any other plan, world size or into the unsharded model.
 
 Crash safety: ``save(root, ...)`` writes ``root/.ckpt-NNNNNN.partial``, then rank 0
@@ -50,6 +52,7 @@ from dtrec.checkpoint.agreement import (
 )
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.planning.plan import table_fqn
+from dtrec.sharded.fused_optimizer import FusedOptimizerView
 from dtrec.sharded.tensor import full_tensor, like_dtensor
 
 MARKER = "COMPLETE.json"
@@ -61,6 +64,11 @@ MODEL, FUSED, OPTIM = "model", "fused_optimizer", "optimizer"
 def _check_args(model: object, optimizer: object) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(optimizer, FusedOptimizerView):
+        raise TypeError(
+            "optimizer is a model's fused_optimizer: its state and param groups are saved "
+            "with the model; pass the dense torch optimizer or None"
+        )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be the dense torch.optim.Optimizer or None, got "
@@ -88,7 +96,7 @@ def _tables(model: nn.Module) -> dict[str, EmbeddingBagConfig]:
     }
 
 
-def _fused_optimizer(model: nn.Module) -> Any:
+def _fused_optimizer(model: nn.Module) -> FusedOptimizerView | None:
     return getattr(model, "fused_optimizer", None)
 
 
@@ -103,7 +111,7 @@ def _model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
     fused = _fused_optimizer(model)
     if fused is not None:
         blocks = fused.blocks()  # ranks without a block keep an empty, unused state
-        for table, entries in fused.state_dict().items():
+        for table, entries in fused.state_dict()["state"].items():
             for name, value in entries.items():
                 if _holds(value) and blocks[table] is not None:
                     state[f"{FUSED}.{table}.{name}"] = value
@@ -139,7 +147,11 @@ def _describe(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict
     config = None
     if fused is not None:
         opt = fused.optimizer
-        config = {"type": type(opt).__name__, "config": _jsonable(vars(opt))}
+        config = {
+            "type": type(opt).__name__,
+            "config": _jsonable(vars(opt)),
+            "param_groups": [_jsonable(group) for group in fused.saved_param_groups()],
+        }
     return {
         "tables": {
             fqn: {
@@ -197,6 +209,9 @@ def save(
     ):
         raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
     root = Path(path)
+    fused = _fused_optimizer(model)
+    if fused is not None:  # a group a step would reject is not saved either
+        fused.check_param_groups(fused.saved_param_groups())
     state = _model_state(model, optimizer)
     described = _describe(model, optimizer)
 
@@ -308,11 +323,25 @@ def _check_compatible(
                 f"fused optimizer type: {want['type']} in the model, {have['type']} in the "
                 "checkpoint"
             )
+        _check_param_groups(model, have)
     if optimizer is not None and marker["optimizer"] != type(optimizer).__name__:
         raise CheckpointError(
             f"optimizer type: {type(optimizer).__name__} given, {marker['optimizer']} in the "
             "checkpoint"
         )
+
+
+def _check_param_groups(model: nn.Module, saved: dict[str, Any]) -> None:
+    """The saved param groups fit the model's fused optimizer (checkpoints written before
+    groups were saved have none: the model keeps its own)."""
+    fused = _fused_optimizer(model)
+    if fused is None or saved.get("param_groups") is None:
+        return
+    try:
+        fused.check_param_groups(saved["param_groups"])
+    except (KeyError, TypeError, ValueError) as exc:
+        text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        raise CheckpointError(f"checkpoint's {text}") from None
 
 
 def _check_shapes(state: dict[str, Any], directory: Path) -> None:
@@ -375,6 +404,9 @@ def load(
                 target = value.to_local() if isinstance(value, DTensor) else value
                 source = read[key]
                 target.copy_(source.to_local() if isinstance(source, DTensor) else source)
+    fused, saved = _fused_optimizer(model), marker["fused_optimizer"]
+    if fused is not None and saved.get("param_groups") is not None:
+        fused.load_param_groups(saved["param_groups"])
     if optimizer is not None:
         like = get_optimizer_state_dict(model, optimizer)
         set_optimizer_state_dict(model, optimizer, _unflatten(read, OPTIM, like))

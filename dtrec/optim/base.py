@@ -13,9 +13,12 @@ backend (``dtrec.ops.backends``) runs it in its kernels where it can
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -43,6 +46,16 @@ class FusedOptimizer(ABC):
     @abstractmethod
     def _update_torch(self, u: RowUpdate) -> None:
         """The pure-torch update of one table's touched rows (any device, any backend)."""
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The rule's hyperparameters by name (its config fields): its param group's keys."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    def with_hyperparameters(self, values: Mapping[str, Any]) -> FusedOptimizer:
+        """This rule with ``values`` in place of its hyperparameters, checked like the
+        constructor's (ValueError naming the key). Rules are frozen: a schedule's new lr
+        makes a new rule for that step."""
+        return dataclasses.replace(self, **values)  # type: ignore[type-var]
 
     def state_layout(self) -> dict[str, str]:
         """Per state entry: "weight" (shaped like the shard), "row" (one value per row) or

@@ -12,14 +12,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from dtrec._torch_compat import replicate_module
 from dtrec.comm.failures import install_excepthook
 from dtrec.interop.plans import from_torchrec, is_torchrec_plan
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
-from dtrec.placements.layout import Block
 from dtrec.placements.mesh import shard_axis
 from dtrec.planning.plan import (
     ShardingPlan,
@@ -29,8 +27,8 @@ from dtrec.planning.plan import (
     table_fqn,
 )
 from dtrec.planning.plan import plan as make_plan
+from dtrec.sharded.fused_optimizer import FusedOptimizerView
 from dtrec.sharded.module import ShardedEmbeddingBagCollection, check_sync_every
-from dtrec.sharded.tensor import load_block
 
 
 def distribute_module(
@@ -177,7 +175,8 @@ class DistributedModule:
 
     @property
     def fused_optimizer(self) -> FusedOptimizerView | None:
-        """The fused optimizer's per-table state (checkpoints), None without one."""
+        """The fused optimizer (a torch Optimizer: param groups for LR schedulers, per-table
+        state for checkpoints), None without one."""
         return self._dtrec_state.fused_optimizer
 
 
@@ -240,65 +239,3 @@ def check_same_on_every_rank(
         f"distribute_module: ranks {differ} disagree with rank 0 on the model or plan ({detail}); "
         "every rank must distribute the same model config with the same plan and optimizer"
     )
-
-
-class FusedOptimizerView:
-    """The fused optimizer of a distributed model: its state per table, for checkpoints.
-
-    ``state_dict()`` maps ``"<collection fqn>.<table>"`` to that table's state as
-    DTensors placed like the table (rows sharded like its rows; see
-    ``ShardedEmbeddingBagCollection.fused_optimizer_dtensors``), wrapping the live
-    state. ``load_state_dict`` takes those, DTensors of other placements or full
-    tensors, checks every table and shape first, then copies.
-    """
-
-    def __init__(
-        self, collections: dict[str, ShardedEmbeddingBagCollection], optimizer: FusedOptimizer
-    ) -> None:
-        self._collections = collections
-        self.optimizer = optimizer
-        """The update rule's config (``dtrec.optim``), e.g. ``RowWiseAdagrad(lr=0.1)``."""
-
-    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {
-            table_fqn(fqn, name): state
-            for fqn, ebc in self._collections.items()
-            for name, state in ebc.fused_optimizer_dtensors().items()
-        }
-
-    def blocks(self) -> dict[str, Block | None]:
-        """Table FQN -> this rank's block of it (None: the table has none here)."""
-        return {
-            table_fqn(fqn, name): table.block
-            for fqn, ebc in self._collections.items()
-            for name, table in ebc.embedding_bags.items()
-        }
-
-    def load_state_dict(self, state_dict: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        current = self.state_dict()
-        missing = sorted(set(current) - set(state_dict))
-        unknown = sorted(set(state_dict) - set(current))
-        if missing or unknown:
-            raise KeyError(f"fused optimizer state: missing tables {missing}, unknown {unknown}")
-        for key, state in current.items():
-            if sorted(state_dict[key]) != sorted(state):
-                raise KeyError(
-                    f"fused optimizer state {key}: expected entries {sorted(state)}, got "
-                    f"{sorted(state_dict[key])} (a different optimizer?)"
-                )
-            for name, tensor in state.items():
-                got = tuple(state_dict[key][name].shape)
-                if got != tuple(tensor.shape):
-                    raise ValueError(
-                        f"fused optimizer state {key}.{name}: expected shape "
-                        f"{tuple(tensor.shape)}, got {got}"
-                    )
-        blocks = self.blocks()
-        for key, state in current.items():
-            for name, tensor in state.items():
-                value = state_dict[key][name]
-                if isinstance(tensor, DTensor):
-                    load_block(tensor, value, blocks[key], f"{key}.{name}")
-                else:
-                    with torch.no_grad():
-                        tensor.copy_(value)

@@ -17,6 +17,11 @@ others, in table order:
    all-reduce per group of column peers);
 4. applies the update to the touched rows only.
 
+The rule's hyperparameters are read from the collection's param group
+(``model.fused_optimizer.param_groups``) when the update runs, so an LR scheduler
+or a hand-set ``group["lr"]`` changes the very next update; a bad group raises
+before any collective or weight change.
+
 Doing every collective in one place, in a fixed order of groups, keeps ranks
 that share a group (replicas, column shards, the data-parallel world) in step.
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +42,7 @@ from dtrec.comm.collectives import all_reduce_coalesced
 from dtrec.ops.lookup import Lookup
 from dtrec.ops.op import lookup_backward_rows, lookup_forward
 from dtrec.optim import FusedOptimizer, RowUpdate
+from dtrec.optim.param_groups import rule_for_group
 from dtrec.sharded.grad_sync import TableRows, sum_by_row, sync_rows
 
 
@@ -76,8 +83,11 @@ class FusedUpdater:
         state: dict[int, dict[str, Tensor]],
     ) -> None:
         self.optimizer = optimizer
+        """The rule as configured; its hyperparameters are overridden by ``param_group``."""
         self.tables = tables
         self.state = state
+        self.param_group: dict[str, Any] | None = None
+        """The live torch param group (``FusedOptimizerView`` sets it) read at every update."""
         self._pending: list[tuple[list[int], Lookup, Tensor]] = []
 
     #: How replicas sum their row grads (set from the collection's ``replica_sync``).
@@ -86,8 +96,16 @@ class FusedUpdater:
     def stash(self, table_ids: list[int], lookup: Lookup, grad_out: Tensor) -> None:
         """Record a lookup's backward input; the sync and update run when backward ends."""
         if not self._pending:
-            queue_backward_callback(self.apply_pending)
+            if not _WAITING:
+                queue_backward_callback(update_waiting)
+            _WAITING.append(self)
         self._pending.append((table_ids, lookup, grad_out))
+
+    def current_rule(self) -> FusedOptimizer:
+        """The rule with this step's hyperparameters (ValueError for a bad param group)."""
+        if self.param_group is None:
+            return self.optimizer
+        return rule_for_group(self.optimizer, self.param_group)
 
     def _syncs(self, t: int) -> bool:
         """Whether table ``t``'s gradient is summed over other ranks before its update."""
@@ -97,8 +115,8 @@ class FusedUpdater:
             group is not None and dist.get_world_size(group) > 1
         )
 
-    def apply_pending(self) -> None:
-        """Update every table touched by this backward.
+    def apply_pending(self, rule: FusedOptimizer) -> None:
+        """Update every table touched by this backward, with ``rule`` (``current_rule()``).
 
         A lookup whose tables need no sync and appear in no other lookup gets the fused
         backward + step (one pass on the Triton backend). The other tables' row grads are
@@ -111,16 +129,18 @@ class FusedUpdater:
             scales = {self.tables[t].grad_scale for t in table_ids}
             if len(scales) == 1 and not any(uses[t] > 1 or self._syncs(t) for t in table_ids):
                 with torch.no_grad():
-                    self.optimizer.backward_update(
+                    rule.backward_update(
                         lookup, grad_out, [self.state[t] for t in table_ids], scales.pop()
                     )
                 continue
             rows = lookup_backward_rows(lookup, grad_out)
             for t, part in zip(table_ids, rows, strict=True):
                 parts.setdefault(t, []).append(part)
-        self._sync_and_update(parts)
+        self._sync_and_update(rule, parts)
 
-    def _sync_and_update(self, parts: dict[int, list[tuple[Tensor, Tensor]]]) -> None:
+    def _sync_and_update(
+        self, rule: FusedOptimizer, parts: dict[int, list[tuple[Tensor, Tensor]]]
+    ) -> None:
         """Average, sum over replicas (coalesced per group), reduce row norms, update.
 
         Groups are visited in the order of their first table, the same on every member
@@ -140,7 +160,7 @@ class FusedUpdater:
             )
             merged.update(zip(tables, synced, strict=True))
         row_sq_sums: dict[int, Tensor] = {}
-        if self.optimizer.needs_row_sq_sum:
+        if rule.needs_row_sq_sum:
             for tables, group in _by_group(merged, lambda t: self.tables[t].column_group):
                 sums = [merged[t][1].square().sum(1) for t in tables]
                 row_sq_sums.update(
@@ -158,7 +178,29 @@ class FusedUpdater:
             for t, (rows, grads) in merged.items()
         ]
         with torch.no_grad():
-            self.optimizer.update_tables(updates)
+            rule.update_tables(updates)
+
+
+_WAITING: list[FusedUpdater] = []
+"""Updaters with stashed backward input, in stash order; ``update_waiting`` runs them."""
+
+
+def update_waiting() -> None:
+    """The end-of-backward callback of every fused collection: all or nothing.
+
+    Every waiting updater's param group is checked before any of them syncs or updates,
+    so a bad group (ValueError) changes no table, and every updater's stash is dropped
+    whatever fails, so no half-finished backward leaks into the next one.
+    """
+    updaters = list(_WAITING)
+    _WAITING.clear()
+    try:
+        rules = [u.current_rule() for u in updaters]  # no collective yet: ranks raise alike
+        for updater, rule in zip(updaters, rules, strict=True):
+            updater.apply_pending(rule)
+    finally:
+        for updater in updaters:
+            updater._pending = []
 
 
 def _by_group(
@@ -207,7 +249,13 @@ def fused_lookup(
     offsets: Tensor,
     psw: Tensor | None,
 ) -> Tensor:
-    """Pooled lookup whose backward feeds ``updater`` instead of producing weight grads."""
+    """Pooled lookup whose backward feeds ``updater`` instead of producing weight grads.
+
+    A bad param group is reported here, in forward, where failing leaves no half-stashed
+    backward behind (the update reads the group again when it runs).
+    """
+    if torch.is_grad_enabled():
+        updater.current_rule()
     trigger = torch.empty(0, requires_grad=torch.is_grad_enabled())
     return FusedLookup.apply(
         trigger, updater, table_ids, tables, entry_table, mean, values, offsets, psw

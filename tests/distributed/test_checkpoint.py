@@ -85,7 +85,7 @@ def _full_fused(model) -> dict[str, torch.Tensor]:
 
     return {  # Adam's step is checked through training: non-holders keep their own
         f"{table}.{name}": full_tensor(value)
-        for table, state in model.fused_optimizer.state_dict().items()
+        for table, state in model.fused_optimizer.state_dict()["state"].items()
         for name, value in state.items()
         if value.dim()
     }

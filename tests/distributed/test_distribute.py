@@ -252,7 +252,8 @@ def _fused(rank: int) -> dict:
     model = dtrec.distribute_module(_model(), mesh, plan, optimizer=dtrec.optim.RowWiseAdagrad(0.1))
     before = {n: t.weight.to_local().clone() for n, t in model.sparse.embedding_bags.items()}
     model(_batch(rank)).sum().backward()
-    state = model.fused_optimizer.state_dict()
+    full = model.fused_optimizer.state_dict()
+    state = full["state"]
     changed = {
         n: not torch.equal(t.weight.to_local(), before[n])
         for n, t in model.sparse.embedding_bags.items()
@@ -269,9 +270,9 @@ def _fused(rank: int) -> dict:
     ]
     storages = {w.untyped_storage().data_ptr() for w in locals_}
     # Round trip, then a mismatch.
-    model.fused_optimizer.load_state_dict(state)
-    bad = {k: dict(v) for k, v in state.items()}
-    bad["sparse.t0"]["sum"] = torch.zeros(1000)
+    model.fused_optimizer.load_state_dict(full)
+    bad = {"state": {k: dict(v) for k, v in state.items()}, "param_groups": full["param_groups"]}
+    bad["state"]["sparse.t0"]["sum"] = torch.zeros(1000)
     return {
         "one_storage": len(locals_) < 2 or len(storages) == 1,
         "keys": sorted(state),
@@ -359,7 +360,7 @@ def _determinism(rank: int) -> dict:
             opt.zero_grad()
         state = full_state_dict(model)
         if optimizer is not None:
-            for table, entries in model.fused_optimizer.state_dict().items():
+            for table, entries in model.fused_optimizer.state_dict()["state"].items():
                 state.update({f"{table}.{k}": full_tensor(v) for k, v in entries.items()})
         return state
 
