@@ -50,15 +50,20 @@ from dtrec.checkpoint.agreement import (
     rank,
     world_size,
 )
-from dtrec.modules.config import EmbeddingBagConfig
-from dtrec.planning.plan import table_fqn
+from dtrec.checkpoint.model_state import (
+    OPTIM,
+    describe,
+    fused_optimizer_of,
+    model_state,
+    unflatten,
+)
+from dtrec.checkpoint.plain import is_plain_dcp, load_plain
 from dtrec.sharded.fused_optimizer import FusedOptimizerView
 from dtrec.sharded.tensor import full_tensor, like_dtensor
 
 MARKER = "COMPLETE.json"
 FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d{6,})$")
-MODEL, FUSED, OPTIM = "model", "fused_optimizer", "optimizer"
 
 
 def _check_args(model: object, optimizer: object) -> None:
@@ -74,101 +79,6 @@ def _check_args(model: object, optimizer: object) -> None:
             f"optimizer must be the dense torch.optim.Optimizer or None, got "
             f"{type(optimizer).__name__} (a fused optimizer's state is part of the model's)"
         )
-
-
-# --------------------------------------------------------------------------- model side
-
-
-def _collections(model: nn.Module) -> dict[str, nn.Module]:
-    """FQN -> each (sharded or unsharded) embedding-bag collection of ``model``."""
-    from dtrec.modules import EmbeddingBagCollection
-    from dtrec.sharded.module import ShardedEmbeddingBagCollection
-
-    kinds = (EmbeddingBagCollection, ShardedEmbeddingBagCollection)
-    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, kinds)}
-
-
-def _tables(model: nn.Module) -> dict[str, EmbeddingBagConfig]:
-    return {
-        table_fqn(fqn, cfg.name): cfg
-        for fqn, ebc in _collections(model).items()
-        for cfg in ebc.embedding_bag_configs()
-    }
-
-
-def _fused_optimizer(model: nn.Module) -> FusedOptimizerView | None:
-    return getattr(model, "fused_optimizer", None)
-
-
-def _holds(value: Tensor) -> bool:
-    """False for a DTensor on a sub-mesh this rank is not in (a table-wise table elsewhere)."""
-    return not isinstance(value, DTensor) or value.device_mesh.get_coordinate() is not None
-
-
-def _model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """The live tensors a checkpoint holds, flat keys; loading into them writes the model."""
-    state: dict[str, Any] = {f"{MODEL}.{k}": v for k, v in model.state_dict().items() if _holds(v)}
-    fused = _fused_optimizer(model)
-    if fused is not None:
-        blocks = fused.blocks()  # ranks without a block keep an empty, unused state
-        for table, entries in fused.state_dict()["state"].items():
-            for name, value in entries.items():
-                if _holds(value) and blocks[table] is not None:
-                    state[f"{FUSED}.{table}.{name}"] = value
-    if optimizer is not None:
-        dense = get_optimizer_state_dict(model, optimizer)
-        state.update(_flatten(dense, OPTIM))
-    return state
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        key = f"{prefix}.{k}"
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, key))
-        else:
-            out[key] = v
-    return out
-
-
-def _unflatten(flat: Mapping[str, Any], prefix: str, like: Mapping[str, Any]) -> dict:
-    """Rebuild the nested structure of ``like`` from ``flat`` keys under ``prefix``."""
-    out: dict[str, Any] = {}
-    for k, v in like.items():
-        key = f"{prefix}.{k}"
-        out[k] = _unflatten(flat, key, v) if isinstance(v, Mapping) else flat[key]
-    return out
-
-
-def _describe(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """What the marker records about the saved model, and what ``load`` compares."""
-    fused = _fused_optimizer(model)
-    config = None
-    if fused is not None:
-        opt = fused.optimizer
-        config = {
-            "type": type(opt).__name__,
-            "config": _jsonable(vars(opt)),
-            "param_groups": [_jsonable(group) for group in fused.saved_param_groups()],
-        }
-    return {
-        "tables": {
-            fqn: {
-                "num_embeddings": cfg.num_embeddings,
-                "embedding_dim": cfg.embedding_dim,
-                "pooling": cfg.pooling,
-                "feature_names": list(cfg.feature_names),
-            }
-            for fqn, cfg in _tables(model).items()
-        },
-        "fused_optimizer": config,
-        "optimizer": None if optimizer is None else type(optimizer).__name__,
-    }
-
-
-def _jsonable(values: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
 # --------------------------------------------------------------------------- save
@@ -209,11 +119,11 @@ def save(
     ):
         raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
     root = Path(path)
-    fused = _fused_optimizer(model)
+    fused = fused_optimizer_of(model)
     if fused is not None:  # a group a step would reject is not saved either
         fused.check_param_groups(fused.saved_param_groups())
-    state = _model_state(model, optimizer)
-    described = _describe(model, optimizer)
+    state = model_state(model, optimizer)
+    described = describe(model, optimizer)
 
     def prepare() -> tuple[str, str] | BaseException:
         try:
@@ -297,7 +207,7 @@ def _check_compatible(
 ) -> None:
     """CheckpointError naming the key and both values for every way the checkpoint does not
     fit the model."""
-    saved, mine = marker["tables"], _describe(model, optimizer)
+    saved, mine = marker["tables"], describe(model, optimizer)
     missing = sorted(set(mine["tables"]) - set(saved))
     if missing:
         raise CheckpointError(f"tables {missing} of the model are not in the checkpoint")
@@ -334,7 +244,7 @@ def _check_compatible(
 def _check_param_groups(model: nn.Module, saved: dict[str, Any]) -> None:
     """The saved param groups fit the model's fused optimizer (checkpoints written before
     groups were saved have none: the model keeps its own)."""
-    fused = _fused_optimizer(model)
+    fused = fused_optimizer_of(model)
     if fused is None or saved.get("param_groups") is None:
         return
     try:
@@ -377,9 +287,11 @@ def load(
     """Load a checkpoint into ``model`` (and ``optimizer``), resharding as needed.
 
     ``path``: a checkpoint directory or a root written by ``save`` (its newest complete
-    checkpoint). Works under any plan, mesh or world size, and into the unsharded
-    model without a process group. A model without a fused optimizer loads the weights
-    only. Collective when distributed. Returns the directory read.
+    checkpoint), or a plain DCP directory without dtrec's marker (TorchRec's, or any
+    ``dcp.save`` of a model state dict: loaded by key with a warning, model tensors
+    only; see ``dtrec.checkpoint.plain``). Works under any plan, mesh or world size,
+    and into the unsharded model without a process group. A model without a fused
+    optimizer loads the weights only. Collective when distributed. Returns the directory read.
 
     Everything that can be checked is checked before reading: a checkpoint that is
     missing, incomplete, damaged or not this model's raises CheckpointError naming what
@@ -389,10 +301,15 @@ def load(
     can leave the model half loaded.
     """
     _check_args(model, optimizer)
+    name = Path(path).name
+    dtrec_dir = bool(_NAME.match(name)) or name.endswith(".partial")  # ours: never "plain"
+    if not dtrec_dir and is_plain_dcp(Path(path), MARKER):  # TorchRec's or a bare dcp.save
+        load_plain(Path(path), model, MARKER)
+        return Path(path)
     directory = resolve(path)
     marker = read_marker(directory)
     _check_compatible(marker, model, optimizer)
-    live = _model_state(model, optimizer)
+    live = model_state(model, optimizer)
     _check_shapes(live, directory)
     read = {k: _staging_copy(v) for k, v in live.items()} if staged else dict(live)
     on_every_rank(lambda: dcp.load(read, checkpoint_id=directory), "read", directory)
@@ -404,12 +321,12 @@ def load(
                 target = value.to_local() if isinstance(value, DTensor) else value
                 source = read[key]
                 target.copy_(source.to_local() if isinstance(source, DTensor) else source)
-    fused, saved = _fused_optimizer(model), marker["fused_optimizer"]
+    fused, saved = fused_optimizer_of(model), marker["fused_optimizer"]
     if fused is not None and saved.get("param_groups") is not None:
         fused.load_param_groups(saved["param_groups"])
     if optimizer is not None:
         like = get_optimizer_state_dict(model, optimizer)
-        set_optimizer_state_dict(model, optimizer, _unflatten(read, OPTIM, like))
+        set_optimizer_state_dict(model, optimizer, unflatten(read, OPTIM, like))
     return directory
 
 

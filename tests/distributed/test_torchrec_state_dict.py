@@ -4,6 +4,8 @@
   column-wise / data-parallel tables: ``ShardedTensor`` values) loads into a dtrec
   model distributed under a different plan, and the weights are TorchRec's (checked
   against TorchRec's own ``ShardedTensor.gather``, an independent assembly);
+* TorchRec's DCP checkpoint of that model (``dcp.save`` of its state dict: no dtrec
+  marker) loads with ``dtrec.checkpoint.load`` into a dtrec model of a third plan;
 * ``dtrec.checkpoint.to_full_state_dict`` of either sharded state dict loads into a
   plain, unsharded ``torchrec.EmbeddingBagCollection`` (a DTensor state dict loaded
   directly fails on ``copy_`` of mixed Tensor / DTensor, which is why it exists).
@@ -50,6 +52,7 @@ def _gathered(value):
 
 
 def _check(rank: int, world: int) -> dict:
+    import torch
     import torch.distributed as dist
     import torchrec
 
@@ -104,8 +107,34 @@ def _check(rank: int, world: int) -> dict:
             errors[name] = max(
                 (plain.state_dict()[k[len(prefix) :]] - truth[k]).abs().max().item() for k in keys
             )
+    # TorchRec's own DCP checkpoint (a plain directory, no dtrec marker) into dtrec
+    import tempfile
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    where = [tempfile.mkdtemp(prefix="torchrec_dcp_") if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    dcp.save({k: v for k, v in their_state.items() if k.startswith("ebc.")}, checkpoint_id=where[0])
+    model = _models()
+    model.ebc = dtrec.EmbeddingBagCollection(
+        [dtrec.EmbeddingBagConfig(f"t{i}", r, DIM, [f"f{i}"]) for i, r in enumerate(ROWS)]
+    )
+    other = dtrec.distribute_module(model, dtrec.init_mesh("cpu", 4), None)
+    ebc_only = torch.nn.Module()
+    ebc_only.ebc = other.ebc
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dtrec.checkpoint.load(where[0], ebc_only)
+    warned = any("plain DCP checkpoint" in str(w.message) for w in caught)
+    full = dtrec.checkpoint.full_state_dict(ebc_only)
+    if rank == 0:
+        errors["dtrec_from_torchrec_dcp"] = max(
+            (full[k] - truth[k]).abs().max().item() for k in keys
+        )
     dist.barrier()
     return {
+        "warned": warned,
         "errors": errors,
         "sharded_tables": sharded_types,
         "missing": sorted(k for k in missing if k.startswith("ebc.")),
@@ -124,6 +153,9 @@ def test_torchrec_sharded_tensors_load_into_dtrec_and_plain_models(world):
         # the three sharded kinds really are ShardedTensors (data-parallel is a plain tensor)
         assert r["sharded_tables"] == [f"ebc.embedding_bags.t{i}.weight" for i in range(3)]
     errors = world[0]["errors"]
-    assert set(errors) == {"dtrec_from_torchrec", "plain_from_torchrec", "plain_from_dtrec"}
+    assert all(r["warned"] for r in world), "loading a plain DCP directory did not warn"
+    assert set(errors) == {
+        "dtrec_from_torchrec", "plain_from_torchrec", "plain_from_dtrec", "dtrec_from_torchrec_dcp"
+    }  # fmt: skip
     for name, err in errors.items():
         assert err == 0.0, f"{name}: weights differ from TorchRec's by {err}"
