@@ -16,10 +16,13 @@ from dtrec.checkpoint.dcp import (
     save,
     to_full_state_dict,
 )
+from dtrec.checkpoint.torchrec_state import fused_state_from_torchrec, fused_state_into_torchrec
 
 __all__ = [
     "CheckpointError",
     "full_state_dict",
+    "fused_state_from_torchrec",
+    "fused_state_into_torchrec",
     "full_tensor",
     "load",
     "read_marker",

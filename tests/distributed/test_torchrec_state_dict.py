@@ -132,14 +132,88 @@ def _check(rank: int, world: int) -> dict:
         errors["dtrec_from_torchrec_dcp"] = max(
             (full[k] - truth[k]).abs().max().item() for k in keys
         )
+    fused_errors = _check_fused_state(rank, world)
     dist.barrier()
     return {
+        "fused": fused_errors,
         "warned": warned,
         "errors": errors,
         "sharded_tables": sharded_types,
         "missing": sorted(k for k in missing if k.startswith("ebc.")),
         "unexpected": sorted(unexpected),
     }
+
+
+def _check_fused_state(rank: int, world: int) -> dict:
+    """TorchRec's fused row-wise Adagrad state (after two steps) into dtrec under another
+    plan, and dtrec's (changed) state back into TorchRec's optimizer."""
+    import torch
+    import torchrec
+
+    import dtrec
+    from benchmarks.torchrec_baseline import shard_torchrec
+
+    theirs, _, _ = shard_torchrec(_models(), ("tw:1", "rw", "rw", "tw:0"), world, 0.1, 1e-8)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        lengths = torch.randint(0, 3, (len(ROWS) * 4,), generator=gen)
+        ids = [torch.randint(0, r, (int(lengths[i * 4 : (i + 1) * 4].sum()),), generator=gen)
+               for i, r in enumerate(ROWS)]  # fmt: skip
+        kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f{i}" for i in range(len(ROWS))], values=torch.cat(ids), lengths=lengths
+        )
+        theirs.module.ebc(kjt).values().pow(2).sum().backward()
+    keys = [f"ebc.embedding_bags.t{i}.weight" for i in range(len(ROWS))]
+
+    def torchrec_parts() -> list:
+        """This rank's pieces of TorchRec's accumulators: (key, index, tensor). A table-wise
+        table's state lives on its owner only."""
+        state = theirs.fused_optimizer.state_dict()["state"]
+        parts = []
+        for i, k in enumerate(keys):
+            value = state.get(k, {}).get(f"t{i}.momentum1")
+            for shard in [] if value is None else value.local_shards():
+                meta = shard.metadata
+                index = tuple(slice(o, o + n) for o, n in zip(meta.shard_offsets, meta.shard_sizes))
+                parts.append((k, index, shard.tensor.detach().clone()))
+        return parts
+
+    def dtrec_sums() -> dict:
+        state = mine.fused_optimizer.state_dict()["state"]
+        return {
+            k: dtrec.checkpoint.full_tensor(state[f"ebc.t{i}"]["sum"]) for i, k in enumerate(keys)
+        }
+
+    def worst(parts: list, full: dict) -> float:
+        return max((full[k][index] - t).abs().max().item() for k, index, t in parts)
+
+    truth = torchrec_parts()
+    model = _models()
+    model.ebc = dtrec.EmbeddingBagCollection(
+        [dtrec.EmbeddingBagConfig(f"t{i}", r, DIM, [f"f{i}"]) for i, r in enumerate(ROWS)]
+    )
+    specs = dtrec.placements
+    plan = {"ebc.t0": specs.ColumnWise(), "ebc.t1": specs.RowWise(),
+            "ebc.t2": specs.TableWise(rank=1), "ebc.t3": specs.RowWise()}  # fmt: skip
+    mine = dtrec.distribute_module(
+        model, dtrec.init_mesh("cpu", 2), plan, optimizer=dtrec.optim.RowWiseAdagrad(lr=0.1)
+    )
+    mine.fused_optimizer.load_state_dict(
+        dtrec.checkpoint.fused_state_from_torchrec(mine, theirs.fused_optimizer.state_dict())
+    )
+    out = {
+        "fused_from_torchrec": worst(truth, dtrec_sums()),
+        "fused_state_nonzero": float(min(t.abs().max().item() for _, _, t in truth) > 0),
+    }
+    with torch.no_grad():  # change dtrec's state, then write it into TorchRec's optimizer
+        for entries in mine.fused_optimizer.state_dict()["state"].values():
+            entries["sum"].to_local().mul_(3.0).add_(0.5)
+    changed = dtrec_sums()
+    their_state = theirs.fused_optimizer.state_dict()
+    dtrec.checkpoint.fused_state_into_torchrec(mine, their_state)
+    theirs.fused_optimizer.load_state_dict(their_state)
+    out["fused_into_torchrec"] = worst(torchrec_parts(), changed)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -157,5 +231,10 @@ def test_torchrec_sharded_tensors_load_into_dtrec_and_plain_models(world):
     assert set(errors) == {
         "dtrec_from_torchrec", "plain_from_torchrec", "plain_from_dtrec", "dtrec_from_torchrec_dcp"
     }  # fmt: skip
+    for rank, r in enumerate(world):  # each rank checks its own TorchRec shards
+        fused = r["fused"]
+        assert fused.pop("fused_state_nonzero") == 1.0, f"rank {rank}: TorchRec state stayed 0"
+        for name, err in fused.items():
+            assert err < 1e-6, f"rank {rank}: {name} differs by {err}"
     for name, err in errors.items():
         assert err == 0.0, f"{name}: weights differ from TorchRec's by {err}"
