@@ -76,6 +76,12 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def current_backward_id() -> int:
+    """The id of the autograd graph task running now (-1 outside backward): tells one
+    ``backward()`` from the next (``torch._C._current_graph_task_id``). Checked: torch 2.13."""
+    return int(torch._C._current_graph_task_id())
+
+
 def replicate_module(module: nn.Module, ignored_modules: Iterable[nn.Module]) -> nn.Module:
     """Data parallel over the default group for ``module``'s parameters, except those of
     ``ignored_modules`` (composable DDP, ``torch.distributed._composable.replicate``; its

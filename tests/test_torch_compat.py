@@ -80,6 +80,26 @@ def test_queue_backward_callback_runs_when_backward_ends() -> None:
     assert events == ["leaf grad", "end"]
 
 
+def test_current_backward_id_tells_backward_calls_apart() -> None:
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(compat.current_backward_id())
+            return grad
+
+    x = torch.ones(2, requires_grad=True)
+    Probe.apply(x).sum().backward()
+    Probe.apply(x).sum().backward()
+    assert compat.current_backward_id() == -1
+    assert len(seen) == 2 and min(seen) >= 0 and seen[0] != seen[1]
+
+
 def test_replicate_module_ignores_the_given_modules() -> None:
     model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
     with gloo_world_of_one():

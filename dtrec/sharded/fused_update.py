@@ -28,6 +28,7 @@ that share a group (replicas, column shards, the data-parallel world) in step.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from dtrec._torch_compat import queue_backward_callback
+from dtrec._torch_compat import current_backward_id, queue_backward_callback
 from dtrec.comm.collectives import all_reduce_coalesced
 from dtrec.ops.lookup import Lookup
 from dtrec.ops.op import lookup_backward_rows, lookup_forward
@@ -94,10 +95,19 @@ class FusedUpdater:
     replica_sync: str = "auto"
 
     def stash(self, table_ids: list[int], lookup: Lookup, grad_out: Tensor) -> None:
-        """Record a lookup's backward input; the sync and update run when backward ends."""
+        """Record a lookup's backward input; the sync and update run when backward ends.
+
+        Stashes left by a backward that raised before its end (its callback never ran) are
+        dropped here, with a warning: that step updates no table (all or nothing), and
+        this backward gets its own end-of-backward update.
+        """
+        backward = current_backward_id()
+        if _WAITING and _WAITING_FOR[0] != backward:
+            _drop_unfinished_backward()
         if not self._pending:
             if not _WAITING:
                 queue_backward_callback(update_waiting)
+                _WAITING_FOR[0] = backward
             _WAITING.append(self)
         self._pending.append((table_ids, lookup, grad_out))
 
@@ -183,6 +193,22 @@ class FusedUpdater:
 
 _WAITING: list[FusedUpdater] = []
 """Updaters with stashed backward input, in stash order; ``update_waiting`` runs them."""
+_WAITING_FOR: list[int] = [-1]
+"""The autograd graph task (``backward()`` call) whose end ``update_waiting`` is queued for."""
+
+
+def _drop_unfinished_backward() -> None:
+    """Forget the stashes of a backward that raised before its end-of-backward update."""
+    warnings.warn(
+        "a previous backward() stopped before its fused embedding update ran (an exception "
+        "during backward?): its embedding gradients are dropped and no table was updated for "
+        "that step",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    for updater in _WAITING:
+        updater._pending = []
+    _WAITING.clear()
 
 
 def update_waiting() -> None:
