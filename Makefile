@@ -16,7 +16,7 @@ PIP   := $(VENV)/bin/pip
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.dtrec-installed
 
-.PHONY: install demo test lint bench-deps bench-deps-install clean
+.PHONY: install demo test lint bench-deps bench-deps-install gpu-check clean
 
 install: $(STAMP)
 
@@ -51,6 +51,15 @@ bench-deps-install:
 	$(PIP) install --no-deps torchrec==1.8.0 && \
 		$(PIP) install tensordict pyre-extensions iopath matplotlib '$(TORCH_SPEC)' || \
 		echo "warning: TorchRec (bench extra) failed to install; TorchRec comparison tests skip"
+
+# The CUDA test tier (pytest -m gpu tests/gpu) and the GPU step benchmark, JSON into
+# benchmarks/results/ (see benchmarks/results/gpu_README.md). Uses $(VENV) when it exists,
+# else $(PYTHON) as it is: a GPU image with torch + Triton needs no install (pip only if
+# they do not import). No CUDA device: exits 2 with one line saying so.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) benchmarks/gpu_check.py \
+		--install '$(TORCH_SPEC)' $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache

@@ -96,8 +96,10 @@ def _worker(
     args: tuple[Any, ...],
     result_queue: Any,
     peers_may_die: bool = False,
+    backend: str = "gloo",
 ) -> None:
-    """Child entry point: init gloo, run ``fn``, report ``("ok", bytes)`` or ``("err", tb)``.
+    """Child entry point: init ``backend``, run ``fn``, report ``("ok", bytes)`` or
+    ``("err", tb)``.
 
     The outcome is reported *before* ``destroy_process_group`` so that the failing rank's
     traceback reaches the parent ahead of the secondary "connection reset" errors on its peers.
@@ -112,7 +114,7 @@ def _worker(
         import torch.distributed as dist
 
         dist.init_process_group(
-            "gloo",
+            backend,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=collective_timeout),
@@ -186,8 +188,9 @@ def run_world(
     collective_timeout: float = 60.0,
     env: dict[str, str] | None = None,
     may_die: Collection[int] = (),
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
 
     Args:
         world_size: number of processes (ranks) to spawn.
@@ -200,6 +203,8 @@ def run_world(
             ``MASTER_ADDR``/``MASTER_PORT``/``OMP_NUM_THREADS=1``).
         may_die: ranks allowed to exit without reporting (fault tests kill them on
             purpose); their result is None and the world waits for the others.
+        backend: the ``torch.distributed`` backend of every rank ("gloo"; the CUDA tier
+            also uses "nccl", with ``fn`` choosing each rank's device).
 
     Raises:
         WorldError: a rank raised (message has ``"rank i: <traceback>"`` per failed rank),
@@ -290,6 +295,7 @@ def run_world(
                         args,
                         result_queue,
                         bool(may_die),
+                        backend,
                     ),
                     name=f"dtrec-rank{rank}",
                     daemon=True,

@@ -118,19 +118,24 @@ def check_numerics(
     dtype: torch.dtype = torch.float32,
     sync_every: int | None = None,
     empty: Mapping[int, Collection[str]] | None = None,
+    device: str = "cpu",
 ) -> Result:
     """Train sharded and unsharded side by side; return the largest differences.
 
     ``tables``: the model's tables (default: ``make_tables(weighted)``); ``dtype``: the
     tables' dtype (with a fused optimizer the unsharded tables stay fp32, rounded to
     ``dtype`` after each update: fused steps take fp32 gradient rows, which a bf16
-    ``.grad`` would round); ``empty``: per rank, features its batches leave empty.
+    ``.grad`` would round); ``empty``: per rank, features its batches leave empty;
+    ``device``: where both models and the batches live (the mesh's device type; the
+    batches are drawn on CPU, so every device sees the same numbers).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     tables = tables if tables is not None else make_tables(weighted)
     empty = empty or {}
     torch.manual_seed(seed)
     reference = TinyModel(tables)
+    if device != "cpu":
+        reference.to(device)
     reference.sparse.to(dtype)
     sharded = dtrec.distribute_module(
         copy.deepcopy(reference),
@@ -171,6 +176,8 @@ def check_numerics(
     sharded.sparse.register_forward_hook(lambda m, i, out: seen.update(pooled=out.values()))
     for step in range(steps):
         batches = [make_batch(tables, batch, weighted, gen, empty.get(r, ())) for r in range(world)]
+        if device != "cpu":
+            batches = [(kjt.to(device), target.to(device)) for kjt, target in batches]
         kjt, target = batches[rank]
         loss = ((sharded(kjt) - target) ** 2).mean()  # the root forward: dense grad sync
         pooled = seen["pooled"]

@@ -1,0 +1,535 @@
+"""The DLRM-shaped training step on one GPU: dtrec's sharded step vs plain PyTorch.
+
+Workload (MLPerf DLRM-DCNv2-like): 26 tables, dim 128, MLPerf's row counts capped at
+``--max-rows`` (x ``--row-scale``), one feature each, sum pooling. Two batches per
+``--batches`` size: multi-hot (feature f's bags hold uniform [1, 2 h_f - 1] ids, h_f
+MLPerf's multi-hot size, mean 214 / 26 = 8.2 per bag) and one-hot. Ids uniform (or
+Zipf(1.1), ``--ids``) over each table's rows. Dense arch: 13 dense features -> MLP 256-D,
+concatenated with the 26 pooled embeddings, one low-rank DCNv2 cross layer (rank 64), MLP
+256-1, BCE with logits; TF32 matmuls. Tables: dtrec's fused row-wise Adagrad, or
+``nn.EmbeddingBag(sparse=True)`` per table + ``torch.optim.Adagrad``; dense: torch Adagrad.
+
+dtrec runs its sharded path (input dist -> lookup -> output dist -> backward + fused
+update) in a 1-rank world (NCCL on CUDA, gloo on CPU), tables built on the meta device.
+Per config and library the JSON holds: ``step_s`` (mean of back-to-back steps, one sync
+at the end; dtrec also through ``dtrec.TrainPipeline``), ``stages`` (host and device
+seconds per stage, see ``step_probes.StageTimer``), ``profile`` (kernels, copies and
+host-sync API calls per step: whole step, embedding part alone, dense part alone),
+``host_syncs`` (synchronizing calls by source line), ``embedding`` (fwd + bwd + table
+update alone: seconds, modelled bytes, GB/s, fraction of the copy bandwidth measured in
+this run), ``memory`` (peak during a step vs weights + optimizer state + activations)
+and ``full_table_check`` (the run fails if a tensor shaped like a whole watched table is
+ever created: ``step_probes.FullTableWatch``).
+
+    PYTHONPATH=. python benchmarks/gpu_step.py --json benchmarks/results/gpu_step_<card>_<date>.json
+    PYTHONPATH=. python benchmarks/gpu_step.py --smoke --json /tmp/smoke.json   # CPU, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import dtrec
+from benchmarks.distributed import dtrec_source, write_report
+from benchmarks.kernels import copy_bandwidth, make_ids
+from benchmarks.step_probes import (
+    FullTableWatch,
+    StageTimer,
+    SyncSites,
+    cuda_activity,
+    sync_debug_sites,
+)
+from dtrec.sharded.lookup import LocalLookup
+from dtrec.sharded.output_dist import OutputDist
+
+MLPERF_ROWS = (40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956,
+               405282, 10, 2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152,
+               12973, 108, 36)  # fmt: skip
+MLPERF_HOTNESS = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3,
+                  1, 1)  # fmt: skip
+NUM_DENSE, CROSS_RANK, LR = 13, 64, 0.01
+
+
+@dataclass(frozen=True)
+class Workload:
+    rows: tuple[int, ...]
+    """Rows of table ``t<i>`` (read by feature ``f<i>``)."""
+    dim: int
+    """Embedding dim of every table."""
+    hotness: tuple[int, ...] = MLPERF_HOTNESS
+    """Mean ids per bag of each feature in the multi-hot batch."""
+
+
+@dataclass
+class Batch:
+    dense: Tensor
+    sparse_features: dtrec.KeyedJaggedTensor
+    labels: Tensor
+    per_table: list[tuple[Tensor, Tensor]]
+    """(ids, bag start offsets) per table: plain PyTorch's input, made ahead of time."""
+    unique_rows: int
+    """Distinct (table, row) pairs the batch touches (for the bytes model)."""
+
+    def again(self) -> Batch:
+        """The same data under a new KJT object (the pipeline matches batches by identity)."""
+        kjt = self.sparse_features
+        new = dtrec.KeyedJaggedTensor(kjt.keys(), kjt.values(), kjt.lengths())
+        return Batch(self.dense, new, self.labels, self.per_table, self.unique_rows)
+
+
+def make_batch(w: Workload, size: int, one_hot: bool, ids: str, device, gen) -> Batch:
+    lengths, values, per_table, unique = [], [], [], 0
+    for rows, hot in zip(w.rows, w.hotness):
+        if one_hot:
+            ls = torch.ones(size, dtype=torch.long, device=device)
+        else:
+            ls = torch.randint(1, 2 * hot, (size,), device=device, generator=gen)
+        v = make_ids(rows, int(ls.sum()), ids, device, gen)
+        lengths.append(ls)
+        values.append(v)
+        per_table.append((v, torch.cumsum(ls, 0) - ls))
+        unique += int(torch.unique(v).numel())
+    keys = [f"f{i}" for i in range(len(w.rows))]
+    kjt = dtrec.KeyedJaggedTensor(keys, torch.cat(values), torch.cat(lengths))
+    dense = torch.randn(size, NUM_DENSE, device=device, generator=gen)
+    labels = torch.randint(0, 2, (size,), device=device, generator=gen).float()
+    return Batch(dense, kjt, labels, per_table, unique)
+
+
+class DenseArch(nn.Module):
+    """Bottom MLP, one low-rank DCNv2 cross layer over [bottom, pooled], top MLP."""
+
+    def __init__(self, pooled_dim: int, dim: int) -> None:
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(NUM_DENSE, 256), nn.ReLU(), nn.Linear(256, dim))
+        width = dim + pooled_dim
+        self.cross_v = nn.Linear(width, CROSS_RANK, bias=False)
+        self.cross_u = nn.Linear(CROSS_RANK, width)
+        self.top = nn.Sequential(nn.Linear(width, 256), nn.ReLU(), nn.Linear(256, 1))
+
+    def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
+        x0 = torch.cat([torch.relu(self.bottom(dense)), pooled], dim=1)
+        return self.top(x0 * self.cross_u(self.cross_v(x0)) + x0).squeeze(1)
+
+
+class TorchTables(nn.Module):
+    """Plain PyTorch: one ``nn.EmbeddingBag(sparse=True)`` per table."""
+
+    def __init__(self, w: Workload, device: torch.device) -> None:
+        super().__init__()
+        self.bags = nn.ModuleList(
+            nn.EmbeddingBag(r, w.dim, mode="sum", sparse=True, device=device) for r in w.rows
+        )
+
+    def forward(self, per_table: list[tuple[Tensor, Tensor]]) -> Tensor:
+        return torch.cat([bag(v, o) for bag, (v, o) in zip(self.bags, per_table)], dim=1)
+
+
+class DLRM(nn.Module):
+    def __init__(self, sparse: nn.Module, dense_arch: DenseArch) -> None:
+        super().__init__()
+        self.sparse, self.dense_arch = sparse, dense_arch
+
+    def forward(self, dense: Tensor, features) -> Tensor:
+        pooled = self.sparse(features)
+        return self.dense_arch(dense, pooled if isinstance(pooled, Tensor) else pooled.values())
+
+
+@dataclass
+class Library:
+    """One library's model and how to run its steps."""
+
+    name: str
+    model: DLRM
+    optimizers: list[torch.optim.Optimizer]
+    features: str  # the Batch attribute its sparse arch reads
+    table_bytes: int
+    table_state_bytes: int  # after the first step (torch's Adagrad state is lazy)
+
+    def loss(self, model: nn.Module, b: Batch) -> Tensor:
+        logits = model(b.dense, getattr(b, self.features))
+        return F.binary_cross_entropy_with_logits(logits, b.labels)
+
+    def step(self, b: Batch) -> None:
+        self.loss(self.model, b).backward()
+        self.opt_step()
+
+    def opt_step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def embedding_step(self, b: Batch, grad: Tensor) -> None:
+        """Forward + backward + table update of the embedding part alone."""
+        pooled = self.model.sparse(getattr(b, self.features))
+        (pooled if isinstance(pooled, Tensor) else pooled.values()).backward(grad)
+        if self.name == "pytorch":
+            self.optimizers[1].step()
+            self.optimizers[1].zero_grad(set_to_none=True)
+
+
+def build_dtrec(w: Workload, device: torch.device, plan: str, watch: FullTableWatch | None):
+    tables = [
+        dtrec.EmbeddingBagConfig(f"t{i}", r, w.dim, [f"f{i}"], "sum") for i, r in enumerate(w.rows)
+    ]
+    spec = {"table_wise": dtrec.placements.TableWise(rank=0),
+            "row_wise": dtrec.placements.RowWise(),
+            "data_parallel": dtrec.placements.DataParallel()}[plan]  # fmt: skip
+    torch.manual_seed(0)
+    model = DLRM(
+        dtrec.EmbeddingBagCollection(tables, device="meta"),
+        DenseArch(len(tables) * w.dim, w.dim).to(device),
+    )
+    mesh = dtrec.init_mesh(device.type, 1)
+    fused = dtrec.optim.RowWiseAdagrad(lr=LR)
+    plan_map = {f"sparse.{t.name}": spec for t in tables}
+    if watch is None:
+        model = dtrec.distribute_module(model, mesh, plan_map, optimizer=fused)
+    else:
+        with watch:
+            model = dtrec.distribute_module(model, mesh, plan_map, optimizer=fused)
+    weights = [t.weight.to_local() for t in model.sparse.embedding_bags.values()]
+    state = [v for s in model.sparse.fused_optimizer_state().values() for v in s.values()]
+    dense = [p for p in model.parameters() if p.requires_grad]
+    return Library(
+        "dtrec", model, [torch.optim.Adagrad(dense, lr=LR)], "sparse_features",
+        nbytes(weights), nbytes(state),
+    )  # fmt: skip
+
+
+def build_pytorch(w: Workload, device: torch.device, like: DLRM) -> Library:
+    """Plain PyTorch with dtrec's weights (1 rank: each local shard is the whole table)."""
+    model = DLRM(TorchTables(w, device), DenseArch(len(w.rows) * w.dim, w.dim).to(device))
+    with torch.no_grad():
+        for bag, table in zip(model.sparse.bags, like.sparse.embedding_bags.values()):
+            bag.weight.copy_(table.weight.to_local())
+        model.dense_arch.load_state_dict(like.dense_arch.state_dict())
+    tables = list(model.sparse.parameters())
+    opts = [torch.optim.Adagrad(model.dense_arch.parameters(), lr=LR),
+            torch.optim.Adagrad(tables, lr=LR, foreach=False)]  # fmt: skip
+    state = sum(w.numel() for w in tables) * 4  # Adagrad's dense state_sum, made at step 1
+    return Library("pytorch", model, opts, "per_table", nbytes(tables), state)
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def embedding_bytes(w: Workload, b: Batch, elem: int = 4, idx: int = 8) -> int:
+    """Bytes the embedding part must move at least: forward reads each id's row, its id and
+    the offsets, writes the pooled rows; backward reads the pooled gradient and the ids
+    again and reads + writes each touched row and its row-wise Adagrad state."""
+    ids, size = b.sparse_features.values().numel(), b.dense.shape[0]
+    out = size * len(w.rows) * w.dim * 4
+    forward = ids * (w.dim * elem + idx) + len(w.rows) * size * 8 + out
+    return forward + out + ids * idx + b.unique_rows * (2 * w.dim * elem + 8)
+
+
+def back_to_back(fn, items, device: torch.device) -> float:
+    """Mean seconds per item of ``fn`` over ``items`` with one sync at the end."""
+    sync(device)
+    start = time.perf_counter()
+    for item in items:
+        fn(item)
+    sync(device)
+    return (time.perf_counter() - start) / len(items)
+
+
+def profiled(fn, items, device: torch.device) -> dict[str, float]:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        for item in items:
+            fn(item)
+        sync(device)
+    return cuda_activity(prof, len(items))
+
+
+def stage_targets(lib: Library) -> list[tuple[str, type, str]]:
+    """(stage, class, method) to time: dtrec's stages by the classes that run them."""
+    sparse = type(lib.model.sparse)
+    if lib.name == "pytorch":
+        return [("sparse_fwd", sparse, "forward"), ("dense_fwd", DenseArch, "forward")]
+    return [
+        ("sparse_fwd", sparse, "forward"),
+        ("input_dist", sparse, "input_dist"),
+        ("lookup_fwd", LocalLookup, "served"),
+        ("lookup_fwd", LocalLookup, "data_parallel"),
+        ("output_dist", OutputDist, "__call__"),
+        ("output_dist", OutputDist, "zeros"),
+        ("output_dist", OutputDist, "add_data_parallel"),
+        ("output_dist", OutputDist, "keyed"),
+        ("dense_fwd", DenseArch, "forward"),
+    ]
+
+
+def stages(lib: Library, items: list[Batch], device: torch.device) -> dict:
+    timer = StageTimer(device)
+    with timer.wrapping(stage_targets(lib)) as missing:
+        for b in items:
+            with timer.stage("forward"):
+                loss = lib.loss(lib.model, b)
+            with timer.stage("bwd_and_fused_update" if lib.name == "dtrec" else "bwd"):
+                loss.backward()
+            with timer.stage("optimizers"):
+                lib.opt_step()
+    n = len(items)
+    return {
+        "host_s": {k: v / n for k, v in timer.host_s.items()},
+        "device_s": {k: v / n for k, v in timer.device_s().items()},
+        "not_found": missing,
+    }
+
+
+def memory(lib: Library, b: Batch, w: Workload, device: torch.device) -> dict | None:
+    """Peak during one step vs what it must hold (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    dense_params = list(lib.model.dense_arch.parameters())
+    model_bytes = lib.table_bytes + lib.table_state_bytes + 2 * nbytes(dense_params)
+    dense = DenseOnly(lib, w, torch.zeros(b.dense.shape[0], len(w.rows) * w.dim, device=device))
+    dense(b)  # its optimizer state exists before the measured pass
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    dense(b)
+    dense_activations = torch.cuda.max_memory_allocated() - base + nbytes([dense.pooled])
+    del dense
+    torch.cuda.synchronize()
+    resident = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    lib.step(b)
+    torch.cuda.synchronize()
+    transient = torch.cuda.max_memory_allocated() - resident
+    return {
+        "tables_bytes": lib.table_bytes,
+        "table_optimizer_state_bytes": lib.table_state_bytes,
+        "dense_params_and_state_bytes": 2 * nbytes(dense_params),
+        "dense_activation_bytes": dense_activations,
+        "step_transient_bytes": transient,
+        "transient_over_activations": transient / dense_activations,
+        "peak_for_this_model_bytes": model_bytes + transient,
+        "peak_over_weights_state_activations": (model_bytes + transient)
+        / (model_bytes + dense_activations),
+    }
+
+
+def measure(lib: Library, w: Workload, batches: list[Batch], args, device, copy_gbps) -> dict:
+    def steps(n: int) -> list[Batch]:
+        return [batches[i % len(batches)].again() for i in range(n)]
+
+    for b in steps(args.warmup):
+        lib.step(b)
+    out: dict = {"step_s": back_to_back(lib.step, steps(args.steps), device)}
+    if lib.name == "dtrec":
+        pipeline = dtrec.TrainPipeline(lib.model, lib.optimizers[0], lib.loss)
+        out["pipelined_step_s"] = (
+            back_to_back(lambda run: sum(1 for _ in run), [pipeline.run(steps(args.steps))], device)
+            / args.steps
+        )
+    out["stages"] = stages(lib, steps(args.profile_steps), device)
+    grad = torch.randn(batches[0].dense.shape[0], len(w.rows) * w.dim, device=device)
+
+    def embedding(b: Batch) -> None:
+        lib.embedding_step(b, grad)
+
+    out["profile"] = {
+        "step": profiled(lib.step, steps(args.profile_steps), device),
+        "embedding": profiled(embedding, steps(args.profile_steps), device),
+        "dense": profiled(DenseOnly(lib, w, grad), steps(args.profile_steps), device),
+    }
+    one = steps(1)[0]
+    with sync_debug_sites() as cuda_sites, SyncSites(device) as op_sites:
+        lib.step(one)
+    out["host_syncs"] = {"cuda_sync_debug": dict(cuda_sites), "sync_ops": dict(op_sites.sites)}
+    seconds = back_to_back(embedding, steps(args.steps), device)
+    moved = embedding_bytes(w, batches[0])
+    out["embedding"] = {
+        "fwd_bwd_update_s": seconds,
+        "bytes": moved,
+        "GBps": moved / seconds / 1e9,
+        "of_copy": moved / seconds / 1e9 / copy_gbps,
+    }
+    out["memory"] = memory(lib, steps(1)[0], w, device)
+    return out
+
+
+class DenseOnly:
+    """The dense part's step alone, on a copy of the library's dense arch (the model's own
+    is data parallel: its gradient hooks expect the root forward) and a fixed pooled input."""
+
+    def __init__(self, lib: Library, w: Workload, like: Tensor) -> None:
+        self.arch = DenseArch(len(w.rows) * w.dim, w.dim).to(like.device)
+        self.arch.load_state_dict(lib.model.dense_arch.state_dict())
+        self.opt = torch.optim.Adagrad(self.arch.parameters(), lr=LR)
+        self.pooled = like.detach().clone().requires_grad_()
+
+    def __call__(self, b: Batch) -> None:
+        F.binary_cross_entropy_with_logits(self.arch(b.dense, self.pooled), b.labels).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.pooled.grad = None
+
+
+def watched_tables(w: Workload, max_batch: int) -> dict[str, tuple[int, int]]:
+    """Tables larger than any per-step buffer of theirs (rows > ids per step)."""
+    return {
+        f"t{i}": (r, w.dim)
+        for i, (r, h) in enumerate(zip(w.rows, w.hotness))
+        if r > max_batch * (2 * h - 1)
+    }
+
+
+def meta(args, device: torch.device, copy_gbps: float, argv: list[str]) -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "dtrec": dtrec_source(),
+        "dtrec_backend": dtrec.ops.get_backend(),
+        "copy_GBps": copy_gbps,
+        "command": " ".join(["python benchmarks/gpu_step.py", *argv]),
+        "args": vars(args),
+    }
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batches", default="16384,65536", help="batch sizes, comma-separated")
+    p.add_argument("--max-rows", type=float, default=2e6, help="cap on a table's rows")
+    p.add_argument("--row-scale", type=float, default=1.0, help="multiplies (capped) rows")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--ids", default="uniform", choices=["uniform", "zipf"])
+    p.add_argument("--plan", default="table_wise", choices=["table_wise", "row_wise",
+                                                            "data_parallel"])  # fmt: skip
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--no-pytorch", action="store_true", help="skip the plain PyTorch baseline")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (code-path check)")
+    p.add_argument("--json", help="write the report here")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.device = "cpu" if "--device" not in argv else args.device
+        args.batches, args.max_rows, args.dim = "64", 2e4, 16
+        args.steps, args.warmup, args.profile_steps = 2, 1, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    w = Workload(tuple(max(1, int(min(r, args.max_rows) * args.row_scale)) for r in MLPERF_ROWS),
+                 args.dim)  # fmt: skip
+    sizes = [int(s) for s in args.batches.split(",")]
+    copy_gbps = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 24, 10)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+    )
+    try:
+        report = run(args, w, sizes, device, copy_gbps)
+    finally:
+        dist.destroy_process_group()
+    report = {"meta": meta(args, device, copy_gbps, argv), "workload": asdict(w), **report}
+    if args.json:
+        write_report(args.json, report)
+    bad = report["full_table_check"]["violations"]
+    if bad:
+        print("FAIL: a whole table was materialised:\n  " + "\n  ".join(bad[:20]))
+        return 1
+    return 0
+
+
+def run(args, w: Workload, sizes: list[int], device, copy_gbps: float) -> dict:
+    watched = watched_tables(w, max(sizes))
+    build_watch = FullTableWatch(watched, device) if device.type == "cuda" else None
+    libs = [build_dtrec(w, device, args.plan, build_watch)]
+    if not args.no_pytorch:
+        libs.append(build_pytorch(w, device, libs[0].model))
+    gen = torch.Generator(device=device).manual_seed(0)
+    step_watch = FullTableWatch(watched)
+    results: dict[str, dict] = {}
+    print(f"{device} copy {copy_gbps:.0f} GB/s; rows {w.rows}")
+    for size in sizes:
+        for one_hot in (False, True):
+            name = f"B{size}_{'one_hot' if one_hot else 'multi_hot'}"
+            batches = [make_batch(w, size, one_hot, args.ids, device, gen) for _ in range(2)]
+            if len(libs) > 1 and not results:  # before either trained: same weights
+                check_same_pooled(libs, batches[0])
+            results[name] = {}
+            for lib in libs:
+                if lib.name == "dtrec":
+                    one = batches[0].again()
+                    with step_watch:
+                        lib.step(one)
+                r = results[name][lib.name] = measure(lib, w, batches, args, device, copy_gbps)
+                print(summary_line(name, lib.name, r), flush=True)
+            del batches
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    violations = (build_watch.violations if build_watch else []) + step_watch.violations
+    return {
+        "results": results,
+        "torchrec_fbgemm": "not run: TorchRec + fbgemm-gpu are not installed on this machine",
+        "full_table_check": {
+            "watched_tables": sorted(watched),
+            "build_watched": build_watch is not None,
+            "violations": violations,
+        },
+    }
+
+
+def summary_line(config: str, library: str, r: dict) -> str:
+    emb, syncs = r["embedding"], r["host_syncs"]
+    return (
+        f"{config:<22} {library:<8} step {r['step_s'] * 1e3:8.2f} ms | embedding "
+        f"{emb['GBps']:7.1f} GB/s ({emb['of_copy']:.0%} of copy), "
+        f"{r['profile']['embedding']['launches']:.0f} launches | step: "
+        f"{sum(syncs['cuda_sync_debug'].values())} syncs (CUDA count), "
+        f"{sum(syncs['sync_ops'].values())} sync-forcing ops"
+    )
+
+
+def check_same_pooled(libs: list[Library], b: Batch) -> None:
+    """Both libraries pool the same rows (same weights) before any of them trains."""
+    with torch.no_grad():
+        got = [lib.model.sparse(getattr(b, lib.features)) for lib in libs]
+        got = [g if isinstance(g, Tensor) else g.values() for g in got]
+    torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-5)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

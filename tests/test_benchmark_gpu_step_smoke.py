@@ -1,0 +1,82 @@
+"""Smoke test of benchmarks/gpu_step.py (``--smoke``: tiny sizes on CPU) and its probes.
+
+The GPU numbers come from the CUDA machine (``make gpu-check``); here every code path of
+the benchmark runs once, in a subprocess (it starts its own 1-rank process group), and
+the probes are checked on cases where the right answer is known.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.step_probes import FullTableWatch, StageTimer, SyncSites
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_smoke_run_reports_every_measure(tmp_path) -> None:
+    out = tmp_path / "gpu_step.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, "benchmarks/gpu_step.py", "--smoke", "--json", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["meta"]["device"] == "cpu" and report["meta"]["copy_GBps"] > 0
+    assert len(report["workload"]["rows"]) == 26
+    assert sorted(report["results"]) == ["B64_multi_hot", "B64_one_hot"]
+    check = report["full_table_check"]
+    assert check["watched_tables"] and check["violations"] == []
+    for config in report["results"].values():
+        assert sorted(config) == ["dtrec", "pytorch"]
+        for library, r in config.items():
+            assert r["step_s"] > 0 and r["embedding"]["GBps"] > 0, library
+            assert r["stages"]["not_found"] == [], library  # every stage found its code
+            assert {"forward", "sparse_fwd", "dense_fwd"} <= set(r["stages"]["host_s"])
+            assert set(r["profile"]) == {"step", "embedding", "dense"}
+        stages = config["dtrec"]["stages"]["host_s"]
+        assert {"input_dist", "lookup_fwd", "output_dist", "bwd_and_fused_update"} <= set(stages)
+        assert config["dtrec"]["pipelined_step_s"] > 0
+
+
+def test_full_table_watch_flags_new_table_sized_tensors_only() -> None:
+    flat = torch.zeros(100 * 8 + 10)
+    with FullTableWatch({"t": (100, 8)}) as watch:
+        flat[:800].view(100, 8).add_(1)  # a view of existing memory, written in place
+        torch.zeros(50, 8)  # touched rows, not the table
+    assert watch.violations == []
+    with FullTableWatch({"t": (100, 8)}) as watch:
+        flat[:800].view(100, 8).clone()  # a copy of the whole table
+    assert len(watch.violations) == 1 and "table 't'" in watch.violations[0]
+
+
+def test_sync_sites_name_the_line_that_waits_for_the_device() -> None:
+    ids = torch.tensor([3, 0, 5])
+    with SyncSites(torch.device("cpu")) as sites:
+        int(ids.max())
+        ids.nonzero()
+        torch.repeat_interleave(ids, ids, output_size=8)  # size given: no wait
+        ids + 1
+    assert sum(sites.sites.values()) == 2, sites.sites
+    assert all("test_benchmark_gpu_step_smoke.py" in site for site in sites.sites)
+
+
+def test_stage_timer_times_wrapped_methods_and_reports_missing_ones() -> None:
+    class Work:
+        def run(self) -> int:
+            return 1
+
+    timer = StageTimer(torch.device("cpu"))
+    with timer.wrapping([("run", Work, "run"), ("gone", Work, "renamed")]) as missing:
+        assert Work().run() == 1
+    assert missing == ["test_stage_timer_times_wrapped_methods_and_reports_missing_ones."
+                       "<locals>.Work.renamed"]  # fmt: skip
+    assert timer.calls["run"] == 1 and "run" in timer.host_s
+    assert Work.run.__name__ == "run"  # unwrapped again
