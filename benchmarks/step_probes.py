@@ -134,10 +134,13 @@ _SYNC_OPS = {
 
 
 def call_site(skip: str = "step_probes") -> str:
-    """The innermost repository source line (outside this file) on the stack."""
+    """The innermost repository source line (outside this file) on the stack; installed
+    packages do not count, even where the virtual environment lives inside the repository
+    (``make`` puts ``.venv`` there)."""
     for frame in reversed(traceback.extract_stack()):
         path = Path(frame.filename)
-        if skip not in path.name and REPO in path.parents:
+        installed = "site-packages" in path.parts or (REPO / ".venv") in path.parents
+        if skip not in path.name and REPO in path.parents and not installed:
             return f"{path.relative_to(REPO)}:{frame.lineno} ({frame.name})"
     return "outside the repository"
 
