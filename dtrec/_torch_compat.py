@@ -153,6 +153,13 @@ def is_sharded_tensor(value: object) -> bool:
     return isinstance(value, ShardedTensor)
 
 
+def shard_index(shard: Any) -> tuple[slice, ...]:
+    """Where a ShardedTensor's local ``Shard`` sits in the full tensor (its metadata's
+    offsets and sizes, one slice per dim). Checked: torch 2.13."""
+    meta = shard.metadata
+    return tuple(slice(o, o + n) for o, n in zip(meta.shard_offsets, meta.shard_sizes, strict=True))
+
+
 def sharded_tensor_full(value: Tensor) -> Tensor:
     """A ShardedTensor assembled into a full tensor on every rank of its process group.
 
@@ -164,13 +171,7 @@ def sharded_tensor_full(value: Tensor) -> Tensor:
     dtype = shards[0].tensor.dtype if shards else value.dtype
     full = torch.zeros(tuple(value.size()), dtype=dtype)
     for shard in shards:
-        index = tuple(
-            slice(offset, offset + size)
-            for offset, size in zip(
-                shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True
-            )
-        )
-        full[index] = shard.tensor.detach().to("cpu", dtype)
+        full[shard_index(shard)] = shard.tensor.detach().to("cpu", dtype)
     group = value._process_group
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         device = shards[0].tensor.device if shards else torch.device("cpu")

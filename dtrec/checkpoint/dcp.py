@@ -41,7 +41,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from dtrec.checkpoint.agreement import (
     CheckpointError,
@@ -52,14 +51,16 @@ from dtrec.checkpoint.agreement import (
 )
 from dtrec.checkpoint.model_state import (
     OPTIM,
+    copy_staged,
     describe,
     fused_optimizer_of,
     model_state,
+    staging_copy,
     unflatten,
 )
 from dtrec.checkpoint.plain import is_plain_dcp, load_plain
 from dtrec.sharded.fused_optimizer import FusedOptimizerView
-from dtrec.sharded.tensor import full_tensor, like_dtensor
+from dtrec.sharded.tensor import full_tensor
 
 MARKER = "COMPLETE.json"
 FORMAT = 1
@@ -269,15 +270,6 @@ def _check_shapes(state: dict[str, Any], directory: Path) -> None:
             )
 
 
-def _staging_copy(value: Any) -> Any:
-    """A fresh tensor shaped and placed like ``value`` for DCP to read into."""
-    if isinstance(value, DTensor):
-        return like_dtensor(torch.empty_like(value.to_local()), value)
-    if isinstance(value, Tensor):
-        return torch.empty_like(value)
-    return value
-
-
 def load(
     path: str | os.PathLike,
     model: nn.Module,
@@ -311,16 +303,10 @@ def load(
     _check_compatible(marker, model, optimizer)
     live = model_state(model, optimizer)
     _check_shapes(live, directory)
-    read = {k: _staging_copy(v) for k, v in live.items()} if staged else dict(live)
+    read = {k: staging_copy(v) for k, v in live.items()} if staged else dict(live)
     on_every_rank(lambda: dcp.load(read, checkpoint_id=directory), "read", directory)
-    if staged:
-        with torch.no_grad():
-            for key, value in live.items():
-                if key.startswith(f"{OPTIM}."):
-                    continue
-                target = value.to_local() if isinstance(value, DTensor) else value
-                source = read[key]
-                target.copy_(source.to_local() if isinstance(source, DTensor) else source)
+    if staged:  # the dense optimizer's state is set below, from ``read``
+        copy_staged({k: v for k, v in live.items() if not k.startswith(f"{OPTIM}.")}, read)
     fused, saved = fused_optimizer_of(model), marker["fused_optimizer"]
     if fused is not None and saved.get("param_groups") is not None:
         fused.load_param_groups(saved["param_groups"])

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.planning.plan import table_fqn
 from dtrec.sharded.fused_optimizer import FusedOptimizerView
+from dtrec.sharded.tensor import like_dtensor
 
 MODEL, FUSED, OPTIM = "model", "fused_optimizer", "optimizer"
 """Key prefixes: the model's state dict, the fused optimizer's state, the dense optimizer."""
@@ -109,3 +110,22 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[
 
 def jsonable(values: Mapping[str, Any]) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
+
+def staging_copy(value: Any) -> Any:
+    """A fresh tensor shaped and placed like ``value`` for DCP to read into."""
+    if isinstance(value, DTensor):
+        return like_dtensor(torch.empty_like(value.to_local()), value)
+    if isinstance(value, Tensor):
+        return torch.empty_like(value)
+    return value
+
+
+def copy_staged(targets: Mapping[str, Tensor], sources: Mapping[str, Tensor]) -> None:
+    """Copy each staged ``sources[key]`` into the live ``targets[key]`` (local parts of
+    DTensors), once every rank has read its part."""
+    with torch.no_grad():
+        for key, value in targets.items():
+            target = value.to_local() if isinstance(value, DTensor) else value
+            source = sources[key]
+            target.copy_(source.to_local() if isinstance(source, DTensor) else source)

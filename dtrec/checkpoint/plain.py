@@ -14,14 +14,12 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.tensor import DTensor
 
 from dtrec.checkpoint.agreement import CheckpointError, on_every_rank
-from dtrec.sharded.tensor import like_dtensor
+from dtrec.checkpoint.model_state import copy_staged, staging_copy
 
 DCP_METADATA = ".metadata"
 
@@ -58,16 +56,6 @@ def load_plain(directory: Path, model: nn.Module, marker: str) -> None:
                 f"{directory}: {key} has shape {tuple(size)} in the checkpoint, "
                 f"{tuple(value.shape)} in the model"
             )
-    staging = {prefix + k: _empty_like(v) for k, v in live.items()}
+    staging = {prefix + k: staging_copy(v) for k, v in live.items()}
     on_every_rank(lambda: dcp.load(staging, checkpoint_id=directory), "read", directory)
-    with torch.no_grad():
-        for key, value in live.items():
-            source = staging[prefix + key]
-            target = value.to_local() if isinstance(value, DTensor) else value
-            target.copy_(source.to_local() if isinstance(source, DTensor) else source)
-
-
-def _empty_like(value: Tensor) -> Tensor:
-    if isinstance(value, DTensor):
-        return like_dtensor(torch.empty_like(value.to_local()), value)
-    return torch.empty_like(value)
+    copy_staged(live, {k: staging[prefix + k] for k in live})

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dtrec._torch_compat import is_sharded_tensor
+from dtrec._torch_compat import is_sharded_tensor, shard_index
 from dtrec.checkpoint.agreement import CheckpointError
 from dtrec.sharded.tensor import full_tensor
 
@@ -106,7 +106,7 @@ def _assemble(value: Tensor | None, shape: tuple[int, ...]) -> Tensor:
     shards = value.local_shards() if value is not None and is_sharded_tensor(value) else None
     if shards is not None:
         for shard in shards:
-            index = _index(shard.metadata)
+            index = shard_index(shard)
             total[index] += shard.tensor.detach().cpu().float()
             count[index] += 1
     elif value is not None:
@@ -116,12 +116,6 @@ def _assemble(value: Tensor | None, shape: tuple[int, ...]) -> Tensor:
         dist.all_reduce(total)
         dist.all_reduce(count)
     return total / count.clamp(min=1)
-
-
-def _index(metadata: Any) -> tuple[slice, ...]:
-    return tuple(
-        slice(o, o + n) for o, n in zip(metadata.shard_offsets, metadata.shard_sizes, strict=True)
-    )
 
 
 def fused_state_into_torchrec(model: nn.Module, torchrec_state: Mapping[str, Any]) -> None:
@@ -156,10 +150,4 @@ def _fill(target: Tensor, full: Tensor) -> None:
             target.copy_(full)
             return
         for shard in target.local_shards():
-            index = tuple(
-                slice(o, o + n)
-                for o, n in zip(
-                    shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True
-                )
-            )
-            shard.tensor.copy_(full[index])
+            shard.tensor.copy_(full[shard_index(shard)])

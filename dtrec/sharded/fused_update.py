@@ -31,6 +31,7 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -102,13 +103,13 @@ class FusedUpdater:
         this backward gets its own end-of-backward update.
         """
         backward = current_backward_id()
-        if _WAITING and _WAITING_FOR[0] != backward:
+        if _WAITING.updaters and _WAITING.backward != backward:
             _drop_unfinished_backward()
         if not self._pending:
-            if not _WAITING:
+            if not _WAITING.updaters:
                 queue_backward_callback(update_waiting)
-                _WAITING_FOR[0] = backward
-            _WAITING.append(self)
+                _WAITING.backward = backward
+            _WAITING.updaters.append(self)
         self._pending.append((table_ids, lookup, grad_out))
 
     def current_rule(self) -> FusedOptimizer:
@@ -191,10 +192,16 @@ class FusedUpdater:
             rule.update_tables(updates)
 
 
-_WAITING: list[FusedUpdater] = []
-"""Updaters with stashed backward input, in stash order; ``update_waiting`` runs them."""
-_WAITING_FOR: list[int] = [-1]
-"""The autograd graph task (``backward()`` call) whose end ``update_waiting`` is queued for."""
+@dataclass
+class _Waiting:
+    """The updaters with stashed backward input, in stash order, and the autograd graph
+    task (``backward()`` call) whose end ``update_waiting`` is queued for."""
+
+    updaters: list[FusedUpdater] = field(default_factory=list)
+    backward: int = -1
+
+
+_WAITING = _Waiting()
 
 
 def _drop_unfinished_backward() -> None:
@@ -206,9 +213,9 @@ def _drop_unfinished_backward() -> None:
         RuntimeWarning,
         stacklevel=3,
     )
-    for updater in _WAITING:
+    for updater in _WAITING.updaters:
         updater._pending = []
-    _WAITING.clear()
+    _WAITING.updaters.clear()
 
 
 def update_waiting() -> None:
@@ -218,8 +225,8 @@ def update_waiting() -> None:
     so a bad group (ValueError) changes no table, and every updater's stash is dropped
     whatever fails, so no half-finished backward leaks into the next one.
     """
-    updaters = list(_WAITING)
-    _WAITING.clear()
+    updaters = list(_WAITING.updaters)
+    _WAITING.updaters.clear()
     try:
         rules = [u.current_rule() for u in updaters]  # no collective yet: ranks raise alike
         for updater, rule in zip(updaters, rules, strict=True):
