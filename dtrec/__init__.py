@@ -12,6 +12,7 @@ from dtrec import checkpoint, ops, optim, placements
 from dtrec.comm.collectives import CommStats, comm_stats, count_comm
 from dtrec.comm.failures import CollectiveError, report_failures
 from dtrec.modules import EmbeddingBagCollection, EmbeddingBagConfig
+from dtrec.modules.embedding import EmbeddingCollection, EmbeddingConfig
 from dtrec.placements.mesh import init_mesh
 from dtrec.planning import cost_model
 from dtrec.planning.cost_model import Topology
@@ -27,6 +28,8 @@ __all__ = [
     "CommStats",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
+    "EmbeddingCollection",
+    "EmbeddingConfig",
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",

@@ -579,6 +579,18 @@ LOCAL: dict[str, Case] = {
     "E170": lambda tmp: EBC(
         [EmbeddingBagConfig("t0", 10, 4, ["f0"], data_type=DataType.FP16), *tables()[1:]]
     ),
+    # sequence embeddings
+    "E190": lambda tmp: dtrec.EmbeddingCollection([dtrec.EmbeddingConfig("t0", 10, 4, ["f0"])])(
+        KJT(
+            ["f0"],
+            ids(1, 2),
+            ids(1, 1),
+            stride_per_key_per_rank=[[2]],
+            inverse_indices=(["f0"], torch.tensor([[0, 1]])),
+        )
+    ),  # fmt: skip
+    "E191": lambda tmp: dtrec.EmbeddingCollection([Cfg("t0", 10, 4)]),
+    "E192": lambda tmp: JT(torch.zeros(2, 2, dtype=torch.long), ids(2)),
 }
 
 

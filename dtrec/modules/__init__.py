@@ -5,6 +5,7 @@ against; ``features`` turns a batch into the collection's feature order.
 """
 
 from dtrec.modules.config import EmbeddingBagConfig
+from dtrec.modules.embedding import EmbeddingCollection, EmbeddingConfig
 from dtrec.modules.embedding_bag import EmbeddingBagCollection
 
-__all__ = ["EmbeddingBagCollection", "EmbeddingBagConfig"]
+__all__ = ["EmbeddingBagCollection", "EmbeddingBagConfig", "EmbeddingCollection", "EmbeddingConfig"]
