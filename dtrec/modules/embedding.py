@@ -118,17 +118,11 @@ def validate_sequence_tables(tables: Sequence[EmbeddingConfig]) -> None:
             owner[f] = cfg.name
 
 
-def prepare_sequence_features(
-    features: object,
-    tables: Sequence[EmbeddingConfig],
-    rank: int | None = None,
-    bounds_check: str = "on",
-    device: torch.device | None = None,
-) -> KeyedJaggedTensor:
-    """``prepare_features`` for sequence tables: a variable batch per feature (VBE) has
-    no per-id meaning for an unpooled output, so it is a ValueError; per-sample weights
-    are dropped (a sequence lookup does not use them, as in TorchRec)."""
-    kjt = as_kjt(features)
+def check_fixed_batch(
+    kjt: KeyedJaggedTensor, tables: Sequence[EmbeddingConfig], rank: int | None = None
+) -> None:
+    """ValueError for a variable batch per feature (VBE): an unpooled output has one row
+    per id, so there are no per-sample rows to expand through ``inverse_indices``."""
     if kjt.variable_stride_per_key() or kjt.inverse_indices_or_none() is not None:
         where = "" if rank is None else f" on rank {rank}"
         raise ValueError(
@@ -137,7 +131,19 @@ def prepare_sequence_features(
             "per id and do not expand variable batches; give every feature the same "
             "batch size"
         )
-    return prepare_features(kjt, tables, rank, bounds_check, device, weighted=False)
+
+
+def prepare_sequence_features(
+    features: object,
+    tables: Sequence[EmbeddingConfig],
+    bounds_check: str = "on",
+    device: torch.device | None = None,
+) -> KeyedJaggedTensor:
+    """``prepare_features`` for sequence tables: no variable batch (``check_fixed_batch``);
+    per-sample weights are dropped (a sequence lookup does not use them, as in TorchRec)."""
+    kjt = as_kjt(features)
+    check_fixed_batch(kjt, tables)
+    return prepare_features(kjt, tables, None, bounds_check, device, weighted=False)
 
 
 def sequence_outputs(
@@ -223,7 +229,7 @@ class EmbeddingCollection(nn.Module):
 
     def forward(self, features: object) -> dict[str, JaggedTensor]:
         device = self.embeddings[self._tables[0].name].weight.device if self._tables else None
-        kjt = prepare_sequence_features(features, self._tables, None, self.bounds_check, device)
+        kjt = prepare_sequence_features(features, self._tables, self.bounds_check, device)
         per_feature = kjt.length_per_key()
         rows: list[Tensor] = []
         start = 0

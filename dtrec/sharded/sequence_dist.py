@@ -1,0 +1,245 @@
+"""The sequence (unpooled) path's stages around the shared input dist: rows, not sums.
+
+A sequence lookup is the pooled lookup with bags of one id, so ids travel exactly as
+for bags (``InputDist``, ``Routing.bucketize``: each id goes to every block holding its
+row, in a stable segment order). What changes is what comes back:
+
+* server (``SequenceLookup.served``): per served table, one op call over the ids it
+  received (bags of length 1) gathers their rows (``[ids, block cols]``), laid out in the
+  order the ids arrived: per source, per segment, per id;
+* output dist (``SequenceOutputDist``): one differentiable all-to-all
+  (``sequence_output_dist`` in ``dtrec.comm_stats()``) returns the rows to the ranks
+  whose batches sent the ids;
+* requester: the rows land at (id position, column range) of the feature's output
+  through one index (``ReturnPlan``): a permutation, so the backward is a gather and is
+  deterministic. Row blocks: each id comes back once, from the block holding its row;
+  column blocks: once per block, tiling its columns. Data-parallel tables are looked up
+  on the own batch and placed alike.
+
+The requester knows where each returned row belongs because ``SequenceRouting`` records,
+while bucketizing, each sent id's position in the batch (the same stable order the ids
+were sent in).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from dtrec.comm.collectives import all_to_all_autograd
+from dtrec.ops.op import EmbeddingBagFunction
+from dtrec.sharded.fused_update import FusedUpdater, fused_lookup
+from dtrec.sharded.input_dist import RoutedBatch
+from dtrec.sharded.routing import Routing
+from dtrec.sparse import KeyedJaggedTensor
+
+
+class SequenceRouting(Routing):
+    """``Routing`` that also records, per shard position, the batch position of each id it
+    sends (``sent_positions``) and each sent segment's id count (``segment_counts``).
+
+    The positions ride through ``Routing.bucketize`` as the ids' "weights": they are
+    permuted exactly like the ids. The caller takes them with ``take_sent`` right after
+    the input dist that bucketized.
+    """
+
+    _sent: tuple[list[Tensor], Tensor] | None = None
+
+    def bucketize(
+        self, values: Tensor, lengths: Tensor, weights: Tensor | None
+    ) -> tuple[list[Tensor], list[Tensor | None], list[int]]:
+        positions = torch.arange(values.numel(), device=values.device)
+        buffers, sent, counts = super().bucketize(values, lengths, positions)
+        batch = lengths.shape[1]
+        heads = [
+            buf[: len(segs) * batch].view(len(segs), batch).sum(1)
+            for buf, segs in zip(buffers, self.segments_to, strict=True)
+        ]
+        self._sent = ([p for p in sent if p is not None], torch.cat(heads))
+        return buffers, [None] * len(buffers), counts
+
+    def take_sent(self) -> tuple[list[Tensor], Tensor] | None:
+        """(per position: batch positions of the ids sent there, per segment: its id count),
+        from the last ``bucketize``; None when nothing was bucketized since the last take."""
+        sent, self._sent = self._sent, None
+        return sent
+
+
+def _expand_columns(starts: Tensor, widths: Tensor) -> Tensor:
+    """``cat(arange(s, s + w) for s, w in zip(starts, widths))``, vectorized."""
+    total = int(widths.sum()) if widths.numel() else 0
+    first = torch.cumsum(widths, 0) - widths
+    step = torch.arange(total, device=starts.device)
+    step -= torch.repeat_interleave(first, widths, output_size=total)
+    return torch.repeat_interleave(starts, widths, output_size=total) + step
+
+
+class ReturnPlan:
+    """Where every element the requester receives goes in its flat output (features in
+    order, each ``[ids, D]`` row-major), and how many elements each position returns."""
+
+    def __init__(
+        self,
+        routing: Routing,
+        kjt: KeyedJaggedTensor,
+        sent: tuple[list[Tensor], Tensor] | None,
+    ) -> None:
+        device = kjt.values().device
+        per_feature = torch.tensor(kjt.length_per_key(), dtype=torch.long, device=device)
+        dims = torch.tensor([s.dim for s in routing.slots], dtype=torch.long, device=device)
+        value_start = torch.cumsum(per_feature, 0) - per_feature
+        sizes = per_feature * dims
+        self.out_start = torch.cumsum(sizes, 0) - sizes
+        """First element of each feature's rows in the flat output."""
+        self.total = int(sizes.sum()) if sizes.numel() else 0
+        self.feature_sizes = sizes.tolist()
+        self.recv_splits = [0] * routing.shard_size
+        self.dest = torch.zeros(0, dtype=torch.long, device=device)
+        if sent is None:
+            return
+        positions, seg_counts = sent
+        segs = [s for segs in routing.segments_to for s in segs]
+        seg_feature = torch.tensor([s.feature for s in segs], dtype=torch.long, device=device)
+        seg_col = torch.tensor([s.block.cols[0] for s in segs], dtype=torch.long, device=device)
+        seg_width = torch.tensor([s.block.num_cols for s in segs], dtype=torch.long, device=device)
+        seg_counts = seg_counts.to(device)
+        per_seg_elems = (seg_counts * seg_width).tolist()
+        first = 0
+        for p, p_segs in enumerate(routing.segments_to):
+            self.recv_splits[p] = sum(per_seg_elems[first : first + len(p_segs)])
+            first += len(p_segs)
+        position = torch.cat(positions) if positions else self.dest
+        segment = torch.repeat_interleave(
+            torch.arange(len(segs), device=device), seg_counts, output_size=position.numel()
+        )
+        feature = seg_feature.index_select(0, segment)
+        row = position - value_start.index_select(0, feature)
+        starts = self.out_start.index_select(0, feature)
+        starts += row * dims.index_select(0, feature) + seg_col.index_select(0, segment)
+        self.dest = _expand_columns(starts, seg_width.index_select(0, segment))
+
+
+class SequenceLookup:
+    """Row gathers on local shards: one op call per table, bags of one id."""
+
+    def __init__(self, routing: Routing, updater: FusedUpdater | None) -> None:
+        self._routing = routing
+        self._updater = updater
+        served = routing.served
+        self._tables = sorted({s.table for s in served})
+        index = {t: u for u, t in enumerate(self._tables)}
+        self._segment_table = torch.tensor([index[s.table] for s in served], dtype=torch.long)
+        self._segment_width = torch.tensor([s.block.num_cols for s in served], dtype=torch.long)
+
+    def rows(self, table: int, shard: Tensor, ids: Tensor) -> Tensor:
+        """``shard[ids]`` as ``[ids, cols]`` through the op (or the fused updater).
+
+        Called for every local table in every step, even without ids (one empty bag
+        then), so replicas and column peers always join the table's gradient sync.
+        """
+        n = ids.numel()
+        offsets = torch.arange(n + 1, device=ids.device)
+        if n == 0:
+            offsets = torch.zeros(2, dtype=torch.long, device=ids.device)
+        if self._updater is not None:
+            out = fused_lookup(self._updater, [table], [shard], [0], [False], ids, offsets, None)
+        else:
+            out = EmbeddingBagFunction.apply([0], [False], False, ids, offsets, None, shard)
+        return out[:n]
+
+    def served(
+        self, routed: RoutedBatch, local: dict[int, Tensor]
+    ) -> tuple[Tensor | None, list[int]]:
+        """The flat send buffer of rows for every source (source-major, then segment, then
+        id, each id's block columns; None when this rank serves nothing) and its
+        per-source split sizes (elements)."""
+        routing = self._routing
+        served, batch, shards = routing.served, routed.batch, routing.shard_size
+        lengths, ids, _ = routed.wait_served(len(served))
+        if not served:
+            return None, [0] * shards
+        device = ids.device
+        counts = lengths.view(shards, len(served), batch).sum(2).reshape(-1)
+        widths = self._segment_width.to(device).repeat(shards)
+        send_splits = (counts * widths).view(shards, len(served)).sum(1).tolist()
+        segment = torch.repeat_interleave(
+            torch.arange(len(served), device=device).repeat(shards), counts,
+            output_size=ids.numel(),
+        )  # fmt: skip
+        table = self._segment_table.to(device).index_select(0, segment)
+        order = torch.sort(table.int(), stable=True).indices
+        per_table = torch.bincount(table, minlength=len(self._tables)).tolist()
+        sorted_ids = ids.index_select(0, order)
+        pieces, start = [], 0
+        for u, t in enumerate(self._tables):
+            rows = self.rows(t, local[t], sorted_ids[start : start + per_table[u]])
+            pieces.append(rows.reshape(-1))
+            start += per_table[u]
+        pool = torch.cat(pieces)
+        # each received id's rows start in the pool at its table's base + rank * width
+        width = torch.tensor([local[t].shape[1] for t in self._tables], device=device)
+        elems = torch.tensor(per_table, dtype=torch.long, device=device) * width
+        table_base = torch.cumsum(elems, 0) - elems
+        table_first = torch.cumsum(torch.tensor(per_table, device=device), 0)
+        table_first -= torch.tensor(per_table, device=device)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=device)
+        id_width = width.index_select(0, table)
+        starts = table_base.index_select(0, table)
+        starts += (rank - table_first.index_select(0, table)) * id_width
+        return pool.index_select(0, _expand_columns(starts, id_width)), send_splits
+
+    def data_parallel(self, kjt: KeyedJaggedTensor, local: dict[int, Tensor]) -> list[Tensor]:
+        """Rows of the data-parallel features of the own batch, one ``[ids, D]`` each."""
+        routing = self._routing
+        per_feature = kjt.length_per_key()
+        starts = [sum(per_feature[:k]) for k in range(len(per_feature))]
+        out: list[Tensor] = []
+        by_table: dict[int, list[int]] = {}
+        for k in routing.local_features:
+            by_table.setdefault(routing.slots[k].table, []).append(k)
+        for t, features in by_table.items():  # a table's features are adjacent in the batch
+            lo = starts[features[0]]
+            hi = starts[features[-1]] + per_feature[features[-1]]
+            rows = self.rows(t, local[t], kjt.values()[lo:hi])
+            out.extend(rows.split([per_feature[k] for k in features]))
+        return out
+
+
+class SequenceOutputDist:
+    """Returns served rows to their requesters and assembles per-feature outputs."""
+
+    def __init__(self, routing: Routing, shard_group: ProcessGroup, dtype: torch.dtype) -> None:
+        self._routing = routing
+        self._group = shard_group
+        self._dtype = dtype
+
+    def __call__(
+        self,
+        send: Tensor | None,
+        send_splits: list[int],
+        plan: ReturnPlan,
+        local_rows: list[Tensor],
+        device: torch.device,
+    ) -> list[Tensor]:
+        """Per feature (output order), its ``[ids, D]`` rows."""
+        routing = self._routing
+        sources, dests = [], []
+        if routing.has_sharded:
+            if send is None:
+                send = torch.zeros(0, dtype=self._dtype, device=device)
+            received = all_to_all_autograd(
+                send, plan.recv_splits, send_splits, self._group, "sequence_output_dist"
+            )
+            sources.append(received)
+            dests.append(plan.dest)
+        for k, rows in zip(routing.local_features, local_rows, strict=True):
+            start = int(plan.out_start[k])
+            sources.append(rows.reshape(-1))
+            dests.append(torch.arange(start, start + rows.numel(), device=device))
+        flat = torch.zeros(plan.total, dtype=self._dtype, device=device)
+        if sources:
+            flat = flat.index_copy(0, torch.cat(dests), torch.cat(sources).to(self._dtype))
+        pieces = flat.split(plan.feature_sizes)
+        return [p.view(-1, slot.dim) for p, slot in zip(pieces, routing.slots, strict=True)]
