@@ -260,10 +260,14 @@ def torchrec_like(module: str, name: str) -> nn.Module:
     return type(name, (nn.Module,), {"__module__": module})()
 
 
-def with_sequence_tower() -> nn.Module:
+def with_feature_processed_tower() -> nn.Module:
     model = Model()
     model.towers = nn.ModuleDict(
-        {"user": torchrec_like("torchrec.modules.embedding_modules", "EmbeddingCollection")}
+        {
+            "user": torchrec_like(
+                "torchrec.modules.fp_embedding_modules", "FeatureProcessedEmbeddingBagCollection"
+            )
+        }
     )
     return model
 
@@ -526,7 +530,7 @@ LOCAL: dict[str, Case] = {
     # comm stats
     "E149": summary_of_no_steps,
     # TorchRec modules, configs, plans and constraints
-    "E151": on_mesh(2, 2, lambda m: distributed(m, model=with_sequence_tower())),
+    "E151": on_mesh(2, 2, lambda m: distributed(m, model=with_feature_processed_tower())),
     "E152": lambda tmp: Cfg("t0", 10, 4, pooling=PoolingType.NONE),
     "E153": lambda tmp: EBC([EmbeddingBagConfig("t0", 10, 4, ["f0"], data_type=DataType.INT8)]),
     "E154": lambda tmp: EBC([EmbeddingBagConfig("t0", 10, 4, ["f0"], use_virtual_table=True)]),

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
 from dtrec.modules.config import EmbeddingBagConfig
-from dtrec.planning.plan import table_fqn
+from dtrec.planning.plan import collection_configs, table_fqn
 from dtrec.sharded.fused_optimizer import FusedOptimizerView
 from dtrec.sharded.tensor import like_dtensor
 
@@ -21,11 +21,17 @@ MODEL, FUSED, OPTIM = "model", "fused_optimizer", "optimizer"
 
 
 def collections_of(model: nn.Module) -> dict[str, nn.Module]:
-    """FQN -> each (sharded or unsharded) embedding-bag collection of ``model``."""
-    from dtrec.modules import EmbeddingBagCollection
+    """FQN -> each (sharded or unsharded) embedding-bag or sequence collection of ``model``."""
+    from dtrec.modules import EmbeddingBagCollection, EmbeddingCollection
     from dtrec.sharded.module import ShardedEmbeddingBagCollection
+    from dtrec.sharded.sequence import ShardedEmbeddingCollection
 
-    kinds = (EmbeddingBagCollection, ShardedEmbeddingBagCollection)
+    kinds = (
+        EmbeddingBagCollection,
+        ShardedEmbeddingBagCollection,
+        EmbeddingCollection,
+        ShardedEmbeddingCollection,
+    )
     return {fqn: m for fqn, m in model.named_modules() if isinstance(m, kinds)}
 
 
@@ -33,7 +39,7 @@ def tables_of(model: nn.Module) -> dict[str, EmbeddingBagConfig]:
     return {
         table_fqn(fqn, cfg.name): cfg
         for fqn, ebc in collections_of(model).items()
-        for cfg in ebc.embedding_bag_configs()
+        for cfg in collection_configs(ebc)
     }
 
 
@@ -98,7 +104,7 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[
             fqn: {
                 "num_embeddings": cfg.num_embeddings,
                 "embedding_dim": cfg.embedding_dim,
-                "pooling": cfg.pooling,
+                "pooling": getattr(cfg, "pooling", "none"),  # "none": a sequence table
                 "feature_names": list(cfg.feature_names),
             }
             for fqn, cfg in tables_of(model).items()

@@ -1,8 +1,9 @@
 """TorchRec's sparse modules, recognised by their class (torchrec is never imported).
 
 ``torchrec.EmbeddingBagCollection`` (weighted or not) becomes dtrec's
-``EmbeddingBagCollection`` over the same weight tensors; every other module whose
-class comes from TorchRec's sparse code (sequence, feature-processed, managed-collision,
+``EmbeddingBagCollection`` over the same weight tensors, ``torchrec.EmbeddingCollection``
+dtrec's ``EmbeddingCollection``; every other module whose
+class comes from TorchRec's sparse code (feature-processed, managed-collision,
 quantized or fused collections, modules TorchRec already sharded) is an error naming
 its FQN, its type and what to do, so no table is ever left silently replicated.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from dtrec.modules import EmbeddingBagCollection
+from dtrec.modules import EmbeddingBagCollection, EmbeddingCollection
 
 _DENSE_TORCHREC_MODULES = (
     "torchrec.modules.activation",
@@ -27,12 +28,9 @@ _DENSE_TORCHREC_MODULES = (
 are; their children are looked at one by one."""
 
 _BAG_COLLECTION = ("torchrec.modules.embedding_modules", "EmbeddingBagCollection")
+_SEQUENCE_COLLECTION = ("torchrec.modules.embedding_modules", "EmbeddingCollection")
 
 _ADVICE = {
-    "EmbeddingCollection": (
-        "sequence (unpooled) embeddings are not supported yet; keep the module out of the "
-        "model given to distribute_module, or use an EmbeddingBagCollection"
-    ),
     "FeatureProcessedEmbeddingBagCollection": (
         "feature processors are not supported; compute the per-sample weights in the input "
         "pipeline and pass them in the KeyedJaggedTensor to a weighted "
@@ -81,10 +79,16 @@ def is_torchrec_bag_collection(module: nn.Module) -> bool:
     return (cls.__module__, cls.__qualname__) == _BAG_COLLECTION
 
 
+def is_torchrec_sequence_collection(module: nn.Module) -> bool:
+    """Exactly TorchRec's ``EmbeddingCollection`` (not a subclass, as for bags)."""
+    cls = type(module)
+    return (cls.__module__, cls.__qualname__) == _SEQUENCE_COLLECTION
+
+
 def unsupported_module(fqn: str, module: nn.Module) -> TypeError | None:
     """The error for a TorchRec sparse module dtrec cannot shard; None for any other
     module (dtrec's own, TorchRec's ``EmbeddingBagCollection``, dense layers)."""
-    if is_torchrec_bag_collection(module):
+    if is_torchrec_bag_collection(module) or is_torchrec_sequence_collection(module):
         return None
     found = _torchrec_sparse_class(module)
     if found is None:
@@ -99,6 +103,11 @@ def unsupported_module(fqn: str, module: nn.Module) -> TypeError | None:
         advice = (
             "it subclasses torchrec.EmbeddingBagCollection, whose forward dtrec cannot know; "
             "use torchrec.EmbeddingBagCollection itself or dtrec.EmbeddingBagCollection"
+        )
+    if advice is None and (found.__module__, found.__qualname__) == _SEQUENCE_COLLECTION:
+        advice = (
+            "it subclasses torchrec.EmbeddingCollection, whose forward dtrec cannot know; "
+            "use torchrec.EmbeddingCollection itself or dtrec.EmbeddingCollection"
         )
     if advice is None:
         advice = (
@@ -136,5 +145,25 @@ def from_torchrec_bag_collection(module: nn.Module) -> EmbeddingBagCollection:
                 f"config says ({cfg.num_embeddings}, {cfg.embedding_dim})"
             )
         converted.embedding_bags[cfg.name].weight = source.weight
+    converted.train(module.training)
+    return converted
+
+
+def from_torchrec_sequence_collection(module: nn.Module) -> EmbeddingCollection:
+    """dtrec's ``EmbeddingCollection`` for a TorchRec one, holding the same weight
+    ``Parameter``s (no copy): same tables, features, dtype and ``need_indices``."""
+    if not is_torchrec_sequence_collection(module):
+        raise TypeError(f"expected a torchrec.EmbeddingCollection, got {_origin(type(module))}")
+    converted = EmbeddingCollection(
+        module.embedding_configs(), device="meta", need_indices=bool(module.need_indices())
+    )
+    for cfg in converted.embedding_configs():
+        source = module.embeddings[cfg.name]
+        if tuple(source.weight.shape) != (cfg.num_embeddings, cfg.embedding_dim):
+            raise ValueError(
+                f"table {cfg.name!r}: weight has shape {tuple(source.weight.shape)}, its "
+                f"config says ({cfg.num_embeddings}, {cfg.embedding_dim})"
+            )
+        converted.embeddings[cfg.name].weight = source.weight
     converted.train(module.training)
     return converted

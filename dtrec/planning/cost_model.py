@@ -37,6 +37,7 @@ import numpy as np
 
 from dtrec.comm.collectives import sync_bytes
 from dtrec.modules.config import EmbeddingBagConfig
+from dtrec.modules.embedding import EmbeddingConfig
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import ShardAxis
 
@@ -269,8 +270,14 @@ def table_cost(
         peers[block.rows] = peers.get(block.rows, 0) + 1
         peer_positions.setdefault(block.rows, []).append(block.position)
     node = node_of_positions(axis, topology)
+    # A sequence table returns one row per id, not one pooled row per (sample, feature):
+    # its output bytes grow with the ids a block serves, not with the batch.
+    sequence = isinstance(cfg, EmbeddingConfig)
+    out_kind = "sequence_output_dist" if sequence else "output_dist"
     for block in layout.blocks:
         p, rows, cols = block.position, block.num_rows, block.num_cols
+        mass = 1.0 if layout.batch_local else ids.mass(*block.rows)
+        out_rows = batch * pooling * mass if sequence else batch * features
         state = rows * per_row + rows * cols * per_element
         if layout.batch_local:  # own batch, own full copy; gradients summed over the world
             n_ids = batch * pooling
@@ -284,14 +291,14 @@ def table_cost(
             near = others & (node == node[p])  # peers on p's node
             far = others & (node != node[p])
             lengths, id_bytes = 8 * batch * features, 8 * batch * pooling * ids.mass(*block.rows)
-            partials = batch * features * cols * 4
+            partials = out_rows * cols * 4
             # To the block's owner: ids (input-dist) and the partials' gradients (backward);
             # from it: the partials (output-dist forward).
             _exchange(cost.stack, p, near, far, lengths + id_bytes + partials, partials)
             cost.add("input_dist.lengths", others, lengths)
             cost.add("input_dist.id_values", others, id_bytes)
-            cost.add("output_dist", p, (s_size - 1) * partials)
-            cost.add("output_dist.backward", others, partials)
+            cost.add(out_kind, p, (s_size - 1) * partials)
+            cost.add(f"{out_kind}.backward", others, partials)
             c = peers[block.rows]
             if c > 1 and per_row:  # exact row-wise Adagrad: row norms over column peers
                 union = ids.unique(world * batch * pooling, *block.rows)
@@ -301,7 +308,7 @@ def table_cost(
                 cost.stack[RECEIVED_INTER if spread else RECEIVED_INTRA, p] += norms
                 cost.add("optim.row_sq_sum", p, norms)
         sources = 1 if layout.batch_local else s_size
-        buffers = n_ids * 8 + 2 * sources * batch * features * cols * 4  # ids, outputs, grads
+        buffers = n_ids * 8 + 2 * sources * out_rows * cols * 4  # ids, outputs, grads
         cost.memory[p] += rows * cols * elt + state + buffers
         cost.hbm_bytes[p] += n_ids * cols * elt  # forward gather
         backward = n_ids * cols * 4 + touched * 2 * (cols * elt + state / rows)

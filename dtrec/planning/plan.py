@@ -114,18 +114,24 @@ class ShardingPlan(dict[str, TableSpec]):
 
 
 def find_collections(model: nn.Module) -> dict[str, nn.Module]:
-    """FQN -> every unsharded ``EmbeddingBagCollection`` in ``model`` (outermost only).
+    """FQN -> every unsharded ``EmbeddingBagCollection`` and ``EmbeddingCollection`` in
+    ``model`` (outermost only).
 
-    A ``torchrec.EmbeddingBagCollection`` is returned as dtrec's collection over the same
-    weights (``dtrec.interop``); any other TorchRec sparse module is a TypeError naming
-    it (``dtrec.interop.unsupported_module``), never left silently replicated.
+    A ``torchrec.EmbeddingBagCollection`` (``EmbeddingCollection``) is returned as dtrec's
+    collection over the same weights (``dtrec.interop``); any other TorchRec sparse module
+    is a TypeError naming it (``dtrec.interop.unsupported_module``), never left silently
+    replicated.
     """
     from dtrec.interop import (
         from_torchrec_bag_collection,
         is_torchrec_bag_collection,
         unsupported_module,
     )
-    from dtrec.modules import EmbeddingBagCollection
+    from dtrec.interop.modules import (
+        from_torchrec_sequence_collection,
+        is_torchrec_sequence_collection,
+    )
+    from dtrec.modules import EmbeddingBagCollection, EmbeddingCollection
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -136,11 +142,27 @@ def find_collections(model: nn.Module) -> dict[str, nn.Module]:
         error = unsupported_module(fqn, module)
         if error is not None:
             raise error
-        if isinstance(module, EmbeddingBagCollection):
+        if isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
             found[fqn] = module
         elif is_torchrec_bag_collection(module):
             found[fqn] = from_torchrec_bag_collection(module)
+        elif is_torchrec_sequence_collection(module):
+            found[fqn] = from_torchrec_sequence_collection(module)
     return found
+
+
+def collection_configs(collection: nn.Module) -> list:
+    """The table configs of a (sharded or unsharded) pooled or sequence collection."""
+    if hasattr(collection, "embedding_bag_configs"):
+        return collection.embedding_bag_configs()
+    return collection.embedding_configs()
+
+
+def collection_tables(collection: nn.Module) -> nn.ModuleDict:
+    """Table name -> module holding ``.weight`` (``embedding_bags`` or ``embeddings``)."""
+    if hasattr(collection, "embedding_bags"):
+        return collection.embedding_bags
+    return collection.embeddings
 
 
 def table_fqn(collection_fqn: str, table: str) -> str:
@@ -149,11 +171,11 @@ def table_fqn(collection_fqn: str, table: str) -> str:
 
 
 def model_tables(model: nn.Module) -> dict[str, EmbeddingBagConfig]:
-    """Plan key -> table config, over every collection of ``model``."""
+    """Plan key -> table config, over every collection of ``model`` (pooled and sequence)."""
     return {
         table_fqn(fqn, cfg.name): cfg
         for fqn, ebc in find_collections(model).items()
-        for cfg in ebc.embedding_bag_configs()
+        for cfg in collection_configs(ebc)
     }
 
 

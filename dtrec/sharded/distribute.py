@@ -22,6 +22,8 @@ from dtrec.placements.mesh import shard_axis
 from dtrec.planning.plan import (
     ShardingPlan,
     check_plan_keys,
+    collection_configs,
+    collection_tables,
     find_collections,
     model_tables,
     table_fqn,
@@ -29,6 +31,7 @@ from dtrec.planning.plan import (
 from dtrec.planning.plan import plan as make_plan
 from dtrec.sharded.fused_optimizer import FusedOptimizerView
 from dtrec.sharded.module import ShardedEmbeddingBagCollection, check_sync_every
+from dtrec.sharded.sequence import ShardedEmbeddingCollection
 
 
 def distribute_module(
@@ -83,7 +86,8 @@ def distribute_module(
         )
     collections = find_collections(model)
     if not collections:
-        if any(isinstance(m, ShardedEmbeddingBagCollection) for m in model.modules()):
+        sharded_kinds = (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)
+        if any(isinstance(m, sharded_kinds) for m in model.modules()):
             raise ValueError(
                 "model is already distributed (it holds ShardedEmbeddingBagCollection(s)); "
                 "distribute the unsharded model once"
@@ -97,19 +101,25 @@ def distribute_module(
     check_plan_keys(dict(plan or {}), tables)
     full_plan = make_plan(model, mesh, constraints=plan)
     on_meta = any(
-        ebc.embedding_bags[cfg.name].weight.is_meta
+        collection_tables(ebc)[cfg.name].weight.is_meta
         for ebc in collections.values()
-        for cfg in ebc.embedding_bag_configs()
+        for cfg in collection_configs(ebc)
     )
     seed = torch.initial_seed() if on_meta else 0  # meta tables: every rank inits its blocks
     check_same_on_every_rank(tables, full_plan, optimizer, sync_every, seed)
     install_excepthook()  # an uncaught exception on a rank names it in its peers' errors
 
-    sharded: dict[str, ShardedEmbeddingBagCollection] = {}
+    sharded: dict[str, nn.Module] = {}
     for fqn, ebc in collections.items():
-        tables = ebc.embedding_bag_configs()
+        tables = collection_configs(ebc)
         specs = {cfg.name: full_plan[table_fqn(fqn, cfg.name)] for cfg in tables}
-        weights = {cfg.name: ebc.embedding_bags[cfg.name].weight for cfg in tables}
+        weights = {cfg.name: collection_tables(ebc)[cfg.name].weight for cfg in tables}
+        if not hasattr(ebc, "embedding_bags"):  # a sequence collection (EmbeddingCollection)
+            sharded[fqn] = ShardedEmbeddingCollection(
+                tables, weights, mesh, specs, optimizer, ebc.bounds_check, sync_every, seed,
+                ebc.need_indices,
+            )  # fmt: skip
+            continue
         sharded[fqn] = ShardedEmbeddingBagCollection(
             tables, weights, mesh, specs, optimizer, ebc.bounds_check, sync_every, seed,
             ebc.is_weighted,

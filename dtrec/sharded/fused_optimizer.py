@@ -42,7 +42,7 @@ from dtrec.optim.param_groups import (
     hyperparameters_of,
 )
 from dtrec.placements.layout import Block
-from dtrec.planning.plan import table_fqn
+from dtrec.planning.plan import collection_tables, table_fqn
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.tensor import load_block
 
@@ -51,7 +51,9 @@ class FusedOptimizerView(torch.optim.Optimizer):
     """The fused optimizer of a distributed model (see the module docstring)."""
 
     def __init__(
-        self, collections: dict[str, ShardedEmbeddingBagCollection], optimizer: FusedOptimizer
+        self,
+        collections: dict[str, ShardedEmbeddingBagCollection],  # or ShardedEmbeddingCollection
+        optimizer: FusedOptimizer,
     ) -> None:
         self._collections = collections
         self.optimizer = optimizer
@@ -61,7 +63,7 @@ class FusedOptimizerView(torch.optim.Optimizer):
             {
                 "params": [
                     (table_fqn(fqn, name), table.weight)
-                    for name, table in ebc.embedding_bags.items()
+                    for name, table in collection_tables(ebc).items()
                 ]
             }
             for fqn, ebc in collections.items()
@@ -98,7 +100,7 @@ class FusedOptimizerView(torch.optim.Optimizer):
         return {
             table_fqn(fqn, name): table.block
             for fqn, ebc in self._collections.items()
-            for name, table in ebc.embedding_bags.items()
+            for name, table in collection_tables(ebc).items()
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -192,8 +192,11 @@ def _unsupported_modules() -> dict[str, nn.Module]:
     class MyEBC(torchrec.EmbeddingBagCollection):
         pass
 
+    class MyEC(torchrec.EmbeddingCollection):
+        pass
+
     return {
-        "EmbeddingCollection": torchrec.EmbeddingCollection(
+        "EmbeddingCollection subclass": MyEC(
             [torchrec.EmbeddingConfig(name="s", num_embeddings=5, embedding_dim=4)]
         ),
         "FeatureProcessedEmbeddingBagCollection": FeatureProcessedEmbeddingBagCollection(ebc, fp),
@@ -214,7 +217,7 @@ def _unsupported_modules() -> dict[str, nn.Module]:
 
 
 UNSUPPORTED_ADVICE = {
-    "EmbeddingCollection": "sequence .unpooled. embeddings are not supported yet",
+    "EmbeddingCollection subclass": "it subclasses torchrec.EmbeddingCollection",
     "FeatureProcessedEmbeddingBagCollection": "feature processors are not supported",
     "ManagedCollisionEmbeddingBagCollection": "managed-collision modules are not supported",
     "quant EmbeddingBagCollection": "dtrec trains float tables",
