@@ -272,6 +272,15 @@ def with_feature_processed_tower() -> nn.Module:
     return model
 
 
+def mixed_dtype_sequence() -> nn.Module:
+    """An EmbeddingCollection whose tables have two dtypes."""
+    seq = dtrec.EmbeddingCollection(
+        [dtrec.EmbeddingConfig("t0", 10, 4, ["f0"]), dtrec.EmbeddingConfig("t1", 10, 4, ["f1"])]
+    )
+    seq.embeddings["t0"].half()
+    return seq
+
+
 class ShardingPlanTR:
     """TorchRec's ShardingPlan: ``plan`` maps module path -> {table: ParameterSharding}."""
 
@@ -595,6 +604,7 @@ LOCAL: dict[str, Case] = {
     ),  # fmt: skip
     "E191": lambda tmp: dtrec.EmbeddingCollection([Cfg("t0", 10, 4)]),
     "E192": lambda tmp: JT(torch.zeros(2, 2, dtype=torch.long), ids(2)),
+    "E193": on_mesh(2, 2, lambda m: distributed(m, model=mixed_dtype_sequence())),
 }
 
 
