@@ -20,6 +20,7 @@ from dtrec.planning.plan import ShardingPlan, plan
 from dtrec.sharded.distribute import distribute_module
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.pipeline import TrainPipeline
+from dtrec.sharded.sequence import ShardedEmbeddingCollection
 from dtrec.sharded.tensor import distribute_tensor
 from dtrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
@@ -34,6 +35,7 @@ __all__ = [
     "KeyedJaggedTensor",
     "KeyedTensor",
     "ShardedEmbeddingBagCollection",
+    "ShardedEmbeddingCollection",
     "ShardingPlan",
     "Topology",
     "TrainPipeline",

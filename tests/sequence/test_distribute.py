@@ -75,8 +75,11 @@ def _tables(model: nn.Module) -> dict[str, tuple[torch.Tensor, list[str]]]:
     return out
 
 
-def _train_side_by_side(mesh, plan: dict, fused, seed: int = 0) -> dict:
-    """Sharded vs unsharded (global batch, mean of per-rank losses); largest differences."""
+def _train_side_by_side(mesh, plan: dict, fused, seed: int = 0, sync_every=None) -> dict:
+    """Sharded vs unsharded (global batch, mean of per-rank losses); largest differences.
+
+    ``sync_every=1`` with SGD: replicas average weights after every step instead of
+    summing gradients, which for SGD is the same step."""
     import torch.distributed as dist
 
     import dtrec
@@ -85,7 +88,9 @@ def _train_side_by_side(mesh, plan: dict, fused, seed: int = 0) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     reference = SeqModel()
-    sharded = dtrec.distribute_module(copy.deepcopy(reference), mesh, plan, optimizer=fused)
+    sharded = dtrec.distribute_module(
+        copy.deepcopy(reference), mesh, plan, optimizer=fused, sync_every=sync_every
+    )
     keys_kept = list(sharded.state_dict()) == list(reference.state_dict())
     dense = [p for n, p in sharded.named_parameters() if n.startswith("dense")]
     opt = torch.optim.SGD(dense if fused is not None else sharded.parameters(), lr=0.1)
@@ -113,6 +118,9 @@ def _train_side_by_side(mesh, plan: dict, fused, seed: int = 0) -> dict:
                 weight.grad = None
         ref_opt.step()
         ref_opt.zero_grad()
+    if sync_every is not None:
+        sharded.pooled.sync_replicas()
+        sharded.seq.sync_replicas()
     full, want = full_state_dict(sharded), reference.state_dict()
     fused_tables = (
         sorted(sharded.fused_optimizer.state_dict()["state"]) if fused is not None else []
@@ -215,6 +223,7 @@ def _run_all(rank: int, world: int, tmp: str) -> dict:
     out["1d_fused"] = _train_side_by_side(
         dtrec.init_mesh("cpu", 4), pins, dtrec.optim.Adam(lr=0.05)
     )
+    out["2d_sync_every"] = _train_side_by_side(mesh, pins, dtrec.optim.SGD(lr=0.1), sync_every=1)
     out["checkpoint"] = _checkpoint_reshard(tmp)
     if torchrec is not None:
         out["torchrec"] = _torchrec_collection()
@@ -226,7 +235,7 @@ def results(tmp_path_factory):
     return run_world(4, _run_all, str(tmp_path_factory.mktemp("ckpt")))
 
 
-@pytest.mark.parametrize("case", ["2d_plain", "2d_fused", "1d_fused"])
+@pytest.mark.parametrize("case", ["2d_plain", "2d_fused", "1d_fused", "2d_sync_every"])
 def test_distribute_module_trains_like_unsharded(results, case: str) -> None:
     for rank, per_rank in enumerate(results):
         r = per_rank[case]
