@@ -176,7 +176,7 @@ class ShardedEmbeddingCollection(nn.Module):
         assert kjt is not None
         device = kjt.values().device
         local = self._local_shards()
-        plan = ReturnPlan(self._routing, kjt, sent)
+        plan = ReturnPlan(self._routing, kjt, sent, self._output_dist.unit)
         send, send_splits = None, [0] * self._routing.shard_size
         if self._routing.has_sharded:
             send, send_splits = self._lookup.served(routed, local)

@@ -23,6 +23,9 @@ were sent in).
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
@@ -75,17 +78,35 @@ def _expand_columns(starts: Tensor, widths: Tensor) -> Tensor:
     return torch.repeat_interleave(starts, widths, output_size=total) + step
 
 
+def column_unit(routing: Routing) -> int:
+    """The widest column run every feature dim, block width and block start is a multiple
+    of: outputs are placed in runs of it (a whole row when no table is column-split and all
+    dims are equal), so the placement index has ids x D / unit entries, not ids x D."""
+    unit = 0
+    for slot in routing.slots:
+        unit = math.gcd(unit, slot.dim)
+    for segs in routing.segments_to:
+        for s in segs:
+            unit = math.gcd(math.gcd(unit, s.block.num_cols), s.block.cols[0])
+    return max(unit, 1)
+
+
 class ReturnPlan:
     """Where every element the requester receives goes in its flat output (features in
-    order, each ``[ids, D]`` row-major), and how many elements each position returns."""
+    order, each ``[ids, D]`` row-major), and how many elements each position returns.
+
+    ``dest`` indexes runs of ``unit`` columns (``column_unit``): received run i goes to
+    output run ``dest[i]``."""
 
     def __init__(
         self,
         routing: Routing,
         kjt: KeyedJaggedTensor,
         sent: tuple[list[Tensor], Tensor] | None,
+        unit: int,
     ) -> None:
         device = kjt.values().device
+        self.unit = unit
         per_feature = torch.tensor(kjt.length_per_key(), dtype=torch.long, device=device)
         dims = torch.tensor([s.dim for s in routing.slots], dtype=torch.long, device=device)
         value_start = torch.cumsum(per_feature, 0) - per_feature
@@ -117,7 +138,7 @@ class ReturnPlan:
         row = position - value_start.index_select(0, feature)
         starts = self.out_start.index_select(0, feature)
         starts += row * dims.index_select(0, feature) + seg_col.index_select(0, segment)
-        self.dest = _expand_columns(starts, seg_width.index_select(0, segment))
+        self.dest = _expand_columns(starts // unit, seg_width.index_select(0, segment) // unit)
 
 
 class SequenceLookup:
@@ -177,18 +198,23 @@ class SequenceLookup:
             pieces.append(rows.reshape(-1))
             start += per_table[u]
         pool = torch.cat(pieces)
-        # each received id's rows start in the pool at its table's base + rank * width
-        width = torch.tensor([local[t].shape[1] for t in self._tables], device=device)
-        elems = torch.tensor(per_table, dtype=torch.long, device=device) * width
-        table_base = torch.cumsum(elems, 0) - elems
-        table_first = torch.cumsum(torch.tensor(per_table, device=device), 0)
-        table_first -= torch.tensor(per_table, device=device)
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(order.numel(), device=device)
+        if len(self._tables) == 1:  # already in received order
+            return pool, send_splits
+        # each received id's row starts in the pool at its table's base + place * width;
+        # moved in runs of ``unit`` columns (every served width is a multiple of it)
+        widths_of = [local[t].shape[1] for t in self._tables]
+        unit = functools.reduce(math.gcd, widths_of)
+        width = torch.tensor(widths_of, device=device) // unit
+        counts_of = torch.tensor(per_table, dtype=torch.long, device=device)
+        table_base = torch.cumsum(counts_of * width, 0) - counts_of * width
+        table_first = torch.cumsum(counts_of, 0) - counts_of
+        place = torch.empty_like(order)
+        place[order] = torch.arange(order.numel(), device=device)
         id_width = width.index_select(0, table)
         starts = table_base.index_select(0, table)
-        starts += (rank - table_first.index_select(0, table)) * id_width
-        return pool.index_select(0, _expand_columns(starts, id_width)), send_splits
+        starts += (place - table_first.index_select(0, table)) * id_width
+        runs = _expand_columns(starts, id_width)
+        return pool.view(-1, unit).index_select(0, runs).reshape(-1), send_splits
 
     def data_parallel(self, kjt: KeyedJaggedTensor, local: dict[int, Tensor]) -> list[Tensor]:
         """Rows of the data-parallel features of the own batch, one ``[ids, D]`` each."""
@@ -214,6 +240,8 @@ class SequenceOutputDist:
         self._routing = routing
         self._group = shard_group
         self._dtype = dtype
+        self.unit = column_unit(routing)
+        """Columns per placed run (``column_unit``); ``ReturnPlan`` is built with it."""
 
     def __call__(
         self,
@@ -234,12 +262,14 @@ class SequenceOutputDist:
             )
             sources.append(received)
             dests.append(plan.dest)
+        unit = plan.unit
         for k, rows in zip(routing.local_features, local_rows, strict=True):
-            start = int(plan.out_start[k])
+            start = int(plan.out_start[k]) // unit
             sources.append(rows.reshape(-1))
-            dests.append(torch.arange(start, start + rows.numel(), device=device))
-        flat = torch.zeros(plan.total, dtype=self._dtype, device=device)
+            dests.append(torch.arange(start, start + rows.numel() // unit, device=device))
+        flat = torch.zeros(plan.total // unit, unit, dtype=self._dtype, device=device)
         if sources:
-            flat = flat.index_copy(0, torch.cat(dests), torch.cat(sources).to(self._dtype))
-        pieces = flat.split(plan.feature_sizes)
+            runs = torch.cat(sources).to(self._dtype).view(-1, unit)
+            flat = flat.index_copy(0, torch.cat(dests), runs)
+        pieces = flat.view(-1).split(plan.feature_sizes)
         return [p.view(-1, slot.dim) for p, slot in zip(pieces, routing.slots, strict=True)]

@@ -25,6 +25,8 @@ TABLES = [
     ("t2", 97, 7, ["f3"]),
     ("t3", 20, 4, ["f4"]),
 ]
+UNIFORM_TABLES = [(name, rows, 8, feats) for name, rows, _, feats in TABLES]
+"""One dim everywhere: outputs are placed in whole rows (or column blocks), not columns."""
 MAX_LEN = 6
 
 
@@ -49,15 +51,17 @@ def plans(mesh) -> dict[str, dict[str, dtrec.placements.TableSpec]]:
     }
 
 
-def make_tables() -> list[dtrec.EmbeddingConfig]:
-    return [dtrec.EmbeddingConfig(*t) for t in TABLES]
+def make_tables(tables: list[tuple] = TABLES) -> list[dtrec.EmbeddingConfig]:
+    return [dtrec.EmbeddingConfig(*t) for t in tables]
 
 
-def make_batch(batch: int, gen: torch.Generator) -> dtrec.KeyedJaggedTensor:
+def make_batch(
+    batch: int, gen: torch.Generator, tables: list[tuple] = TABLES
+) -> dtrec.KeyedJaggedTensor:
     """Random jagged ids: empty bags, max-length bags, repeated ids, sometimes a feature
     with no ids at all."""
     keys, values, lengths = [], [], []
-    for _, rows, _, feats in TABLES:
+    for _, rows, _, feats in tables:
         for f in feats:
             ls = torch.randint(0, MAX_LEN + 1, (batch,), generator=gen)
             if batch and int(torch.randint(0, 4, (1,), generator=gen)) == 0:
@@ -100,14 +104,15 @@ def check_sequence_numerics(
     steps: int = 3,
     seed: int = 0,
     lr: float = 0.1,
+    tables: list[tuple] = TABLES,
 ) -> Result:
     """Train sharded and unsharded side by side; return the largest differences."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
-    reference = dtrec.EmbeddingCollection(make_tables(), need_indices=True)
+    reference = dtrec.EmbeddingCollection(make_tables(tables), need_indices=True)
     weights = {n: e.weight.detach().clone() for n, e in reference.embeddings.items()}
     sharded = ShardedEmbeddingCollection(
-        make_tables(), weights, mesh, plan, optimizer=fused, need_indices=True
+        make_tables(tables), weights, mesh, plan, optimizer=fused, need_indices=True
     )
     position = shard_position(mesh)
     blocks = {n: t.layout.block_at(position) for n, t in sharded.embeddings.items()}
@@ -124,7 +129,7 @@ def check_sequence_numerics(
         return full[b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]]
 
     for step in range(steps):
-        batches = [make_batch(1 + 2 * step, gen) for _ in range(world)]
+        batches = [make_batch(1 + 2 * step, gen, tables) for _ in range(world)]
         with dtrec.comm_stats() as stats:
             out = sharded(batches[rank])
         result.output_dist_calls += stats.calls.get("sequence_output_dist", 0)

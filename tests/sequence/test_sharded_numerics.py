@@ -15,6 +15,7 @@ MESHES = {"1d": (4, 2), "2d": (2, 2)}  # (shard group size, node size) on 4 rank
 PLANS = ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "grid",
          "mixed")  # fmt: skip
 OPTIMIZERS = ("none", "sgd", "rowwise_adagrad", "adam")
+UNIFORM_OPTIMIZERS = ("none", "rowwise_adagrad")  # one dim: rows placed whole (column_unit)
 
 
 def _optimizer(name: str):
@@ -30,13 +31,17 @@ def _optimizer(name: str):
 
 def _run_cases(rank: int, world: int, shards: int, node: int) -> dict[str, object]:
     import dtrec
-    from tests.sequence.numerics import check_sequence_numerics, plans
+    from tests.sequence.numerics import UNIFORM_TABLES, check_sequence_numerics, plans
 
     mesh = dtrec.init_mesh("cpu", shards, node_size=node)
     out = {}
     for plan_name, plan in plans(mesh).items():
         for opt in OPTIMIZERS:
             out[f"{plan_name}/{opt}"] = check_sequence_numerics(mesh, plan, _optimizer(opt))
+        for opt in UNIFORM_OPTIMIZERS:
+            out[f"{plan_name}/{opt}/uniform"] = check_sequence_numerics(
+                mesh, plan, _optimizer(opt), tables=UNIFORM_TABLES
+            )
     out["bad_input"] = _bad_inputs(mesh)
     return out
 
@@ -80,12 +85,16 @@ def world(request):
     return request.param, run_world(4, _run_cases, shards, node)
 
 
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
-@pytest.mark.parametrize("plan", PLANS)
-def test_sharded_matches_unsharded(world, plan: str, optimizer: str) -> None:
+CASES = [f"{p}/{o}" for p in PLANS for o in OPTIMIZERS]
+CASES += [f"{p}/{o}/uniform" for p in PLANS for o in UNIFORM_OPTIMIZERS]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sharded_matches_unsharded(world, case: str) -> None:
     mesh, per_rank = world
+    plan = case.split("/")[0]
     for rank, results in enumerate(per_rank):
-        r = results[f"{plan}/{optimizer}"]
+        r = results[case]
         where = f"{mesh} mesh, rank {rank}"
         assert r.keys_match and r.lengths_match, where
         assert r.max_output_diff <= TOLERANCE, (where, r)
@@ -93,8 +102,8 @@ def test_sharded_matches_unsharded(world, plan: str, optimizer: str) -> None:
         assert r.max_weight_diff <= TOLERANCE, (where, r)
         # one output all-to-all per forward (none for data-parallel tables only)
         assert r.output_dist_calls == (0 if plan == "data_parallel" else 3), (where, r)
-    sent = sum(results[f"{plan}/{optimizer}"].output_dist_bytes for results in per_rank)
-    assert sent == per_rank[0][f"{plan}/{optimizer}"].expected_bytes_all_ranks
+    sent = sum(results[case].output_dist_bytes for results in per_rank)
+    assert sent == per_rank[0][case].expected_bytes_all_ranks
     if plan != "data_parallel":
         assert sent > 0
 
