@@ -197,9 +197,9 @@ class SequenceLookup:
             rows = self.rows(t, local[t], sorted_ids[start : start + per_table[u]])
             pieces.append(rows.reshape(-1))
             start += per_table[u]
+        if len(pieces) == 1:  # one table: already in received order
+            return pieces[0], send_splits
         pool = torch.cat(pieces)
-        if len(self._tables) == 1:  # already in received order
-            return pool, send_splits
         # each received id's row starts in the pool at its table's base + place * width;
         # moved in runs of ``unit`` columns (every served width is a multiple of it)
         widths_of = [local[t].shape[1] for t in self._tables]
@@ -268,8 +268,9 @@ class SequenceOutputDist:
             sources.append(rows.reshape(-1))
             dests.append(torch.arange(start, start + rows.numel() // unit, device=device))
         flat = torch.zeros(plan.total // unit, unit, dtype=self._dtype, device=device)
-        if sources:
-            runs = torch.cat(sources).to(self._dtype).view(-1, unit)
-            flat = flat.index_copy(0, torch.cat(dests), runs)
+        if sources:  # (torch.cat of one tensor would copy it)
+            runs = (sources[0] if len(sources) == 1 else torch.cat(sources)).view(-1, unit)
+            index = dests[0] if len(dests) == 1 else torch.cat(dests)
+            flat = flat.index_copy(0, index, runs.to(self._dtype))
         pieces = flat.view(-1).split(plan.feature_sizes)
         return [p.view(-1, slot.dim) for p, slot in zip(pieces, routing.slots, strict=True)]
