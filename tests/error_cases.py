@@ -323,6 +323,14 @@ def summary_of_no_steps(tmp: Path) -> None:
     stats.summary(steps=0)
 
 
+def position_weighted(max_lengths: dict[str, int], features: object = None) -> nn.Module:
+    """A feature-processed collection over two sum-pooled tables (f0, f1)."""
+    ebc = EBC([Cfg("t0", 10, 4, ["f0"]), Cfg("t1", 5, 3, ["f1"])], is_weighted=True)
+    if features is None:
+        features = {f: dtrec.PositionWeightedModule(n) for f, n in max_lengths.items()}
+    return dtrec.FeatureProcessedEmbeddingBagCollection(ebc, features)
+
+
 LOCAL: dict[str, Case] = {
     # KeyedJaggedTensor, JaggedTensor, KeyedTensor
     "E001": lambda tmp: KJT("f0", ids(1), ids(1)),
@@ -513,6 +521,13 @@ LOCAL: dict[str, Case] = {
     "E178": checkpoint_with_bad_param_group,
     "E179": fused_optimizer_given_as_dense,
     "E141": load_into(lambda root: next(root.glob("*/*.distcp")).write_bytes(b"not a checkpoint")),
+    # position-weighted features
+    "E220": lambda tmp: position_weighted({"f0": 2, "f1": 2})(batch(f0=(1, 2, 3))),
+    "E221": lambda tmp: position_weighted({"f0": 2}),
+    "E222": lambda tmp: dtrec.FeatureProcessedEmbeddingBagCollection(
+        EBC(tables(), is_weighted=False), {}
+    ),
+    "E223": lambda tmp: dtrec.PositionWeightedModuleCollection({"f0": 3, "f1": 0}),
     # TrainPipeline
     "E142": lambda tmp: dtrec.TrainPipeline(Model(), None, loss),
     "E143": on_mesh(2, 2, lambda m: dtrec.TrainPipeline(all_dp(m), None, "mse")),
