@@ -11,6 +11,7 @@ Example (under torchrun)::
 from dtrec import checkpoint, ops, optim, placements
 from dtrec.comm.collectives import CommStats, comm_stats, count_comm
 from dtrec.comm.failures import CollectiveError, report_failures
+from dtrec.comm.qcomms import QCommsConfig
 from dtrec.modules import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -39,6 +40,7 @@ __all__ = [
     "KeyedTensor",
     "PositionWeightedModule",
     "PositionWeightedModuleCollection",
+    "QCommsConfig",
     "ShardedEmbeddingBagCollection",
     "ShardingPlan",
     "Topology",

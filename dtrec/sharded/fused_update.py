@@ -41,6 +41,7 @@ from torch.distributed import ProcessGroup
 
 from dtrec._torch_compat import current_backward_id, queue_backward_callback
 from dtrec.comm.collectives import all_reduce_coalesced
+from dtrec.comm.quantized import Codec
 from dtrec.ops.lookup import Lookup
 from dtrec.ops.op import embedding_bag_psw_backward_op, lookup_backward_rows, lookup_forward
 from dtrec.optim import FusedOptimizer, RowUpdate
@@ -66,8 +67,10 @@ class TableUpdate:
         full_dim: int,
         grad_scale: float,
         sync_kind: str,
+        sync_codec: Codec | None = None,
     ) -> None:
         self.weight = weight
+        self.sync_codec = sync_codec  # how its replica sync sends rows (None: fp32)
         self.sync_kind = sync_kind  # names its replica sync in dtrec.comm_stats
         self.replica_group = replica_group
         self.column_group = column_group
@@ -168,6 +171,7 @@ class FusedUpdater:
                 group,
                 self.tables[tables[0]].sync_kind,
                 self.replica_sync,
+                self.tables[tables[0]].sync_codec,
             )
             merged.update(zip(tables, synced, strict=True))
         row_sq_sums: dict[int, Tensor] = {}
