@@ -11,8 +11,16 @@ Example (under torchrun)::
 from dtrec import checkpoint, ops, optim, placements
 from dtrec.comm.collectives import CommStats, comm_stats, count_comm
 from dtrec.comm.failures import CollectiveError, report_failures
-from dtrec.modules import EmbeddingBagCollection, EmbeddingBagConfig
-from dtrec.modules.embedding import EmbeddingCollection, EmbeddingConfig
+from dtrec.comm.qcomms import QCommsConfig
+from dtrec.modules import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    FeatureProcessedEmbeddingBagCollection,
+    PositionWeightedModule,
+    PositionWeightedModuleCollection,
+)
 from dtrec.placements.mesh import init_mesh
 from dtrec.planning import cost_model
 from dtrec.planning.cost_model import Topology
@@ -31,9 +39,13 @@ __all__ = [
     "EmbeddingBagConfig",
     "EmbeddingCollection",
     "EmbeddingConfig",
+    "FeatureProcessedEmbeddingBagCollection",
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",
+    "PositionWeightedModule",
+    "PositionWeightedModuleCollection",
+    "QCommsConfig",
     "ShardedEmbeddingBagCollection",
     "ShardedEmbeddingCollection",
     "ShardingPlan",

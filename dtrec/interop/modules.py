@@ -1,9 +1,10 @@
 """TorchRec's sparse modules, recognised by their class (torchrec is never imported).
 
 ``torchrec.EmbeddingBagCollection`` (weighted or not) becomes dtrec's
-``EmbeddingBagCollection`` over the same weight tensors, ``torchrec.EmbeddingCollection``
-dtrec's ``EmbeddingCollection``; every other module whose
-class comes from TorchRec's sparse code (feature-processed, managed-collision,
+``EmbeddingBagCollection`` over the same weight tensors (inside a
+``FeatureProcessedEmbeddingBagCollection`` too: its position weights stay dense),
+``torchrec.EmbeddingCollection`` dtrec's ``EmbeddingCollection``; every other module
+whose class comes from TorchRec's sparse code (managed-collision,
 quantized or fused collections, modules TorchRec already sharded) is an error naming
 its FQN, its type and what to do, so no table is ever left silently replicated.
 """
@@ -18,24 +19,23 @@ _DENSE_TORCHREC_MODULES = (
     "torchrec.modules.activation",
     "torchrec.modules.crossnet",
     "torchrec.modules.deepfm",
+    "torchrec.modules.feature_processor_",
+    "torchrec.modules.fp_embedding_modules",
     "torchrec.modules.lazy_extension",
     "torchrec.modules.mlp",
     "torchrec.modules.regroup",
     "torchrec.modules.utils",
+    "torchrec.types",
     "torchrec.models",
 )
-"""TorchRec modules without tables (dense layers, models composing others): left as they
-are; their children are looked at one by one."""
+"""TorchRec modules without tables (dense layers, models composing others, feature
+processors and the feature-processed collection around an ``EmbeddingBagCollection``):
+left as they are; their children are looked at one by one."""
 
 _BAG_COLLECTION = ("torchrec.modules.embedding_modules", "EmbeddingBagCollection")
 _SEQUENCE_COLLECTION = ("torchrec.modules.embedding_modules", "EmbeddingCollection")
 
 _ADVICE = {
-    "FeatureProcessedEmbeddingBagCollection": (
-        "feature processors are not supported; compute the per-sample weights in the input "
-        "pipeline and pass them in the KeyedJaggedTensor to a weighted "
-        "torchrec.EmbeddingBagCollection(is_weighted=True)"
-    ),
     "torchrec.modules.mc_": (
         "managed-collision modules are not supported; remap ids to rows before the model "
         "and use a torchrec.EmbeddingBagCollection"

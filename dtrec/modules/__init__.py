@@ -7,5 +7,18 @@ against; ``features`` turns a batch into the collection's feature order.
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.embedding import EmbeddingCollection, EmbeddingConfig
 from dtrec.modules.embedding_bag import EmbeddingBagCollection
+from dtrec.modules.feature_processor import (
+    FeatureProcessedEmbeddingBagCollection,
+    PositionWeightedModule,
+    PositionWeightedModuleCollection,
+)
 
-__all__ = ["EmbeddingBagCollection", "EmbeddingBagConfig", "EmbeddingCollection", "EmbeddingConfig"]
+__all__ = [
+    "EmbeddingBagCollection",
+    "EmbeddingBagConfig",
+    "EmbeddingCollection",
+    "EmbeddingConfig",
+    "FeatureProcessedEmbeddingBagCollection",
+    "PositionWeightedModule",
+    "PositionWeightedModuleCollection",
+]

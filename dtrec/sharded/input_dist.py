@@ -24,7 +24,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtrec.comm.collectives import PendingTensor, all_reduce_min, all_to_all, all_to_all_start
+from dtrec.comm.collectives import (
+    PendingTensor,
+    all_reduce_min,
+    all_to_all,
+    all_to_all_autograd,
+    all_to_all_start,
+)
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.features import bag_lengths, prepare_features
 from dtrec.placements.mesh import REPLICATE, SHARD, mesh_device
@@ -32,8 +38,9 @@ from dtrec.sharded.groups import world_group
 from dtrec.sharded.routing import Routing
 from dtrec.sparse import KeyedJaggedTensor
 
-_HEADER = 4  # status, batch size, ids sent to this peer, has per-sample weights
+_HEADER = 4  # status, batch size, ids sent to this peer, per-sample weights (_weights_flag)
 _STATUS_OK, _STATUS_BAD_INPUT = 0, 1
+_NO_WEIGHTS, _WEIGHTS, _WEIGHTS_TRAINED = 0, 1, 2
 
 
 @dataclass
@@ -153,7 +160,7 @@ class InputDist:
             header[:, 0] = _STATUS_OK
             header[:, 1] = batch
             header[:, 2] = torch.tensor(counts)
-            header[:, 3] = int(kjt.weights_or_none() is not None)
+            header[:, 3] = _weights_flag(kjt.weights_or_none())
         else:
             header[:, 0] = _STATUS_BAD_INPUT
         peer = all_to_all(
@@ -183,11 +190,25 @@ class InputDist:
         )
         psw = None
         if bool(peer[:, 3].any()):
-            send_w = [
-                w if w is not None else torch.ones(c, dtype=torch.float32, device=device)
-                for w, c in zip(sent_weights, counts, strict=True)
-            ]
-            psw = all_to_all_start(
-                torch.cat(send_w).float(), peer_counts, counts, group, "input_dist.weights"
-            )
+            send_w = torch.cat(
+                [
+                    w if w is not None else torch.ones(c, dtype=torch.float32, device=device)
+                    for w, c in zip(sent_weights, counts, strict=True)
+                ]
+            ).float()
+            if bool((peer[:, 3] == _WEIGHTS_TRAINED).any()):  # their gradients travel back
+                received = all_to_all_autograd(
+                    send_w, peer_counts, counts, group, "input_dist.weights"
+                )
+                psw = PendingTensor(received, None, "input_dist.weights", group)
+            else:
+                psw = all_to_all_start(send_w, peer_counts, counts, group, "input_dist.weights")
         return RoutedBatch(kjt, batch, peer_counts, ids, psw)
+
+
+def _weights_flag(weights: Tensor | None) -> int:
+    """The header's per-sample-weights field: none, given, or given and trained (a feature
+    processor computed them with grad: the served ranks send their gradients back)."""
+    if weights is None:
+        return _NO_WEIGHTS
+    return _WEIGHTS_TRAINED if weights.requires_grad and torch.is_grad_enabled() else _WEIGHTS

@@ -183,12 +183,6 @@ def _fake(module: str, name: str) -> type[nn.Module]:
 
 
 def _unsupported_modules() -> dict[str, nn.Module]:
-    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
-    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
-
-    ebc = torchrec.EmbeddingBagCollection(_configs(), is_weighted=True)
-    fp = PositionWeightedModuleCollection({"f0": 4, "f1": 4, "f2": 4})
-
     class MyEBC(torchrec.EmbeddingBagCollection):
         pass
 
@@ -199,7 +193,6 @@ def _unsupported_modules() -> dict[str, nn.Module]:
         "EmbeddingCollection subclass": MyEC(
             [torchrec.EmbeddingConfig(name="s", num_embeddings=5, embedding_dim=4)]
         ),
-        "FeatureProcessedEmbeddingBagCollection": FeatureProcessedEmbeddingBagCollection(ebc, fp),
         "ManagedCollisionEmbeddingBagCollection": _fake(
             "torchrec.modules.mc_embedding_modules", "ManagedCollisionEmbeddingBagCollection"
         )(),
@@ -218,7 +211,6 @@ def _unsupported_modules() -> dict[str, nn.Module]:
 
 UNSUPPORTED_ADVICE = {
     "EmbeddingCollection subclass": "it subclasses torchrec.EmbeddingCollection",
-    "FeatureProcessedEmbeddingBagCollection": "feature processors are not supported",
     "ManagedCollisionEmbeddingBagCollection": "managed-collision modules are not supported",
     "quant EmbeddingBagCollection": "dtrec trains float tables",
     "FusedEmbeddingBagCollection": "pass the optimizer to distribute_module",
