@@ -126,7 +126,7 @@ def distribute_module(
         if not hasattr(ebc, "embedding_bags"):  # a sequence collection (EmbeddingCollection)
             sharded[fqn] = ShardedEmbeddingCollection(
                 tables, weights, mesh, specs, optimizer, ebc.bounds_check, sync_every, seed,
-                ebc.need_indices,
+                ebc.need_indices, qcomms_of[fqn],
             )  # fmt: skip
             continue
         sharded[fqn] = ShardedEmbeddingBagCollection(

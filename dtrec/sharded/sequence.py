@@ -15,6 +15,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtrec.comm.qcomms import QCommsConfig
+from dtrec.interop.qcomms import as_qcomms_config
 from dtrec.modules.embedding import EmbeddingConfig, check_fixed_batch, sequence_outputs
 from dtrec.modules.features import check_bounds_mode
 from dtrec.optim import FusedOptimizer
@@ -63,6 +65,7 @@ class ShardedEmbeddingCollection(nn.Module):
         sync_every: int | None = None,
         init_seed: int = 0,
         need_indices: bool = False,
+        qcomms: QCommsConfig | None = None,
     ) -> None:
         super().__init__()
         self.bounds_check = check_bounds_mode(bounds_check)
@@ -94,12 +97,15 @@ class ShardedEmbeddingCollection(nn.Module):
         )
         self._routing = SequenceRouting(tables, self._layouts, axis.size, position)
         pack_local_shards([self.embeddings[tables[t].name] for t in self._routing.local_tables])
-        self._sync_plan = GradSyncPlan(mesh, self._routing)
+        qcomms = as_qcomms_config(qcomms)
+        self.qcomms = qcomms  # precisions of its exchanges (None: fp32), see dtrec.QCommsConfig
+        replica_codec = None if qcomms is None else qcomms.replica_sync_codec
+        self._sync_plan = GradSyncPlan(mesh, self._routing, replica_codec)
         self.optimizer = optimizer
         self._updater = None if optimizer is None else self._fused_updater(optimizer, mesh)
         self._input_dist = InputDist(tables, self._routing, mesh)
         self._lookup = SequenceLookup(self._routing, self._updater)
-        self._output_dist = SequenceOutputDist(self._routing, mesh.get_group(SHARD), dtype)
+        self._output_dist = SequenceOutputDist(self._routing, mesh.get_group(SHARD), dtype, qcomms)
         self._prefetched: list[tuple[object, _Routed]] = []
 
     def _fused_updater(self, optimizer: FusedOptimizer, mesh: DeviceMesh) -> FusedUpdater:
@@ -119,7 +125,7 @@ class ShardedEmbeddingCollection(nn.Module):
             sync = self._sync_plan.table(t, self.sync_every)
             updates[t] = TableUpdate(
                 shards[t], sync.group, columns.get(t), self._tables[t].embedding_dim,
-                sync.scale, sync.kind,
+                sync.scale, sync.kind, sync.codec,
             )  # fmt: skip
         local = routing.local_tables
         state = dict(zip(local, optimizer.init_states([shards[t] for t in local]), strict=True))

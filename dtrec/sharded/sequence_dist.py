@@ -31,6 +31,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from dtrec.comm.collectives import all_to_all_autograd
+from dtrec.comm.qcomms import QCommsConfig
+from dtrec.comm.quantized import quantized_all_to_all
 from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.sharded.fused_update import FusedUpdater, fused_lookup
 from dtrec.sharded.input_dist import RoutedBatch
@@ -236,8 +238,15 @@ class SequenceLookup:
 class SequenceOutputDist:
     """Returns served rows to their requesters and assembles per-feature outputs."""
 
-    def __init__(self, routing: Routing, shard_group: ProcessGroup, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        routing: Routing,
+        shard_group: ProcessGroup,
+        dtype: torch.dtype,
+        qcomms: QCommsConfig | None = None,
+    ) -> None:
         self._routing = routing
+        self._qcomms = qcomms  # None: rows and their gradients travel as they are
         self._group = shard_group
         self._dtype = dtype
         self.unit = column_unit(routing)
@@ -257,9 +266,15 @@ class SequenceOutputDist:
         if routing.has_sharded:
             if send is None:
                 send = torch.zeros(0, dtype=self._dtype, device=device)
-            received = all_to_all_autograd(
-                send, plan.recv_splits, send_splits, self._group, "sequence_output_dist"
-            )
+            if self._qcomms is None:
+                received = all_to_all_autograd(
+                    send, plan.recv_splits, send_splits, self._group, "sequence_output_dist"
+                )
+            else:  # rows in the forward precision, their gradients in the backward one
+                received = quantized_all_to_all(
+                    send, plan.recv_splits, send_splits, self._group, "sequence_output_dist",
+                    self._qcomms.forward_codec, self._qcomms.backward_codec,
+                )  # fmt: skip
             sources.append(received)
             dests.append(plan.dest)
         unit = plan.unit
