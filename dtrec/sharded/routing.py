@@ -10,6 +10,7 @@ This one scheme covers every sharding type.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -185,11 +186,20 @@ class Routing:
             lengths.reshape(-1),
             output_size=n,
         )
-        base = torch.repeat_interleave(  # each id's feature's first key in the row space
-            maps.feature_base, torch.tensor(counts, device=values.device), output_size=n
-        )
-        row_block = torch.searchsorted(maps.starts, base + values, right=True)
-        row_block -= 1
+        if maps.uniform_block_rows is not None:  # equal row blocks: a division per feature
+            row_block = torch.cat([
+                torch.div(values[a:b], size, rounding_mode="floor") + first
+                for a, b, size, first in zip(
+                    [0, *itertools.accumulate(counts)], itertools.accumulate(counts),
+                    maps.uniform_block_rows, maps.feature_first_row_block,
+                )
+            ])  # fmt: skip
+        else:
+            base = torch.repeat_interleave(  # each id's feature's first key in the row space
+                maps.feature_base, torch.tensor(counts, device=values.device), output_size=n
+            )
+            row_block = torch.searchsorted(maps.starts, base + values, right=True)
+            row_block -= 1
         if maps.one_segment_per_row_block:
             segment = maps.row_block_segments.index_select(
                 0, maps.row_block_first.index_select(0, row_block)
@@ -271,6 +281,8 @@ class _BucketMaps:
     segment_row_start: Tensor  # [segments] first row of the segment's block
     num_segments: int
     one_segment_per_row_block: bool
+    uniform_block_rows: list[int] | None  # per feature: rows of every row block but its last
+    feature_first_row_block: list[int]  # per feature: its first row block's number
 
     def __init__(
         self,
@@ -295,6 +307,10 @@ class _BucketMaps:
                                             dtype=torch.long)  # fmt: skip
         self.row_block_segments = torch.tensor([g for x in lists for g in x], dtype=torch.long)
         self.one_segment_per_row_block = all(c == 1 for c in counts)
+        self.feature_first_row_block = [
+            next(i for i, (f, _) in enumerate(keys) if f == k) for k in range(len(slots))
+        ]
+        self.uniform_block_rows = _uniform_block_rows(sizes, segments, feature_index)
         self.segment_row_start = torch.tensor(
             [seg.block.rows[0] for seg in segments], dtype=torch.long
         )
@@ -304,3 +320,25 @@ class _BucketMaps:
         for name, value in vars(self).items():
             setattr(moved, name, value.to(device) if isinstance(value, Tensor) else value)
         return moved
+
+
+def _uniform_block_rows(
+    sizes: list[int], segments: list[Segment], feature_index: dict[int, int]
+) -> list[int] | None:
+    """Per feature, the rows c of its row blocks when they are ``[i c, min((i + 1) c, n))``
+    for i = 0, 1, ... (row-wise's chunks; empty blocks after the last row allowed), so an
+    id's row block is ``id // c``; None when some feature's blocks are not like that."""
+    rows_by_feature: list[set[tuple[int, int]]] = [set() for _ in sizes]
+    for seg in segments:
+        rows_by_feature[feature_index[seg.feature]].add(seg.block.rows)
+    out = []
+    for n, blocks in zip(sizes, rows_by_feature, strict=True):
+        starts = sorted({lo for lo, hi in blocks if hi > lo})
+        size = starts[1] - starts[0] if len(starts) > 1 else n
+        want = {(lo, min(lo + size, n)) for lo in range(0, n, max(size, 1))}
+        nonempty = {(lo, hi) for lo, hi in blocks if hi > lo}
+        empty_at_end = all(lo >= n for lo, hi in blocks if hi == lo)
+        if size < 1 or nonempty != want or not empty_at_end:
+            return None
+        out.append(size)
+    return out
