@@ -11,7 +11,14 @@ Example (under torchrun)::
 from dtrec import checkpoint, ops, optim, placements
 from dtrec.comm.collectives import CommStats, comm_stats, count_comm
 from dtrec.comm.failures import CollectiveError, report_failures
-from dtrec.modules import EmbeddingBagCollection, EmbeddingBagConfig
+from dtrec.comm.qcomms import QCommsConfig
+from dtrec.modules import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    FeatureProcessedEmbeddingBagCollection,
+    PositionWeightedModule,
+    PositionWeightedModuleCollection,
+)
 from dtrec.placements.mesh import init_mesh
 from dtrec.planning import cost_model
 from dtrec.planning.cost_model import Topology
@@ -27,9 +34,13 @@ __all__ = [
     "CommStats",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
+    "FeatureProcessedEmbeddingBagCollection",
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",
+    "PositionWeightedModule",
+    "PositionWeightedModuleCollection",
+    "QCommsConfig",
     "ShardedEmbeddingBagCollection",
     "ShardingPlan",
     "Topology",

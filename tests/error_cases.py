@@ -317,10 +317,32 @@ def cw_blocks(ranks: list[int], width: int) -> dict:
     return {"sharding_type": "column_wise", "ranks": ranks, "sharding_spec": _Spec(shards)}
 
 
+CommType = enum.Enum("CommType", {"FP32": "fp32", "FP16": "fp16", "FP8": "fp8"})
+
+
+@dataclass
+class QCommsConfigTR:  # TorchRec's fbgemm_qcomm_codec.QCommsConfig
+    forward_precision: object = CommType.FP32
+    backward_precision: object = CommType.FP32
+    forward_loss_scale: float | None = None
+    backward_loss_scale: float | None = None
+
+
+QCommsConfigTR.__name__ = "QCommsConfig"
+
+
 def summary_of_no_steps(tmp: Path) -> None:
     with dtrec.comm_stats() as stats:
         pass
     stats.summary(steps=0)
+
+
+def position_weighted(max_lengths: dict[str, int], features: object = None) -> nn.Module:
+    """A feature-processed collection over two sum-pooled tables (f0, f1)."""
+    ebc = EBC([Cfg("t0", 10, 4, ["f0"]), Cfg("t1", 5, 3, ["f1"])], is_weighted=True)
+    if features is None:
+        features = {f: dtrec.PositionWeightedModule(n) for f, n in max_lengths.items()}
+    return dtrec.FeatureProcessedEmbeddingBagCollection(ebc, features)
 
 
 LOCAL: dict[str, Case] = {
@@ -474,6 +496,17 @@ LOCAL: dict[str, Case] = {
     "E104": lambda tmp: SGD(lr=float("nan")),
     "E105": lambda tmp: RowWiseAdagrad(lr=0.1, eps=0.0),
     "E106": lambda tmp: Adam(lr=0.1, betas=0.9),
+    # quantized communication
+    "E180": lambda tmp: dtrec.QCommsConfig(forward_precision="int8"),
+    "E181": lambda tmp: dtrec.QCommsConfig(backward_precision="fp16", backward_loss_scale=0.0),
+    "E182": lambda tmp: dtrec.QCommsConfig(forward_precision="bf16", backward_loss_scale=8.0),
+    "E183": on_mesh(2, 2, lambda m: dtrec.distribute_module(Model(), m, qcomms="bf16")),
+    "E184": on_mesh(
+        2, 2, lambda m: dtrec.distribute_module(Model(), m, qcomms={"spars": dtrec.QCommsConfig()})
+    ),
+    "E185": on_mesh(
+        2, 2, lambda m: dtrec.distribute_module(Model(), m, qcomms=QCommsConfigTR(CommType.FP8))
+    ),
     # the op
     "E107": eb(_w(), ids(1), ids(0, 1)),
     "E108": eb([_w()], torch.tensor([1.0]), ids(0, 1)),
@@ -513,6 +546,13 @@ LOCAL: dict[str, Case] = {
     "E178": checkpoint_with_bad_param_group,
     "E179": fused_optimizer_given_as_dense,
     "E141": load_into(lambda root: next(root.glob("*/*.distcp")).write_bytes(b"not a checkpoint")),
+    # position-weighted features
+    "E220": lambda tmp: position_weighted({"f0": 2, "f1": 2})(batch(f0=(1, 2, 3))),
+    "E221": lambda tmp: position_weighted({"f0": 2}),
+    "E222": lambda tmp: dtrec.FeatureProcessedEmbeddingBagCollection(
+        EBC(tables(), is_weighted=False), {}
+    ),
+    "E223": lambda tmp: dtrec.PositionWeightedModuleCollection({"f0": 3, "f1": 0}),
     # TrainPipeline
     "E142": lambda tmp: dtrec.TrainPipeline(Model(), None, loss),
     "E143": on_mesh(2, 2, lambda m: dtrec.TrainPipeline(all_dp(m), None, "mse")),

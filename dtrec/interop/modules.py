@@ -1,8 +1,9 @@
 """TorchRec's sparse modules, recognised by their class (torchrec is never imported).
 
 ``torchrec.EmbeddingBagCollection`` (weighted or not) becomes dtrec's
-``EmbeddingBagCollection`` over the same weight tensors; every other module whose
-class comes from TorchRec's sparse code (sequence, feature-processed, managed-collision,
+``EmbeddingBagCollection`` over the same weight tensors (inside a
+``FeatureProcessedEmbeddingBagCollection`` too: its position weights stay dense); every
+other module whose class comes from TorchRec's sparse code (sequence, managed-collision,
 quantized or fused collections, modules TorchRec already sharded) is an error naming
 its FQN, its type and what to do, so no table is ever left silently replicated.
 """
@@ -17,14 +18,18 @@ _DENSE_TORCHREC_MODULES = (
     "torchrec.modules.activation",
     "torchrec.modules.crossnet",
     "torchrec.modules.deepfm",
+    "torchrec.modules.feature_processor_",
+    "torchrec.modules.fp_embedding_modules",
     "torchrec.modules.lazy_extension",
     "torchrec.modules.mlp",
     "torchrec.modules.regroup",
     "torchrec.modules.utils",
+    "torchrec.types",
     "torchrec.models",
 )
-"""TorchRec modules without tables (dense layers, models composing others): left as they
-are; their children are looked at one by one."""
+"""TorchRec modules without tables (dense layers, models composing others, feature
+processors and the feature-processed collection around an ``EmbeddingBagCollection``):
+left as they are; their children are looked at one by one."""
 
 _BAG_COLLECTION = ("torchrec.modules.embedding_modules", "EmbeddingBagCollection")
 
@@ -32,11 +37,6 @@ _ADVICE = {
     "EmbeddingCollection": (
         "sequence (unpooled) embeddings are not supported yet; keep the module out of the "
         "model given to distribute_module, or use an EmbeddingBagCollection"
-    ),
-    "FeatureProcessedEmbeddingBagCollection": (
-        "feature processors are not supported; compute the per-sample weights in the input "
-        "pipeline and pass them in the KeyedJaggedTensor to a weighted "
-        "torchrec.EmbeddingBagCollection(is_weighted=True)"
     ),
     "torchrec.modules.mc_": (
         "managed-collision modules are not supported; remap ids to rows before the model "

@@ -174,6 +174,10 @@ def _spec_class(sharding_type: object, table: str) -> type[TableSpec]:
     return SHARDING_TYPES[sharding_type]
 
 
+_FP_INNER = "{prefix}_embedding_bag_collection.{table}"
+"""Where a ``FeatureProcessedEmbeddingBagCollection``'s tables are (its inner collection)."""
+
+
 def from_torchrec_plan(
     plan: object, tables: Mapping[str, EmbeddingBagConfig], mesh: DeviceMesh
 ) -> dict[str, TableSpec]:
@@ -185,6 +189,9 @@ def from_torchrec_plan(
     for module_path, module_plan in plan.plan.items():  # type: ignore[attr-defined]
         for table, sharding in module_plan.items():
             key = f"{module_path}.{table}" if module_path else table
+            if key not in tables:  # TorchRec plans a feature-processed collection at its
+                # own path; its tables are its inner collection's
+                key = _FP_INNER.format(prefix=f"{module_path}." if module_path else "", table=table)
             if key not in tables:
                 raise KeyError(
                     f"TorchRec plan names table {table!r} of module {module_path!r}, which is "

@@ -6,5 +6,16 @@ against; ``features`` turns a batch into the collection's feature order.
 
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.embedding_bag import EmbeddingBagCollection
+from dtrec.modules.feature_processor import (
+    FeatureProcessedEmbeddingBagCollection,
+    PositionWeightedModule,
+    PositionWeightedModuleCollection,
+)
 
-__all__ = ["EmbeddingBagCollection", "EmbeddingBagConfig"]
+__all__ = [
+    "EmbeddingBagCollection",
+    "EmbeddingBagConfig",
+    "FeatureProcessedEmbeddingBagCollection",
+    "PositionWeightedModule",
+    "PositionWeightedModuleCollection",
+]

@@ -15,7 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dtrec._torch_compat import replicate_module
 from dtrec.comm.failures import install_excepthook
+from dtrec.comm.qcomms import QCommsConfig
 from dtrec.interop.plans import from_torchrec, is_torchrec_plan
+from dtrec.interop.qcomms import qcomms_per_collection
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import shard_axis
@@ -37,6 +39,7 @@ def distribute_module(
     plan: Mapping[str, TableSpec] | object | None = None,
     optimizer: FusedOptimizer | None = None,
     sync_every: int | None = None,
+    qcomms: QCommsConfig | Mapping[str, QCommsConfig | None] | object | None = None,
 ) -> nn.Module:
     """Shard every ``EmbeddingBagCollection`` of ``model`` per ``plan``; DDP the rest.
 
@@ -58,6 +61,11 @@ def distribute_module(
     ``fully_shard`` does), so ``isinstance`` checks and ``state_dict`` keys stay the same
     and ``model.sharding_plan`` / ``model.fused_optimizer`` read the distribution's state.
     Collective: every rank calls it with the same model config and plan.
+
+    ``qcomms``: a ``dtrec.QCommsConfig`` (or TorchRec's), or a dict of them by collection
+    FQN, sends a collection's pooled embeddings, their gradients and its replica gradient
+    sums in fp16 / bf16, added up in fp32 (error bound in ``QCommsConfig``'s doc); None
+    (the default) sends everything in fp32, as before.
 
     Example::
 
@@ -102,7 +110,8 @@ def distribute_module(
         for cfg in ebc.embedding_bag_configs()
     )
     seed = torch.initial_seed() if on_meta else 0  # meta tables: every rank inits its blocks
-    check_same_on_every_rank(tables, full_plan, optimizer, sync_every, seed)
+    qcomms_of = qcomms_per_collection(qcomms, collections)
+    check_same_on_every_rank(tables, full_plan, optimizer, sync_every, seed, qcomms_of)
     install_excepthook()  # an uncaught exception on a rank names it in its peers' errors
 
     sharded: dict[str, ShardedEmbeddingBagCollection] = {}
@@ -112,7 +121,7 @@ def distribute_module(
         weights = {cfg.name: ebc.embedding_bags[cfg.name].weight for cfg in tables}
         sharded[fqn] = ShardedEmbeddingBagCollection(
             tables, weights, mesh, specs, optimizer, ebc.bounds_check, sync_every, seed,
-            ebc.is_weighted,
+            ebc.is_weighted, qcomms_of[fqn],
         )  # fmt: skip
     fused = FusedOptimizerView(sharded, optimizer) if optimizer is not None else None
     state = DistributedState(full_plan, fused)
@@ -198,9 +207,10 @@ def check_same_on_every_rank(
     optimizer: FusedOptimizer | None,
     sync_every: int | None,
     init_seed: int = 0,
+    qcomms: Mapping[str, object] | None = None,
 ) -> None:
-    """ValueError on every rank if ranks disagree on the tables, the plan, the optimizer
-    or (meta-device tables) the init seed.
+    """ValueError on every rank if ranks disagree on the tables, the plan, the optimizer,
+    (meta-device tables) the init seed or the collections' ``qcomms``.
 
     Ranks that shard different models would otherwise exchange mismatched buffers (or
     hang) at the first step. One small all-gather of a digest; the full descriptions
@@ -212,6 +222,7 @@ def check_same_on_every_rank(
         "fused optimizer": repr(optimizer),
         "sync_every": repr(sync_every),
         "meta-device init seed (torch.initial_seed(); seed every rank alike)": repr(init_seed),
+        "qcomms": {k: repr(v) for k, v in sorted((qcomms or {}).items())},
     }
     text = json.dumps(described, sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()

@@ -41,8 +41,9 @@ from torch.distributed import ProcessGroup
 
 from dtrec._torch_compat import current_backward_id, queue_backward_callback
 from dtrec.comm.collectives import PendingTensors, all_reduce_coalesced_start
+from dtrec.comm.quantized import Codec
 from dtrec.ops.lookup import Lookup
-from dtrec.ops.op import lookup_backward_rows, lookup_forward
+from dtrec.ops.op import embedding_bag_psw_backward_op, lookup_backward_rows, lookup_forward
 from dtrec.optim import FusedOptimizer, RowUpdate
 from dtrec.optim.param_groups import rule_for_group
 from dtrec.sharded.grad_sync import TableRows, sum_by_row, sync_rows
@@ -66,8 +67,10 @@ class TableUpdate:
         full_dim: int,
         grad_scale: float,
         sync_kind: str,
+        sync_codec: Codec | None = None,
     ) -> None:
         self.weight = weight
+        self.sync_codec = sync_codec  # how its replica sync sends rows (None: fp32)
         self.sync_kind = sync_kind  # names its replica sync in dtrec.comm_stats
         self.replica_group = replica_group
         self.column_group = column_group
@@ -173,6 +176,7 @@ class FusedUpdater:
                 group,
                 self.tables[tables[0]].sync_kind,
                 self.replica_sync,
+                self.tables[tables[0]].sync_codec,
             )
             merged.update(zip(tables, synced, strict=True))
         row_sq_sums += self._start_row_sq_sums(merged, [t for t in by_column if t not in unsynced])
@@ -283,7 +287,8 @@ def _by_group(
 
 
 class FusedLookup(torch.autograd.Function):
-    """Forward: the pooled lookup. Backward: stash row grads with the updater, no weight grads.
+    """Forward: the pooled lookup. Backward: stash row grads with the updater, no weight grads
+    (per-sample weights that require grad get theirs).
 
     ``trigger`` is a throwaway leaf that requires grad, so backward reaches this
     node even though the tables themselves do not require grad.
@@ -301,9 +306,16 @@ class FusedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         values, offsets, psw = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
         lookup = Lookup(ctx.tables, ctx.entry_table, values, offsets, ctx.mean, psw)
-        ctx.updater.stash(ctx.table_ids, lookup, grad_out.contiguous())
-        return (None,) * 9
+        ctx.updater.stash(ctx.table_ids, lookup, grad_out)
+        grad_psw = None
+        if ctx.needs_input_grad[8]:  # trained per-sample weights: w.r.t. the rows read now,
+            # before the end-of-backward update changes them
+            grad_psw = embedding_bag_psw_backward_op(
+                ctx.tables, ctx.entry_table, values, offsets, grad_out
+            ).to(psw.dtype)
+        return (None,) * 8 + (grad_psw,)
 
 
 def fused_lookup(

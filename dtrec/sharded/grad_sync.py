@@ -14,6 +14,13 @@ per table from counts every member sees (so all members choose alike):
 All tables of a step share the collectives: one all-gather of counts, one of
 ids and one of gradient rows for the sparse tables, one all-reduce for the
 dense ones. Every member ends with bit-identical rows and sums.
+
+Quantized (a ``Codec``, from ``QCommsConfig.replica_sync_precision``): the sparse path
+gathers gradient rows in fp16 / bf16 and row ids as int32, then sums in fp32 (one
+rounding per member's row); the dense path sends fp16 / bf16 pieces to their chunk's
+owner, which sums them in fp32 and shares the sum in fp16 / bf16
+(``dtrec.comm.quantized.sum_quantized``: two roundings). Both send half the bytes of
+their fp32 twins, and the sparse / dense choice is the fp32 one.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from dtrec.comm.collectives import all_gather_flat, collective, sync_bytes
+from dtrec.comm.quantized import Codec, sum_quantized
 from dtrec.ops.backends.torch import sum_rows_by_key
 
 MODES = ("auto", "sparse", "dense")
@@ -47,13 +55,18 @@ def sum_by_row(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def sync_rows(
-    tables: Sequence[TableRows], group: ProcessGroup | None, kind: str, mode: str = "auto"
+    tables: Sequence[TableRows],
+    group: ProcessGroup | None,
+    kind: str,
+    mode: str = "auto",
+    codec: Codec | None = None,
 ) -> list[tuple[Tensor, Tensor]]:
     """Per table: (union of touched rows over ``group``, summed gradient rows), sorted.
 
     ``mode``: "auto" picks, per table, whichever of the sparse all-gather and the dense
-    all-reduce sends fewer bytes; "sparse" / "dense" force one. Collective: every member
-    calls it with the same tables (same order, dims and ``num_rows``).
+    all-reduce sends fewer bytes; "sparse" / "dense" force one. ``codec``: the gradient
+    rows travel quantized (module doc), None: fp32. Collective: every member calls it
+    with the same tables (same order, dims and ``num_rows``) and the same codec.
     """
     if mode not in MODES:
         raise ValueError(f"replica sync mode must be one of {MODES}, got {mode!r}")
@@ -75,35 +88,50 @@ def sync_rows(
     sparse_ids = [i for i, d in enumerate(dense) if not d]
     if sparse_ids:
         picked = [tables[i] for i in sparse_ids]
-        synced = _all_gather_rows(picked, [most[i] for i in sparse_ids], group, size, kind)
+        synced = _all_gather_rows(picked, [most[i] for i in sparse_ids], group, size, kind, codec)
         result.update(zip(sparse_ids, synced, strict=True))
     dense_ids = [i for i, d in enumerate(dense) if d]
     if dense_ids:
-        synced = _all_reduce_dense([tables[i] for i in dense_ids], group, size, kind)
+        synced = _all_reduce_dense([tables[i] for i in dense_ids], group, size, kind, codec)
         result.update(zip(dense_ids, synced, strict=True))
     return [result[i] for i in range(len(tables))]
 
 
 def _all_gather_rows(
-    tables: list[TableRows], most: list[int], group: ProcessGroup, size: int, kind: str
+    tables: list[TableRows],
+    most: list[int],
+    group: ProcessGroup,
+    size: int,
+    kind: str,
+    codec: Codec | None,
 ) -> list[tuple[Tensor, Tensor]]:
-    """Sparse path: two all-gathers (ids, grads) for all tables, then per-table sums."""
+    """Sparse path: two all-gathers (ids, grads) for all tables, then per-table sums.
+
+    Quantized: ids as int32 when every shard's row count fits, grads in the codec's dtype.
+    """
     device = tables[0].grads.device
     id_len = sum(most)
     grad_len = sum(m * t.grads.shape[1] for t, m in zip(tables, most, strict=True))
-    ids = torch.full((id_len,), -1, dtype=torch.long, device=device)
-    grads = torch.zeros(grad_len, dtype=torch.float32, device=device)
+    narrow_ids = codec is not None and max(t.num_rows for t in tables) <= 2**31 - 1
+    id_dtype = torch.int32 if narrow_ids else torch.long
+    grad_dtype = torch.float32 if codec is None else codec.dtype
+    ids = torch.full((id_len,), -1, dtype=id_dtype, device=device)
+    grads = torch.zeros(grad_len, dtype=grad_dtype, device=device)
     id_at = grad_at = 0
     for t, m in zip(tables, most, strict=True):
         n, dim = t.rows.numel(), t.grads.shape[1]
         ids[id_at : id_at + n] = t.rows
-        grads[grad_at : grad_at + n * dim] = t.grads.reshape(-1)
+        sent = t.grads.reshape(-1) if codec is None else codec.encode(t.grads.reshape(-1))
+        grads[grad_at : grad_at + n * dim] = sent
         id_at, grad_at = id_at + m, grad_at + m * dim
-    all_ids = torch.empty(size * id_len, dtype=torch.long, device=device)
-    all_grads = torch.empty(size * grad_len, dtype=torch.float32, device=device)
-    with collective(kind + ".sparse", (size - 1) * (id_len * 8 + grad_len * 4), group):
+    all_ids = torch.empty(size * id_len, dtype=id_dtype, device=device)
+    all_grads = torch.empty(size * grad_len, dtype=grad_dtype, device=device)
+    nbytes = (size - 1) * (id_len * ids.element_size() + grad_len * grads.element_size())
+    with collective(kind + ".sparse", nbytes, group):
         all_gather_flat(all_ids, ids, group)
         all_gather_flat(all_grads, grads, group)
+    if codec is not None:
+        all_ids, all_grads = all_ids.long(), codec.decode(all_grads, torch.float32)
     all_ids, all_grads = all_ids.view(size, id_len), all_grads.view(size, grad_len)
     out, id_at, grad_at = [], 0, 0
     for t, m in zip(tables, most, strict=True):
@@ -117,23 +145,32 @@ def _all_gather_rows(
 
 
 def _all_reduce_dense(
-    tables: list[TableRows], group: ProcessGroup, size: int, kind: str
+    tables: list[TableRows], group: ProcessGroup, size: int, kind: str, codec: Codec | None
 ) -> list[tuple[Tensor, Tensor]]:
-    """Dense path: one all-reduce of every table's ``[num_rows, dim + 1]`` (grads | touches)."""
+    """Dense path: one all-reduce of every table's ``[num_rows, dim + 1]`` (grads | touches).
+
+    Quantized: ``sum_quantized`` in the codec's dtype, the loss scale on the grads only
+    (touch counts up to the group size are exact in fp16 / bf16).
+    """
     device = tables[0].grads.device
+    scale = None if codec is None else codec.scale
     sizes = [t.num_rows * (t.grads.shape[1] + 1) for t in tables]
     flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
     for t, part in zip(tables, torch.split(flat, sizes), strict=True):
         block = part.view(t.num_rows, t.grads.shape[1] + 1)
-        block[t.rows, :-1] = t.grads
+        block[t.rows, :-1] = t.grads if scale is None else t.grads * scale
         block[t.rows, -1] = 1.0
-    with collective(kind + ".dense", 2 * (size - 1) * flat.numel() * 4 // size, group):
-        dist.all_reduce(flat, group=group)
+    if codec is None:
+        with collective(kind + ".dense", 2 * (size - 1) * flat.numel() * 4 // size, group):
+            dist.all_reduce(flat, group=group)
+    else:
+        flat = sum_quantized(flat, group, kind + ".dense", codec.dtype)
     out = []
     for t, part in zip(tables, torch.split(flat, sizes), strict=True):
         block = part.view(t.num_rows, t.grads.shape[1] + 1)
         rows = torch.nonzero(block[:, -1] > 0).squeeze(1)
-        out.append((rows, block[rows, :-1]))
+        sums = block[rows, :-1]
+        out.append((rows, sums if scale is None else sums / scale))
     return out
 
 
@@ -141,8 +178,8 @@ class _SyncGrads(torch.autograd.Function):
     """Identity forward on several tables; backward syncs their dense grads as row-sparse."""
 
     @staticmethod
-    def forward(ctx, group, scale, kind, mode, *tables):  # type: ignore[override]
-        ctx.group, ctx.scale, ctx.kind, ctx.mode = group, scale, kind, mode
+    def forward(ctx, group, scale, kind, mode, codec, *tables):  # type: ignore[override]
+        ctx.group, ctx.scale, ctx.kind, ctx.mode, ctx.codec = group, scale, kind, mode, codec
         ctx.shapes = [(t.shape, t.dtype, t.device) for t in tables]
         return tuple(t.view_as(t) for t in tables)
 
@@ -160,6 +197,7 @@ class _SyncGrads(torch.autograd.Function):
                 ctx.group,
                 ctx.kind,
                 ctx.mode,
+                ctx.codec,
             )
             out = []
             for g, (rows, sums) in zip(grads, synced, strict=True):
@@ -167,7 +205,7 @@ class _SyncGrads(torch.autograd.Function):
                 dense[rows] = sums.to(g.dtype)
                 out.append(dense)
             grads = out
-        return (None, None, None, None, *grads)
+        return (None, None, None, None, None, *grads)
 
 
 def sync_grads(
@@ -176,15 +214,16 @@ def sync_grads(
     scale: float,
     kind: str,
     mode: str = "auto",
+    codec: Codec | None = None,
 ) -> tuple[Tensor, ...]:
     """Identity forward; backward sums each table's gradient over ``group``, times ``scale``.
 
     The gradients are dense (autograd's), but only their nonzero rows travel: all tables
-    share ``sync_rows``' collectives (sparse or dense per table, by bytes). A row whose
-    sum is zero on every member stays zero, so the result equals a dense all-reduce.
-    ``group`` None: only the scaling.
+    share ``sync_rows``' collectives (sparse or dense per table, by bytes; quantized with
+    ``codec``). A row whose sum is zero on every member stays zero, so the result equals
+    a dense all-reduce. ``group`` None: only the scaling.
     """
-    return _SyncGrads.apply(group, scale, kind, mode, *tables)
+    return _SyncGrads.apply(group, scale, kind, mode, codec, *tables)
 
 
 __all__ = ["MODES", "TableRows", "sum_by_row", "sync_grads", "sync_rows"]

@@ -7,8 +7,9 @@ Per batch, inside one sharding group (the ranks sharing a "replicate" coordinate
 2. verdict all-reduce (8 bytes, ``input_dist.verdict``) over the replicas: the
    lowest rank in the world that refused its batch, so a bad batch fails on every
    rank instead of hanging a later collective;
-3. ids all-to-all (``input_dist.ids``; per-sample weights ride in the same buffer),
-   left in flight: each id goes to the block(s) that hold its row
+3. ids all-to-all (``input_dist.ids``; per-sample weights ride in the same buffer,
+   unless they are trained: then a differentiable ``input_dist.weights`` all-to-all
+   carries them), left in flight: each id goes to the block(s) that hold its row
    (``Routing.bucketize``); the lookup waits on it.
 
 Collections whose tables are all data parallel send no ids: only the verdict runs,
@@ -24,7 +25,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtrec.comm.collectives import PendingTensor, all_reduce_min, all_to_all, all_to_all_start
+from dtrec.comm.collectives import (
+    PendingTensor,
+    all_reduce_min,
+    all_to_all,
+    all_to_all_autograd,
+    all_to_all_start,
+)
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.features import bag_lengths, prepare_features
 from dtrec.placements.mesh import REPLICATE, SHARD, mesh_device
@@ -32,27 +39,29 @@ from dtrec.sharded.groups import world_group
 from dtrec.sharded.routing import Routing
 from dtrec.sparse import KeyedJaggedTensor
 
-_HEADER = 4  # status, batch size, ids sent to this peer, has per-sample weights
+_HEADER = 4  # status, batch size, ids sent to this peer, per-sample weights (_weights_flag)
 _STATUS_OK, _STATUS_BAD_INPUT = 0, 1
+_NO_WEIGHTS, _WEIGHTS, _WEIGHTS_TRAINED = 0, 1, 2
 
 
 @dataclass
 class RoutedBatch:
     """A batch after input-dist: its validated features and the ids this rank serves.
 
-    ``ids`` holds, per source rank, ``[lengths of the served segments | ids | their
-    per-sample weights, two fp32 per int64 (only if weighted)]``; it may still be in
-    flight until waited on. ``weighted``: whether any rank of the sharding group sent
-    per-sample weights (the others sent ones). ``error``: why the batch was refused,
-    here or on another rank (``forward`` raises it; no ids sent).
+    ``ids`` holds, per source rank, ``[lengths of the served segments | ids]``, followed
+    by the ids' per-sample weights (two fp32 per int64) when ``packed_weights``; it and
+    ``psw`` (per-sample weights that are trained, so they travel in a differentiable
+    exchange of their own) may still be in flight until waited on. ``error``: why the
+    batch was refused, here or on another rank (``forward`` raises it; no ids sent).
     """
 
     kjt: KeyedJaggedTensor | None
     batch: int
     peer_counts: list[int]
     ids: PendingTensor | None
-    weighted: bool = False
+    psw: PendingTensor | None
     error: Exception | None = None
+    packed_weights: bool = False
 
     def wait_served(self, num_segments: int) -> tuple[Tensor, Tensor, Tensor | None]:
         """Wait for the ids; return (bag lengths, ids, per-sample weights or None).
@@ -62,17 +71,19 @@ class RoutedBatch:
         """
         assert self.ids is not None
         received = self.ids.wait()
+        psw = None if self.psw is None else self.psw.wait()
         bags = num_segments * self.batch
         lengths, ids, weights, start = [], [], [], 0
         for count in self.peer_counts:
             lengths.append(received[start : start + bags])
             ids.append(received[start + bags : start + bags + count])
             start += bags + count
-            if self.weighted:
+            if self.packed_weights:
                 packed = packed_size(count)
                 weights.append(received[start : start + packed].view(torch.float32)[:count])
                 start += packed
-        psw = torch.cat(weights) if self.weighted else None
+        if self.packed_weights:
+            psw = torch.cat(weights)
         return torch.cat(lengths), torch.cat(ids), psw
 
 
@@ -122,7 +133,7 @@ class InputDist:
             elsewhere = self._verdict(failed, world_group(self._mesh))  # every rank joins it
             error = error or elsewhere
             batch = kjt.stride() if kjt is not None else 0
-            return RoutedBatch(kjt, batch, [], None, error=error)
+            return RoutedBatch(kjt, batch, [], None, None, error)
         return self._exchange_ids(kjt, error)
 
     def _verdict(self, failed: int, group: dist.ProcessGroup) -> Exception | None:
@@ -172,7 +183,7 @@ class InputDist:
             header[:, 0] = _STATUS_OK
             header[:, 1] = batch
             header[:, 2] = torch.tensor(counts)
-            header[:, 3] = int(weights is not None)
+            header[:, 3] = _weights_flag(weights)
         else:
             header[:, 0] = _STATUS_BAD_INPUT
         peer = all_to_all(
@@ -187,19 +198,25 @@ class InputDist:
         elsewhere = self._verdict(failed, self._replicate_group)  # every rank joins it
         error = error or group_error or elsewhere
         if error is not None:
-            return RoutedBatch(kjt, batch, [], None, error=error)
+            return RoutedBatch(kjt, batch, [], None, None, error)
         assert kjt is not None
 
         device = kjt.values().device
         n_served = len(routing.served) * batch
         peer_counts = [row[2] for row in rows]
-        weighted = any(row[3] for row in rows)  # then every rank sends weights (ones if none)
-        if weighted:
-            for p, count in enumerate(counts):
-                w = sent_weights[p]
-                w = torch.ones(count, device=device) if w is None else w
-                buffers[p] = torch.cat([buffers[p], pack_weights(w)])
-        extra = packed_size if weighted else lambda count: 0
+        flags = {row[3] for row in rows}
+        send_w = None
+        if flags != {_NO_WEIGHTS}:  # then every rank sends weights (ones where it has none)
+            send_w = [
+                torch.ones(count, device=device) if w is None else w.float()
+                for w, count in zip(sent_weights, counts, strict=True)
+            ]
+        trained = _WEIGHTS_TRAINED in flags  # their gradients travel back: an exchange of
+        packed = send_w is not None and not trained  # their own; otherwise in the ids buffer
+        if packed:
+            assert send_w is not None
+            buffers = [torch.cat([b, pack_weights(w)]) for b, w in zip(buffers, send_w)]
+        extra = packed_size if packed else lambda count: 0
         ids = all_to_all_start(
             torch.cat(buffers).to(device),
             [n_served + c + extra(c) for c in peer_counts],
@@ -207,4 +224,19 @@ class InputDist:
             group,
             "input_dist.ids",
         )
-        return RoutedBatch(kjt, batch, peer_counts, ids, weighted)
+        psw = None
+        if trained:
+            assert send_w is not None
+            received = all_to_all_autograd(
+                torch.cat(send_w), peer_counts, counts, group, "input_dist.weights"
+            )
+            psw = PendingTensor(received, None, "input_dist.weights", group)
+        return RoutedBatch(kjt, batch, peer_counts, ids, psw, packed_weights=packed)
+
+
+def _weights_flag(weights: Tensor | None) -> int:
+    """The header's per-sample-weights field: none, given, or given and trained (a feature
+    processor computed them with grad: the served ranks send their gradients back)."""
+    if weights is None:
+        return _NO_WEIGHTS
+    return _WEIGHTS_TRAINED if weights.requires_grad and torch.is_grad_enabled() else _WEIGHTS

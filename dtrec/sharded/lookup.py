@@ -29,11 +29,15 @@ class LocalLookup:
 
     def served(self, routed: RoutedBatch, local: dict[int, Tensor]) -> Tensor | None:
         """``[B, S * served width]``: the partials of every source's served segments
-        (source-major columns), or None when this rank serves no segment."""
+        (source-major columns), or None when this rank serves no segment (``[B, 0]`` when
+        per-sample weights are trained: their gradient exchange runs on every rank)."""
         routing = self._routing
         served = routing.served
         lengths, ids, psw = routed.wait_served(len(served))
         if not served:
+            if psw is not None and psw.requires_grad:  # nothing received: an empty [B, 0]
+                # view, so the output dist's backward also runs the weights' one
+                return psw.view(routed.batch, 0)
             return None
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long, device=lengths.device)
         torch.cumsum(lengths, 0, out=offsets[1:])

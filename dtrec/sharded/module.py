@@ -32,6 +32,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtrec.comm.qcomms import QCommsConfig
+from dtrec.interop.qcomms import as_qcomms_config
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.features import check_bounds_mode, check_weighted
 from dtrec.optim import FusedOptimizer
@@ -79,6 +81,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         sync_every: int | None = None,
         init_seed: int = 0,
         is_weighted: bool | None = None,
+        qcomms: QCommsConfig | None = None,
     ) -> None:
         super().__init__()
         self.bounds_check = check_bounds_mode(bounds_check)
@@ -103,14 +106,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
         )
         self._routing = Routing(tables, self._layouts, axis.size, position)
         pack_local_shards([self.embedding_bags[tables[t].name] for t in self._routing.local_tables])
-        self._sync_plan = GradSyncPlan(mesh, self._routing)
+        qcomms = as_qcomms_config(qcomms)
+        self.qcomms = qcomms  # precisions of its exchanges (None: fp32), see dtrec.QCommsConfig
+        replica_codec = None if qcomms is None else qcomms.replica_sync_codec
+        self._sync_plan = GradSyncPlan(mesh, self._routing, replica_codec)
         self.optimizer = optimizer
         self._updater = (
             None if optimizer is None else self._fused_updater(optimizer, mesh, position)
         )
         self._input_dist = InputDist(tables, self._routing, mesh)
         self._lookup = LocalLookup(self._routing, self._updater)
-        self._output_dist = OutputDist(tables, self._routing, mesh.get_group(SHARD), dtype)
+        self._output_dist = OutputDist(tables, self._routing, mesh.get_group(SHARD), dtype, qcomms)
         self._prefetched: list[tuple[object, RoutedBatch]] = []
 
     def _fused_updater(
@@ -134,7 +140,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             sync = self._sync_plan.table(t, self.sync_every)
             updates[t] = TableUpdate(
                 shards[t], sync.group, columns.get(t), self._tables[t].embedding_dim,
-                sync.scale, sync.kind,
+                sync.scale, sync.kind, sync.codec,
             )  # fmt: skip
         state = dict(zip(local, optimizer.init_states([shards[t] for t in local]), strict=True))
         for t in range(len(self._tables)):

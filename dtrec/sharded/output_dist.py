@@ -7,6 +7,10 @@ The requester adds every received partial into its output columns: row blocks of
 one feature add up (a Partial sum), column blocks tile the row. Data-parallel
 features are added in their own columns, then mean-pooled features are scaled
 by 1 / bag length (the epilogue: only the whole bag's length is known here).
+
+With a ``QCommsConfig`` the partials travel in its forward precision and their
+gradients in its backward one (``dtrec.comm.quantized``); both are cast back to the
+tables' dtype before they are added into the output (or handed to the lookup's backward).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from dtrec.comm.collectives import all_to_all_autograd
+from dtrec.comm.qcomms import QCommsConfig
+from dtrec.comm.quantized import quantized_all_to_all
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.features import bag_lengths, feature_order
 from dtrec.ops.row_blocks import bag_scale
@@ -32,8 +38,10 @@ class OutputDist:
         routing: Routing,
         shard_group: ProcessGroup,
         dtype: torch.dtype,
+        qcomms: QCommsConfig | None = None,
     ) -> None:
         self._tables = tables
+        self._qcomms = qcomms  # None: the partials and their gradients travel as they are
         self._routing = routing
         self._shard_group = shard_group
         self._dtype = dtype  # of the tables, hence of an output no lookup produced
@@ -54,13 +62,22 @@ class OutputDist:
             send_back = send_back.reshape(-1)
         else:
             send_back = torch.zeros(0, dtype=self._dtype, device=device)
-        partials = all_to_all_autograd(
-            send_back,
-            [batch * w for w in routing.widths],
-            [batch * routing.served_width] * shards,
-            self._shard_group,
-            "output_dist",
-        )
+        output_splits = [batch * w for w in routing.widths]
+        input_splits = [batch * routing.served_width] * shards
+        if self._qcomms is None:
+            partials = all_to_all_autograd(
+                send_back, output_splits, input_splits, self._shard_group, "output_dist"
+            )
+        else:
+            partials = quantized_all_to_all(
+                send_back,
+                output_splits,
+                input_splits,
+                self._shard_group,
+                "output_dist",
+                self._qcomms.forward_codec,
+                self._qcomms.backward_codec,
+            )
         pieces = torch.split(partials, [batch * w for w in routing.widths])
         received = torch.cat(
             [p.view(batch, w) for p, w in zip(pieces, routing.widths, strict=True)], dim=1

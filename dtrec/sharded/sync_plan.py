@@ -13,7 +13,9 @@ up in it, so the group it is summed over follows from how its ids travel:
 
 The sums themselves are ``dtrec.sharded.grad_sync`` (row-sparse, coalesced):
 for plain training through ``sync_grads`` in autograd, for fused optimizers in
-the ``FusedUpdater``, both with the group and scale decided here.
+the ``FusedUpdater``, both with the group and scale decided here. A collection's
+``QCommsConfig.replica_sync_precision`` quantizes the replicate-axis sum of routed
+tables only: data-parallel tables' world sum and the weight averaging stay fp32.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtrec.comm.collectives import all_reduce_coalesced
+from dtrec.comm.quantized import Codec
 from dtrec.placements.mesh import REPLICATE
 from dtrec.sharded.grad_sync import sync_grads
 from dtrec.sharded.groups import world_group
@@ -44,13 +47,18 @@ class TableGradSync:
     """1 / number of ranks whose batches the sum covers (averages it)."""
     kind: str
     """Name of its sync in ``dtrec.comm_stats``."""
+    codec: Codec | None = None
+    """How its gradient rows travel (None: fp32; see ``dtrec.comm.quantized``)."""
 
 
 class GradSyncPlan:
     """Decides, per local table, how its gradient is summed; averages replicas' weights."""
 
-    def __init__(self, mesh: DeviceMesh, routing: Routing) -> None:
+    def __init__(
+        self, mesh: DeviceMesh, routing: Routing, replica_codec: Codec | None = None
+    ) -> None:
         self._routing = routing
+        self._replica_codec = replica_codec  # the replicate-axis sum's, None: fp32
         self._world_size = mesh.size()
         self._replicate_group = mesh.get_group(REPLICATE)
         # A group of its own (collective to create): only collections that need it.
@@ -65,7 +73,10 @@ class GradSyncPlan:
             )
         if sync_every is None:
             return TableGradSync(
-                self._replicate_group, 1.0 / self._world_size, "grad_sync.replicate"
+                self._replicate_group,
+                1.0 / self._world_size,
+                "grad_sync.replicate",
+                self._replica_codec,
             )
         return TableGradSync(None, 1.0 / self._routing.shard_size, "grad_sync.replicate")
 
@@ -81,10 +92,11 @@ class GradSyncPlan:
         groups: dict[tuple, list[int]] = {}
         for t in local:
             sync = self.table(t, sync_every)
-            groups.setdefault((id(sync.group), sync.group, sync.scale, sync.kind), []).append(t)
+            key = (id(sync.group), sync.group, sync.scale, sync.kind, sync.codec)
+            groups.setdefault(key, []).append(t)
         out: dict[int, Tensor] = {}
-        for (_, group, scale, kind), tables in groups.items():
-            synced = sync_grads([local[t] for t in tables], group, scale, kind, mode)
+        for (_, group, scale, kind, codec), tables in groups.items():
+            synced = sync_grads([local[t] for t in tables], group, scale, kind, mode, codec)
             out.update(zip(tables, synced, strict=True))
         return out
 

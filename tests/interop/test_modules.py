@@ -183,12 +183,6 @@ def _fake(module: str, name: str) -> type[nn.Module]:
 
 
 def _unsupported_modules() -> dict[str, nn.Module]:
-    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
-    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
-
-    ebc = torchrec.EmbeddingBagCollection(_configs(), is_weighted=True)
-    fp = PositionWeightedModuleCollection({"f0": 4, "f1": 4, "f2": 4})
-
     class MyEBC(torchrec.EmbeddingBagCollection):
         pass
 
@@ -196,7 +190,6 @@ def _unsupported_modules() -> dict[str, nn.Module]:
         "EmbeddingCollection": torchrec.EmbeddingCollection(
             [torchrec.EmbeddingConfig(name="s", num_embeddings=5, embedding_dim=4)]
         ),
-        "FeatureProcessedEmbeddingBagCollection": FeatureProcessedEmbeddingBagCollection(ebc, fp),
         "ManagedCollisionEmbeddingBagCollection": _fake(
             "torchrec.modules.mc_embedding_modules", "ManagedCollisionEmbeddingBagCollection"
         )(),
@@ -215,7 +208,6 @@ def _unsupported_modules() -> dict[str, nn.Module]:
 
 UNSUPPORTED_ADVICE = {
     "EmbeddingCollection": "sequence .unpooled. embeddings are not supported yet",
-    "FeatureProcessedEmbeddingBagCollection": "feature processors are not supported",
     "ManagedCollisionEmbeddingBagCollection": "managed-collision modules are not supported",
     "quant EmbeddingBagCollection": "dtrec trains float tables",
     "FusedEmbeddingBagCollection": "pass the optimizer to distribute_module",

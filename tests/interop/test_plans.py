@@ -196,3 +196,32 @@ def test_parameter_constraints() -> None:
         ]:  # fmt: skip
             with pytest.raises((KeyError, ValueError), match=match):
                 dtrec.plan(model, mesh, constraints=bad)
+
+
+def test_plan_of_a_feature_processed_collection_names_its_inner_tables() -> None:
+    """TorchRec plans a FeatureProcessedEmbeddingBagCollection at its own path; dtrec
+    shards the tables of the collection inside it."""
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    sp = _helpers()
+    model = _model()
+    features = [f"f{i}" for i in range(4)]
+    model.sparse = FeatureProcessedEmbeddingBagCollection(
+        torchrec.EmbeddingBagCollection(
+            model.sparse.embedding_bag_configs(), is_weighted=True, device=torch.device("meta")
+        ),
+        PositionWeightedModuleCollection(dict.fromkeys(features, 4)),
+    )
+    plan = _plan(_model(), 2, {
+        "t0": sp.row_wise(compute_kernel="dense"), "t1": sp.table_wise(rank=1),
+        "t2": sp.data_parallel(), "t3": sp.column_wise(ranks=[0, 1]),
+    })  # fmt: skip
+    with fake_world(0, 2):
+        mesh = dtrec.init_mesh("cpu", 2)
+        chosen = dtrec.plan(model, mesh, constraints=plan)
+    inner = "sparse._embedding_bag_collection"
+    assert dict(chosen) == {
+        f"{inner}.t0": RowWise(), f"{inner}.t1": TableWise(rank=1),
+        f"{inner}.t2": DataParallel(), f"{inner}.t3": ColumnWise(),
+    }  # fmt: skip
