@@ -71,6 +71,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtrec
+from benchmarks.stages import (
+    ExclusiveStageTimer,
+    HostReads,
+    dtrec_targets,
+    print_stage_table,
+    torchrec_targets,
+)
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import (
     ColumnWise,
@@ -459,16 +466,20 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
         keys, values, lengths, labels = make_batch(w, rank, s)
         batches.append((kjt_type(keys=keys, values=values, lengths=lengths), labels))
 
+    timer = ExclusiveStageTimer()
+
     def train_step(kjt, labels) -> float:
-        loss = F.binary_cross_entropy_with_logits(model(kjt), labels)
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        loss.backward()
-        for opt in optimizers:
-            opt.step()
-        if hook is not None:
-            hook()
-        return loss.item()
+        with timer.stage("dense"):  # what the sparse stages nested in it leave
+            loss = F.binary_cross_entropy_with_logits(model(kjt), labels)
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            with timer.stage("backward_update"):
+                loss.backward()
+            for opt in optimizers:
+                opt.step()
+            if hook is not None:
+                hook()
+            return loss.item()
 
     def timed_step(s: int) -> float:
         dist.barrier()  # start together; the barrier is outside the timed region
@@ -479,12 +490,18 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
     losses: list[float] = []
     warmup_ms = [timed_step(s) for s in range(warmup)]
     counter = CommCounter()
+    targets = (dtrec_targets if lib == "dtrec" else torchrec_targets)(model)
     with dtrec.comm_stats() as stats, counter.active():
-        step_ms = [timed_step(s) for s in range(warmup, warmup + steps)]
-    census = CollectiveCensus()
+        timer.clear()
+        with timer.wrapping(targets) as not_timed:
+            step_ms = [timed_step(s) for s in range(warmup, warmup + steps)]
+    part_of = {"fused_update": "backward_update"}
+    stage_ms = timer.per_step(steps, part_of)
+    stage_cpu_ms = timer.per_step(steps, part_of, cpu=True)
+    census, reads = CollectiveCensus(), HostReads(torch.device("cpu"))
     for s in range(warmup + steps, warmup + steps + census_steps):
         dist.barrier()
-        with census:
+        with census, reads.counting():
             train_step(*batches[s])
     nbytes = counter.per_step(steps)
     return {
@@ -502,6 +519,12 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
             for k in sorted(census.calls)
         },
         "dtrec_comm_stats": stats.per_step(steps) if lib == "dtrec" else None,
+        "stage_ms": stage_ms,
+        "stage_cpu_ms": stage_cpu_ms,
+        "stages_not_timed": not_timed,
+        "collectives_per_step": sum(census.calls.values()) / census_steps,
+        "host_reads_per_step": sum(reads.sites.values()) / census_steps,
+        "host_read_sites": {k: v / census_steps for k, v in reads.sites.most_common()},
         "rss_mb": {"start": rss_start, "after_setup": rss_built, "end": _rss_mb()},
         "peak_rss_mb": _peak_rss_mb(),
     }
@@ -563,6 +586,12 @@ def run_config(lib: str, config: str, w: Workload, opts: dict, world: int = 4) -
             k: _median([r["census_per_step"].get(k, {}).get("bytes", 0) for r in ranks])
             for k in census
         },
+        **{
+            key: {k: _median([r[key].get(k, 0.0) for r in ranks]) for k in ranks[0][key]}
+            for key in ("stage_ms", "stage_cpu_ms")
+        },
+        "collectives_per_step": _median([r["collectives_per_step"] for r in ranks]),
+        "host_reads_per_step": _median([r["host_reads_per_step"] for r in ranks]),
         "peak_rss_mb": _median([r["peak_rss_mb"] for r in ranks]),
         "end_rss_mb": _median([r["rss_mb"]["end"] for r in ranks]),
     }
@@ -906,6 +935,8 @@ def main(argv: list[str] | None = None) -> None:
         report["results"] = results
         print()
         print_table(results)
+        print_stage_table(results)
+        print_stage_table(results, "stage_cpu_ms")
         after = dtrec_source()
         if after["sources_sha256"] != report["meta"]["dtrec"]["sources_sha256"]:
             report["meta"]["dtrec_at_end"] = after  # worlds started later ran the new code

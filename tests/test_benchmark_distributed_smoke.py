@@ -25,6 +25,7 @@ from benchmarks.distributed import (
     zipf_ids,
     zipf_row_probs,
 )
+from benchmarks.stages import STAGES
 
 CONFIGS = ("mixed", "2d_row_wise")
 TINY = workload(scale=0.01, batch=32)
@@ -51,7 +52,14 @@ def test_runs_and_counts(runs, config):
         # DDP's all-reduce is invisible to the wrappers but not to the dispatch census.
         assert r["census_per_step"]["c10d.allreduce_"]["bytes"] >= r["dense_ddp_estimate"]
         assert r["peak_rss_mb"] > 0
-    assert run["median"]["step_ms"] > 0
+        assert r["stages_not_timed"] == []  # every stage's method exists in dtrec
+    m = run["median"]
+    assert m["step_ms"] > 0
+    # The exclusive stages add up to (almost) the step; data-parallel lookups, the fused
+    # update and the pooled exchange each took time.
+    assert sum(m["stage_ms"][s] for s in STAGES) == pytest.approx(m["step_ms"], rel=0.2)
+    assert min(m["stage_cpu_ms"][s] for s in ("lookup_fwd", "output_dist", "fused_update")) > 0
+    assert m["collectives_per_step"] >= 4 and m["host_reads_per_step"] > 0
 
 
 def test_census_sees_ddp_exactly(runs):

@@ -47,11 +47,17 @@ def _loop_bucketize(routing: Routing, values, lengths, weights):
     return buffers, sent, counts
 
 
+@pytest.mark.parametrize("search", [False, True])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("position", [0, 3])
-def test_bucketize_matches_the_per_segment_layout(weighted: bool, position: int) -> None:
+def test_bucketize_matches_the_per_segment_layout(
+    weighted: bool, position: int, search: bool
+) -> None:
     layouts = [spec.layout(cfg, AXIS) for spec, cfg in zip(SPECS, TABLES, strict=True)]
     routing = Routing(TABLES, layouts, AXIS.size, position)
+    assert routing._bucket_maps.uniform_block_rows is not None  # chunks: id // rows per block
+    if search:  # the general path: each id's block by searchsorted over block starts
+        routing._bucket_maps.uniform_block_rows = None
     g = torch.Generator().manual_seed(position)
     batch = 5
     rows = [cfg.num_embeddings for cfg in TABLES for _ in cfg.feature_names]

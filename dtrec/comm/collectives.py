@@ -143,16 +143,6 @@ def all_to_all(
     return all_to_all_start(input, output_splits, input_splits, group, kind).wait()
 
 
-def all_reduce_coalesced(tensors: Sequence[Tensor], group: ProcessGroup, kind: str) -> list[Tensor]:
-    """Sums of ``tensors`` over ``group`` in one fp32 all-reduce (new tensors, same shapes)."""
-    flat = torch.cat([t.reshape(-1).float() for t in tensors])
-    size = dist.get_world_size(group)
-    with collective(kind, 2 * (size - 1) * flat.numel() * 4 // size, group):
-        dist.all_reduce(flat, group=group)
-    parts = torch.split(flat, [t.numel() for t in tensors])
-    return [part.view(t.shape) for part, t in zip(parts, tensors, strict=True)]
-
-
 class PendingTensor:
     """The result of a collective still in flight; ``wait()`` returns it (once complete)."""
 
@@ -165,6 +155,34 @@ class PendingTensor:
                 self._work.wait()
             self._work = None
         return self._output
+
+
+class PendingTensors:
+    """Several results of one coalesced collective still in flight (``wait()``: the list)."""
+
+    def __init__(self, flat: PendingTensor, shapes: Sequence[torch.Size]) -> None:
+        self._flat, self._shapes = flat, list(shapes)
+
+    def wait(self) -> list[Tensor]:
+        parts = torch.split(self._flat.wait(), [s.numel() for s in self._shapes])
+        return [part.view(shape) for part, shape in zip(parts, self._shapes, strict=True)]
+
+
+def all_reduce_coalesced_start(
+    tensors: Sequence[Tensor], group: ProcessGroup, kind: str
+) -> PendingTensors:
+    """Start the sums of ``tensors`` over ``group`` as one fp32 all-reduce; return at once
+    (``wait()`` gives new tensors, same shapes), so local work overlaps the exchange."""
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    size = dist.get_world_size(group)
+    with collective(kind, 2 * (size - 1) * flat.numel() * 4 // size, group):
+        work = dist.all_reduce(flat, group=group, async_op=True)
+    return PendingTensors(PendingTensor(flat, work, kind, group), [t.shape for t in tensors])
+
+
+def all_reduce_coalesced(tensors: Sequence[Tensor], group: ProcessGroup, kind: str) -> list[Tensor]:
+    """Sums of ``tensors`` over ``group`` in one fp32 all-reduce (new tensors, same shapes)."""
+    return all_reduce_coalesced_start(tensors, group, kind).wait()
 
 
 def all_gather_flat(output: Tensor, input: Tensor, group: ProcessGroup) -> None:

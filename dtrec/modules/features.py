@@ -120,8 +120,8 @@ def check_id_range(
     rows = torch.tensor(
         [cfg.num_embeddings for cfg in tables for _ in cfg.feature_names], device=values.device
     )
-    counts = torch.tensor(kjt.length_per_key(), device=values.device)
-    bound = torch.repeat_interleave(rows, counts)
+    counts = bag_lengths(kjt).sum(1)  # on the device: the one host read is the verdict
+    bound = torch.repeat_interleave(rows, counts, output_size=values.numel())
     bad = (values < 0) | (values >= bound)
     if bool(bad.any()):
         first = int(torch.nonzero(bad)[0])

@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from dtrec._torch_compat import current_backward_id, queue_backward_callback
-from dtrec.comm.collectives import all_reduce_coalesced
+from dtrec.comm.collectives import PendingTensors, all_reduce_coalesced_start
 from dtrec.comm.quantized import Codec
 from dtrec.ops.lookup import Lookup
 from dtrec.ops.op import embedding_bag_psw_backward_op, lookup_backward_rows, lookup_forward
@@ -157,14 +157,19 @@ class FusedUpdater:
     ) -> None:
         """Average, sum over replicas (coalesced per group), reduce row norms, update.
 
-        Groups are visited in the order of their first table, the same on every member
-        (a group's tables are the same on all its members), so no two ranks wait on
-        each other's groups in opposite orders.
+        Row norms of tables with column peers but no replicas are started first, so their
+        all-reduce runs while the replica syncs and the other tables' updates do; tables
+        with both wait for their replica sums. Groups are visited in the order of their
+        first table, the same on every member (a group's tables are the same on all its
+        members), so no two ranks wait on each other's groups in opposite orders.
         """
         merged = {}
         for t in sorted(parts):
             rows, grads = merge_rows(parts[t])
             merged[t] = (rows, grads * self.tables[t].grad_scale)
+        by_column = [] if not rule.needs_row_sq_sum else [t for t in merged if self._columns(t)]
+        unsynced = [t for t in by_column if not self._replicated(t)]
+        row_sq_sums = self._start_row_sq_sums(merged, unsynced)
         for tables, group in _by_group(merged, lambda t: self.tables[t].replica_group):
             synced = sync_rows(
                 [TableRows(*merged[t], self.tables[t].weight.shape[0]) for t in tables],
@@ -174,23 +179,52 @@ class FusedUpdater:
                 self.tables[tables[0]].sync_codec,
             )
             merged.update(zip(tables, synced, strict=True))
-        row_sq_sums: dict[int, Tensor] = {}
-        if rule.needs_row_sq_sum:
-            for tables, group in _by_group(merged, lambda t: self.tables[t].column_group):
-                sums = [merged[t][1].square().sum(1) for t in tables]
-                row_sq_sums.update(
-                    zip(tables, all_reduce_coalesced(sums, group, "optim.row_sq_sum"))
-                )
+        row_sq_sums += self._start_row_sq_sums(merged, [t for t in by_column if t not in unsynced])
+        self._update(rule, merged, [t for t in merged if t not in by_column], {})
+        sums = {t: s for tables, pending in row_sq_sums for t, s in zip(tables, pending.wait())}
+        self._update(rule, merged, by_column, sums)
+
+    def _columns(self, t: int) -> bool:
+        group = self.tables[t].column_group
+        return group is not None and dist.get_world_size(group) > 1
+
+    def _replicated(self, t: int) -> bool:
+        group = self.tables[t].replica_group
+        return group is not None and dist.get_world_size(group) > 1
+
+    def _start_row_sq_sums(
+        self, merged: dict[int, tuple[Tensor, Tensor]], tables: list[int]
+    ) -> list[tuple[list[int], PendingTensors]]:
+        """Start, per column group, one all-reduce of the tables' per-row squared-gradient
+        sums (every column peer holds the same touched rows, in the same order)."""
+        started = []
+        chosen = {t: merged[t] for t in tables}
+        for group_tables, group in _by_group(chosen, lambda t: self.tables[t].column_group):
+            sums = [merged[t][1].square().sum(1) for t in group_tables]
+            started.append(
+                (group_tables, all_reduce_coalesced_start(sums, group, "optim.row_sq_sum"))
+            )
+        return started
+
+    def _update(
+        self,
+        rule: FusedOptimizer,
+        merged: dict[int, tuple[Tensor, Tensor]],
+        tables: list[int],
+        row_sq_sums: dict[int, Tensor],
+    ) -> None:
+        """Apply ``rule`` to the touched rows of ``tables`` (one batched call)."""
+        if not tables:
+            return
         updates = [
             RowUpdate(
                 self.tables[t].weight,
                 self.state[t],
-                rows,
-                grads,
+                *merged[t],
                 row_sq_sums.get(t),
                 self.tables[t].full_dim,
             )  # fmt: skip
-            for t, (rows, grads) in merged.items()
+            for t in tables
         ]
         with torch.no_grad():
             rule.update_tables(updates)

@@ -7,8 +7,9 @@ Per batch, inside one sharding group (the ranks sharing a "replicate" coordinate
 2. verdict all-reduce (8 bytes, ``input_dist.verdict``) over the replicas: the
    lowest rank in the world that refused its batch, so a bad batch fails on every
    rank instead of hanging a later collective;
-3. ids all-to-all (``input_dist.ids``, + ``input_dist.weights`` with per-sample
-   weights), left in flight: each id goes to the block(s) that hold its row
+3. ids all-to-all (``input_dist.ids``; per-sample weights ride in the same buffer,
+   unless they are trained: then a differentiable ``input_dist.weights`` all-to-all
+   carries them), left in flight: each id goes to the block(s) that hold its row
    (``Routing.bucketize``); the lookup waits on it.
 
 Collections whose tables are all data parallel send no ids: only the verdict runs,
@@ -47,9 +48,11 @@ _NO_WEIGHTS, _WEIGHTS, _WEIGHTS_TRAINED = 0, 1, 2
 class RoutedBatch:
     """A batch after input-dist: its validated features and the ids this rank serves.
 
-    ``ids`` holds, per source rank, ``[lengths of the served segments | ids]``; it and
-    ``psw`` (per-sample weights) may still be in flight until waited on. ``error``: why
-    the batch was refused, here or on another rank (``forward`` raises it; no ids sent).
+    ``ids`` holds, per source rank, ``[lengths of the served segments | ids]``, followed
+    by the ids' per-sample weights (two fp32 per int64) when ``packed_weights``; it and
+    ``psw`` (per-sample weights that are trained, so they travel in a differentiable
+    exchange of their own) may still be in flight until waited on. ``error``: why the
+    batch was refused, here or on another rank (``forward`` raises it; no ids sent).
     """
 
     kjt: KeyedJaggedTensor | None
@@ -58,6 +61,7 @@ class RoutedBatch:
     ids: PendingTensor | None
     psw: PendingTensor | None
     error: Exception | None = None
+    packed_weights: bool = False
 
     def wait_served(self, num_segments: int) -> tuple[Tensor, Tensor, Tensor | None]:
         """Wait for the ids; return (bag lengths, ids, per-sample weights or None).
@@ -69,12 +73,32 @@ class RoutedBatch:
         received = self.ids.wait()
         psw = None if self.psw is None else self.psw.wait()
         bags = num_segments * self.batch
-        lengths, ids, start = [], [], 0
+        lengths, ids, weights, start = [], [], [], 0
         for count in self.peer_counts:
             lengths.append(received[start : start + bags])
             ids.append(received[start + bags : start + bags + count])
             start += bags + count
+            if self.packed_weights:
+                packed = packed_size(count)
+                weights.append(received[start : start + packed].view(torch.float32)[:count])
+                start += packed
+        if self.packed_weights:
+            psw = torch.cat(weights)
         return torch.cat(lengths), torch.cat(ids), psw
+
+
+def packed_size(count: int) -> int:
+    """int64 slots that carry ``count`` fp32 weights (two per slot)."""
+    return (count + 1) // 2
+
+
+def pack_weights(weights: Tensor) -> Tensor:
+    """fp32 weights as int64 slots (bit patterns, two per slot, zero-padded), so they
+    travel in the ids buffer instead of a collective of their own."""
+    weights = weights.float()
+    if weights.numel() % 2:
+        weights = torch.cat([weights, weights.new_zeros(1)])
+    return weights.view(torch.int64)
 
 
 class InputDist:
@@ -126,18 +150,16 @@ class InputDist:
             "stops this step in forward, before any weight changes"
         )
 
-    def _check_peers(self, header: Tensor) -> tuple[Exception | None, int]:
+    def _check_peers(self, header: list[list[int]]) -> tuple[Exception | None, int]:
         """Why this sharding group refuses the batch (None: it does not) and the lowest
         rank at fault (W: none). Every rank of the group computes the same."""
-        bad = [
-            self._shard_ranks[j] for j in range(header.shape[0]) if int(header[j, 0]) != _STATUS_OK
-        ]
+        bad = [self._shard_ranks[j] for j, row in enumerate(header) if row[0] != _STATUS_OK]
         if bad:
             return ValueError(
                 f"rank(s) {bad} of this sharding group rejected their input batch "
                 "(see the error on those ranks); no collective was run with it"
             ), min(bad)
-        sizes = header[:, 1].tolist()
+        sizes = [row[1] for row in header]
         if any(b != sizes[0] for b in sizes):
             per_rank = {self._shard_ranks[j]: b for j, b in enumerate(sizes)}
             return ValueError(
@@ -154,13 +176,14 @@ class InputDist:
         header = torch.zeros(shards, _HEADER, dtype=torch.long)  # built on the host
         if error is None:
             assert kjt is not None
+            weights = kjt.weights_or_none()
             buffers, sent_weights, counts = routing.bucketize(
-                kjt.values(), bag_lengths(kjt), kjt.weights_or_none()
+                kjt.values(), bag_lengths(kjt), weights
             )
             header[:, 0] = _STATUS_OK
             header[:, 1] = batch
             header[:, 2] = torch.tensor(counts)
-            header[:, 3] = _weights_flag(kjt.weights_or_none())
+            header[:, 3] = _weights_flag(weights)
         else:
             header[:, 0] = _STATUS_BAD_INPUT
         peer = all_to_all(
@@ -170,8 +193,8 @@ class InputDist:
             group,
             "input_dist.header",
         )
-        peer = peer.view(shards, _HEADER).cpu()  # one host read for every check below
-        group_error, failed = self._check_peers(peer)
+        rows = peer.view(shards, _HEADER).tolist()  # one host read for every check below
+        group_error, failed = self._check_peers(rows)
         elsewhere = self._verdict(failed, self._replicate_group)  # every rank joins it
         error = error or group_error or elsewhere
         if error is not None:
@@ -180,30 +203,35 @@ class InputDist:
 
         device = kjt.values().device
         n_served = len(routing.served) * batch
-        peer_counts = peer[:, 2].tolist()
+        peer_counts = [row[2] for row in rows]
+        flags = {row[3] for row in rows}
+        send_w = None
+        if flags != {_NO_WEIGHTS}:  # then every rank sends weights (ones where it has none)
+            send_w = [
+                torch.ones(count, device=device) if w is None else w.float()
+                for w, count in zip(sent_weights, counts, strict=True)
+            ]
+        trained = _WEIGHTS_TRAINED in flags  # their gradients travel back: an exchange of
+        packed = send_w is not None and not trained  # their own; otherwise in the ids buffer
+        if packed:
+            assert send_w is not None
+            buffers = [torch.cat([b, pack_weights(w)]) for b, w in zip(buffers, send_w)]
+        extra = packed_size if packed else lambda count: 0
         ids = all_to_all_start(
             torch.cat(buffers).to(device),
-            [n_served + c for c in peer_counts],
+            [n_served + c + extra(c) for c in peer_counts],
             [b.numel() for b in buffers],
             group,
             "input_dist.ids",
         )
         psw = None
-        if bool(peer[:, 3].any()):
-            send_w = torch.cat(
-                [
-                    w if w is not None else torch.ones(c, dtype=torch.float32, device=device)
-                    for w, c in zip(sent_weights, counts, strict=True)
-                ]
-            ).float()
-            if bool((peer[:, 3] == _WEIGHTS_TRAINED).any()):  # their gradients travel back
-                received = all_to_all_autograd(
-                    send_w, peer_counts, counts, group, "input_dist.weights"
-                )
-                psw = PendingTensor(received, None, "input_dist.weights", group)
-            else:
-                psw = all_to_all_start(send_w, peer_counts, counts, group, "input_dist.weights")
-        return RoutedBatch(kjt, batch, peer_counts, ids, psw)
+        if trained:
+            assert send_w is not None
+            received = all_to_all_autograd(
+                torch.cat(send_w), peer_counts, counts, group, "input_dist.weights"
+            )
+            psw = PendingTensor(received, None, "input_dist.weights", group)
+        return RoutedBatch(kjt, batch, peer_counts, ids, psw, packed_weights=packed)
 
 
 def _weights_flag(weights: Tensor | None) -> int:

@@ -209,13 +209,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
         assert kjt is not None
         device = kjt.values().device
         local = self._local_shards()
+        own = None  # data-parallel features first: looked up while the ids are in flight
+        if self._routing.local_features:
+            own = self._lookup.data_parallel(kjt, local)
         if self._routing.has_sharded:
             served = self._lookup.served(routed, local)
             out = self._output_dist(served, routed.batch, device)
         else:
             out = self._output_dist.zeros(routed.batch, device)
-        if self._routing.local_features:
-            out = self._output_dist.add_data_parallel(out, self._lookup.data_parallel(kjt, local))
+        if own is not None:
+            out = self._output_dist.add_data_parallel(out, own)
         return self._output_dist.keyed(out, kjt)
 
     def _local_shards(self) -> dict[int, Tensor]:

@@ -47,6 +47,10 @@ class OutputDist:
         self._dtype = dtype  # of the tables, hence of an output no lookup produced
         self._received_cols = routing.received_columns(torch.device("cpu"))
         self._local_cols = routing.local_columns(torch.device("cpu"))
+        # Mean pooling's scale, fixed per feature: none at all when every table sums.
+        is_mean = [tables[s.table].pooling == "mean" for s in routing.slots]
+        self._is_mean = torch.tensor(is_mean).unsqueeze(1) if any(is_mean) else None
+        self._dims = torch.tensor([s.dim for s in routing.slots], dtype=torch.long)
 
     def __call__(self, served: Tensor | None, batch: int, device: torch.device) -> Tensor:
         """Exchange the partials (``LocalLookup.served``) and add the received ones into
@@ -91,17 +95,15 @@ class OutputDist:
 
     def keyed(self, out: Tensor, kjt: KeyedJaggedTensor) -> KeyedTensor:
         """The epilogue: mean-pooled features scaled, columns keyed by feature."""
-        out = out * self._pooling_scale(kjt)
+        if self._is_mean is not None:
+            out = out * self._pooling_scale(kjt)
         dims = [slot.dim for slot in self._routing.slots]
         return KeyedTensor(feature_order(self._tables), dims, out)
 
     def _pooling_scale(self, kjt: KeyedJaggedTensor) -> Tensor:
         """``[B, total_dim]`` factors: 1 / bag length on mean-pooled features, 1 elsewhere."""
+        assert self._is_mean is not None
         lengths = bag_lengths(kjt)
-        is_mean = torch.tensor(
-            [self._tables[s.table].pooling == "mean" for s in self._routing.slots],
-            device=lengths.device,
-        ).unsqueeze(1)
-        factor = bag_scale(lengths, is_mean, self._dtype)
-        dims = torch.tensor([s.dim for s in self._routing.slots], device=lengths.device)
-        return factor.t().repeat_interleave(dims, dim=1)
+        factor = bag_scale(lengths, self._is_mean.to(lengths.device), self._dtype)
+        dims = self._dims.to(lengths.device)  # output_size: no host read of the dims
+        return factor.t().repeat_interleave(dims, dim=1, output_size=self._routing.total_dim)

@@ -10,6 +10,7 @@ This one scheme covers every sharding type.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +90,25 @@ class Routing:
         self.served = self.segments_to[position]
         self.served_width = self.widths[position]
         self.has_sharded = any(self.segments_to)
-        self._bucket_maps = _BucketMaps(tables, self.slots, self.segments_to)
+        # Segments are numbered in send order (position-major, then segments_to[p] order).
+        numbered = [(p, seg) for p, segs in enumerate(self.segments_to) for seg in segs]
+        self._segment_numbers: list[list[int]] = []
+        for segs in self.segments_to:
+            first = sum(len(x) for x in self._segment_numbers)
+            self._segment_numbers.append(list(range(first, first + len(segs))))
+        # Features whose table is split by rows: their ids need a search for their block.
+        split = {
+            seg.feature
+            for _, seg in numbered
+            if seg.block.rows != (0, tables[seg.table].num_embeddings)
+        }
+        self._split_features = sorted(split)
+        split_numbered = [(g, seg) for g, (_, seg) in enumerate(numbered) if seg.feature in split]
+        self._split_segment_numbers = [g for g, _ in split_numbered]
+        self._bucket_maps = _BucketMaps(
+            tables, [self.slots[k] for k in self._split_features],
+            [seg for _, seg in split_numbered], {k: i for i, k in enumerate(self._split_features)},
+        )  # fmt: skip
         self._device_maps: dict[torch.device, _BucketMaps] = {}
 
     def bucketize(
@@ -100,46 +119,94 @@ class Routing:
         ``values`` int ids, ``lengths`` ``[F, B]``, ``weights`` per id or None. Returns, per
         position p: an int64 buffer ``[lengths of p's segments (B each, in
         segments_to[p] order) | their ids, local to the block's rows]``, the ids'
-        weights, and the id count. Vectorized: each id finds its row block with one
-        ``searchsorted`` over all features' block boundaries, is copied once per column
-        block of that row block, and a stable sort by segment lays the ids out in send
-        order (each id crosses the wire once per block holding its row).
+        weights, and the id count (each id crosses the wire once per block holding its row).
+
+        A segment whose block holds all its table's rows (table-wise, column-wise) takes
+        its feature's ids and lengths as they are: slices, no search. The ids of features
+        split by rows (row-wise, table-row-wise, grid) find their block with one
+        ``searchsorted`` and a stable sort lays them out by segment (``_split_segments``).
+        One host read of the per-feature id counts (two with row-split features).
+        """
+        num_features, batch = lengths.shape
+        values, lengths = values.long(), lengths.long()
+        per_feature = lengths.sum(1).tolist()
+        starts = [0]
+        for n in per_feature:
+            starts.append(starts[-1] + n)
+        split_parts: dict[int, tuple[Tensor, Tensor, Tensor | None]] = {}
+        if self._split_features:
+            split_parts = self._split_segments(values, lengths, weights, per_feature, starts)
+        buffers, sent_weights, counts = [], [], []
+        for p, segs in enumerate(self.segments_to):
+            seg_lengths, seg_ids, seg_weights = [], [], []
+            for g, seg in zip(self._segment_numbers[p], segs, strict=True):
+                if g in split_parts:
+                    part_lengths, part_ids, part_weights = split_parts[g]
+                else:
+                    k = seg.feature
+                    part_lengths, part_ids = lengths[k], values[starts[k] : starts[k + 1]]
+                    part_weights = None if weights is None else weights[starts[k] : starts[k + 1]]
+                seg_lengths.append(part_lengths)
+                seg_ids.append(part_ids)
+                seg_weights.append(part_weights)
+            buffers.append(torch.cat([*seg_lengths, *seg_ids]) if segs else values[:0])
+            counts.append(sum(t.numel() for t in seg_ids))
+            if weights is None:
+                sent_weights.append(None)
+            else:
+                sent_weights.append(torch.cat(seg_weights) if segs else weights[:0])
+        return buffers, sent_weights, counts
+
+    def _split_segments(
+        self,
+        values: Tensor,
+        lengths: Tensor,
+        weights: Tensor | None,
+        per_feature: list[int],
+        starts: list[int],
+    ) -> dict[int, tuple[Tensor, Tensor, Tensor | None]]:
+        """Segment number -> (bag lengths, local ids, weights) of the row-split features.
+
+        Vectorized over those features: each id finds its row block with one
+        ``searchsorted`` over their block boundaries, is copied once per column block of
+        that row block, and a stable sort by segment lays the ids out in segment order.
         """
         maps = self._maps(values.device)
-        num_features, batch = lengths.shape
-        counts = lengths.reshape(-1).long()
-        per_feature = lengths.sum(1)
+        features = self._split_features
+        batch = lengths.shape[1]
+        if len(features) < len(per_feature):
+            values = torch.cat([values[starts[k] : starts[k + 1]] for k in features])
+            if weights is not None:
+                weights = torch.cat([weights[starts[k] : starts[k + 1]] for k in features])
+            lengths = lengths[features]
+        counts = [per_feature[k] for k in features]
+        n = values.numel()
         sample = torch.repeat_interleave(  # each id's sample in the batch (no modulo later)
-            torch.arange(batch, device=values.device).repeat(num_features),
-            counts,
-            output_size=values.numel(),
+            torch.arange(batch, device=values.device).repeat(len(features)),
+            lengths.reshape(-1),
+            output_size=n,
         )
-        values = values.long()
-        if maps.has_local:  # data-parallel features are looked up where they are
-            feature = torch.repeat_interleave(
-                torch.arange(num_features, device=values.device), per_feature,
-                output_size=values.numel(),
-            )  # fmt: skip
-            keep = maps.routed.index_select(0, feature)
-            values, feature, sample = values[keep], feature[keep], sample[keep]
-            weights = None if weights is None else weights[keep]
-            base = maps.feature_base.index_select(0, feature)
-        else:  # each id's feature's first row in the concatenated row space, directly
-            base = torch.repeat_interleave(
-                maps.feature_base, per_feature, output_size=values.numel()
+        if maps.uniform_block_rows is not None:  # equal row blocks: a division per feature
+            row_block = torch.cat([
+                torch.div(values[a:b], size, rounding_mode="floor") + first
+                for a, b, size, first in zip(
+                    [0, *itertools.accumulate(counts)], itertools.accumulate(counts),
+                    maps.uniform_block_rows, maps.feature_first_row_block,
+                )
+            ])  # fmt: skip
+        else:
+            base = torch.repeat_interleave(  # each id's feature's first key in the row space
+                maps.feature_base, torch.tensor(counts, device=values.device), output_size=n
             )
-        row_block = torch.searchsorted(maps.starts, base + values, right=True)
-        row_block -= 1
+            row_block = torch.searchsorted(maps.starts, base + values, right=True)
+            row_block -= 1
         if maps.one_segment_per_row_block:
             segment = maps.row_block_segments.index_select(
                 0, maps.row_block_first.index_select(0, row_block)
             )
-            source = None
         else:  # column blocks: one copy of the id per column block of its row block
             copies = maps.row_block_count.index_select(0, row_block)
-            source = torch.repeat_interleave(
-                torch.arange(values.numel(), device=values.device), copies
-            )
+            source = torch.repeat_interleave(torch.arange(n, device=values.device), copies)
             first = torch.cumsum(copies, 0) - copies
             within = torch.arange(source.numel(), device=values.device)
             within -= first.index_select(0, source)
@@ -155,18 +222,13 @@ class Routing:
         # index_select: ~4x faster than advanced indexing for 1-D gathers on CPU
         local_ids = local_ids.index_select(0, order)
         weights = None if weights is None else weights.index_select(0, order)
-        per_position = torch.bincount(
-            maps.segment_position.index_select(0, segment), minlength=self.shard_size
-        ).tolist()
-        buffers, sent_weights, start = [], [], 0
-        for p, n in enumerate(per_position):
-            first, last = maps.position_segments[p]
-            buffers.append(
-                torch.cat([seg_lengths[first:last].reshape(-1), local_ids[start : start + n]])
-            )
-            sent_weights.append(None if weights is None else weights[start : start + n])
-            start += n
-        return buffers, sent_weights, per_position
+        per_segment = torch.bincount(segment, minlength=maps.num_segments).tolist()
+        parts, start = {}, 0
+        for i, (g, count) in enumerate(zip(self._split_segment_numbers, per_segment, strict=True)):
+            part_weights = None if weights is None else weights[start : start + count]
+            parts[g] = (seg_lengths[i], local_ids[start : start + count], part_weights)
+            start += count
+        return parts
 
     def _maps(self, device: torch.device) -> _BucketMaps:
         if device not in self._device_maps:
@@ -203,64 +265,80 @@ class Routing:
 
 @dataclass
 class _BucketMaps:
-    """Static lookup tables for ``Routing.bucketize`` (built once, kept per device).
+    """Static lookup tables for ``Routing._split_segments`` (built once, kept per device).
 
-    Segments are numbered in send order (position-major, then ``segments_to[p]``
-    order). A *row block* is one distinct row range of one feature's blocks; its
-    segments are its column blocks. Every feature gets a disjoint key range
+    Over the row-split features only (numbered in their output order) and their segments
+    (numbered in send order). A *row block* is one distinct row range of one feature's
+    blocks; its segments are its column blocks. Every feature gets a disjoint key range
     ``feature_base[k] + id``; ``starts`` holds every row block's first key, sorted.
     """
 
     starts: Tensor  # [row blocks] first key of each row block
-    feature_base: Tensor  # [F] key offset of each feature
-    routed: Tensor  # [F] bool: the feature's ids are sent (not data-parallel)
+    feature_base: Tensor  # [F split] key offset of each feature
     row_block_first: Tensor  # [row blocks] first entry in row_block_segments
     row_block_count: Tensor  # [row blocks] number of segments (column blocks)
     row_block_segments: Tensor  # segments of each row block, concatenated
     segment_row_start: Tensor  # [segments] first row of the segment's block
-    segment_position: Tensor  # [segments] destination shard position
-    position_segments: list[tuple[int, int]]  # per position: its range of segment numbers
     num_segments: int
-    has_local: bool
     one_segment_per_row_block: bool
+    uniform_block_rows: list[int] | None  # per feature: rows of every row block but its last
+    feature_first_row_block: list[int]  # per feature: its first row block's number
 
     def __init__(
         self,
         tables: list[EmbeddingBagConfig],
         slots: list[FeatureSlot],
-        segments_to: list[list[Segment]],
+        segments: list[Segment],
+        feature_index: dict[int, int],
     ) -> None:
-        numbered = [(p, seg) for p, segs in enumerate(segments_to) for seg in segs]
-        self.num_segments = len(numbered)
-        self.position_segments, first = [], 0
-        for segs in segments_to:
-            self.position_segments.append((first, first + len(segs)))
-            first += len(segs)
+        self.num_segments = len(segments)
         sizes = [tables[slot.table].num_embeddings for slot in slots]
         bases = [sum(sizes[:k]) for k in range(len(slots))]
         by_row_block: dict[tuple[int, int], list[int]] = {}
-        for g, (_, seg) in enumerate(numbered):
-            by_row_block.setdefault((seg.feature, seg.block.rows[0]), []).append(g)
+        for g, seg in enumerate(segments):
+            by_row_block.setdefault((feature_index[seg.feature], seg.block.rows[0]), []).append(g)
         keys = sorted(by_row_block)
         lists = [by_row_block[k] for k in keys]
         counts = [len(x) for x in lists]
         self.starts = torch.tensor([bases[k] + row for k, row in keys], dtype=torch.long)
         self.feature_base = torch.tensor(bases, dtype=torch.long)
-        routed = {seg.feature for _, seg in numbered}
-        self.routed = torch.tensor([k in routed for k in range(len(slots))], dtype=torch.bool)
-        self.has_local = len(routed) < len(slots)
         self.row_block_count = torch.tensor(counts, dtype=torch.long)
         self.row_block_first = torch.tensor([sum(counts[:i]) for i in range(len(counts))],
                                             dtype=torch.long)  # fmt: skip
         self.row_block_segments = torch.tensor([g for x in lists for g in x], dtype=torch.long)
         self.one_segment_per_row_block = all(c == 1 for c in counts)
+        self.feature_first_row_block = [
+            next(i for i, (f, _) in enumerate(keys) if f == k) for k in range(len(slots))
+        ]
+        self.uniform_block_rows = _uniform_block_rows(sizes, segments, feature_index)
         self.segment_row_start = torch.tensor(
-            [seg.block.rows[0] for _, seg in numbered], dtype=torch.long
+            [seg.block.rows[0] for seg in segments], dtype=torch.long
         )
-        self.segment_position = torch.tensor([p for p, _ in numbered], dtype=torch.long)
 
     def to(self, device: torch.device) -> _BucketMaps:
         moved = object.__new__(_BucketMaps)
         for name, value in vars(self).items():
             setattr(moved, name, value.to(device) if isinstance(value, Tensor) else value)
         return moved
+
+
+def _uniform_block_rows(
+    sizes: list[int], segments: list[Segment], feature_index: dict[int, int]
+) -> list[int] | None:
+    """Per feature, the rows c of its row blocks when they are ``[i c, min((i + 1) c, n))``
+    for i = 0, 1, ... (row-wise's chunks; empty blocks after the last row allowed), so an
+    id's row block is ``id // c``; None when some feature's blocks are not like that."""
+    rows_by_feature: list[set[tuple[int, int]]] = [set() for _ in sizes]
+    for seg in segments:
+        rows_by_feature[feature_index[seg.feature]].add(seg.block.rows)
+    out = []
+    for n, blocks in zip(sizes, rows_by_feature, strict=True):
+        starts = sorted({lo for lo, hi in blocks if hi > lo})
+        size = starts[1] - starts[0] if len(starts) > 1 else n
+        want = {(lo, min(lo + size, n)) for lo in range(0, n, max(size, 1))}
+        nonempty = {(lo, hi) for lo, hi in blocks if hi > lo}
+        empty_at_end = all(lo >= n for lo, hi in blocks if hi == lo)
+        if size < 1 or nonempty != want or not empty_at_end:
+            return None
+        out.append(size)
+    return out

@@ -86,6 +86,32 @@ def _comm_counts(rank: int) -> dict:
     }
 
 
+def _weighted_comm(rank: int) -> dict:
+    """Per-sample weights ride in the ids buffer: no collective of their own. Rank 0's
+    batch has none (its peers send it ones), the others' have them."""
+    import torch
+
+    import dtrec
+    from dtrec.placements import ColumnWise, RowWise, TableWise
+    from tests.distributed.numerics import make_batch, make_tables
+
+    tables = make_tables(True)
+    gen = torch.Generator().manual_seed(200 + rank)
+    kjt = make_batch(tables, 3, True, gen)[0]
+    if rank == 0:
+        kjt = dtrec.KeyedJaggedTensor(kjt.keys(), kjt.values(), kjt.lengths())
+    reference = _model(weighted=True)
+    want = reference.sparse(kjt).values()
+    specs = [RowWise(), TableWise(rank=2), ColumnWise(), RowWise()]
+    mesh = dtrec.init_mesh("cpu", 4)
+    model = dtrec.distribute_module(
+        _model(weighted=True), mesh, {f"sparse.t{i}": specs[i % 4] for i in range(len(tables))}
+    )
+    with dtrec.count_comm() as stats:
+        got = model.sparse(kjt).values()
+    return {"calls": dict(stats.calls), "max_diff": float((got - want).abs().max())}
+
+
 def _bad_input(rank: int) -> dict:
     import torch
 
@@ -421,6 +447,7 @@ def _all_checks(rank: int, world: int) -> dict:
         "fused": _fused(rank),
         "round_trips": _round_trips(rank),
         "comm": _comm_counts(rank),
+        "weighted_comm": _weighted_comm(rank),
         "bad_input": _bad_input(rank),
         "bad_batch_everywhere": _bad_batch_everywhere(rank),
         "plans": _plans(rank),
@@ -461,6 +488,13 @@ def test_row_wise_forward_collectives_and_sharded_grads(results) -> None:
         assert comm["grad_local_rows"] == comm["weight_local_rows"]
         for name, shape in comm["grad_local_rows"].items():
             assert shape[0] <= 97 // 4 + 1, (name, shape)
+
+
+def test_per_sample_weights_travel_with_the_ids(results) -> None:
+    for rank, r in enumerate(results):
+        w = r["weighted_comm"]
+        assert w["calls"] == {"input_dist.header": 1, "input_dist.ids": 1, "output_dist": 1}, rank
+        assert w["max_diff"] <= 1e-6, (rank, w["max_diff"])
 
 
 def test_bad_batch_fails_every_rank_cleanly(results) -> None:
