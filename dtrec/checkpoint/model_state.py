@@ -23,15 +23,9 @@ MODEL, FUSED, OPTIM = "model", "fused_optimizer", "optimizer"
 def collections_of(model: nn.Module) -> dict[str, nn.Module]:
     """FQN -> each (sharded or unsharded) embedding-bag or sequence collection of ``model``."""
     from dtrec.modules import EmbeddingBagCollection, EmbeddingCollection
-    from dtrec.sharded.module import ShardedEmbeddingBagCollection
-    from dtrec.sharded.sequence import ShardedEmbeddingCollection
+    from dtrec.sharded.collection import ShardedCollection
 
-    kinds = (
-        EmbeddingBagCollection,
-        ShardedEmbeddingBagCollection,
-        EmbeddingCollection,
-        ShardedEmbeddingCollection,
-    )
+    kinds = (EmbeddingBagCollection, EmbeddingCollection, ShardedCollection)
     return {fqn: m for fqn, m in model.named_modules() if isinstance(m, kinds)}
 
 

@@ -31,8 +31,9 @@ from dtrec.planning.plan import (
     table_fqn,
 )
 from dtrec.planning.plan import plan as make_plan
+from dtrec.sharded.collection import ShardedCollection, check_sync_every
 from dtrec.sharded.fused_optimizer import FusedOptimizerView
-from dtrec.sharded.module import ShardedEmbeddingBagCollection, check_sync_every
+from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.sequence import ShardedEmbeddingCollection
 
 
@@ -94,10 +95,9 @@ def distribute_module(
         )
     collections = find_collections(model)
     if not collections:
-        sharded_kinds = (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)
-        if any(isinstance(m, sharded_kinds) for m in model.modules()):
+        if any(isinstance(m, ShardedCollection) for m in model.modules()):
             raise ValueError(
-                "model is already distributed (it holds ShardedEmbeddingBagCollection(s)); "
+                "model is already distributed (it holds sharded collections); "
                 "distribute the unsharded model once"
             )
         raise ValueError(
@@ -118,7 +118,7 @@ def distribute_module(
     check_same_on_every_rank(tables, full_plan, optimizer, sync_every, seed, qcomms_of)
     install_excepthook()  # an uncaught exception on a rank names it in its peers' errors
 
-    sharded: dict[str, nn.Module] = {}
+    sharded: dict[str, ShardedCollection] = {}
     for fqn, ebc in collections.items():
         tables = collection_configs(ebc)
         specs = {cfg.name: full_plan[table_fqn(fqn, cfg.name)] for cfg in tables}

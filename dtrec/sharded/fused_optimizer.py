@@ -43,7 +43,7 @@ from dtrec.optim.param_groups import (
 )
 from dtrec.placements.layout import Block
 from dtrec.planning.plan import collection_tables, table_fqn
-from dtrec.sharded.module import ShardedEmbeddingBagCollection
+from dtrec.sharded.collection import ShardedCollection
 from dtrec.sharded.tensor import load_block
 
 
@@ -52,7 +52,7 @@ class FusedOptimizerView(torch.optim.Optimizer):
 
     def __init__(
         self,
-        collections: dict[str, ShardedEmbeddingBagCollection],  # or ShardedEmbeddingCollection
+        collections: dict[str, ShardedCollection],
         optimizer: FusedOptimizer,
     ) -> None:
         self._collections = collections
@@ -105,7 +105,7 @@ class FusedOptimizerView(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """``{"state": {table FQN: {entry: DTensor}}, "param_groups": [...]}``; the DTensors
-        wrap the live state (``ShardedEmbeddingBagCollection.fused_optimizer_dtensors``)."""
+        wrap the live state (``ShardedCollection.fused_optimizer_dtensors``)."""
         state = {
             table_fqn(fqn, name): entries
             for fqn, ebc in self._collections.items()

@@ -1,0 +1,221 @@
+"""What every sharded collection is, pooled or not: tables, routing, sync, fused updates.
+
+``ShardedEmbeddingBagCollection`` (``module.py``) and ``ShardedEmbeddingCollection``
+(``sequence.py``) differ only in what comes back from the ranks holding the rows
+(pooled partials or rows) and how it is assembled. Everything else is built here once:
+the table blocks (``storage.py``), who sends which ids where (a ``Routing``), the
+replica-axis gradient sync (``GradSyncPlan``), the fused optimizer (``FusedUpdater``,
+column peers for exact row-wise Adagrad), the input dist, ``sync_every`` weight
+averaging and prefetching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtrec.comm.qcomms import QCommsConfig
+from dtrec.interop.qcomms import as_qcomms_config
+from dtrec.modules.features import check_bounds_mode
+from dtrec.optim import FusedOptimizer
+from dtrec.placements import TableSpec
+from dtrec.placements.mesh import shard_axis, shard_position
+from dtrec.sharded.fused_update import FusedUpdater, TableUpdate
+from dtrec.sharded.groups import column_groups
+from dtrec.sharded.input_dist import InputDist
+from dtrec.sharded.routing import Routing
+from dtrec.sharded.storage import pack_local_shards, shard_tables, state_dtensors
+from dtrec.sharded.sync_plan import GradSyncPlan
+
+
+def check_sync_every(sync_every: int | None) -> None:
+    """``sync_every``: None (replicas sync gradients every step) or a positive int."""
+    if sync_every is not None and (
+        isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1
+    ):
+        raise ValueError(f"sync_every must be a positive int or None, got {sync_every!r}")
+
+
+class ShardedCollection(nn.Module):
+    """The shared state and steps of a sharded collection (see the module docstring).
+
+    A subclass names the attribute holding its tables (``tables_attr``: TorchRec's
+    ``embedding_bags`` or ``embeddings``, so state_dict keys match) and its routing
+    type, builds its lookup and output dist, and defines ``_start`` (the input dist of
+    one batch, what ``prefetch`` leaves in flight).
+    """
+
+    #: How replicas sum gradients (fused or not): "auto" (sparse or dense per table,
+    #: whichever sends fewer bytes), "sparse" or "dense"; see ``dtrec.sharded.grad_sync``.
+    replica_sync: str = "auto"
+    tables_attr: str
+
+    def __init__(
+        self,
+        tables: list[Any],
+        weights: dict[str, Tensor],
+        mesh: DeviceMesh,
+        specs: dict[str, TableSpec],
+        optimizer: FusedOptimizer | None,
+        bounds_check: str,
+        sync_every: int | None,
+        init_seed: int,
+        qcomms: QCommsConfig | None,
+        routing_type: type[Routing] = Routing,
+    ) -> None:
+        super().__init__()
+        self.bounds_check = check_bounds_mode(bounds_check)
+        check_sync_every(sync_every)
+        names = [cfg.name for cfg in tables]
+        for what, given in (("weights", weights), ("specs", specs)):
+            missing = [n for n in names if n not in given]
+            if missing:
+                raise KeyError(f"{what} has no entry for table(s) {missing}; tables: {names}")
+        self.sync_every = sync_every
+        self._steps = 0
+        axis = shard_axis(mesh)
+        position = shard_position(mesh)
+        if position is None:
+            raise ValueError(f"rank {dist.get_rank()} is not in the mesh {mesh}")
+        self._tables = tables
+        self._dtype = weights[tables[0].name].dtype if tables else torch.float32
+        self._layouts = [specs[cfg.name].layout(cfg, axis) for cfg in tables]
+        stored = shard_tables(
+            tables, weights, mesh, specs, self._layouts, position, init_seed, optimizer is None
+        )
+        setattr(self, self.tables_attr, stored)
+        self._routing = routing_type(tables, self._layouts, axis.size, position)
+        pack_local_shards([stored[tables[t].name] for t in self._routing.local_tables])
+        qcomms = as_qcomms_config(qcomms)
+        self.qcomms = qcomms  # precisions of its exchanges (None: fp32), see dtrec.QCommsConfig
+        replica_codec = None if qcomms is None else qcomms.replica_sync_codec
+        self._sync_plan = GradSyncPlan(mesh, self._routing, replica_codec)
+        self.optimizer = optimizer
+        self._updater = (
+            None if optimizer is None else self._fused_updater(optimizer, mesh, position)
+        )
+        self._input_dist = InputDist(tables, self._routing, mesh)
+        self._prefetched: list[tuple[object, Any]] = []
+
+    def _stored(self) -> nn.ModuleDict:
+        return getattr(self, self.tables_attr)
+
+    def _fused_updater(
+        self, optimizer: FusedOptimizer, mesh: DeviceMesh, position: int
+    ) -> FusedUpdater:
+        """The updater of every local table, with its sync group, scale and column peers.
+
+        Local tables' states are packed in the order their weights are packed; ranks
+        without a shard of a table keep empty state for it.
+        """
+        routed = {
+            t: layout
+            for t, layout in enumerate(self._layouts)
+            if t not in self._routing.data_parallel_tables
+        }
+        columns = column_groups(mesh, routed, position) if optimizer.needs_row_sq_sum else {}
+        shards = [self._stored()[cfg.name].weight.to_local() for cfg in self._tables]
+        local = self._routing.local_tables
+        updates = {}
+        for t in local:
+            sync = self._sync_plan.table(t, self.sync_every)
+            updates[t] = TableUpdate(
+                shards[t], sync.group, columns.get(t), self._tables[t].embedding_dim,
+                sync.scale, sync.kind, sync.codec,
+            )  # fmt: skip
+        state = dict(zip(local, optimizer.init_states([shards[t] for t in local]), strict=True))
+        for t in range(len(self._tables)):
+            if t not in updates:
+                state[t] = optimizer.init_state(shards[t])
+        return FusedUpdater(optimizer, updates, state)
+
+    def fused_optimizer_state(self) -> dict[str, dict[str, Tensor]]:
+        """Table name -> its fused optimizer state (local tensors, shaped like the shard)."""
+        if self._updater is None:
+            return {}
+        return {cfg.name: self._updater.state[t] for t, cfg in enumerate(self._tables)}
+
+    def fused_optimizer_dtensors(self) -> dict[str, dict[str, Tensor]]:
+        """Table name -> its fused optimizer state as DTensors placed like the table.
+
+        Weight-shaped state (Adam's m, v) has the table's placements; per-row state
+        (row-wise Adagrad's sum) is sharded like the table's rows and replicated over
+        column shards; scalars (Adam's step) stay plain tensors (see ``state_dtensor``).
+        The DTensors wrap the live state: loading into them writes the optimizer's own
+        buffers.
+        """
+        if self.optimizer is None:
+            return {}
+        kinds = self.optimizer.state_layout()
+        return state_dtensors(self.fused_optimizer_state(), self._stored(), kinds)
+
+    def specs(self) -> dict[str, TableSpec]:
+        """Table name -> spec."""
+        return {name: table.spec for name, table in self._stored().items()}
+
+    def sync_replicas(self) -> None:
+        """Average sharded tables' weights and fused optimizer state over the replicas.
+
+        What ``sync_every=k`` runs every k training steps (TorchRec's
+        ``DMPCollection.sync()``); call it yourself before saving or evaluating. One
+        all-reduce over the "replicate" dim for all local tables. State of a torch
+        optimizer (non-fused training) is the caller's to average.
+        """
+
+        def weight_and_state(t: int) -> list[Tensor]:
+            tensors = [self._stored()[self._tables[t].name].weight.to_local()]
+            if self._updater is not None:
+                tensors += [v for v in self._updater.state[t].values() if v.dim() > 0]
+            return tensors
+
+        self._sync_plan.average_replicas(weight_and_state)
+
+    def _begin_step(self) -> None:
+        """Before a forward: ``sync_every`` weight averaging after every k-th training
+        step (before the next one reads), and this step's replica-sync mode."""
+        if self.sync_every is not None and self.training and torch.is_grad_enabled():
+            if self._steps and self._steps % self.sync_every == 0:
+                self.sync_replicas()
+            self._steps += 1
+        if self._updater is not None:
+            self._updater.replica_sync = self.replica_sync
+
+    def _local_shards(self) -> dict[int, Tensor]:
+        """This rank's blocks as plain tensors; without a fused optimizer (which updates
+        them in place), their backward sums gradients per ``GradSyncPlan``."""
+        local = {
+            t: self._stored()[self._tables[t].name].weight.to_local()
+            for t in self._routing.local_tables
+        }
+        if self._updater is not None:
+            return local
+        return self._sync_plan.track(local, self.sync_every, self.replica_sync)
+
+    _start: Callable[[object], Any]
+    """The input dist of one batch (what ``prefetch`` leaves in flight)."""
+
+    def prefetch(self, features: object) -> None:
+        """Start input-dist of a batch now; ``forward`` of that same object consumes it.
+
+        The ids exchange stays in flight while the caller computes (``dtrec.TrainPipeline``
+        prefetches batch i + 1 before running batch i). Collective: all ranks of the
+        sharding group prefetch in the same order.
+        """
+        self._prefetched.append((features, self._start(features)))
+
+    def is_prefetched(self, features: object) -> bool:
+        """Whether ``prefetch(features)`` ran and no forward has consumed it yet."""
+        return any(prefetched is features for prefetched, _ in self._prefetched)
+
+    def _routed(self, features: object) -> Any:
+        """The input dist of ``features``: its prefetch, else started now."""
+        for i, (prefetched, routed) in enumerate(self._prefetched):
+            if prefetched is features:
+                del self._prefetched[i]
+                return routed
+        return self._start(features)
