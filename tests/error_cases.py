@@ -502,8 +502,23 @@ LOCAL: dict[str, Case] = {
     "E098": lambda tmp: dtrec.Topology(hbm_bandwidth="3e12"),
     "E099": lambda tmp: dtrec.Topology(memory_headroom=1.0),
     "E100": lambda tmp: dtrec.Topology(pooling_factors={"f0": -2.0}),
+    "E239": lambda tmp: dtrec.Topology(qcomms="bf16"),
     "E101": lambda tmp: planner_config(tmp, [{"name": "t0"}]),
     "E102": lambda tmp: planner_config(tmp, {"tables": [{"name": "t0", "rows": 10}]}),
+    "E235": lambda tmp: planner_config(tmp, {"tables": [{"name": "t0", "kind": "seq"}]}),
+    "E236": lambda tmp: planner_config(
+        tmp, {"tables": [{"name": "t0", "kind": "sequence", "pooling": "sum"}]}
+    ),
+    "E237": lambda tmp: planner_config(
+        tmp,
+        {
+            "tables": [
+                {"name": "t0", "num_embeddings": 10, "embedding_dim": 4},
+                {"name": "t0", "kind": "sequence", "num_embeddings": 10, "embedding_dim": 4},
+            ]
+        },
+    ),  # fmt: skip
+    "E238": lambda tmp: planner_config(tmp, {"tables": ["t0"]}),
     # fused optimizers
     "E103": lambda tmp: SGD(lr=-0.1),
     "E104": lambda tmp: SGD(lr=float("nan")),

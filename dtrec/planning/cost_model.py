@@ -11,7 +11,8 @@ routes by), for a batch of ``B`` samples per rank and ``L`` ids per bag on avera
   gradients and updates each touched row (weights and state read and written), times
   ``Topology.synced_update_factor`` where the gradient is synced before the update;
 * shard-axis traffic (input-dist ids and lengths, output-dist partials forward and
-  backward, exact row-wise Adagrad's row norms), sent and received apart;
+  backward in ``Topology.qcomms``' precisions, exact row-wise Adagrad's row norms), sent
+  and received apart;
 * replicate-axis traffic: the per-step gradient sync of the block's touched rows
   (sparse all-gather or dense all-reduce, whichever is smaller, as ``replica_sync``),
   over the world for data-parallel tables.
@@ -36,6 +37,8 @@ from typing import Protocol
 import numpy as np
 
 from dtrec.comm.collectives import sync_bytes
+from dtrec.comm.qcomms import QCommsConfig
+from dtrec.interop.qcomms import from_torchrec_qcomms, is_torchrec_qcomms
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.embedding import EmbeddingConfig
 from dtrec.placements import TableSpec
@@ -73,8 +76,19 @@ class Topology:
     memory_headroom: float = 0.1
     """Fraction of ``memory_per_rank`` left for activations and the dense model."""
     bytes_per_element: int = 4
+    qcomms: QCommsConfig | None = None
+    """Precisions the output dist sends in (``distribute_module(qcomms=)``; None: fp32).
+    Only its forward and backward precisions enter the costs; the replicate-axis sum is
+    costed in fp32."""
 
     def __post_init__(self) -> None:
+        if is_torchrec_qcomms(self.qcomms):
+            object.__setattr__(self, "qcomms", from_torchrec_qcomms(self.qcomms))
+        if self.qcomms is not None and not isinstance(self.qcomms, QCommsConfig):
+            raise TypeError(
+                "Topology.qcomms must be a dtrec.QCommsConfig, a TorchRec QCommsConfig or "
+                f"None, got {type(self.qcomms).__name__}"
+            )
         if self.optimizer not in OPTIMIZER_STATE:
             raise ValueError(
                 f"Topology.optimizer must be one of {sorted(OPTIMIZER_STATE)}, "
@@ -129,6 +143,13 @@ class Topology:
     @property
     def memory_budget(self) -> float:
         return self.memory_per_rank * (1.0 - self.memory_headroom)
+
+    def output_dist_bytes(self) -> tuple[int, int]:
+        """Bytes per element the output dist sends forward and backward (``qcomms``)."""
+        if self.qcomms is None:
+            return 4, 4
+        sizes = {"fp32": 4, "fp16": 2, "bf16": 2}
+        return sizes[self.qcomms.forward_precision], sizes[self.qcomms.backward_precision]
 
     def pooling(self, cfg: EmbeddingBagConfig) -> float:
         """Ids per sample the table receives (summed over its features)."""
@@ -262,6 +283,7 @@ def table_cost(
     batch, pooling = topology.batch_size_per_rank, topology.pooling(cfg)
     features = len(cfg.feature_names)
     elt = topology.bytes_per_element
+    forward_elt, backward_elt = topology.output_dist_bytes()
     per_row, per_element = OPTIMIZER_STATE[topology.optimizer]
     cost = TableCost(s_size, with_comm)
     peers: dict[tuple[int, int], int] = {}
@@ -291,14 +313,14 @@ def table_cost(
             near = others & (node == node[p])  # peers on p's node
             far = others & (node != node[p])
             lengths, id_bytes = 8 * batch * features, 8 * batch * pooling * ids.mass(*block.rows)
-            partials = out_rows * cols * 4
+            partials, partial_grads = out_rows * cols * forward_elt, out_rows * cols * backward_elt
             # To the block's owner: ids (input-dist) and the partials' gradients (backward);
             # from it: the partials (output-dist forward).
-            _exchange(cost.stack, p, near, far, lengths + id_bytes + partials, partials)
+            _exchange(cost.stack, p, near, far, lengths + id_bytes + partial_grads, partials)
             cost.add("input_dist.lengths", others, lengths)
             cost.add("input_dist.id_values", others, id_bytes)
             cost.add(out_kind, p, (s_size - 1) * partials)
-            cost.add(f"{out_kind}.backward", others, partials)
+            cost.add(f"{out_kind}.backward", others, partial_grads)
             c = peers[block.rows]
             if c > 1 and per_row:  # exact row-wise Adagrad: row norms over column peers
                 union = ids.unique(world * batch * pooling, *block.rows)

@@ -17,25 +17,62 @@ import torch.distributed as dist
 
 from dtrec._torch_compat import init_fake_process_group
 from dtrec.modules.config import EmbeddingBagConfig
+from dtrec.modules.embedding import EmbeddingConfig
 from dtrec.placements.mesh import init_mesh, shard_axis
 from dtrec.planning.cost_model import Topology
+from dtrec.planning.explain import explain
 from dtrec.planning.plan import ShardingPlan
 from dtrec.planning.planner import plan_tables
 
+TABLE_FIELDS = {
+    "pooled": {"name", "num_embeddings", "embedding_dim", "feature_names", "pooling"},
+    "sequence": {"name", "num_embeddings", "embedding_dim", "feature_names"},
+}
+"""The fields of a config table of each ``"kind"`` (besides ``kind`` itself)."""
+TABLE_KINDS = {"pooled": EmbeddingBagConfig, "sequence": EmbeddingConfig}
 
-def load_config(path: str) -> tuple[list[EmbeddingBagConfig], dict]:
-    """A planner config JSON: tables, ``batch_size_per_rank``, ``pooling_factors``."""
+
+def load_config(path: str) -> tuple[list[EmbeddingBagConfig | EmbeddingConfig], dict]:
+    """A planner config JSON: tables, ``batch_size_per_rank``, ``pooling_factors``.
+
+    A table is pooled (an ``EmbeddingBagCollection``'s) unless it says ``"kind":
+    "sequence"`` (an ``EmbeddingCollection``'s: one output row per id, no pooling); a
+    ``pooling_factors`` entry is then the feature's ids per sample (its sequence length).
+    """
     with open(path) as f:
         data = json.load(f)
     if not isinstance(data, dict) or not isinstance(data.get("tables"), list):
         raise ValueError(f"{path}: expected {{'tables': [...], ...}}")
-    allowed = {"name", "num_embeddings", "embedding_dim", "feature_names", "pooling"}
-    tables = []
+    tables: list[EmbeddingBagConfig | EmbeddingConfig] = []
+    first_of: dict[str, int] = {}
     for i, entry in enumerate(data["tables"]):
-        unknown = sorted(set(entry) - allowed)
+        if not isinstance(entry, dict):
+            raise ValueError(
+                f'{path}: table #{i} must be an object {{"name": ..., "num_embeddings": ..., '
+                f"...}}, got {entry!r}"
+            )
+        kind = entry.get("kind", "pooled")
+        if kind not in TABLE_KINDS:
+            raise ValueError(
+                f"{path}: table #{i} has kind {kind!r}; expected one of {list(TABLE_KINDS)}"
+            )
+        fields = {k: v for k, v in entry.items() if k != "kind"}
+        unknown = sorted(set(fields) - TABLE_FIELDS[kind])
+        if kind == "sequence" and "pooling" in unknown:
+            raise ValueError(
+                f"{path}: table #{i} is a sequence table (one output row per id), so it "
+                "takes no 'pooling'; drop the field, or make it a pooled table"
+            )
         if unknown:
             raise ValueError(f"{path}: table #{i} has unknown fields {unknown}")
-        tables.append(EmbeddingBagConfig(**entry))
+        cfg = TABLE_KINDS[kind](**fields)
+        if cfg.name in first_of:
+            raise ValueError(
+                f"{path}: tables #{first_of[cfg.name]} and #{i} are both named {cfg.name!r}; "
+                "the plan is keyed by table name, so names must be unique"
+            )
+        first_of[cfg.name] = i
+        tables.append(cfg)
     options = {
         "batch_size_per_rank": int(data.get("batch_size_per_rank", 512)),
         "pooling_factors": {str(k): float(v) for k, v in data.get("pooling_factors", {}).items()},
@@ -44,14 +81,16 @@ def load_config(path: str) -> tuple[list[EmbeddingBagConfig], dict]:
 
 
 def dry_run(
-    tables: list[EmbeddingBagConfig],
+    tables: list[EmbeddingBagConfig | EmbeddingConfig],
     world_size: int,
     shard_group_size: int,
     node_size: int | None,
     topology: Topology,
+    with_explanation: bool = False,
 ) -> dict:
     """Plan ``tables`` for a (S, R) mesh of ``world_size`` ranks built on torch's fake
-    process group in this process; every table's blocks (no tensors) and the costs."""
+    process group in this process; every table's blocks (no tensors) and the costs
+    (``with_explanation``: also why each table got its spec, ``dtrec.planning.explain``)."""
     started = time.perf_counter()
     init_fake_process_group(rank=0, world_size=world_size)
     try:
@@ -80,6 +119,8 @@ def dry_run(
         "world_bytes": sums.world_bytes,
         "mesh_seconds": mesh_s,
         "plan_seconds": plan_s,
+        "sequence_tables": sum(isinstance(cfg, EmbeddingConfig) for cfg in tables),
+        "explanation": explain(named, choices, axis, topology) if with_explanation else None,
     }
 
 
@@ -96,8 +137,9 @@ def print_dry_run(result: dict) -> None:
         counts[kind] = counts.get(kind, 0) + 1
     print(
         f"W={result['world_size']} = S {result['shard_group_size']} x R {result['replicas']}"
-        f" (node size {result['node_size']}): {len(plan)} tables, "
-        f"{sum(result['blocks'].values())} blocks; types {counts}"
+        f" (node size {result['node_size']}): {len(plan)} tables "
+        f"({result['sequence_tables']} sequence), {sum(result['blocks'].values())} blocks; "
+        f"types {counts}"
     )
     print(f"mesh on the fake process group: {result['mesh_seconds']:.2f} s; "
           f"planning: {result['plan_seconds']:.2f} s")  # fmt: skip
@@ -140,13 +182,26 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m dtrec.planner",
         description="Plan a model's tables for a large 2D mesh in one process (a dry run).",
     )
-    parser.add_argument("--config", required=True, help="model JSON (see DESIGN.md)")
+    parser.add_argument(
+        "--config",
+        required=True,
+        help='model JSON: {"tables": [{"name", "num_embeddings", "embedding_dim", '
+        '"feature_names", "pooling"} or {..., "kind": "sequence"} (an EmbeddingCollection '
+        'table: no pooling)], "batch_size_per_rank": int, "pooling_factors": {feature: ids '
+        "per bag, or per sample for a sequence feature}}",
+    )
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--shard-group-size", type=int, required=True)
     parser.add_argument("--node-size", type=int, default=None)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--memory-per-rank-gb", type=float, default=None)
     parser.add_argument("--plan-json", help="write the plan here")
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="print why each table got its spec: ids per sample, output rows (per id for "
+        "sequence tables), bytes per collective, time split, the other candidates",
+    )
     parser.add_argument("--png", default="dtrec_plan.png", help="per-rank plot ('' to skip)")
     args = parser.parse_args(argv)
     tables, options = load_config(args.config)
@@ -157,8 +212,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.memory_per_rank_gb is not None:
         overrides["memory_per_rank"] = args.memory_per_rank_gb * 1e9
     topology = base(**overrides)
-    result = dry_run(tables, args.world_size, args.shard_group_size, args.node_size, topology)
+    result = dry_run(
+        tables, args.world_size, args.shard_group_size, args.node_size, topology, args.explain
+    )
     print_dry_run(result)
+    if args.explain:
+        print(result["explanation"])
     if args.plan_json:
         with open(args.plan_json, "w") as f:
             f.write(result["plan"].to_json())

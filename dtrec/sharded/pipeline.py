@@ -1,7 +1,8 @@
 """``TrainPipeline``: overlap the next batch's input-dist with this batch's compute.
 
 Like TorchRec's ``TrainPipelineSparseDist``: before running batch i, every
-sharded collection starts the input-dist of batch i + 1 (a small blocking
+sharded collection (pooled ``ShardedEmbeddingBagCollection`` and sequence
+``ShardedEmbeddingCollection`` alike) starts the input-dist of batch i + 1 (a small blocking
 header exchange, then the ids all-to-all left in flight), so those ids travel
 while batch i runs its lookups, dense layers, backward and optimizer step. The
 math is the plain loop's: same batches, same order of updates.
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
+from dtrec.sharded.sequence import ShardedEmbeddingCollection
 from dtrec.sparse import KeyedJaggedTensor
 
 
@@ -77,7 +79,7 @@ class TrainPipeline:
         self.collections = {
             name: m
             for name, m in model.named_modules()
-            if isinstance(m, ShardedEmbeddingBagCollection)
+            if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection))
         }
         if not self.collections:
             raise ValueError("TrainPipeline needs a model distributed with dtrec")

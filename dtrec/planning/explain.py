@@ -1,0 +1,144 @@
+"""Why the planner chose each table's spec: the numbers the cost model used.
+
+Per table (``python -m dtrec.planner --explain``): its kind, shape and the ids per sample
+the cost model assumed; the output rows one rank's batch makes per step (pooled: one per
+sample and feature, however many ids a bag has; sequence: one per id, so a sequence
+table's output-dist bytes grow with its ids, not only with the batch); the chosen spec's
+bytes per collective kind and its slowest position's time split into HBM, shard-axis
+and replicate-axis parts; for a sequence table, what the same table pooled would send;
+and the candidates it beat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from dtrec.modules.config import EmbeddingBagConfig
+from dtrec.modules.embedding import EmbeddingConfig
+from dtrec.placements.mesh import ShardAxis
+from dtrec.planning.cost_model import (
+    HBM,
+    RECEIVED_INTER,
+    RECEIVED_INTRA,
+    REPLICA,
+    SENT_INTER,
+    SENT_INTRA,
+    WORLD,
+    Topology,
+    step_time,
+    table_cost,
+)
+from dtrec.planning.planner import Choice
+
+TIME_PARTS = {
+    "HBM": (HBM,),
+    "shard axis": (SENT_INTRA, RECEIVED_INTRA, SENT_INTER, RECEIVED_INTER),
+    "replicate axis": (REPLICA, WORLD),
+}
+"""The step time's terms, by the ``cost_model`` rows they read."""
+
+SHOWN_CANDIDATES = 4
+
+
+def time_parts(stack: np.ndarray, axis: ShardAxis, topology: Topology) -> dict[str, np.ndarray]:
+    """Seconds per position of each ``TIME_PARTS`` term (they add up to ``step_time``)."""
+    parts = {}
+    for name, rows in TIME_PARTS.items():
+        only = np.zeros_like(stack)
+        only[list(rows)] = stack[list(rows)]
+        parts[name] = step_time(only, axis, topology)
+    return parts
+
+
+def output_rows(cfg: EmbeddingBagConfig | EmbeddingConfig, topology: Topology) -> str:
+    """The output rows one rank's batch makes per step, and why that many."""
+    batch, ids = topology.batch_size_per_rank, topology.pooling(cfg)
+    features = len(cfg.feature_names)
+    if isinstance(cfg, EmbeddingConfig):
+        return (
+            f"{batch} samples x {ids:g} ids = {batch * ids:g} rows of {cfg.embedding_dim} "
+            f"(one per id: grows with the ids; pooled it would be {batch} x {features} "
+            f"feature(s) = {batch * features} rows)"
+        )
+    return (
+        f"{batch} samples x {features} feature(s) = {batch * features} rows of "
+        f"{cfg.embedding_dim} (pooled: the same for any ids per bag, here {ids:g})"
+    )
+
+
+def _mib(values: np.ndarray) -> str:
+    return f"{float(np.max(values)) / 2**20:.3f} MiB"
+
+
+def explain_table(
+    key: str,
+    cfg: EmbeddingBagConfig | EmbeddingConfig,
+    choice: Choice,
+    axis: ShardAxis,
+    topology: Topology,
+) -> list[str]:
+    """The lines ``--explain`` prints for one table (see the module doc)."""
+    sequence = isinstance(cfg, EmbeddingConfig)
+    kind = "sequence" if sequence else f"pooled ({cfg.pooling})"
+    cost = table_cost(cfg, choice.spec, axis, topology)
+    time = step_time(cost.stack, axis, topology)
+    slowest = int(np.argmax(time))
+    parts = time_parts(cost.stack, axis, topology)
+    split = " + ".join(f"{name} {1e3 * float(t[slowest]):.4f}" for name, t in parts.items())
+    sent = ", ".join(f"{k} {_mib(v)}" for k, v in sorted((cost.comm or {}).items()))
+    lines = [
+        f"{key}: {choice.spec}  [{kind} table, {cfg.num_embeddings} x {cfg.embedding_dim}, "
+        f"features {list(cfg.feature_names)}, {topology.pooling(cfg):g} ids/sample]",
+        f"  output rows per rank per step: {output_rows(cfg, topology)}",
+        f"  chosen: {1e3 * float(time[slowest]):.4f} ms on its slowest position {slowest} "
+        f"= {split} ms; memory {_mib(cost.memory)} on the fullest",
+        f"  bytes sent per step (the busiest position): {sent or 'none (no communication)'}",
+    ]
+    if sequence:
+        pooled = EmbeddingBagConfig(
+            cfg.name, cfg.num_embeddings, cfg.embedding_dim, list(cfg.feature_names)
+        )
+        as_bag = table_cost(pooled, choice.spec, axis, topology).comm or {}
+        if "output_dist" in as_bag:
+            rows = (cost.comm or {})["sequence_output_dist"]
+            lines.append(
+                f"  sequence_output_dist {_mib(rows)} vs {_mib(as_bag['output_dist'])} "
+                "if the same table were pooled"
+            )
+    ranked = sorted(
+        (
+            (s, float(step_time(c.stack, axis, topology).max()), float(c.memory.max()))
+            for s, c in choice.costs
+        ),
+        key=lambda o: (o[0] != choice.spec, o[1], o[2]),
+    )
+    shown = ", ".join(
+        f"{s} {1e3 * t:.4f} ms {m / 2**20:.1f} MiB" for s, t, m in ranked[1:][:SHOWN_CANDIDATES]
+    )
+    more = len(ranked) - 1 - SHOWN_CANDIDATES
+    lines.append(
+        f"  other candidates (alone: slowest ms, max MiB): {shown or 'none'}"
+        + (f", +{more} more" if more > 0 else "")
+    )
+    return lines
+
+
+def explain(
+    tables: Mapping[str, EmbeddingBagConfig | EmbeddingConfig],
+    choices: Mapping[str, Choice],
+    axis: ShardAxis,
+    topology: Topology,
+) -> str:
+    """Every table's ``explain_table`` lines, in the tables' order."""
+    lines = [
+        f"why each spec (batch {topology.batch_size_per_rank} per rank; times in ms per step "
+        "of the table alone; the planner also weighs the other tables on each position):"
+    ]
+    for key, cfg in tables.items():
+        lines += explain_table(key, cfg, choices[key], axis, topology)
+    return "\n".join(lines)
+
+
+__all__ = ["explain", "explain_table", "output_rows", "time_parts"]
