@@ -2,8 +2,8 @@
 
 Like TorchRec's ``TrainPipelineSparseDist``: before running batch i, every
 sharded collection (pooled ``ShardedEmbeddingBagCollection`` and sequence
-``ShardedEmbeddingCollection`` alike) starts the input-dist of batch i + 1 (a small blocking
-header exchange, then the ids all-to-all left in flight), so those ids travel
+``ShardedEmbeddingCollection`` alike) starts the input-dist of batch i + 1 (a small
+blocking header exchange, then the ids all-to-all left in flight), so those ids travel
 while batch i runs its lookups, dense layers, backward and optimizer step. The
 math is the plain loop's: same batches, same order of updates.
 
@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dtrec.sharded.module import ShardedEmbeddingBagCollection
-from dtrec.sharded.sequence import ShardedEmbeddingCollection
+from dtrec.sharded.collection import ShardedCollection
 from dtrec.sparse import KeyedJaggedTensor
 
 
@@ -77,9 +76,7 @@ class TrainPipeline:
         self.loss_fn = loss_fn
         self.sparse_features = sparse_features
         self.collections = {
-            name: m
-            for name, m in model.named_modules()
-            if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection))
+            name: m for name, m in model.named_modules() if isinstance(m, ShardedCollection)
         }
         if not self.collections:
             raise ValueError("TrainPipeline needs a model distributed with dtrec")
