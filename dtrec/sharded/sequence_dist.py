@@ -24,6 +24,7 @@ were sent in).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -71,9 +72,11 @@ class SequenceRouting(Routing):
         return sent
 
 
-def _expand_columns(starts: Tensor, widths: Tensor) -> Tensor:
-    """``cat(arange(s, s + w) for s, w in zip(starts, widths))``, vectorized."""
-    total = int(widths.sum()) if widths.numel() else 0
+def _expand_columns(starts: Tensor, widths: Tensor, total: int | None = None) -> Tensor:
+    """``cat(arange(s, s + w) for s, w in zip(starts, widths))``, vectorized; ``total``
+    (``widths.sum()``, when the caller knows it) spares a host read."""
+    if total is None:
+        total = int(widths.sum()) if widths.numel() else 0
     first = torch.cumsum(widths, 0) - widths
     step = torch.arange(total, device=starts.device)
     step -= torch.repeat_interleave(first, widths, output_size=total)
@@ -109,18 +112,20 @@ class ReturnPlan:
     ) -> None:
         device = kjt.values().device
         self.unit = unit
-        per_feature = torch.tensor(kjt.length_per_key(), dtype=torch.long, device=device)
-        dims = torch.tensor([s.dim for s in routing.slots], dtype=torch.long, device=device)
-        value_start = torch.cumsum(per_feature, 0) - per_feature
-        sizes = per_feature * dims
-        self.out_start = torch.cumsum(sizes, 0) - sizes
+        lengths = kjt.length_per_key()  # host ints (the KJT caches them)
+        self.feature_sizes = [n * slot.dim for n, slot in zip(lengths, routing.slots, strict=True)]
+        self.out_start = list(itertools.accumulate(self.feature_sizes, initial=0))[:-1]
         """First element of each feature's rows in the flat output."""
-        self.total = int(sizes.sum()) if sizes.numel() else 0
-        self.feature_sizes = sizes.tolist()
+        self.total = sum(self.feature_sizes)
         self.recv_splits = [0] * routing.shard_size
         self.dest = torch.zeros(0, dtype=torch.long, device=device)
         if sent is None:
             return
+        dims = torch.tensor([s.dim for s in routing.slots], dtype=torch.long, device=device)
+        value_start = torch.tensor(
+            list(itertools.accumulate(lengths, initial=0))[:-1], dtype=torch.long, device=device
+        )
+        out_start = torch.tensor(self.out_start, dtype=torch.long, device=device)
         positions, seg_counts = sent
         segs = [s for segs in routing.segments_to for s in segs]
         seg_feature = torch.tensor([s.feature for s in segs], dtype=torch.long, device=device)
@@ -138,9 +143,13 @@ class ReturnPlan:
         )
         feature = seg_feature.index_select(0, segment)
         row = position - value_start.index_select(0, feature)
-        starts = self.out_start.index_select(0, feature)
+        starts = out_start.index_select(0, feature)
         starts += row * dims.index_select(0, feature) + seg_col.index_select(0, segment)
-        self.dest = _expand_columns(starts // unit, seg_width.index_select(0, segment) // unit)
+        self.dest = _expand_columns(
+            starts // unit,
+            seg_width.index_select(0, segment) // unit,
+            sum(self.recv_splits) // unit,
+        )
 
 
 class SequenceLookup:
@@ -151,9 +160,7 @@ class SequenceLookup:
         self._updater = updater
         served = routing.served
         self._tables = sorted({s.table for s in served})
-        index = {t: u for u, t in enumerate(self._tables)}
-        self._segment_table = torch.tensor([index[s.table] for s in served], dtype=torch.long)
-        self._segment_width = torch.tensor([s.block.num_cols for s in served], dtype=torch.long)
+        self._table_of = {t: u for u, t in enumerate(self._tables)}
 
     def rows(self, table: int, shard: Tensor, ids: Tensor) -> Tensor:
         """``shard[ids]`` as ``[ids, cols]`` through the op (or the fused updater).
@@ -176,46 +183,64 @@ class SequenceLookup:
     ) -> tuple[Tensor | None, list[int]]:
         """The flat send buffer of rows for every source (source-major, then segment, then
         id, each id's block columns; None when this rank serves nothing) and its
-        per-source split sizes (elements)."""
+        per-source split sizes (elements).
+
+        The received ids come in runs, one per (source, segment), each of one table. The
+        ids of each table are gathered run by run (one op call per table over them), and
+        the rows go back to received order run by run: both index maps are built from the
+        runs' counts alone (one host read), not per id."""
         routing = self._routing
         served, batch, shards = routing.served, routed.batch, routing.shard_size
         lengths, ids, _ = routed.wait_served(len(served))
         if not served:
             return None, [0] * shards
         device = ids.device
-        counts = lengths.view(shards, len(served), batch).sum(2).reshape(-1)
-        widths = self._segment_width.to(device).repeat(shards)
-        send_splits = (counts * widths).view(shards, len(served)).sum(1).tolist()
-        segment = torch.repeat_interleave(
-            torch.arange(len(served), device=device).repeat(shards), counts,
-            output_size=ids.numel(),
-        )  # fmt: skip
-        table = self._segment_table.to(device).index_select(0, segment)
-        order = torch.sort(table.int(), stable=True).indices
-        per_table = torch.bincount(table, minlength=len(self._tables)).tolist()
-        sorted_ids = ids.index_select(0, order)
-        pieces, start = [], 0
-        for u, t in enumerate(self._tables):
-            rows = self.rows(t, local[t], sorted_ids[start : start + per_table[u]])
-            pieces.append(rows.reshape(-1))
-            start += per_table[u]
-        if len(pieces) == 1:  # one table: already in received order
-            return pieces[0], send_splits
+        run_counts = lengths.view(shards * len(served), batch).sum(1)
+        counts = run_counts.tolist()
+        widths = [s.block.num_cols for s in served]
+        send_splits = [
+            sum(c * w for c, w in zip(counts[p * len(served) :], widths, strict=False))
+            for p in range(shards)
+        ]
+        if len(self._tables) == 1:  # one table: its ids and rows are in received order
+            t = self._tables[0]
+            return self.rows(t, local[t], ids).reshape(-1), send_splits
+        segment_table = [self._table_of[s.table] for s in served]
+        run_table = segment_table * shards
+        run_first = list(itertools.accumulate(counts, initial=0))[:-1]  # in the received ids
+        per_table = [0] * len(self._tables)
+        run_place = []  # each run's first id among its table's ids (runs kept in order)
+        for c, u in zip(counts, run_table, strict=True):
+            run_place.append(per_table[u])
+            per_table[u] += c
+        by_table = sorted(range(len(counts)), key=run_table.__getitem__)  # stable
+        gather = _expand_columns(
+            torch.tensor([run_first[r] for r in by_table], dtype=torch.long, device=device),
+            run_counts.index_select(0, torch.tensor(by_table, dtype=torch.long, device=device)),
+            ids.numel(),
+        )
+        grouped = ids.index_select(0, gather)
+        pieces = []
+        for u, piece_ids in enumerate(grouped.split(per_table)):
+            t = self._tables[u]
+            pieces.append(self.rows(t, local[t], piece_ids).reshape(-1))
         pool = torch.cat(pieces)
-        # each received id's row starts in the pool at its table's base + place * width;
-        # moved in runs of ``unit`` columns (every served width is a multiple of it)
+        # run r's rows are one contiguous range of the pool, in runs of ``unit`` columns
+        # (every served width is a multiple of it)
         widths_of = [local[t].shape[1] for t in self._tables]
         unit = functools.reduce(math.gcd, widths_of)
-        width = torch.tensor(widths_of, device=device) // unit
-        counts_of = torch.tensor(per_table, dtype=torch.long, device=device)
-        table_base = torch.cumsum(counts_of * width, 0) - counts_of * width
-        table_first = torch.cumsum(counts_of, 0) - counts_of
-        place = torch.empty_like(order)
-        place[order] = torch.arange(order.numel(), device=device)
-        id_width = width.index_select(0, table)
-        starts = table_base.index_select(0, table)
-        starts += (place - table_first.index_select(0, table)) * id_width
-        runs = _expand_columns(starts, id_width)
+        table_base = list(itertools.accumulate(
+            (n * w // unit for n, w in zip(per_table, widths_of, strict=True)), initial=0
+        ))  # fmt: skip
+        starts, sizes = [], []
+        for c, u, place in zip(counts, run_table, run_place, strict=True):
+            starts.append(table_base[u] + place * widths_of[u] // unit)
+            sizes.append(c * widths_of[u] // unit)
+        runs = _expand_columns(
+            torch.tensor(starts, dtype=torch.long, device=device),
+            torch.tensor(sizes, dtype=torch.long, device=device),
+            pool.numel() // unit,
+        )
         return pool.view(-1, unit).index_select(0, runs).reshape(-1), send_splits
 
     def data_parallel(self, kjt: KeyedJaggedTensor, local: dict[int, Tensor]) -> list[Tensor]:
@@ -279,7 +304,7 @@ class SequenceOutputDist:
             dests.append(plan.dest)
         unit = plan.unit
         for k, rows in zip(routing.local_features, local_rows, strict=True):
-            start = int(plan.out_start[k]) // unit
+            start = plan.out_start[k] // unit
             sources.append(rows.reshape(-1))
             dests.append(torch.arange(start, start + rows.numel() // unit, device=device))
         flat = torch.zeros(plan.total // unit, unit, dtype=self._dtype, device=device)
