@@ -14,7 +14,9 @@ row, in a stable segment order). What changes is what comes back:
   through one index (``ReturnPlan``): a permutation, so the backward is a gather and is
   deterministic. Row blocks: each id comes back once, from the block holding its row;
   column blocks: once per block, tiling its columns. Data-parallel tables are looked up
-  on the own batch and placed alike.
+  on the own batch and placed alike. When every sharded feature comes back whole (one
+  block of all rows and columns: table-wise), the received pieces are the outputs
+  themselves: no index, no copy (``SequenceRouting.returns_whole_features``).
 
 The requester knows where each returned row belongs because ``SequenceRouting`` records,
 while bucketizing, each sent id's position in the batch (the same stable order the ids
@@ -52,10 +54,24 @@ class SequenceRouting(Routing):
 
     _sent: tuple[list[Tensor], Tensor] | None = None
 
+    @functools.cached_property
+    def returns_whole_features(self) -> bool:
+        """Whether every sharded feature goes to one segment holding all its table's rows
+        and columns (table-wise; data-parallel features are not sent). Its rows then come
+        back contiguous and in batch order (the ids were sent in a stable order), so the
+        requester needs no positions and no placement index."""
+        segs = [s for segs in self.segments_to for s in segs]
+        features = [s.feature for s in segs]
+        return len(set(features)) == len(features) and all(
+            s.block.num_cols == self.slots[s.feature].dim for s in segs
+        )
+
     def bucketize(
         self, values: Tensor, lengths: Tensor, weights: Tensor | None
     ) -> tuple[list[Tensor], list[Tensor | None], list[int]]:
-        positions = torch.arange(values.numel(), device=values.device)
+        positions = None
+        if not self.returns_whole_features:
+            positions = torch.arange(values.numel(), device=values.device)
         buffers, sent, counts = super().bucketize(values, lengths, positions)
         batch = lengths.shape[1]
         heads = [
@@ -105,7 +121,7 @@ class ReturnPlan:
 
     def __init__(
         self,
-        routing: Routing,
+        routing: SequenceRouting,
         kjt: KeyedJaggedTensor,
         sent: tuple[list[Tensor], Tensor] | None,
         unit: int,
@@ -119,24 +135,31 @@ class ReturnPlan:
         self.total = sum(self.feature_sizes)
         self.recv_splits = [0] * routing.shard_size
         self.dest = torch.zeros(0, dtype=torch.long, device=device)
+        self.whole = routing.returns_whole_features
+        """Received rows are whole features in batch order: ``segment_sizes`` elements of
+        feature ``segment_features`` each, no ``dest`` (``returns_whole_features``)."""
+        segs = [s for segs in routing.segments_to for s in segs]
+        self.segment_features = [s.feature for s in segs]
+        self.segment_sizes = [0] * len(segs)
         if sent is None:
+            return
+        positions, seg_counts = sent
+        seg_width = torch.tensor([s.block.num_cols for s in segs], dtype=torch.long, device=device)
+        seg_counts = seg_counts.to(device)
+        self.segment_sizes = (seg_counts * seg_width).tolist()
+        first = 0
+        for p, p_segs in enumerate(routing.segments_to):
+            self.recv_splits[p] = sum(self.segment_sizes[first : first + len(p_segs)])
+            first += len(p_segs)
+        if self.whole:
             return
         dims = torch.tensor([s.dim for s in routing.slots], dtype=torch.long, device=device)
         value_start = torch.tensor(
             list(itertools.accumulate(lengths, initial=0))[:-1], dtype=torch.long, device=device
         )
         out_start = torch.tensor(self.out_start, dtype=torch.long, device=device)
-        positions, seg_counts = sent
-        segs = [s for segs in routing.segments_to for s in segs]
-        seg_feature = torch.tensor([s.feature for s in segs], dtype=torch.long, device=device)
+        seg_feature = torch.tensor(self.segment_features, dtype=torch.long, device=device)
         seg_col = torch.tensor([s.block.cols[0] for s in segs], dtype=torch.long, device=device)
-        seg_width = torch.tensor([s.block.num_cols for s in segs], dtype=torch.long, device=device)
-        seg_counts = seg_counts.to(device)
-        per_seg_elems = (seg_counts * seg_width).tolist()
-        first = 0
-        for p, p_segs in enumerate(routing.segments_to):
-            self.recv_splits[p] = sum(per_seg_elems[first : first + len(p_segs)])
-            first += len(p_segs)
         position = torch.cat(positions) if positions else self.dest
         segment = torch.repeat_interleave(
             torch.arange(len(segs), device=device), seg_counts, output_size=position.numel()
@@ -265,7 +288,7 @@ class SequenceOutputDist:
 
     def __init__(
         self,
-        routing: Routing,
+        routing: SequenceRouting,
         shard_group: ProcessGroup,
         dtype: torch.dtype,
         qcomms: QCommsConfig | None = None,
@@ -302,6 +325,12 @@ class SequenceOutputDist:
                 )  # fmt: skip
             sources.append(received)
             dests.append(plan.dest)
+        if plan.whole:  # no placement: the received pieces are the features' rows
+            by_feature = dict(zip(routing.local_features, local_rows, strict=True))
+            if sources:
+                pieces = sources[0].to(self._dtype).split(plan.segment_sizes)
+                by_feature.update(zip(plan.segment_features, pieces, strict=True))
+            return [by_feature[k].view(-1, slot.dim) for k, slot in enumerate(routing.slots)]
         unit = plan.unit
         for k, rows in zip(routing.local_features, local_rows, strict=True):
             start = plan.out_start[k] // unit
