@@ -42,7 +42,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dtrec
-from benchmarks.distributed import MALLOC_ENV, CommCounter, dtrec_source, zipf_ids
+from benchmarks.distributed import MALLOC_ENV, CollectiveCensus, CommCounter, dtrec_source, zipf_ids
+from benchmarks.sequence_stages import PART_OF, dtrec_sequence_targets, torchrec_sequence_targets
+from benchmarks.stages import ExclusiveStageTimer, HostReads, print_stage_table
 from tests.multiprocess import WorldError, run_world
 
 CONFIGS = ("table_wise", "row_wise", "column_wise")
@@ -216,33 +218,47 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
     model, optimizers, kjt_type = build(w, config)
     warmup, steps = opts["warmup"], opts["steps"]
     batches = []
-    for s in range(warmup + steps):
+    for s in range(warmup + steps + 1):  # the last: the untimed census step
         keys, values, lengths, labels = make_batch(w, rank, s)
         batches.append(
             (kjt_type.from_lengths_sync(keys=keys, values=values, lengths=lengths), labels)
         )
 
     losses: list[float] = []
+    timer = ExclusiveStageTimer()
+
+    def train_step(kjt: object, labels: Tensor) -> float:
+        with timer.stage("dense"):  # what the sparse stages nested in it leave
+            loss = F.binary_cross_entropy_with_logits(model(kjt), labels)
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            with timer.stage("backward_update"):
+                loss.backward()
+            for opt in optimizers:
+                opt.step()
+            return loss.item()
 
     def step(s: int) -> float:
-        kjt, labels = batches[s]
-        dist.barrier()
+        dist.barrier()  # start together; the barrier is outside the timed region
         start = time.perf_counter()
-        loss = F.binary_cross_entropy_with_logits(model(kjt), labels)
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        loss.backward()
-        for opt in optimizers:
-            opt.step()
-        losses.append(loss.item())
+        losses.append(train_step(*batches[s]))
         return 1e3 * (time.perf_counter() - start)
 
     for s in range(warmup):
         step(s)
     counter = CommCounter()
-    with counter.active():
+    targets = (dtrec_sequence_targets if lib == "dtrec" else torchrec_sequence_targets)(model)
+    timer.clear()
+    with counter.active(), timer.wrapping(targets) as not_timed:
         step_ms = [step(s) for s in range(warmup, warmup + steps)]
     per_step = counter.per_step(steps)
+    stage_ms = timer.per_step(steps, PART_OF)
+    stage_cpu_ms = timer.per_step(steps, PART_OF, cpu=True)
+    # one more, untimed step: collectives (DDP's included) and host reads of tensor data
+    census, reads = CollectiveCensus(), HostReads(torch.device("cpu"))
+    dist.barrier()
+    with census, reads.counting():
+        train_step(*batches[-1])
     return {
         "median_ms": statistics.median(step_ms),
         "step_ms": step_ms,
@@ -250,6 +266,12 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
         "bytes_by_collective": per_step,
         "bytes_per_step": sum(v["bytes"] for v in per_step.values()),
         "calls_per_step": sum(v["calls"] for v in per_step.values()),
+        "stage_ms": stage_ms,
+        "stage_cpu_ms": stage_cpu_ms,
+        "stages_not_timed": not_timed,
+        "collectives_per_step": sum(census.calls.values()),
+        "host_reads_per_step": sum(reads.sites.values()),
+        "host_read_sites": dict(reads.sites.most_common()),
     }
 
 
@@ -272,6 +294,18 @@ def run_config(lib: str, config: str, w: Workload, opts: dict, world: int) -> di
             for k in sorted({k for r in ranks for k in r["bytes_by_collective"]})
         },
         "losses_rank0": ranks[0]["losses"],
+        # medians over ranks in ``benchmarks/stages.py``'s shape (``print_stage_table``)
+        "median": {
+            "step_ms": med(r["median_ms"] for r in ranks),
+            **{
+                key: {k: med(r[key][k] for r in ranks) for k in ranks[0][key]}
+                for key in ("stage_ms", "stage_cpu_ms")
+            },
+            "collectives_per_step": med(r["collectives_per_step"] for r in ranks),
+            "host_reads_per_step": med(r["host_reads_per_step"] for r in ranks),
+        },
+        "stages_not_timed": ranks[0]["stages_not_timed"],
+        "host_read_sites_rank0": ranks[0]["host_read_sites"],
         "ranks": ranks,
     }
 
@@ -320,6 +354,8 @@ def main(argv: list[str] | None = None) -> None:
             lib: run_config(lib, config, w, opts, args.world) for lib in args.libs.split(",")
         }
     print_table(results)
+    print_stage_table(results)
+    print_stage_table(results, "stage_cpu_ms")
     if args.json:
         report = {
             "meta": {
@@ -330,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
                 "torch": torch.__version__,
                 "dtrec": dtrec_source(),
                 "workload": asdict(w),
+                "uptime_load_avg": os.getloadavg(),
             },
             "results": {
                 c: {lib: {k: v for k, v in r.items() if k != "ranks"} for lib, r in by.items()}

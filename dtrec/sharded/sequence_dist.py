@@ -14,7 +14,9 @@ row, in a stable segment order). What changes is what comes back:
   through one index (``ReturnPlan``): a permutation, so the backward is a gather and is
   deterministic. Row blocks: each id comes back once, from the block holding its row;
   column blocks: once per block, tiling its columns. Data-parallel tables are looked up
-  on the own batch and placed alike.
+  on the own batch and placed alike. When every sharded feature comes back whole (one
+  block of all rows and columns: table-wise), the received pieces are the outputs
+  themselves: no index, no copy (``SequenceRouting.returns_whole_features``).
 
 The requester knows where each returned row belongs because ``SequenceRouting`` records,
 while bucketizing, each sent id's position in the batch (the same stable order the ids
@@ -24,6 +26,7 @@ were sent in).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -51,10 +54,24 @@ class SequenceRouting(Routing):
 
     _sent: tuple[list[Tensor], Tensor] | None = None
 
+    @functools.cached_property
+    def returns_whole_features(self) -> bool:
+        """Whether every sharded feature goes to one segment holding all its table's rows
+        and columns (table-wise; data-parallel features are not sent). Its rows then come
+        back contiguous and in batch order (the ids were sent in a stable order), so the
+        requester needs no positions and no placement index."""
+        segs = [s for segs in self.segments_to for s in segs]
+        features = [s.feature for s in segs]
+        return len(set(features)) == len(features) and all(
+            s.block.num_cols == self.slots[s.feature].dim for s in segs
+        )
+
     def bucketize(
         self, values: Tensor, lengths: Tensor, weights: Tensor | None
     ) -> tuple[list[Tensor], list[Tensor | None], list[int]]:
-        positions = torch.arange(values.numel(), device=values.device)
+        positions = None
+        if not self.returns_whole_features:
+            positions = torch.arange(values.numel(), device=values.device)
         buffers, sent, counts = super().bucketize(values, lengths, positions)
         batch = lengths.shape[1]
         heads = [
@@ -71,9 +88,11 @@ class SequenceRouting(Routing):
         return sent
 
 
-def _expand_columns(starts: Tensor, widths: Tensor) -> Tensor:
-    """``cat(arange(s, s + w) for s, w in zip(starts, widths))``, vectorized."""
-    total = int(widths.sum()) if widths.numel() else 0
+def _expand_columns(starts: Tensor, widths: Tensor, total: int | None = None) -> Tensor:
+    """``cat(arange(s, s + w) for s, w in zip(starts, widths))``, vectorized; ``total``
+    (``widths.sum()``, when the caller knows it) spares a host read."""
+    if total is None:
+        total = int(widths.sum()) if widths.numel() else 0
     first = torch.cumsum(widths, 0) - widths
     step = torch.arange(total, device=starts.device)
     step -= torch.repeat_interleave(first, widths, output_size=total)
@@ -102,45 +121,58 @@ class ReturnPlan:
 
     def __init__(
         self,
-        routing: Routing,
+        routing: SequenceRouting,
         kjt: KeyedJaggedTensor,
         sent: tuple[list[Tensor], Tensor] | None,
         unit: int,
     ) -> None:
         device = kjt.values().device
         self.unit = unit
-        per_feature = torch.tensor(kjt.length_per_key(), dtype=torch.long, device=device)
-        dims = torch.tensor([s.dim for s in routing.slots], dtype=torch.long, device=device)
-        value_start = torch.cumsum(per_feature, 0) - per_feature
-        sizes = per_feature * dims
-        self.out_start = torch.cumsum(sizes, 0) - sizes
+        lengths = kjt.length_per_key()  # host ints (the KJT caches them)
+        self.feature_sizes = [n * slot.dim for n, slot in zip(lengths, routing.slots, strict=True)]
+        self.out_start = list(itertools.accumulate(self.feature_sizes, initial=0))[:-1]
         """First element of each feature's rows in the flat output."""
-        self.total = int(sizes.sum()) if sizes.numel() else 0
-        self.feature_sizes = sizes.tolist()
+        self.total = sum(self.feature_sizes)
         self.recv_splits = [0] * routing.shard_size
         self.dest = torch.zeros(0, dtype=torch.long, device=device)
+        self.whole = routing.returns_whole_features
+        """Received rows are whole features in batch order: ``segment_sizes`` elements of
+        feature ``segment_features`` each, no ``dest`` (``returns_whole_features``)."""
+        segs = [s for segs in routing.segments_to for s in segs]
+        self.segment_features = [s.feature for s in segs]
+        self.segment_sizes = [0] * len(segs)
         if sent is None:
             return
         positions, seg_counts = sent
-        segs = [s for segs in routing.segments_to for s in segs]
-        seg_feature = torch.tensor([s.feature for s in segs], dtype=torch.long, device=device)
-        seg_col = torch.tensor([s.block.cols[0] for s in segs], dtype=torch.long, device=device)
         seg_width = torch.tensor([s.block.num_cols for s in segs], dtype=torch.long, device=device)
         seg_counts = seg_counts.to(device)
-        per_seg_elems = (seg_counts * seg_width).tolist()
+        self.segment_sizes = (seg_counts * seg_width).tolist()
         first = 0
         for p, p_segs in enumerate(routing.segments_to):
-            self.recv_splits[p] = sum(per_seg_elems[first : first + len(p_segs)])
+            self.recv_splits[p] = sum(self.segment_sizes[first : first + len(p_segs)])
             first += len(p_segs)
+        if self.whole:
+            return
+        dims = torch.tensor([s.dim for s in routing.slots], dtype=torch.long, device=device)
+        value_start = torch.tensor(
+            list(itertools.accumulate(lengths, initial=0))[:-1], dtype=torch.long, device=device
+        )
+        out_start = torch.tensor(self.out_start, dtype=torch.long, device=device)
+        seg_feature = torch.tensor(self.segment_features, dtype=torch.long, device=device)
+        seg_col = torch.tensor([s.block.cols[0] for s in segs], dtype=torch.long, device=device)
         position = torch.cat(positions) if positions else self.dest
         segment = torch.repeat_interleave(
             torch.arange(len(segs), device=device), seg_counts, output_size=position.numel()
         )
         feature = seg_feature.index_select(0, segment)
         row = position - value_start.index_select(0, feature)
-        starts = self.out_start.index_select(0, feature)
+        starts = out_start.index_select(0, feature)
         starts += row * dims.index_select(0, feature) + seg_col.index_select(0, segment)
-        self.dest = _expand_columns(starts // unit, seg_width.index_select(0, segment) // unit)
+        self.dest = _expand_columns(
+            starts // unit,
+            seg_width.index_select(0, segment) // unit,
+            sum(self.recv_splits) // unit,
+        )
 
 
 class SequenceLookup:
@@ -151,9 +183,7 @@ class SequenceLookup:
         self._updater = updater
         served = routing.served
         self._tables = sorted({s.table for s in served})
-        index = {t: u for u, t in enumerate(self._tables)}
-        self._segment_table = torch.tensor([index[s.table] for s in served], dtype=torch.long)
-        self._segment_width = torch.tensor([s.block.num_cols for s in served], dtype=torch.long)
+        self._table_of = {t: u for u, t in enumerate(self._tables)}
 
     def rows(self, table: int, shard: Tensor, ids: Tensor) -> Tensor:
         """``shard[ids]`` as ``[ids, cols]`` through the op (or the fused updater).
@@ -176,46 +206,64 @@ class SequenceLookup:
     ) -> tuple[Tensor | None, list[int]]:
         """The flat send buffer of rows for every source (source-major, then segment, then
         id, each id's block columns; None when this rank serves nothing) and its
-        per-source split sizes (elements)."""
+        per-source split sizes (elements).
+
+        The received ids come in runs, one per (source, segment), each of one table. The
+        ids of each table are gathered run by run (one op call per table over them), and
+        the rows go back to received order run by run: both index maps are built from the
+        runs' counts alone (one host read), not per id."""
         routing = self._routing
         served, batch, shards = routing.served, routed.batch, routing.shard_size
         lengths, ids, _ = routed.wait_served(len(served))
         if not served:
             return None, [0] * shards
         device = ids.device
-        counts = lengths.view(shards, len(served), batch).sum(2).reshape(-1)
-        widths = self._segment_width.to(device).repeat(shards)
-        send_splits = (counts * widths).view(shards, len(served)).sum(1).tolist()
-        segment = torch.repeat_interleave(
-            torch.arange(len(served), device=device).repeat(shards), counts,
-            output_size=ids.numel(),
-        )  # fmt: skip
-        table = self._segment_table.to(device).index_select(0, segment)
-        order = torch.sort(table.int(), stable=True).indices
-        per_table = torch.bincount(table, minlength=len(self._tables)).tolist()
-        sorted_ids = ids.index_select(0, order)
-        pieces, start = [], 0
-        for u, t in enumerate(self._tables):
-            rows = self.rows(t, local[t], sorted_ids[start : start + per_table[u]])
-            pieces.append(rows.reshape(-1))
-            start += per_table[u]
-        if len(pieces) == 1:  # one table: already in received order
-            return pieces[0], send_splits
+        run_counts = lengths.view(shards * len(served), batch).sum(1)
+        counts = run_counts.tolist()
+        widths = [s.block.num_cols for s in served]
+        send_splits = [
+            sum(c * w for c, w in zip(counts[p * len(served) :], widths, strict=False))
+            for p in range(shards)
+        ]
+        if len(self._tables) == 1:  # one table: its ids and rows are in received order
+            t = self._tables[0]
+            return self.rows(t, local[t], ids).reshape(-1), send_splits
+        segment_table = [self._table_of[s.table] for s in served]
+        run_table = segment_table * shards
+        run_first = list(itertools.accumulate(counts, initial=0))[:-1]  # in the received ids
+        per_table = [0] * len(self._tables)
+        run_place = []  # each run's first id among its table's ids (runs kept in order)
+        for c, u in zip(counts, run_table, strict=True):
+            run_place.append(per_table[u])
+            per_table[u] += c
+        by_table = sorted(range(len(counts)), key=run_table.__getitem__)  # stable
+        gather = _expand_columns(
+            torch.tensor([run_first[r] for r in by_table], dtype=torch.long, device=device),
+            run_counts.index_select(0, torch.tensor(by_table, dtype=torch.long, device=device)),
+            ids.numel(),
+        )
+        grouped = ids.index_select(0, gather)
+        pieces = []
+        for u, piece_ids in enumerate(grouped.split(per_table)):
+            t = self._tables[u]
+            pieces.append(self.rows(t, local[t], piece_ids).reshape(-1))
         pool = torch.cat(pieces)
-        # each received id's row starts in the pool at its table's base + place * width;
-        # moved in runs of ``unit`` columns (every served width is a multiple of it)
+        # run r's rows are one contiguous range of the pool, in runs of ``unit`` columns
+        # (every served width is a multiple of it)
         widths_of = [local[t].shape[1] for t in self._tables]
         unit = functools.reduce(math.gcd, widths_of)
-        width = torch.tensor(widths_of, device=device) // unit
-        counts_of = torch.tensor(per_table, dtype=torch.long, device=device)
-        table_base = torch.cumsum(counts_of * width, 0) - counts_of * width
-        table_first = torch.cumsum(counts_of, 0) - counts_of
-        place = torch.empty_like(order)
-        place[order] = torch.arange(order.numel(), device=device)
-        id_width = width.index_select(0, table)
-        starts = table_base.index_select(0, table)
-        starts += (place - table_first.index_select(0, table)) * id_width
-        runs = _expand_columns(starts, id_width)
+        table_base = list(itertools.accumulate(
+            (n * w // unit for n, w in zip(per_table, widths_of, strict=True)), initial=0
+        ))  # fmt: skip
+        starts, sizes = [], []
+        for c, u, place in zip(counts, run_table, run_place, strict=True):
+            starts.append(table_base[u] + place * widths_of[u] // unit)
+            sizes.append(c * widths_of[u] // unit)
+        runs = _expand_columns(
+            torch.tensor(starts, dtype=torch.long, device=device),
+            torch.tensor(sizes, dtype=torch.long, device=device),
+            pool.numel() // unit,
+        )
         return pool.view(-1, unit).index_select(0, runs).reshape(-1), send_splits
 
     def data_parallel(self, kjt: KeyedJaggedTensor, local: dict[int, Tensor]) -> list[Tensor]:
@@ -240,7 +288,7 @@ class SequenceOutputDist:
 
     def __init__(
         self,
-        routing: Routing,
+        routing: SequenceRouting,
         shard_group: ProcessGroup,
         dtype: torch.dtype,
         qcomms: QCommsConfig | None = None,
@@ -277,9 +325,15 @@ class SequenceOutputDist:
                 )  # fmt: skip
             sources.append(received)
             dests.append(plan.dest)
+        if plan.whole:  # no placement: the received pieces are the features' rows
+            by_feature = dict(zip(routing.local_features, local_rows, strict=True))
+            if sources:
+                pieces = sources[0].to(self._dtype).split(plan.segment_sizes)
+                by_feature.update(zip(plan.segment_features, pieces, strict=True))
+            return [by_feature[k].view(-1, slot.dim) for k, slot in enumerate(routing.slots)]
         unit = plan.unit
         for k, rows in zip(routing.local_features, local_rows, strict=True):
-            start = int(plan.out_start[k]) // unit
+            start = plan.out_start[k] // unit
             sources.append(rows.reshape(-1))
             dests.append(torch.arange(start, start + rows.numel() // unit, device=device))
         flat = torch.zeros(plan.total // unit, unit, dtype=self._dtype, device=device)
