@@ -71,6 +71,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtrec
+from benchmarks.distributed_pipeline import pipeline_run, print_pipeline_table
 from benchmarks.stages import (
     ExclusiveStageTimer,
     HostReads,
@@ -504,7 +505,12 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
         with census, reads.counting():
             train_step(*batches[s])
     nbytes = counter.per_step(steps)
+    piped = None
+    if opts.get("pipeline"):  # the library's own pipeline, same model and batches
+        timed_batches = batches[: warmup + steps]
+        piped = pipeline_run(lib, model, optimizers, timed_batches, warmup)
     return {
+        "pipeline": piped,
         "rank": rank,
         "kinds": kinds,
         "step_ms": step_ms,
@@ -596,6 +602,12 @@ def run_config(lib: str, config: str, w: Workload, opts: dict, world: int = 4) -
         "end_rss_mb": _median([r["rss_mb"]["end"] for r in ranks]),
     }
     summary["total_bytes_per_step"] = summary["bytes_per_step"] + summary["dense_ddp_estimate"]
+    if opts.get("pipeline"):
+        errors = sorted({r["pipeline"]["error"] for r in ranks if "error" in r["pipeline"]})
+        if errors:
+            summary["pipeline_error"] = "; ".join(errors)
+        else:
+            summary["pipeline_step_ms"] = _median([r["pipeline"]["median_ms"] for r in ranks])
     out = {
         "status": "ok",
         "wall_s": time.perf_counter() - start,
@@ -907,6 +919,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=1200.0, help="per world, seconds")
     parser.add_argument("--json", help="write results here")
     parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="also time dtrec.TrainPipeline / TorchRec's TrainPipelineSparseDist",
+    )
+    parser.add_argument(
         "--malloc-default", action="store_true", help=f"leave glibc malloc as is (not {MALLOC_ENV})"
     )
     args = parser.parse_args(argv)
@@ -919,7 +936,7 @@ def main(argv: list[str] | None = None) -> None:
         unknown = sorted(set(configs) - set(CONFIGS))
         if unknown:
             parser.error(f"unknown configs {unknown}; choose from {CONFIGS}")
-        names = ("steps", "warmup", "census_steps", "timeout", "dtrec_backend")
+        names = ("steps", "warmup", "census_steps", "timeout", "dtrec_backend", "pipeline")
         opts = {**{k: getattr(args, k) for k in names}, "env": env}
         libs = ["dtrec"] if args.no_torchrec else ["dtrec", "torchrec"]
         results: dict[str, dict[str, dict]] = {}
@@ -937,6 +954,8 @@ def main(argv: list[str] | None = None) -> None:
         print_table(results)
         print_stage_table(results)
         print_stage_table(results, "stage_cpu_ms")
+        if args.pipeline:
+            print_pipeline_table(results)
         after = dtrec_source()
         if after["sources_sha256"] != report["meta"]["dtrec"]["sources_sha256"]:
             report["meta"]["dtrec_at_end"] = after  # worlds started later ran the new code

@@ -6,6 +6,12 @@ own batch (never sent). Both are sum-pooled; mean pooling is applied once on the
 assembled output (``OutputDist.keyed``), since a row block only sees part of a bag.
 With a fused optimizer the backward hands row gradients to the ``FusedUpdater``
 instead of producing weight gradients.
+
+Served bags arrive source-major (for each source, for each served segment); the lookup
+lays them out *table-major* (for each served table, for each source, that table's
+segments), so each table's bags are one contiguous run: the forward pools a table from
+one slice and the fused backward takes the layout as it is. Only whole bags move, never
+the ids inside a bag, so no float sum changes order.
 """
 
 from __future__ import annotations
@@ -26,11 +32,25 @@ class LocalLookup:
     def __init__(self, routing: Routing, updater: FusedUpdater | None) -> None:
         self._routing = routing
         self._updater = updater
+        served, shards = routing.served, routing.shard_size
+        # The received (source, segment) blocks in table-major order, as runs of
+        # consecutive received blocks (one per table and source).
+        self._block_runs = [
+            (src * len(served) + a, src * len(served) + b)
+            for a, b in table_runs(routing)
+            for src in range(shards)
+        ]
+        self._block_order = torch.tensor(
+            [i for a, b in self._block_runs for i in range(a, b)], dtype=torch.long
+        )
+        self._entries = [served[i % len(served)].table for i in self._block_order.tolist()]
+        self._reorders = len(self._block_runs) > 1 and self._block_runs != sorted(self._block_runs)
 
     def served(self, routed: RoutedBatch, local: dict[int, Tensor]) -> Tensor | None:
         """``[B, S * served width]``: the partials of every source's served segments
-        (source-major columns), or None when this rank serves no segment (``[B, 0]`` when
-        per-sample weights are trained: their gradient exchange runs on every rank)."""
+        (table-major columns: ``table_runs`` order, then source, then segment), or None
+        when this rank serves no segment (``[B, 0]`` when per-sample weights are trained:
+        their gradient exchange runs on every rank)."""
         routing = self._routing
         served = routing.served
         lengths, ids, psw = routed.wait_served(len(served))
@@ -39,10 +59,25 @@ class LocalLookup:
                 # view, so the output dist's backward also runs the weights' one
                 return psw.view(routed.batch, 0)
             return None
+        if self._reorders:
+            lengths, ids, psw = self._table_major(lengths, ids, psw, routed.batch)
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long, device=lengths.device)
         torch.cumsum(lengths, 0, out=offsets[1:])
-        entries = [s.table for _ in range(routing.shard_size) for s in served]
-        return self._pooled(entries, local, ids, offsets, psw)
+        return self._pooled(self._entries, local, ids, offsets, psw)
+
+    def _table_major(
+        self, lengths: Tensor, ids: Tensor, psw: Tensor | None, batch: int
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The received bags (source-major blocks of ``batch``) in table-major block order:
+        one host read of the block sizes, one copy of the ids (and weights)."""
+        blocks = lengths.view(-1, batch)
+        order = self._block_order.to(lengths.device)
+        starts = [0, *torch.cumsum(blocks.sum(1), 0).tolist()]
+        spans = [(starts[a], starts[b]) for a, b in self._block_runs]
+        ids = torch.cat([ids[lo:hi] for lo, hi in spans])
+        if psw is not None:  # slices and a cat: differentiable where the weights train
+            psw = torch.cat([psw[lo:hi] for lo, hi in spans])
+        return blocks.index_select(0, order).reshape(-1), ids, psw
 
     def data_parallel(self, kjt: KeyedJaggedTensor, local: dict[int, Tensor]) -> Tensor:
         """``[B, data-parallel dims]``: the data-parallel features of the own batch."""
@@ -74,3 +109,18 @@ class LocalLookup:
                 self._updater, table_ids, tables, entry_table, mean, values, offsets, psw
             )
         return EmbeddingBagFunction.apply(entry_table, mean, False, values, offsets, psw, *tables)
+
+
+def table_runs(routing: Routing) -> list[tuple[int, int]]:
+    """The served segments as runs ``[a, b)`` of consecutive segments of one table.
+
+    Segments are ordered by feature, and a table's features are consecutive, so each
+    table is one run.
+    """
+    runs: list[tuple[int, int]] = []
+    for i, seg in enumerate(routing.served):
+        if runs and routing.served[runs[-1][0]].table == seg.table:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs

@@ -25,6 +25,7 @@ from dtrec.comm.quantized import quantized_all_to_all
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.features import bag_lengths, feature_order
 from dtrec.ops.row_blocks import bag_scale
+from dtrec.sharded.lookup import table_runs
 from dtrec.sharded.routing import Routing
 from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -46,6 +47,11 @@ class OutputDist:
         self._shard_group = shard_group
         self._dtype = dtype  # of the tables, hence of an output no lookup produced
         self._received_cols = routing.received_columns(torch.device("cpu"))
+        # The served partials' table-major column runs: (first column in served order, width).
+        cols = [0]
+        for seg in routing.served:
+            cols.append(cols[-1] + seg.block.num_cols)
+        self._served_runs = [(cols[a], cols[b] - cols[a]) for a, b in table_runs(routing)]
         self._local_cols = routing.local_columns(torch.device("cpu"))
         # Mean pooling's scale, fixed per feature: none at all when every table sums.
         is_mean = [tables[s.table].pooling == "mean" for s in routing.slots]
@@ -57,9 +63,8 @@ class OutputDist:
         a ``[B, total dim]`` output."""
         routing = self._routing
         shards = routing.shard_size
-        if served is not None:  # columns source-major -> the send buffer destination-major
-            send_back = served.view(batch, shards, routing.served_width).transpose(0, 1)
-            send_back = send_back.reshape(-1)
+        if served is not None:  # columns table-major -> the send buffer destination-major
+            send_back = self._destination_major(served, batch, shards)
         else:
             send_back = torch.zeros(0, dtype=self._dtype, device=device)
         output_splits = [batch * w for w in routing.widths]
@@ -84,6 +89,19 @@ class OutputDist:
         )
         out = torch.zeros(batch, routing.total_dim, dtype=received.dtype, device=device)
         return out.index_add(1, self._received_cols.to(device), received)
+
+    def _destination_major(self, served: Tensor, batch: int, shards: int) -> Tensor:
+        """The flat send buffer ``[S, B, served width]`` (segments in served order) from
+        the table-major ``[B, S * served width]`` partials: one copy."""
+        blocks = [
+            served[:, shards * col : shards * (col + width)].view(batch, shards, width)
+            for col, width in self._served_runs
+        ]
+        if not blocks:  # [B, 0]: no segment served (the trained weights' empty view)
+            return served.reshape(-1)
+        if len(blocks) == 1:
+            return blocks[0].transpose(0, 1).reshape(-1)
+        return torch.cat([b.transpose(0, 1) for b in blocks], dim=2).reshape(-1)
 
     def zeros(self, batch: int, device: torch.device) -> Tensor:
         """The output of a collection without routed tables, before its data-parallel part."""

@@ -78,9 +78,10 @@ def _grouped_by_table(lookup: Lookup, grad_out: Tensor) -> tuple[Lookup, Tensor]
     entries consecutive, and, when every table has the same number k of entries, merged
     into one entry of k * B bags; ``grad_out``'s rows and columns follow.
 
-    A table-wise table read by k source ranks arrives as k entries, segment-major.
-    fbgemm's backward groups features by table, and is 2x slower with k features per
-    table than with one feature of k * B bags (measured: 8.9 vs 4.0 ms, 4 tables, k=2).
+    A table-wise table read by k source ranks comes as k entries (consecutive when the
+    sharded lookup lays them out table-major: then no bag moves). fbgemm's backward
+    groups features by table, and is 2x slower with k features per table than with one
+    feature of k * B bags (measured: 8.9 vs 4.0 ms, 4 tables, k=2).
     """
     entries = list(lookup.entry_table)
     tables = list(dict.fromkeys(entries))  # in order of first appearance
@@ -89,29 +90,48 @@ def _grouped_by_table(lookup: Lookup, grad_out: Tensor) -> tuple[Lookup, Tensor]
     counts = {entries.count(t) for t in tables}
     if order == list(range(len(entries))) and counts == {1}:
         return lookup, grad_out
-    batch, offsets, cols = lookup.batch, lookup.offsets, lookup.columns()
-    starts = offsets[::batch].tolist() if batch else [0] * (len(entries) + 1)
-    index = torch.cat(
-        [torch.arange(starts[e], starts[e + 1], device=offsets.device) for e in order]
+    cols, values, offsets, psw = (
+        lookup.columns(),
+        lookup.values,
+        lookup.offsets,
+        lookup.per_sample_weights,
     )
-    lengths = offsets.diff().view(len(entries), batch)[order].reshape(-1)
-    new_offsets = torch.cat([offsets[:1], offsets[0] + lengths.cumsum(0)])
-    psw = lookup.per_sample_weights
-    psw = None if psw is None else psw.index_select(0, index)
-    blocks = [grad_out[:, cols[e] : cols[e + 1]] for e in order]
+    if order != list(range(len(entries))):  # bags move; already table-major: only merged
+        values, offsets, psw = _bags_in_order(lookup, order)
     # k entries per table: one entry of k * B bags each (k = 1: just reordered)
-    k = counts.pop() if len(counts) == 1 else 1
+    uniform = len(counts) == 1
+    k = counts.pop() if uniform else 1
     kept = order[::k]
-    columns = [torch.cat(blocks[i : i + k]) for i in range(0, len(blocks), k)]
     grouped = Lookup(
         lookup.weights,
         [entries[e] for e in kept],
-        lookup.values.index_select(0, index),
-        new_offsets,
+        values,
+        offsets,
         [lookup.mean[e] for e in kept],
         psw,
     )
+    dims = {cols[e + 1] - cols[e] for e in order}
+    if uniform and order == list(range(len(entries))) and len(dims) == 1:  # one copy
+        batch, dim = lookup.batch, dims.pop()
+        merged = grad_out.view(batch, len(tables), k, dim).permute(2, 0, 1, 3)
+        return grouped, merged.reshape(k * batch, len(tables) * dim)
+    blocks = [grad_out[:, cols[e] : cols[e + 1]] for e in order]
+    columns = [torch.cat(blocks[i : i + k]) for i in range(0, len(blocks), k)]
     return grouped, torch.cat(columns, dim=1)
+
+
+def _bags_in_order(lookup: Lookup, order: list[int]) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The lookup's ids, offsets and weights with its entries' bags in ``order``."""
+    batch, offsets = lookup.batch, lookup.offsets
+    starts = offsets[::batch].tolist() if batch else [0] * (len(order) + 1)
+    index = torch.cat(
+        [torch.arange(starts[e], starts[e + 1], device=offsets.device) for e in order]
+    )
+    lengths = offsets.diff().view(len(order), batch)[order].reshape(-1)
+    new_offsets = torch.cat([offsets[:1], offsets[0] + lengths.cumsum(0)])
+    psw = lookup.per_sample_weights
+    psw = None if psw is None else psw.index_select(0, index)
+    return lookup.values.index_select(0, index), new_offsets, psw
 
 
 _FUSED_CPU_RULES = ("sgd", "rowwise_adagrad")

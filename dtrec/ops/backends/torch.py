@@ -66,15 +66,24 @@ def _entries_by_table(
 
 
 def _gather_entries(
-    entries: list[int], values: Tensor, offsets: Tensor, batch: int, psw: Tensor | None
+    entries: list[int],
+    values: Tensor,
+    offsets: Tensor,
+    batch: int,
+    psw: Tensor | None,
+    starts: list[int],
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The ids, bag offsets and weights of some entries, concatenated in entry order."""
-    if len(entries) == 1:
-        e = entries[0]
-        lo, hi = int(offsets[e * batch]), int(offsets[(e + 1) * batch])
-        local_offsets = offsets[e * batch : (e + 1) * batch + 1] - lo
+    """The ids, bag offsets and weights of some entries, concatenated in entry order.
+
+    ``starts``: every entry's first id offset (and the end last), read once per lookup.
+    Consecutive entries (a table-major layout) are one slice, no copy.
+    """
+    first, last = entries[0], entries[-1]
+    if entries == list(range(first, last + 1)):
+        lo, hi = starts[first], starts[last + 1]
+        local_offsets = offsets[first * batch : (last + 1) * batch + 1] - lo
         return values[lo:hi], local_offsets, None if psw is None else psw[lo:hi]
-    spans = [(int(offsets[e * batch]), int(offsets[(e + 1) * batch])) for e in entries]
+    spans = [(starts[e], starts[e + 1]) for e in entries]
     ids = torch.cat([values[s:e] for s, e in spans])
     weights = None if psw is None else torch.cat([psw[s:e] for s, e in spans])
     lengths = torch.cat([torch.diff(offsets[e * batch : (e + 1) * batch + 1]) for e in entries])
@@ -94,6 +103,7 @@ def pooled_lookup(lookup: Lookup) -> Tensor:
     per_sample_weights, batch = lookup.per_sample_weights, lookup.batch
     offsets = lookup.offsets.to(values.dtype)
     pooled: list[Tensor | None] = [None] * len(entry_table)
+    starts = offsets[::batch].tolist() if batch else [0] * (len(entry_table) + 1)
     for (t, is_mean), entries in _entries_by_table(entry_table, mean).items():
         w = weights[t]
         if w.shape[1] == 0:  # an empty column shard
@@ -101,7 +111,7 @@ def pooled_lookup(lookup: Lookup) -> Tensor:
                 pooled[e] = w.new_zeros(batch, 0)
             continue
         ids, local_offsets, psw = _gather_entries(
-            entries, values, offsets, batch, per_sample_weights
+            entries, values, offsets, batch, per_sample_weights, starts
         )
         out = F.embedding_bag(
             ids,
