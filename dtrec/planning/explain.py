@@ -94,7 +94,7 @@ def explain_table(
         f"  output rows per rank per step: {output_rows(cfg, topology)}",
         f"  chosen: {1e3 * float(time[slowest]):.4f} ms on its slowest position {slowest} "
         f"= {split} ms; memory {_mib(cost.memory)} on the fullest",
-        f"  bytes sent per step (the busiest position): {sent or 'none (no communication)'}",
+        f"  bytes sent per step (each kind at its busiest position): {sent or 'none'}",
     ]
     if sequence:
         pooled = EmbeddingBagConfig(
