@@ -581,6 +581,7 @@ LOCAL: dict[str, Case] = {
         EBC(tables(), is_weighted=False), {}
     ),
     "E223": lambda tmp: dtrec.PositionWeightedModuleCollection({"f0": 3, "f1": 0}),
+    "E224": lambda tmp: dtrec.EmbeddingCollection([dtrec.EmbeddingConfig("items", 5, 4)]),
     # TrainPipeline
     "E142": lambda tmp: dtrec.TrainPipeline(Model(), None, loss),
     "E143": on_mesh(2, 2, lambda m: dtrec.TrainPipeline(all_dp(m), None, "mse")),

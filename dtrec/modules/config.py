@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from dtrec.ops.lookup import POOLING_MODES
 
@@ -143,19 +145,35 @@ def as_bag_config(cfg: object) -> EmbeddingBagConfig:
 
 
 def validate_tables(tables: list[EmbeddingBagConfig]) -> None:
-    """Table names unique, every feature read by exactly one table."""
-    seen_tables: set[str] = set()
-    feature_owner: dict[str, str] = {}
+    """Every table an ``EmbeddingBagConfig``; names and features as ``check_table_names``."""
     for cfg in tables:
         if not isinstance(cfg, EmbeddingBagConfig):
             raise TypeError(f"expected EmbeddingBagConfig, got {type(cfg).__name__}")
-        if cfg.name in seen_tables:
-            raise ValueError(f"duplicate table name {cfg.name!r}")
-        seen_tables.add(cfg.name)
-        for f in cfg.feature_names:
+    check_table_names(tables)
+
+
+def check_table_names(tables: Sequence[object]) -> None:
+    """Table names unique and usable as module names, every feature read by one table.
+
+    Tables live in an ``nn.ModuleDict`` keyed by name (TorchRec's state_dict keys), so
+    a name that is one of its attributes (``items``, ``keys``, ...) cannot be a table's.
+    """
+    seen_tables: set[str] = set()
+    feature_owner: dict[str, str] = {}
+    for cfg in tables:
+        name = cfg.name  # type: ignore[attr-defined]
+        if hasattr(nn.ModuleDict, name):
+            raise ValueError(
+                f"table name {name!r} is the name of an nn.ModuleDict attribute, which holds "
+                "the tables; rename the table"
+            )
+        if name in seen_tables:
+            raise ValueError(f"duplicate table name {name!r}")
+        seen_tables.add(name)
+        for f in cfg.feature_names:  # type: ignore[attr-defined]
             if f in feature_owner:
                 raise ValueError(
-                    f"feature {f!r} is read by tables {feature_owner[f]!r} and {cfg.name!r}; "
+                    f"feature {f!r} is read by tables {feature_owner[f]!r} and {name!r}; "
                     "each feature must belong to one table"
                 )
-            feature_owner[f] = cfg.name
+            feature_owner[f] = name

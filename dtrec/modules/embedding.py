@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from dtrec import ops
-from dtrec.modules.config import table_dtype
+from dtrec.modules.config import check_table_names, table_dtype
 from dtrec.modules.features import check_bounds_mode, feature_order, prepare_features
 from dtrec.sparse import JaggedTensor, KeyedJaggedTensor, as_kjt
 
@@ -101,23 +101,6 @@ def sequence_table_dtype(cfg: object) -> torch.dtype:
     return torch.get_default_dtype() if isinstance(cfg, EmbeddingConfig) else table_dtype(cfg)
 
 
-def validate_sequence_tables(tables: Sequence[EmbeddingConfig]) -> None:
-    """Table names unique, every feature read by exactly one table."""
-    seen: set[str] = set()
-    owner: dict[str, str] = {}
-    for cfg in tables:
-        if cfg.name in seen:
-            raise ValueError(f"duplicate table name {cfg.name!r}")
-        seen.add(cfg.name)
-        for f in cfg.feature_names:
-            if f in owner:
-                raise ValueError(
-                    f"feature {f!r} is read by tables {owner[f]!r} and {cfg.name!r}; "
-                    "each feature must belong to one table"
-                )
-            owner[f] = cfg.name
-
-
 def check_fixed_batch(
     kjt: KeyedJaggedTensor, tables: Sequence[EmbeddingConfig], rank: int | None = None
 ) -> None:
@@ -185,7 +168,7 @@ class EmbeddingCollection(nn.Module):
             raise TypeError("tables must be a list of EmbeddingConfig; write [config]")
         given = list(tables)
         self._tables = [as_sequence_config(cfg) for cfg in given]
-        validate_sequence_tables(self._tables)
+        check_table_names(self._tables)
         self.need_indices = bool(need_indices)
         self.bounds_check = check_bounds_mode(bounds_check)
         self._init_fns = {
