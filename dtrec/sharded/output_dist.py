@@ -52,6 +52,17 @@ class OutputDist:
         for seg in routing.served:
             cols.append(cols[-1] + seg.block.num_cols)
         self._served_runs = [(cols[a], cols[b] - cols[a]) for a, b in table_runs(routing)]
+        # Per source, then served column: its table-major column (unequal run widths).
+        shards = routing.shard_size
+        self._gather_cols = torch.tensor(
+            [
+                shards * col + src * width + c
+                for src in range(shards)
+                for col, width in self._served_runs
+                for c in range(width)
+            ],
+            dtype=torch.long,
+        )
         self._local_cols = routing.local_columns(torch.device("cpu"))
         # Mean pooling's scale, fixed per feature: none at all when every table sums.
         is_mean = [tables[s.table].pooling == "mean" for s in routing.slots]
@@ -92,16 +103,18 @@ class OutputDist:
 
     def _destination_major(self, served: Tensor, batch: int, shards: int) -> Tensor:
         """The flat send buffer ``[S, B, served width]`` (segments in served order) from
-        the table-major ``[B, S * served width]`` partials: one copy."""
-        blocks = [
-            served[:, shards * col : shards * (col + width)].view(batch, shards, width)
-            for col, width in self._served_runs
-        ]
-        if not blocks:  # [B, 0]: no segment served (the trained weights' empty view)
+        the table-major ``[B, S * served width]`` partials: one permuted copy when every
+        table run is as wide (its backward one copy too; slices of a cat would each
+        backward into a zeroed full-size gradient), else one column gather first."""
+        runs = self._served_runs
+        if not runs:  # [B, 0]: no segment served (the trained weights' empty view)
             return served.reshape(-1)
-        if len(blocks) == 1:
-            return blocks[0].transpose(0, 1).reshape(-1)
-        return torch.cat([b.transpose(0, 1) for b in blocks], dim=2).reshape(-1)
+        widths = {width for _, width in runs}
+        if len(widths) == 1:
+            blocks = served.view(batch, len(runs), shards, widths.pop())
+            return blocks.permute(2, 0, 1, 3).reshape(-1)
+        columns = self._gather_cols.to(served.device)
+        return served.index_select(1, columns).view(batch, shards, -1).transpose(0, 1).reshape(-1)
 
     def zeros(self, batch: int, device: torch.device) -> Tensor:
         """The output of a collection without routed tables, before its data-parallel part."""
