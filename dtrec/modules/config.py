@@ -33,30 +33,12 @@ class EmbeddingBagConfig:
     """How a bag's rows are combined: "sum" or "mean" (TorchRec's ``PoolingType`` is accepted)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise TypeError(f"EmbeddingBagConfig.name must be a non-empty str, got {self.name!r}")
+        check_table_fields(self)
         object.__setattr__(self, "pooling", pooling_mode(self.pooling, self.name))
-        for attr in ("num_embeddings", "embedding_dim"):
-            value = getattr(self, attr)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"table {self.name!r}: {attr} must be a positive int, got {value!r}"
-                )
         if self.pooling not in POOLING_MODES:
             raise ValueError(
                 f"table {self.name!r}: pooling must be one of {POOLING_MODES}, got {self.pooling!r}"
             )
-        if isinstance(self.feature_names, str):
-            raise TypeError(
-                f"table {self.name!r}: feature_names must be a list of str, got the str "
-                f"{self.feature_names!r}; write [{self.feature_names!r}]"
-            )
-        names = list(self.feature_names) or [self.name]
-        if any(not isinstance(f, str) or not f for f in names):
-            raise TypeError(f"table {self.name!r}: feature_names must be non-empty strings")
-        if len(set(names)) != len(names):
-            raise ValueError(f"table {self.name!r}: duplicate feature names {names}")
-        object.__setattr__(self, "feature_names", names)
 
     def __hash__(self) -> int:
         return hash(
@@ -68,6 +50,47 @@ class EmbeddingBagConfig:
                 self.pooling,
             )
         )
+
+
+def check_table_fields(cfg: object) -> None:
+    """A table config's name, sizes and features (pooled or sequence alike): a non-empty
+    name, positive int rows and dim, distinct non-empty feature names (default: the
+    table's name, written back into the frozen config)."""
+    name = cfg.name  # type: ignore[attr-defined]
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{type(cfg).__name__}.name must be a non-empty str, got {name!r}")
+    for attr in ("num_embeddings", "embedding_dim"):
+        value = getattr(cfg, attr)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"table {name!r}: {attr} must be a positive int, got {value!r}")
+    features = cfg.feature_names  # type: ignore[attr-defined]
+    if isinstance(features, str):
+        raise TypeError(
+            f"table {name!r}: feature_names must be a list of str, got the str "
+            f"{features!r}; write [{features!r}]"
+        )
+    names = list(features) or [name]
+    if any(not isinstance(f, str) or not f for f in names):
+        raise TypeError(f"table {name!r}: feature_names must be non-empty strings")
+    if len(set(names)) != len(names):
+        raise ValueError(f"table {name!r}: duplicate feature names {names}")
+    object.__setattr__(cfg, "feature_names", names)
+
+
+def check_torchrec_table(cfg: object) -> None:
+    """TorchRec config fields dtrec cannot honour (virtual / pruned tables) are a
+    ValueError naming the table, never dropped silently."""
+    unsupported = {
+        "use_virtual_table": bool(getattr(cfg, "use_virtual_table", False)),
+        "num_embeddings_post_pruning": getattr(cfg, "num_embeddings_post_pruning", None)
+        is not None,
+    }
+    for field_name, is_set in unsupported.items():
+        if is_set:
+            raise ValueError(
+                f"table {cfg.name!r}: TorchRec's {field_name} is not supported by dtrec; "  # type: ignore[attr-defined]
+                "build the table without it"
+            )
 
 
 def pooling_mode(pooling: object, table: str) -> object:
@@ -120,23 +143,12 @@ def as_bag_config(cfg: object) -> EmbeddingBagConfig:
     if not is_torchrec_bag_config(cfg):
         hint = ""
         if type(cfg).__name__ == "EmbeddingConfig":
-            hint = " (an unpooled sequence table: sequence embeddings are not supported yet)"
+            hint = " (an unpooled sequence table: put it in an EmbeddingCollection)"
         raise TypeError(f"expected EmbeddingBagConfig, got {type(cfg).__name__}{hint}")
-    name = cfg.name  # type: ignore[attr-defined]
-    unsupported = {
-        "use_virtual_table": bool(getattr(cfg, "use_virtual_table", False)),
-        "num_embeddings_post_pruning": getattr(cfg, "num_embeddings_post_pruning", None)
-        is not None,
-    }
-    for field_name, is_set in unsupported.items():
-        if is_set:
-            raise ValueError(
-                f"table {name!r}: TorchRec's {field_name} is not supported by dtrec; "
-                "build the table without it"
-            )
+    check_torchrec_table(cfg)
     table_dtype(cfg)
     return EmbeddingBagConfig(
-        name,
+        cfg.name,  # type: ignore[attr-defined]
         cfg.num_embeddings,  # type: ignore[attr-defined]
         cfg.embedding_dim,  # type: ignore[attr-defined]
         list(cfg.feature_names),  # type: ignore[attr-defined]

@@ -15,7 +15,12 @@ import torch
 from torch import Tensor, nn
 
 from dtrec import ops
-from dtrec.modules.config import check_table_names, table_dtype
+from dtrec.modules.config import (
+    check_table_fields,
+    check_table_names,
+    check_torchrec_table,
+    table_dtype,
+)
 from dtrec.modules.features import check_bounds_mode, feature_order, prepare_features
 from dtrec.sparse import JaggedTensor, KeyedJaggedTensor, as_kjt
 
@@ -40,25 +45,7 @@ class EmbeddingConfig:
     """Features (KeyedJaggedTensor keys) looked up in this table; default: [name]."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise TypeError(f"EmbeddingConfig.name must be a non-empty str, got {self.name!r}")
-        for attr in ("num_embeddings", "embedding_dim"):
-            value = getattr(self, attr)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"table {self.name!r}: {attr} must be a positive int, got {value!r}"
-                )
-        if isinstance(self.feature_names, str):
-            raise TypeError(
-                f"table {self.name!r}: feature_names must be a list of str, got the str "
-                f"{self.feature_names!r}; write [{self.feature_names!r}]"
-            )
-        names = list(self.feature_names) or [self.name]
-        if any(not isinstance(f, str) or not f for f in names):
-            raise TypeError(f"table {self.name!r}: feature_names must be non-empty strings")
-        if len(set(names)) != len(names):
-            raise ValueError(f"table {self.name!r}: duplicate feature names {names}")
-        object.__setattr__(self, "feature_names", names)
+        check_table_fields(self)
 
     def __hash__(self) -> int:
         return hash((self.name, self.num_embeddings, self.embedding_dim, tuple(self.feature_names)))
@@ -79,17 +66,10 @@ def as_sequence_config(cfg: object) -> EmbeddingConfig:
         if type(cfg).__name__ == "EmbeddingBagConfig":
             hint = " (a pooled table: put it in an EmbeddingBagCollection)"
         raise TypeError(f"expected EmbeddingConfig, got {type(cfg).__name__}{hint}")
-    name = cfg.name  # type: ignore[attr-defined]
-    if bool(getattr(cfg, "use_virtual_table", False)) or (
-        getattr(cfg, "num_embeddings_post_pruning", None) is not None
-    ):
-        raise ValueError(
-            f"table {name!r}: TorchRec's virtual / pruned tables are not supported by dtrec; "
-            "build the table without use_virtual_table / num_embeddings_post_pruning"
-        )
+    check_torchrec_table(cfg)
     table_dtype(cfg)
     return EmbeddingConfig(
-        name,
+        cfg.name,  # type: ignore[attr-defined]
         cfg.num_embeddings,  # type: ignore[attr-defined]
         cfg.embedding_dim,  # type: ignore[attr-defined]
         list(cfg.feature_names),  # type: ignore[attr-defined]
