@@ -128,12 +128,15 @@ def pooled_lookup(lookup: Lookup) -> Tensor:
 
 def occurrence_scale(
     offsets: Tensor, mean: Sequence[bool], per_sample_weights: Tensor | None, num_values: int
-) -> tuple[Tensor, Tensor]:
-    """Per id: its bag index (global, e*B+b) and the factor its row is pooled with."""
+) -> tuple[Tensor, Tensor | None]:
+    """Per id: its bag index (global, e*B+b) and the factor its row is pooled with
+    (None when every factor is 1: sum pooling, no per-sample weights)."""
     lengths = torch.diff(offsets.long())
     bag = torch.repeat_interleave(
         torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=num_values
     )
+    if not any(mean):
+        return bag, None if per_sample_weights is None else per_sample_weights.float()
     num_entries = len(mean)
     batch = lengths.numel() // num_entries
     mean_t = torch.tensor(list(mean), device=offsets.device).repeat_interleave(batch)
@@ -188,13 +191,14 @@ def row_grads(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     )
     num_entries, batch, device = len(entry_table), lookup.batch, values.device
     bag, scale = occurrence_scale(offsets, lookup.mean, lookup.per_sample_weights, values.numel())
-    entry = bag // batch
+    per_entry = offsets[:: max(batch, 1)].diff() if batch else offsets.new_zeros(num_entries)
+    entry = torch.repeat_interleave(
+        torch.arange(num_entries, device=device), per_entry, output_size=values.numel()
+    )
     rows = [w.shape[0] for w in weights]
     row_base = torch.tensor([0, *rows[:-1]], device=device).cumsum(0)
     table_of_entry = torch.tensor(list(entry_table), device=device)
-    dims = torch.tensor([w.shape[1] for w in weights], device=device)
     occ_table = table_of_entry.index_select(0, entry)
-    occ_dim = dims.index_select(0, occ_table)
     grad_out = grad_out.float()
     entry_cols = lookup.columns()
     result: list[tuple[Tensor, Tensor] | None] = [None] * len(weights)
@@ -202,21 +206,24 @@ def row_grads(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     for t, w in enumerate(weights):
         if w.shape[1] == 0:  # an empty column shard has no gradient
             result[t] = (empty_ids, grad_out.new_zeros(0, 0))
+    entry_dim = torch.tensor([weights[t].shape[1] for t in entry_table], device=device)
     for dim in sorted({w.shape[1] for w in weights} - {0}):
         # grad_out's column blocks of this dim's entries as rows [B * E_dim, dim].
         dim_entries = [e for e, t in enumerate(entry_table) if weights[t].shape[1] == dim]
         slot = torch.full((num_entries,), -1, dtype=torch.long, device=device)
         slot[dim_entries] = torch.arange(len(dim_entries), device=device)
-        blocks = torch.stack(
-            [grad_out[:, entry_cols[e] : entry_cols[e] + dim] for e in dim_entries], 1
-        )
-        if len(dim_entries) == num_entries:  # one dim: every occurrence, no selection copy
+        if len(dim_entries) == num_entries:  # one dim: every occurrence, no copies
+            blocks = grad_out.contiguous().view(-1, num_entries, dim)
             s_bag, s_entry, s_scale, s_table, s_values = bag, entry, scale, occ_table, values
         else:
-            sel = torch.nonzero(occ_dim == dim).squeeze(1)
-            s_bag, s_entry, s_scale, s_table, s_values = (
-                x.index_select(0, sel) for x in (bag, entry, scale, occ_table, values)
+            blocks = torch.stack(
+                [grad_out[:, entry_cols[e] : entry_cols[e] + dim] for e in dim_entries], 1
             )
+            sel = torch.nonzero(entry_dim.index_select(0, entry) == dim).squeeze(1)
+            s_bag, s_entry, s_table, s_values = (
+                x.index_select(0, sel) for x in (bag, entry, occ_table, values)
+            )
+            s_scale = None if scale is None else scale.index_select(0, sel)
         src = (s_bag - s_entry * batch) * len(dim_entries) + slot.index_select(0, s_entry)
         keys = row_base.index_select(0, s_table) + s_values.long()
         unique, grad_rows = sum_rows_by_key(
