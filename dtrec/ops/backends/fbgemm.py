@@ -136,8 +136,6 @@ def _bags_in_order(lookup: Lookup, order: list[int]) -> tuple[Tensor, Tensor, Te
     return lookup.values.index_select(0, index), new_offsets, psw
 
 
-
-
 class FbgemmBackend(TorchBackend):
     """The torch backend with fbgemm's kernels where they serve the call.
 
