@@ -21,6 +21,7 @@ from torch import Tensor
 from dtrec.kernels.update_math import (
     adam_rows,
     adam_step,
+    row_sq_sums,
     rowwise_adagrad_rows,
     rowwise_adagrad_step,
     sgd_rows,
@@ -88,7 +89,7 @@ class RowWiseAdagrad(FusedOptimizer):
         return StepRule("rowwise_adagrad", self.lr, self.eps)
 
     def _update_torch(self, u: RowUpdate) -> None:
-        row_sq_sum = u.row_sq_sum if u.row_sq_sum is not None else u.grad_rows.square().sum(1)
+        row_sq_sum = u.row_sq_sum if u.row_sq_sum is not None else row_sq_sums(u.grad_rows)
         change, acc = rowwise_adagrad_step(
             u.state["sum"].index_select(0, u.rows),
             u.grad_rows,

@@ -7,6 +7,7 @@ apply their own pure-torch math (``dtrec.optim``) to the row gradients.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -181,7 +182,8 @@ def row_grads(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     Vectorized over all tables of one embedding dim at once: each id occurrence
     gets the key ``row_base[table] + id``, and ``sum_rows_by_key`` sums each
     key's ``grad_out`` rows (times the occurrence's scale) in a fixed order:
-    deterministic (on CUDA prefer the Triton backend).
+    deterministic (on CUDA prefer the Triton backend). The gradient rows are laid
+    out entry-major (row ``e * B + b``), so an occurrence's bag index is its row.
     """
     weights, entry_table, values, offsets = (
         lookup.weights,
@@ -192,13 +194,11 @@ def row_grads(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     num_entries, batch, device = len(entry_table), lookup.batch, values.device
     bag, scale = occurrence_scale(offsets, lookup.mean, lookup.per_sample_weights, values.numel())
     per_entry = offsets[:: max(batch, 1)].diff() if batch else offsets.new_zeros(num_entries)
-    entry = torch.repeat_interleave(
-        torch.arange(num_entries, device=device), per_entry, output_size=values.numel()
-    )
     rows = [w.shape[0] for w in weights]
-    row_base = torch.tensor([0, *rows[:-1]], device=device).cumsum(0)
-    table_of_entry = torch.tensor(list(entry_table), device=device)
-    occ_table = table_of_entry.index_select(0, entry)
+    bounds = [0, *itertools.accumulate(rows)]
+    row_base = torch.tensor(bounds, device=device)
+    entry_base = row_base[:-1].index_select(0, torch.tensor(list(entry_table), device=device))
+    keys = torch.repeat_interleave(entry_base, per_entry, output_size=values.numel()) + values
     grad_out = grad_out.float()
     entry_cols = lookup.columns()
     result: list[tuple[Tensor, Tensor] | None] = [None] * len(weights)
@@ -206,36 +206,34 @@ def row_grads(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     for t, w in enumerate(weights):
         if w.shape[1] == 0:  # an empty column shard has no gradient
             result[t] = (empty_ids, grad_out.new_zeros(0, 0))
-    entry_dim = torch.tensor([weights[t].shape[1] for t in entry_table], device=device)
     for dim in sorted({w.shape[1] for w in weights} - {0}):
-        # grad_out's column blocks of this dim's entries as rows [B * E_dim, dim].
         dim_entries = [e for e, t in enumerate(entry_table) if weights[t].shape[1] == dim]
-        slot = torch.full((num_entries,), -1, dtype=torch.long, device=device)
-        slot[dim_entries] = torch.arange(len(dim_entries), device=device)
-        if len(dim_entries) == num_entries:  # one dim: every occurrence, no copies
-            blocks = grad_out.contiguous().view(-1, num_entries, dim)
-            s_bag, s_entry, s_scale, s_table, s_values = bag, entry, scale, occ_table, values
-        else:
+        if len(dim_entries) == num_entries:  # one dim: every occurrence
+            blocks = grad_out.view(batch, num_entries, dim).transpose(0, 1)
+            s_bag, s_keys, s_scale = bag, keys, scale
+        else:  # this dim's entries' blocks, in order: entry e's bags move to slot[e]
             blocks = torch.stack(
-                [grad_out[:, entry_cols[e] : entry_cols[e] + dim] for e in dim_entries], 1
+                [grad_out[:, entry_cols[e] : entry_cols[e] + dim] for e in dim_entries]
             )
-            sel = torch.nonzero(entry_dim.index_select(0, entry) == dim).squeeze(1)
-            s_bag, s_entry, s_table, s_values = (
-                x.index_select(0, sel) for x in (bag, entry, occ_table, values)
+            slot = torch.full((num_entries,), -1, dtype=torch.long, device=device)
+            slot[dim_entries] = torch.arange(len(dim_entries), device=device)
+            entry = torch.repeat_interleave(
+                torch.arange(num_entries, device=device), per_entry, output_size=values.numel()
             )
+            sel = torch.nonzero(slot.index_select(0, entry) >= 0).squeeze(1)
+            s_entry = entry.index_select(0, sel)
+            s_bag = bag.index_select(0, sel) + (slot.index_select(0, s_entry) - s_entry) * batch
+            s_keys = keys.index_select(0, sel)
             s_scale = None if scale is None else scale.index_select(0, sel)
-        src = (s_bag - s_entry * batch) * len(dim_entries) + slot.index_select(0, s_entry)
-        keys = row_base.index_select(0, s_table) + s_values.long()
         unique, grad_rows = sum_rows_by_key(
-            keys, blocks.reshape(-1, dim), src, s_scale, key_bound=sum(rows)
+            s_keys, blocks.reshape(-1, dim), s_bag, s_scale, key_bound=bounds[-1]
         )
-        key_table = torch.searchsorted(row_base, unique, right=True) - 1
-        counts = torch.bincount(key_table, minlength=len(weights)).tolist()
-        start = 0
-        for t, n in enumerate(counts):
+        # each table's keys are one run of the sorted unique keys
+        edges = torch.searchsorted(unique, row_base).tolist()
+        for t in range(len(weights)):
             if weights[t].shape[1] == dim:
-                result[t] = (unique[start : start + n] - row_base[t], grad_rows[start : start + n])
-            start += n
+                lo, hi = edges[t], edges[t + 1]
+                result[t] = (unique[lo:hi] - bounds[t], grad_rows[lo:hi])
     return result  # type: ignore[return-value]
 
 
