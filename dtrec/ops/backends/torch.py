@@ -182,8 +182,7 @@ def row_grads(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     Vectorized over all tables of one embedding dim at once: each id occurrence
     gets the key ``row_base[table] + id``, and ``sum_rows_by_key`` sums each
     key's ``grad_out`` rows (times the occurrence's scale) in a fixed order:
-    deterministic (on CUDA prefer the Triton backend). The gradient rows are laid
-    out entry-major (row ``e * B + b``), so an occurrence's bag index is its row.
+    deterministic (on CUDA prefer the Triton backend).
     """
     weights, entry_table, values, offsets = (
         lookup.weights,
@@ -208,9 +207,11 @@ def row_grads(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
             result[t] = (empty_ids, grad_out.new_zeros(0, 0))
     for dim in sorted({w.shape[1] for w in weights} - {0}):
         dim_entries = [e for e, t in enumerate(entry_table) if weights[t].shape[1] == dim]
-        if len(dim_entries) == num_entries:  # one dim: every occurrence
-            blocks = grad_out.view(batch, num_entries, dim).transpose(0, 1)
-            s_bag, s_keys, s_scale = bag, keys, scale
+        if len(dim_entries) == num_entries:  # one dim: every occurrence, grad_out as is
+            blocks = grad_out.reshape(-1, dim)  # bag e * B + b is row b * E + e
+            row_of_bag = torch.arange(batch * num_entries, device=device)
+            row_of_bag = row_of_bag.view(batch, num_entries).t().reshape(-1)
+            s_bag, s_keys, s_scale = row_of_bag.index_select(0, bag), keys, scale
         else:  # this dim's entries' blocks, in order: entry e's bags move to slot[e]
             blocks = torch.stack(
                 [grad_out[:, entry_cols[e] : entry_cols[e] + dim] for e in dim_entries]
