@@ -116,10 +116,13 @@ class FusedOptimizer(ABC):
         backend = resolve_backend(lookup.values.device)
         if backend.backward_update(lookup, grad_out, self.step_rule(), states, grad_scale):
             return
-        rows = backend.backward_rows(lookup, grad_out)
+        # scaled before the row sums: grad_out has fewer elements than the summed rows
+        rows = backend.backward_rows(
+            lookup, grad_out if grad_scale == 1.0 else grad_out * grad_scale
+        )
         self._apply(
             [
-                RowUpdate(w, st, ids, g if grad_scale == 1.0 else g * grad_scale)
+                RowUpdate(w, st, ids, g)
                 for w, st, (ids, g) in zip(lookup.weights, states, rows, strict=True)
             ]
         )

@@ -1,9 +1,9 @@
 """The fused update rules (SGD, row-wise Adagrad, Adam): each one's math, written once.
 
 Each rule's math on a block of rows is written once, in pure torch, in
-``dtrec.kernels.update_math`` (``sgd_rows``, ``rowwise_adagrad_rows``, ``adam_rows``):
-the optimizers run it where no kernel serves a step, and the Triton update kernels
-are tested against it.
+``dtrec.kernels.update_math`` as a step (``sgd_step``, ``rowwise_adagrad_step``,
+``adam_step``): the optimizers add it to the touched rows in place where no kernel
+serves an update, and the Triton update kernels are tested against it.
 
 Example::
 
@@ -18,9 +18,27 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dtrec.kernels.update_math import adam_rows, rowwise_adagrad_rows, sgd_rows
+from dtrec.kernels.update_math import (
+    adam_rows,
+    adam_step,
+    row_sq_sums,
+    rowwise_adagrad_rows,
+    rowwise_adagrad_step,
+    sgd_rows,
+    sgd_step,
+)
 from dtrec.ops.backends.base import RowUpdate, StepRule
 from dtrec.optim.base import FusedOptimizer, check_hyper
+
+
+def _add_step(u: RowUpdate, change: Tensor) -> None:
+    """Add the fp32 ``change`` to the touched rows: in place for fp32 tables (rows are
+    unique, so ``index_add_`` is exact and deterministic), else rounded once from fp32."""
+    if u.weight.dtype == torch.float32:
+        u.weight.index_add_(0, u.rows, change)
+    else:
+        new = u.weight.index_select(0, u.rows).float().add_(change)
+        u.weight.index_copy_(0, u.rows, new.to(u.weight.dtype))
 
 
 def _check_eps(eps: float, name: str) -> None:
@@ -44,8 +62,7 @@ class SGD(FusedOptimizer):
         return StepRule("sgd", self.lr)
 
     def _update_torch(self, u: RowUpdate) -> None:
-        new = sgd_rows(u.weight.index_select(0, u.rows), u.grad_rows, self.lr)
-        u.weight.index_copy_(0, u.rows, new.to(u.weight.dtype))
+        _add_step(u, sgd_step(u.grad_rows, self.lr))
 
 
 @dataclass(frozen=True)
@@ -72,9 +89,8 @@ class RowWiseAdagrad(FusedOptimizer):
         return StepRule("rowwise_adagrad", self.lr, self.eps)
 
     def _update_torch(self, u: RowUpdate) -> None:
-        row_sq_sum = u.row_sq_sum if u.row_sq_sum is not None else u.grad_rows.square().sum(1)
-        new, acc = rowwise_adagrad_rows(
-            u.weight.index_select(0, u.rows),
+        row_sq_sum = u.row_sq_sum if u.row_sq_sum is not None else row_sq_sums(u.grad_rows)
+        change, acc = rowwise_adagrad_step(
             u.state["sum"].index_select(0, u.rows),
             u.grad_rows,
             row_sq_sum,
@@ -83,7 +99,7 @@ class RowWiseAdagrad(FusedOptimizer):
             self.eps,
         )
         u.state["sum"].index_copy_(0, u.rows, acc)
-        u.weight.index_copy_(0, u.rows, new.to(u.weight.dtype))
+        _add_step(u, change)
 
 
 @dataclass(frozen=True)
@@ -123,8 +139,7 @@ class Adam(FusedOptimizer):
             st["step"] += 1
 
     def _update_torch(self, u: RowUpdate) -> None:
-        new, m, v = adam_rows(
-            u.weight.index_select(0, u.rows),
+        change, m, v = adam_step(
             u.state["exp_avg"].index_select(0, u.rows),
             u.state["exp_avg_sq"].index_select(0, u.rows),
             u.grad_rows,
@@ -135,7 +150,7 @@ class Adam(FusedOptimizer):
         )
         u.state["exp_avg"].index_copy_(0, u.rows, m)
         u.state["exp_avg_sq"].index_copy_(0, u.rows, v)
-        u.weight.index_copy_(0, u.rows, new.to(u.weight.dtype))
+        _add_step(u, change)
 
 
 __all__ = ["SGD", "Adam", "RowWiseAdagrad", "adam_rows", "rowwise_adagrad_rows", "sgd_rows"]

@@ -42,6 +42,7 @@ from torch.distributed import ProcessGroup
 from dtrec._torch_compat import current_backward_id, queue_backward_callback
 from dtrec.comm.collectives import PendingTensors, all_reduce_coalesced_start
 from dtrec.comm.quantized import Codec
+from dtrec.kernels.update_math import row_sq_sums
 from dtrec.ops.lookup import Lookup
 from dtrec.ops.op import embedding_bag_psw_backward_op, lookup_backward_rows, lookup_forward
 from dtrec.optim import FusedOptimizer, RowUpdate
@@ -200,7 +201,7 @@ class FusedUpdater:
         started = []
         chosen = {t: merged[t] for t in tables}
         for group_tables, group in _by_group(chosen, lambda t: self.tables[t].column_group):
-            sums = [merged[t][1].square().sum(1) for t in group_tables]
+            sums = [row_sq_sums(merged[t][1]) for t in group_tables]
             started.append(
                 (group_tables, all_reduce_coalesced_start(sums, group, "optim.row_sq_sum"))
             )

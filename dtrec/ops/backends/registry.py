@@ -22,8 +22,9 @@ _REGISTRY: dict[str, Backend] = {
     b.name: b for b in (TritonBackend(), TorchBackend(), FbgemmBackend())
 }
 _backend = os.environ.get("DTREC_BACKEND", "auto")
-# "auto" without Triton: torch's lookups, fbgemm's fused CPU backward + step where it serves.
-_AUTO_FALLBACK: Backend = FbgemmBackend(name="torch", lookups=False)
+# "auto" without Triton: torch's lookups, fbgemm's fused CPU backward + SGD step where it
+# serves (its row-wise Adagrad is slower than torch's row grads + in-place step: fbgemm.py).
+_AUTO_FALLBACK: Backend = FbgemmBackend(name="torch", lookups=False, fused_rules=("sgd",))
 
 
 def register_backend(backend: Backend) -> None:

@@ -7,6 +7,7 @@ apply their own pure-torch math (``dtrec.optim``) to the row gradients.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -128,12 +129,15 @@ def pooled_lookup(lookup: Lookup) -> Tensor:
 
 def occurrence_scale(
     offsets: Tensor, mean: Sequence[bool], per_sample_weights: Tensor | None, num_values: int
-) -> tuple[Tensor, Tensor]:
-    """Per id: its bag index (global, e*B+b) and the factor its row is pooled with."""
+) -> tuple[Tensor, Tensor | None]:
+    """Per id: its bag index (global, e*B+b) and the factor its row is pooled with
+    (None when every factor is 1: sum pooling, no per-sample weights)."""
     lengths = torch.diff(offsets.long())
     bag = torch.repeat_interleave(
         torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=num_values
     )
+    if not any(mean):
+        return bag, None if per_sample_weights is None else per_sample_weights.float()
     num_entries = len(mean)
     batch = lengths.numel() // num_entries
     mean_t = torch.tensor(list(mean), device=offsets.device).repeat_interleave(batch)
@@ -188,13 +192,12 @@ def row_grads(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     )
     num_entries, batch, device = len(entry_table), lookup.batch, values.device
     bag, scale = occurrence_scale(offsets, lookup.mean, lookup.per_sample_weights, values.numel())
-    entry = bag // batch
+    per_entry = offsets[:: max(batch, 1)].diff() if batch else offsets.new_zeros(num_entries)
     rows = [w.shape[0] for w in weights]
-    row_base = torch.tensor([0, *rows[:-1]], device=device).cumsum(0)
-    table_of_entry = torch.tensor(list(entry_table), device=device)
-    dims = torch.tensor([w.shape[1] for w in weights], device=device)
-    occ_table = table_of_entry.index_select(0, entry)
-    occ_dim = dims.index_select(0, occ_table)
+    bounds = [0, *itertools.accumulate(rows)]
+    row_base = torch.tensor(bounds, device=device)
+    entry_base = row_base[:-1].index_select(0, torch.tensor(list(entry_table), device=device))
+    keys = torch.repeat_interleave(entry_base, per_entry, output_size=values.numel()) + values
     grad_out = grad_out.float()
     entry_cols = lookup.columns()
     result: list[tuple[Tensor, Tensor] | None] = [None] * len(weights)
@@ -203,32 +206,35 @@ def row_grads(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
         if w.shape[1] == 0:  # an empty column shard has no gradient
             result[t] = (empty_ids, grad_out.new_zeros(0, 0))
     for dim in sorted({w.shape[1] for w in weights} - {0}):
-        # grad_out's column blocks of this dim's entries as rows [B * E_dim, dim].
         dim_entries = [e for e, t in enumerate(entry_table) if weights[t].shape[1] == dim]
-        slot = torch.full((num_entries,), -1, dtype=torch.long, device=device)
-        slot[dim_entries] = torch.arange(len(dim_entries), device=device)
-        blocks = torch.stack(
-            [grad_out[:, entry_cols[e] : entry_cols[e] + dim] for e in dim_entries], 1
-        )
-        if len(dim_entries) == num_entries:  # one dim: every occurrence, no selection copy
-            s_bag, s_entry, s_scale, s_table, s_values = bag, entry, scale, occ_table, values
-        else:
-            sel = torch.nonzero(occ_dim == dim).squeeze(1)
-            s_bag, s_entry, s_scale, s_table, s_values = (
-                x.index_select(0, sel) for x in (bag, entry, scale, occ_table, values)
+        if len(dim_entries) == num_entries:  # one dim: every occurrence, grad_out as is
+            blocks = grad_out.reshape(-1, dim)  # bag e * B + b is row b * E + e
+            row_of_bag = torch.arange(batch * num_entries, device=device)
+            row_of_bag = row_of_bag.view(batch, num_entries).t().reshape(-1)
+            s_bag, s_keys, s_scale = row_of_bag.index_select(0, bag), keys, scale
+        else:  # this dim's entries' blocks, in order: entry e's bags move to slot[e]
+            blocks = torch.stack(
+                [grad_out[:, entry_cols[e] : entry_cols[e] + dim] for e in dim_entries]
             )
-        src = (s_bag - s_entry * batch) * len(dim_entries) + slot.index_select(0, s_entry)
-        keys = row_base.index_select(0, s_table) + s_values.long()
+            slot = torch.full((num_entries,), -1, dtype=torch.long, device=device)
+            slot[dim_entries] = torch.arange(len(dim_entries), device=device)
+            entry = torch.repeat_interleave(
+                torch.arange(num_entries, device=device), per_entry, output_size=values.numel()
+            )
+            sel = torch.nonzero(slot.index_select(0, entry) >= 0).squeeze(1)
+            s_entry = entry.index_select(0, sel)
+            s_bag = bag.index_select(0, sel) + (slot.index_select(0, s_entry) - s_entry) * batch
+            s_keys = keys.index_select(0, sel)
+            s_scale = None if scale is None else scale.index_select(0, sel)
         unique, grad_rows = sum_rows_by_key(
-            keys, blocks.reshape(-1, dim), src, s_scale, key_bound=sum(rows)
+            s_keys, blocks.reshape(-1, dim), s_bag, s_scale, key_bound=bounds[-1]
         )
-        key_table = torch.searchsorted(row_base, unique, right=True) - 1
-        counts = torch.bincount(key_table, minlength=len(weights)).tolist()
-        start = 0
-        for t, n in enumerate(counts):
+        # each table's keys are one run of the sorted unique keys
+        edges = torch.searchsorted(unique, row_base).tolist()
+        for t in range(len(weights)):
             if weights[t].shape[1] == dim:
-                result[t] = (unique[start : start + n] - row_base[t], grad_rows[start : start + n])
-            start += n
+                lo, hi = edges[t], edges[t + 1]
+                result[t] = (unique[lo:hi] - bounds[t], grad_rows[lo:hi])
     return result  # type: ignore[return-value]
 
 
