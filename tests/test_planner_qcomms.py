@@ -1,15 +1,17 @@
-"""The cost model prices quantized output dists (``Topology.qcomms``): the bytes it
-predicts are the bytes ``dtrec.comm_stats()`` measures with that ``QCommsConfig``, for
-pooled and sequence tables, and only the output dist's kinds change."""
+"""The cost model prices quantized communication (``Topology.qcomms``): the bytes it
+predicts are the bytes ``dtrec.comm_stats()`` measures with that ``QCommsConfig``: the
+output dists of pooled and sequence tables (W=2), and every kind of a 2D step (W=4, S=2,
+R=2), the replicate-axis gradient sums on both paths included; only the quantized kinds
+change."""
 
 from __future__ import annotations
 
 import pytest
 
 import dtrec
-from dtrec.placements import ColumnWise, RowWise, TableWise
+from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
 from dtrec.placements.mesh import ShardAxis
-from dtrec.planning.cost_model import Topology, table_cost
+from dtrec.planning.cost_model import Topology, comm_by_kind, table_cost
 from tests.multiprocess import run_world
 
 QCOMMS = dtrec.QCommsConfig(forward_precision="bf16", backward_precision="fp16")
@@ -120,3 +122,126 @@ def test_predicted_sequence_rows_are_measured_rows(measured) -> None:
 def test_topology_rejects_a_qcomms_that_is_no_config() -> None:
     with pytest.raises(TypeError, match=r"Topology.qcomms must be a dtrec.QCommsConfig"):
         Topology(qcomms="bf16")
+
+
+# A 2D run (W=4: S=2 shard positions x R=2 replicas) whose batches make every count the
+# cost model predicts exact: fixed bag lengths, and ids that hit a new row each until a
+# table's (or block's) rows are all hit, which ``_DistinctIds`` describes to the model.
+# Sizes keep each dense replica-sum buffer even (no padding in the 2-rank reduce-scatter).
+TABLES_2D = {  # name: (rows, dim, spec, ids per bag, replica-sum path it should take)
+    "dense_tw": (8, 7, TableWise(rank=0), 4, "dense"),
+    "sparse_tw": (1000, 16, TableWise(rank=1), 3, "sparse"),
+    "dense_rw": (40, 5, RowWise(), 10, "dense"),
+    "dp": (6, 3, DataParallel(), 2, "dense"),
+}
+BATCH_2D = 4
+QCOMMS_2D = {
+    "fp32": None,
+    "bf16": dtrec.QCommsConfig(replica_sync_precision="bf16"),
+    "fp16-scaled": dtrec.QCommsConfig(
+        forward_precision="bf16",
+        backward_precision="fp16",
+        replica_sync_precision="fp16",
+        backward_loss_scale=1024.0,
+    ),  # fmt: skip
+}
+
+
+class _DistinctIds:
+    """The test batches' ids: spread evenly over the rows, each id a new row until all
+    rows are hit (so ``n`` ids touch ``min(n x share, rows)`` rows of a block)."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def mass(self, start: int, end: int) -> float:
+        return (end - start) / self.rows
+
+    def unique(self, n: float, start: int, end: int) -> float:
+        return min(n * self.mass(start, end), end - start)
+
+
+def _batch_2d(position: int) -> dtrec.KeyedJaggedTensor:
+    """Shard position p's ids for each table: ``p n .. p n + n - 1`` modulo its rows (n ids
+    per rank), so the S positions' ids are distinct until they cover the rows."""
+    import torch
+
+    values, lengths = [], []
+    for rows, _, _, per_bag, _ in TABLES_2D.values():
+        n = BATCH_2D * per_bag
+        values.append((position * n + torch.arange(n)) % rows)
+        lengths.append(torch.full((BATCH_2D,), per_bag))
+    return dtrec.KeyedJaggedTensor(
+        [f"f_{name}" for name in TABLES_2D], torch.cat(values), torch.cat(lengths)
+    )
+
+
+def _measure_2d(rank: int, world: int) -> dict:
+    """Per QCOMMS_2D config: the bytes one fused SGD step sends per kind, and the cost
+    model's ``comm_by_kind`` for this rank's shard position."""
+    import torch
+
+    mesh = dtrec.init_mesh("cpu", 2)
+    axis = ShardAxis(size=2, replicas=world // 2, per_node=None)
+    position = rank // axis.replicas
+    configs = [
+        dtrec.EmbeddingBagConfig(name, rows, dim, [f"f_{name}"])
+        for name, (rows, dim, *_) in TABLES_2D.items()
+    ]
+    plan = {name: spec for name, (_, _, spec, *_) in TABLES_2D.items()}
+    pooling = {f"f_{name}": float(t[3]) for name, t in TABLES_2D.items()}
+    kjt = _batch_2d(position)
+    out: dict = {"measured": {}, "predicted": {}}
+    for name, qcomms in QCOMMS_2D.items():
+        torch.manual_seed(0)
+        model = dtrec.distribute_module(
+            dtrec.EmbeddingBagCollection(configs), mesh, plan,
+            optimizer=dtrec.optim.SGD(lr=0.1), qcomms=qcomms,
+        )  # fmt: skip
+        with dtrec.comm_stats() as stats:
+            model(kjt).values().sum().backward()
+        out["measured"][name] = dict(stats.bytes_sent)
+        topology = Topology(batch_size_per_rank=BATCH_2D, pooling_factors=pooling, qcomms=qcomms)
+        costs = [
+            table_cost(cfg, plan[cfg.name], axis, topology, _DistinctIds(cfg.num_embeddings))
+            for cfg in configs
+        ]
+        predicted = comm_by_kind(costs, axis)
+        out["predicted"][name] = {k: float(v[position]) for k, v in predicted.items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured_2d() -> list[dict]:
+    return run_world(4, _measure_2d, timeout=300)
+
+
+@pytest.mark.parametrize("name", sorted(QCOMMS_2D))
+def test_predicted_2d_bytes_are_measured_bytes(measured_2d, name) -> None:
+    """Every kind a 2D step sends, the replicate-axis gradient sums (sparse and dense,
+    quantized or not) included, is predicted to the byte."""
+    for rank, r in enumerate(measured_2d):
+        measured, predicted = r["measured"][name], r["predicted"][name]
+        per_kind = {k: v for k, v in predicted.items() if v and k not in ID_PARTS}
+        assert per_kind == pytest.approx(measured, abs=0), rank
+        assert any(k.startswith("grad_sync.replicate.") for k in measured), rank
+
+
+def test_quantized_replica_sum_is_priced_at_half(measured_2d) -> None:
+    """The replicate-axis sums (both paths) halve in ``replica_sync_precision``, as
+    measured; the data-parallel world sum and the ids stay fp32."""
+    paths = {"grad_sync.replicate.sparse", "grad_sync.replicate.dense"}
+    for rank, r in enumerate(measured_2d):
+        fp32, bf16 = r["predicted"]["fp32"], r["predicted"]["bf16"]
+        assert paths & set(fp32), rank
+        for kind, sent in fp32.items():
+            assert bf16[kind] == (sent / 2 if kind in paths else sent), (rank, kind)
+    position_paths = [
+        {k for k in r["measured"]["fp32"] if k in paths} for r in measured_2d
+    ]  # position 0 serves dense_tw and a dense_rw block, position 1 sparse_tw too
+    assert position_paths[0] == {"grad_sync.replicate.dense"}
+    assert position_paths[3] == paths
+
+
+ID_PARTS = ("input_dist.lengths", "input_dist.id_values")
+"""Sub-kinds the cost model keeps apart; ``comm_stats`` sees them as ``input_dist.ids``."""

@@ -14,8 +14,9 @@ routes by), for a batch of ``B`` samples per rank and ``L`` ids per bag on avera
   backward in ``Topology.qcomms``' precisions, exact row-wise Adagrad's row norms), sent
   and received apart;
 * replicate-axis traffic: the per-step gradient sync of the block's touched rows
-  (sparse all-gather or dense all-reduce, whichever is smaller, as ``replica_sync``),
-  over the world for data-parallel tables.
+  (sparse all-gather or dense all-reduce, whichever is smaller, as ``dtrec.sharded``'s
+  ``grad_sync`` chooses), in ``Topology.qcomms.replica_sync_precision``; over the world
+  (always fp32) for data-parallel tables.
 
 Time per position = HBM bytes / HBM bandwidth + max(sent, received) to shard-axis peers
 on its node / the intra-node bandwidth + the same for peers on other nodes / the
@@ -46,6 +47,8 @@ from dtrec.placements.mesh import ShardAxis
 
 # Optimizer state bytes: (per row, per element).
 OPTIMIZER_STATE = {"sgd": (0, 0), "rowwise_adagrad": (4, 0), "adam": (0, 8)}
+PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+"""Bytes per element of each ``QCommsConfig`` precision."""
 
 
 @dataclass(frozen=True)
@@ -77,9 +80,10 @@ class Topology:
     """Fraction of ``memory_per_rank`` left for activations and the dense model."""
     bytes_per_element: int = 4
     qcomms: QCommsConfig | None = None
-    """Precisions the output dist sends in (``distribute_module(qcomms=)``; None: fp32).
-    Only its forward and backward precisions enter the costs; the replicate-axis sum is
-    costed in fp32."""
+    """Precisions of the collections' exchanges (``distribute_module(qcomms=)``; None:
+    fp32): the output dist forward and backward, and the replicate-axis gradient sum of
+    sharded tables (data-parallel tables' world sum is fp32 in any case). Loss scales
+    cost nothing."""
 
     def __post_init__(self) -> None:
         if is_torchrec_qcomms(self.qcomms):
@@ -148,8 +152,14 @@ class Topology:
         """Bytes per element the output dist sends forward and backward (``qcomms``)."""
         if self.qcomms is None:
             return 4, 4
-        sizes = {"fp32": 4, "fp16": 2, "bf16": 2}
-        return sizes[self.qcomms.forward_precision], sizes[self.qcomms.backward_precision]
+        return (
+            PRECISION_BYTES[self.qcomms.forward_precision],
+            PRECISION_BYTES[self.qcomms.backward_precision],
+        )
+
+    def replica_sync_bytes(self) -> int:
+        """Bytes per gradient element the replicate-axis sum sends (``qcomms``)."""
+        return 4 if self.qcomms is None else PRECISION_BYTES[self.qcomms.replica_sync_precision]
 
     def pooling(self, cfg: EmbeddingBagConfig) -> float:
         """Ids per sample the table receives (summed over its features)."""
@@ -337,12 +347,31 @@ def table_cost(
         one_pass = not layout.batch_local and axis.replicas == 1 and peers[block.rows] == 1
         cost.hbm_bytes[p] += backward * (1.0 if one_pass else topology.synced_update_factor)
         if sync_group > 1:
-            sparse, dense = sync_bytes(sync_group, touched, cols, rows)
-            sent = min(sparse, dense)
+            wire = 4 if layout.batch_local else topology.replica_sync_bytes()
+            path, sent = gradient_sum_bytes(sync_group, touched, cols, rows, wire)
             (cost.world_bytes if layout.batch_local else cost.replica_bytes)[p] += sent
-            cost.add(f"{sync_kind}.{'dense' if dense < sparse else 'sparse'}", p, sent)
+            cost.add(f"{sync_kind}.{path}", p, sent)
             cost.add(f"{sync_kind}.counts", p, (sync_group - 1) * 8)
     return cost
+
+
+def gradient_sum_bytes(
+    group: int, touched: float, cols: int, rows: int, wire: int = 4
+) -> tuple[str, float]:
+    """("sparse" | "dense", bytes one member sends) to sum a block's gradient over ``group``
+    as ``dtrec.sharded.grad_sync`` does: the path is the one fp32 bytes pick
+    (``sync_bytes``) for any precision; a quantized sum (``wire`` = 2 bytes per element)
+    sends int32 row ids and half-width rows on the sparse path, half-width pieces and sums
+    on the dense one (``dtrec.comm.quantized.sum_quantized``), half the fp32 bytes.
+    """
+    sparse, dense = sync_bytes(group, touched, cols, rows)
+    path = "dense" if dense < sparse else "sparse"
+    if wire == 4:
+        return path, min(sparse, dense)
+    if path == "sparse":
+        row_id = 4 if rows <= 2**31 - 1 else 8
+        return path, (group - 1) * touched * (row_id + wire * cols)
+    return path, 2 * (group - 1) * rows * (cols + 1) * wire / group
 
 
 def _exchange(
