@@ -519,6 +519,13 @@ LOCAL: dict[str, Case] = {
         },
     ),  # fmt: skip
     "E238": lambda tmp: planner_config(tmp, {"tables": ["t0"]}),
+    "E253": lambda tmp: planner_config(tmp, {"tables": [], "qcoms": {}}),
+    "E250": lambda tmp: planner_config(tmp, {"tables": [], "qcomms": "bf16"}),
+    "E251": lambda tmp: planner_config(tmp, {"tables": [], "qcomms": {"forward": "bf16"}}),
+    "E252": lambda tmp: planner_config(
+        tmp, {"tables": [], "qcomms": {"forward_precision": "int8"}}
+    ),
+    "E254": lambda tmp: planner_config(tmp, {"tables": [], "qcomms": {"backward_loss_scale": 8}}),
     # fused optimizers
     "E103": lambda tmp: SGD(lr=-0.1),
     "E104": lambda tmp: SGD(lr=float("nan")),

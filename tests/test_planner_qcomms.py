@@ -6,12 +6,16 @@ change."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 import dtrec
 from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
 from dtrec.placements.mesh import ShardAxis
 from dtrec.planning.cost_model import Topology, comm_by_kind, table_cost
+from dtrec.planning.dry_run import dry_run, load_config, main
 from tests.multiprocess import run_world
 
 QCOMMS = dtrec.QCommsConfig(forward_precision="bf16", backward_precision="fp16")
@@ -245,3 +249,64 @@ def test_quantized_replica_sum_is_priced_at_half(measured_2d) -> None:
 
 ID_PARTS = ("input_dist.lengths", "input_dist.id_values")
 """Sub-kinds the cost model keeps apart; ``comm_stats`` sees them as ``input_dist.ids``."""
+
+
+CLI_TABLES = [
+    {"name": "big", "num_embeddings": 2_000_000, "embedding_dim": 128, "feature_names": ["fb"]},
+    {"name": "small", "num_embeddings": 5000, "embedding_dim": 64, "feature_names": ["fs"]},
+]
+CLI_QCOMMS = {
+    "forward_precision": "bf16", "backward_precision": "FP16", "replica_sync_precision": "bf16",
+    "backward_loss_scale": 1024,
+}  # fmt: skip
+
+
+def _cli(tmp_path, capsys, qcomms: dict | None) -> tuple[dict, str]:
+    """The dry run's result and the CLI's --explain output for a W=64, S=8 mesh."""
+    config = {"tables": CLI_TABLES, "batch_size_per_rank": 512,
+              "pooling_factors": {"fb": 20.0, "fs": 2.0}}  # fmt: skip
+    if qcomms is not None:
+        config["qcomms"] = qcomms
+    path = tmp_path / f"model_{qcomms is not None}.json"
+    path.write_text(json.dumps(config))
+    args = ["--config", str(path), "--world-size", "64", "--shard-group-size", "8"]
+    main([*args, "--node-size", "8", "--png", "", "--explain"])
+    tables, options = load_config(str(path))
+    result = dry_run(tables, 64, 8, 8, Topology.h100(node_size=8, **options))
+    return result, capsys.readouterr().out
+
+
+def _mib_of(out: str, table: str, kind: str) -> float:
+    """The MiB ``--explain`` shows for ``kind`` on ``table``'s lines."""
+    lines = out.split(f"\n{table}: ", 1)[1].split("\n  other candidates", 1)[0]
+    return float(re.search(rf"\b{re.escape(kind)} ([0-9.]+) MiB", lines).group(1))
+
+
+def test_cli_config_qcomms_prices_the_exchanges(tmp_path, capsys) -> None:
+    """``"qcomms"`` in the planner config is a ``QCommsConfig``: the dry run's replicate-
+    axis bytes halve, its output dists halve, ``--explain`` says so and shows it."""
+    fp32, out32 = _cli(tmp_path, capsys, None)
+    quantized, outq = _cli(tmp_path, capsys, CLI_QCOMMS)
+    _, options = load_config(str(tmp_path / "model_True.json"))
+    assert options["qcomms"] == dtrec.QCommsConfig(
+        "bf16", "fp16", "bf16", backward_loss_scale=1024.0
+    )
+    assert dict(fp32["plan"]) == dict(quantized["plan"])  # same specs: bytes comparable
+    assert {type(s).__name__ for s in fp32["plan"].values()} == {"RowWise", "ColumnWise"}
+    assert (quantized["replicate_bytes"] == fp32["replicate_bytes"] / 2).all()
+    assert fp32["replicate_bytes"].min() > 0
+    assert (quantized["shard_bytes"] < fp32["shard_bytes"]).all()
+    assert (quantized["time"] < fp32["time"]).all()
+    assert "exchanges: all fp32 (no qcomms)" in out32
+    said = "output dist forward bf16, backward fp16; replicate-axis gradient sum bf16"
+    assert outq.count(said) == 2  # the summary line and the --explain header
+    for table, kind in (
+        ("big", "grad_sync.replicate.sparse"),
+        ("small", "grad_sync.replicate.dense"),
+        ("big", "output_dist"),
+        ("big", "output_dist.backward"),
+    ):
+        halved = _mib_of(out32, table, kind) / 2
+        assert _mib_of(outq, table, kind) == pytest.approx(halved, abs=1e-3), (table, kind)
+    ids = "input_dist.id_values"
+    assert _mib_of(outq, "big", ids) == _mib_of(out32, "big", ids) > 0

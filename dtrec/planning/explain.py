@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from dtrec.comm.qcomms import QCommsConfig
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.embedding import EmbeddingConfig
 from dtrec.placements.mesh import ShardAxis
@@ -65,6 +66,17 @@ def output_rows(cfg: EmbeddingBagConfig | EmbeddingConfig, topology: Topology) -
     return (
         f"{batch} samples x {features} feature(s) = {batch * features} rows of "
         f"{cfg.embedding_dim} (pooled: the same for any ids per bag, here {ids:g})"
+    )
+
+
+def describe_qcomms(qcomms: QCommsConfig | None) -> str:
+    """The precisions the costs price each quantizable exchange in, in one line."""
+    if qcomms is None:
+        return "all fp32 (no qcomms)"
+    return (
+        f"output dist forward {qcomms.forward_precision}, backward "
+        f"{qcomms.backward_precision}; replicate-axis gradient sum "
+        f"{qcomms.replica_sync_precision}; data-parallel world sum fp32"
     )
 
 
@@ -134,11 +146,12 @@ def explain(
     """Every table's ``explain_table`` lines, in the tables' order."""
     lines = [
         f"why each spec (batch {topology.batch_size_per_rank} per rank; times in ms per step "
-        "of the table alone; the planner also weighs the other tables on each position):"
+        "of the table alone; the planner also weighs the other tables on each position; "
+        f"exchanges: {describe_qcomms(topology.qcomms)}):"
     ]
     for key, cfg in tables.items():
         lines += explain_table(key, cfg, choices[key], axis, topology)
     return "\n".join(lines)
 
 
-__all__ = ["explain", "explain_table", "output_rows", "time_parts"]
+__all__ = ["describe_qcomms", "explain", "explain_table", "output_rows", "time_parts"]
