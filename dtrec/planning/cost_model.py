@@ -362,7 +362,8 @@ def gradient_sum_bytes(
     as ``dtrec.sharded.grad_sync`` does: the path is the one fp32 bytes pick
     (``sync_bytes``) for any precision; a quantized sum (``wire`` = 2 bytes per element)
     sends int32 row ids and half-width rows on the sparse path, half-width pieces and sums
-    on the dense one (``dtrec.comm.quantized.sum_quantized``), half the fp32 bytes.
+    on the dense one (``dtrec.comm.quantized.sum_quantized``), half the fp32 bytes (plus,
+    on the dense path, up to g - 1 elements padding the buffer all dense tables share).
     """
     sparse, dense = sync_bytes(group, touched, cols, rows)
     path = "dense" if dense < sparse else "sparse"
