@@ -10,12 +10,15 @@ import json
 import re
 
 import pytest
+import torch
 
 import dtrec
 from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
 from dtrec.placements.mesh import ShardAxis
 from dtrec.planning.cost_model import Topology, comm_by_kind, table_cost
 from dtrec.planning.dry_run import dry_run, load_config, main
+from dtrec.planning.planner import plan_tables
+from tests.fake_world import fake_world
 from tests.multiprocess import run_world
 
 QCOMMS = dtrec.QCommsConfig(forward_precision="bf16", backward_precision="fp16")
@@ -309,3 +312,47 @@ def test_cli_config_qcomms_prices_the_exchanges(tmp_path, capsys) -> None:
         assert _mib_of(outq, table, kind) == pytest.approx(halved, abs=1e-3), (table, kind)
     ids = "input_dist.id_values"
     assert _mib_of(outq, "big", ids) == _mib_of(out32, "big", ids) > 0
+
+
+ALL_BF16 = dtrec.QCommsConfig("bf16", "bf16", "bf16")
+
+
+def _two_collections() -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.a = dtrec.EmbeddingBagCollection([dtrec.EmbeddingBagConfig("t", 50_000, 32, ["fa"])])
+    model.b = dtrec.EmbeddingBagCollection([dtrec.EmbeddingBagConfig("t", 50_000, 32, ["fb"])])
+    return model
+
+
+def test_qcomms_per_collection_prices_each_collection_its_own() -> None:
+    """``Topology(qcomms={collection fqn: config})``, as ``distribute_module`` takes it:
+    each table is priced with its collection's precisions (fp32 where none is named)."""
+    axis = ShardAxis(size=4, replicas=2, per_node=None)
+    cfg = dtrec.EmbeddingBagConfig("t", 50_000, 32, ["f"])
+    tables = {"a.t": cfg, "b.t": cfg}
+    base = dict(batch_size_per_rank=64, default_pooling_factor=5.0)
+    choices, _ = plan_tables(tables, axis, None, Topology(qcomms={"a": ALL_BF16}, **base))
+    alone = {"a.t": Topology(qcomms=ALL_BF16, **base), "b.t": Topology(**base)}
+    for key, topology in alone.items():
+        for spec, cost in choices[key].costs:
+            expected = table_cost(cfg, spec, axis, topology, with_comm=False)
+            assert (cost.stack == expected.stack).all(), (key, spec)
+    quantized = dict(choices["a.t"].costs)[RowWise()]
+    fp32 = dict(choices["b.t"].costs)[RowWise()]
+    assert (quantized.replica_bytes == fp32.replica_bytes / 2).all()
+    assert fp32.replica_bytes.min() > 0 and (quantized.shard_sent < fp32.shard_sent).all()
+
+
+def test_plan_takes_qcomms_per_collection() -> None:
+    """``dtrec.plan``: a dict naming every collection plans like that one config for all;
+    a collection the model lacks is the KeyError ``distribute_module`` raises."""
+    with fake_world(0, 8):
+        mesh = dtrec.init_mesh("cpu", 4)
+        model = _two_collections()
+        every = dtrec.plan(
+            model, mesh, topology=Topology.cpu(qcomms={"a": ALL_BF16, "b": ALL_BF16})
+        )
+        one = dtrec.plan(model, mesh, topology=Topology.cpu(qcomms=ALL_BF16))
+        assert dict(every) == dict(one) and every.report.time == one.report.time
+        with pytest.raises(KeyError, match=r"qcomms names collection\(s\) \['c'\]"):
+            dtrec.plan(model, mesh, topology=Topology.cpu(qcomms={"a": ALL_BF16, "c": ALL_BF16}))

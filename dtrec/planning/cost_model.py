@@ -32,14 +32,14 @@ import math
 import numbers
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 
 from dtrec.comm.collectives import sync_bytes
 from dtrec.comm.qcomms import QCommsConfig
-from dtrec.interop.qcomms import from_torchrec_qcomms, is_torchrec_qcomms
+from dtrec.interop.qcomms import as_qcomms_config
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.embedding import EmbeddingConfig
 from dtrec.placements import TableSpec
@@ -79,20 +79,22 @@ class Topology:
     memory_headroom: float = 0.1
     """Fraction of ``memory_per_rank`` left for activations and the dense model."""
     bytes_per_element: int = 4
-    qcomms: QCommsConfig | None = None
-    """Precisions of the collections' exchanges (``distribute_module(qcomms=)``; None:
-    fp32): the output dist forward and backward, and the replicate-axis gradient sum of
-    sharded tables (data-parallel tables' world sum is fp32 in any case). Loss scales
-    cost nothing."""
+    qcomms: QCommsConfig | Mapping[str, QCommsConfig | None] | None = None
+    """Precisions of the collections' exchanges, as ``distribute_module(qcomms=)`` takes
+    them: one config (dtrec's or TorchRec's), a dict by collection FQN (collections it
+    does not name: fp32), or None (fp32). They price the output dist forward and backward
+    and the replicate-axis gradient sum of sharded tables (data-parallel tables' world
+    sum is fp32 in any case); loss scales cost nothing."""
 
     def __post_init__(self) -> None:
-        if is_torchrec_qcomms(self.qcomms):
-            object.__setattr__(self, "qcomms", from_torchrec_qcomms(self.qcomms))
-        if self.qcomms is not None and not isinstance(self.qcomms, QCommsConfig):
-            raise TypeError(
-                "Topology.qcomms must be a dtrec.QCommsConfig, a TorchRec QCommsConfig or "
-                f"None, got {type(self.qcomms).__name__}"
-            )
+        if isinstance(self.qcomms, Mapping):
+            per_collection = {
+                fqn: as_qcomms_config(config, f"Topology.qcomms[{fqn!r}]")
+                for fqn, config in self.qcomms.items()
+            }
+            object.__setattr__(self, "qcomms", per_collection)
+        else:
+            object.__setattr__(self, "qcomms", as_qcomms_config(self.qcomms, "Topology.qcomms"))
         if self.optimizer not in OPTIMIZER_STATE:
             raise ValueError(
                 f"Topology.optimizer must be one of {sorted(OPTIMIZER_STATE)}, "
@@ -148,18 +150,33 @@ class Topology:
     def memory_budget(self) -> float:
         return self.memory_per_rank * (1.0 - self.memory_headroom)
 
+    def for_collection(self, fqn: str) -> Topology:
+        """The topology a table of collection ``fqn`` is priced with: ``qcomms`` given per
+        collection resolved to ``fqn``'s config (fp32 where it names none)."""
+        if not isinstance(self.qcomms, Mapping):
+            return self
+        return replace(self, qcomms=self.qcomms.get(fqn))
+
     def output_dist_bytes(self) -> tuple[int, int]:
         """Bytes per element the output dist sends forward and backward (``qcomms``)."""
-        if self.qcomms is None:
+        qcomms = self._one_qcomms()
+        if qcomms is None:
             return 4, 4
-        return (
-            PRECISION_BYTES[self.qcomms.forward_precision],
-            PRECISION_BYTES[self.qcomms.backward_precision],
-        )
+        return PRECISION_BYTES[qcomms.forward_precision], PRECISION_BYTES[qcomms.backward_precision]
 
     def replica_sync_bytes(self) -> int:
         """Bytes per gradient element the replicate-axis sum sends (``qcomms``)."""
-        return 4 if self.qcomms is None else PRECISION_BYTES[self.qcomms.replica_sync_precision]
+        qcomms = self._one_qcomms()
+        return 4 if qcomms is None else PRECISION_BYTES[qcomms.replica_sync_precision]
+
+    def _one_qcomms(self) -> QCommsConfig | None:
+        if isinstance(self.qcomms, Mapping):
+            raise ValueError(
+                f"Topology.qcomms is given per collection ({sorted(self.qcomms)}), so a "
+                "table's costs depend on its collection: price it with "
+                "topology.for_collection(fqn)"
+            )
+        return self.qcomms
 
     def pooling(self, cfg: EmbeddingBagConfig) -> float:
         """Ids per sample the table receives (summed over its features)."""

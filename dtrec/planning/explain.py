@@ -69,8 +69,11 @@ def output_rows(cfg: EmbeddingBagConfig | EmbeddingConfig, topology: Topology) -
     )
 
 
-def describe_qcomms(qcomms: QCommsConfig | None) -> str:
+def describe_qcomms(qcomms: QCommsConfig | Mapping[str, QCommsConfig | None] | None) -> str:
     """The precisions the costs price each quantizable exchange in, in one line."""
+    if isinstance(qcomms, Mapping):
+        per = "; ".join(f"{fqn!r}: {describe_qcomms(c)}" for fqn, c in sorted(qcomms.items()))
+        return f"per collection ({per}; any other: fp32)"
     if qcomms is None:
         return "all fp32 (no qcomms)"
     return (
