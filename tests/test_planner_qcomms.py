@@ -14,9 +14,11 @@ import torch
 
 import dtrec
 from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
-from dtrec.placements.mesh import ShardAxis
+from dtrec.placements.mesh import ShardAxis, shard_axis
 from dtrec.planning.cost_model import Topology, comm_by_kind, table_cost
 from dtrec.planning.dry_run import dry_run, load_config, main
+from dtrec.planning.explain import explain
+from dtrec.planning.plan import model_tables
 from dtrec.planning.planner import plan_tables
 from tests.fake_world import fake_world
 from tests.multiprocess import run_world
@@ -354,5 +356,9 @@ def test_plan_takes_qcomms_per_collection() -> None:
         )
         one = dtrec.plan(model, mesh, topology=Topology.cpu(qcomms=ALL_BF16))
         assert dict(every) == dict(one) and every.report.time == one.report.time
+        tables, axis = model_tables(model), shard_axis(mesh)
+        only_a = Topology.cpu(qcomms={"a": ALL_BF16})
+        why = explain(tables, plan_tables(tables, axis, None, only_a)[0], axis, only_a)
+        assert "per collection ('a': output dist forward bf16" in why  # and no E254
         with pytest.raises(KeyError, match=r"qcomms names collection\(s\) \['c'\]"):
             dtrec.plan(model, mesh, topology=Topology.cpu(qcomms={"a": ALL_BF16, "c": ALL_BF16}))

@@ -31,7 +31,7 @@ from dtrec.planning.cost_model import (
     step_time,
     table_cost,
 )
-from dtrec.planning.planner import Choice
+from dtrec.planning.planner import Choice, collection_of
 
 TIME_PARTS = {
     "HBM": (HBM,),
@@ -97,6 +97,7 @@ def explain_table(
     """The lines ``--explain`` prints for one table (see the module doc)."""
     sequence = isinstance(cfg, EmbeddingConfig)
     kind = "sequence" if sequence else f"pooled ({cfg.pooling})"
+    topology = topology.for_collection(collection_of(key, cfg))
     cost = table_cost(cfg, choice.spec, axis, topology)
     time = step_time(cost.stack, axis, topology)
     slowest = int(np.argmax(time))
