@@ -503,6 +503,7 @@ LOCAL: dict[str, Case] = {
     "E099": lambda tmp: dtrec.Topology(memory_headroom=1.0),
     "E100": lambda tmp: dtrec.Topology(pooling_factors={"f0": -2.0}),
     "E239": lambda tmp: dtrec.Topology(qcomms="bf16"),
+    "E254": lambda tmp: dtrec.Topology(qcomms={"sparse": None}).output_dist_bytes(),
     "E101": lambda tmp: planner_config(tmp, [{"name": "t0"}]),
     "E102": lambda tmp: planner_config(tmp, {"tables": [{"name": "t0", "rows": 10}]}),
     "E235": lambda tmp: planner_config(tmp, {"tables": [{"name": "t0", "kind": "seq"}]}),
@@ -519,6 +520,12 @@ LOCAL: dict[str, Case] = {
         },
     ),  # fmt: skip
     "E238": lambda tmp: planner_config(tmp, {"tables": ["t0"]}),
+    "E253": lambda tmp: planner_config(tmp, {"tables": [], "qcoms": {}}),
+    "E250": lambda tmp: planner_config(tmp, {"tables": [], "qcomms": "bf16"}),
+    "E251": lambda tmp: planner_config(tmp, {"tables": [], "qcomms": {"forward": "bf16"}}),
+    "E252": lambda tmp: planner_config(
+        tmp, {"tables": [], "qcomms": {"forward_precision": "int8"}}
+    ),
     # fused optimizers
     "E103": lambda tmp: SGD(lr=-0.1),
     "E104": lambda tmp: SGD(lr=float("nan")),

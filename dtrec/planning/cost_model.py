@@ -14,8 +14,9 @@ routes by), for a batch of ``B`` samples per rank and ``L`` ids per bag on avera
   backward in ``Topology.qcomms``' precisions, exact row-wise Adagrad's row norms), sent
   and received apart;
 * replicate-axis traffic: the per-step gradient sync of the block's touched rows
-  (sparse all-gather or dense all-reduce, whichever is smaller, as ``replica_sync``),
-  over the world for data-parallel tables.
+  (sparse all-gather or dense all-reduce, whichever is smaller, as ``dtrec.sharded``'s
+  ``grad_sync`` chooses), in ``Topology.qcomms.replica_sync_precision``; over the world
+  (always fp32) for data-parallel tables.
 
 Time per position = HBM bytes / HBM bandwidth + max(sent, received) to shard-axis peers
 on its node / the intra-node bandwidth + the same for peers on other nodes / the
@@ -31,14 +32,14 @@ import math
 import numbers
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 
 from dtrec.comm.collectives import sync_bytes
 from dtrec.comm.qcomms import QCommsConfig
-from dtrec.interop.qcomms import from_torchrec_qcomms, is_torchrec_qcomms
+from dtrec.interop.qcomms import as_qcomms_config
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.embedding import EmbeddingConfig
 from dtrec.placements import TableSpec
@@ -46,6 +47,8 @@ from dtrec.placements.mesh import ShardAxis
 
 # Optimizer state bytes: (per row, per element).
 OPTIMIZER_STATE = {"sgd": (0, 0), "rowwise_adagrad": (4, 0), "adam": (0, 8)}
+PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+"""Bytes per element of each ``QCommsConfig`` precision."""
 
 
 @dataclass(frozen=True)
@@ -76,19 +79,22 @@ class Topology:
     memory_headroom: float = 0.1
     """Fraction of ``memory_per_rank`` left for activations and the dense model."""
     bytes_per_element: int = 4
-    qcomms: QCommsConfig | None = None
-    """Precisions the output dist sends in (``distribute_module(qcomms=)``; None: fp32).
-    Only its forward and backward precisions enter the costs; the replicate-axis sum is
-    costed in fp32."""
+    qcomms: QCommsConfig | Mapping[str, QCommsConfig | None] | None = None
+    """Precisions of the collections' exchanges, as ``distribute_module(qcomms=)`` takes
+    them: one config (dtrec's or TorchRec's), a dict by collection FQN (collections it
+    does not name: fp32), or None (fp32). They price the output dist forward and backward
+    and the replicate-axis gradient sum of sharded tables (data-parallel tables' world
+    sum is fp32 in any case); loss scales cost nothing."""
 
     def __post_init__(self) -> None:
-        if is_torchrec_qcomms(self.qcomms):
-            object.__setattr__(self, "qcomms", from_torchrec_qcomms(self.qcomms))
-        if self.qcomms is not None and not isinstance(self.qcomms, QCommsConfig):
-            raise TypeError(
-                "Topology.qcomms must be a dtrec.QCommsConfig, a TorchRec QCommsConfig or "
-                f"None, got {type(self.qcomms).__name__}"
-            )
+        if isinstance(self.qcomms, Mapping):
+            per_collection = {
+                fqn: as_qcomms_config(config, f"Topology.qcomms[{fqn!r}]")
+                for fqn, config in self.qcomms.items()
+            }
+            object.__setattr__(self, "qcomms", per_collection)
+        else:
+            object.__setattr__(self, "qcomms", as_qcomms_config(self.qcomms, "Topology.qcomms"))
         if self.optimizer not in OPTIMIZER_STATE:
             raise ValueError(
                 f"Topology.optimizer must be one of {sorted(OPTIMIZER_STATE)}, "
@@ -144,12 +150,33 @@ class Topology:
     def memory_budget(self) -> float:
         return self.memory_per_rank * (1.0 - self.memory_headroom)
 
+    def for_collection(self, fqn: str) -> Topology:
+        """The topology a table of collection ``fqn`` is priced with: ``qcomms`` given per
+        collection resolved to ``fqn``'s config (fp32 where it names none)."""
+        if not isinstance(self.qcomms, Mapping):
+            return self
+        return replace(self, qcomms=self.qcomms.get(fqn))
+
     def output_dist_bytes(self) -> tuple[int, int]:
         """Bytes per element the output dist sends forward and backward (``qcomms``)."""
-        if self.qcomms is None:
+        qcomms = self._one_qcomms()
+        if qcomms is None:
             return 4, 4
-        sizes = {"fp32": 4, "fp16": 2, "bf16": 2}
-        return sizes[self.qcomms.forward_precision], sizes[self.qcomms.backward_precision]
+        return PRECISION_BYTES[qcomms.forward_precision], PRECISION_BYTES[qcomms.backward_precision]
+
+    def replica_sync_bytes(self) -> int:
+        """Bytes per gradient element the replicate-axis sum sends (``qcomms``)."""
+        qcomms = self._one_qcomms()
+        return 4 if qcomms is None else PRECISION_BYTES[qcomms.replica_sync_precision]
+
+    def _one_qcomms(self) -> QCommsConfig | None:
+        if isinstance(self.qcomms, Mapping):
+            raise ValueError(
+                f"Topology.qcomms is given per collection ({sorted(self.qcomms)}), so a "
+                "table's costs depend on its collection: price it with "
+                "topology.for_collection(fqn)"
+            )
+        return self.qcomms
 
     def pooling(self, cfg: EmbeddingBagConfig) -> float:
         """Ids per sample the table receives (summed over its features)."""
@@ -337,12 +364,32 @@ def table_cost(
         one_pass = not layout.batch_local and axis.replicas == 1 and peers[block.rows] == 1
         cost.hbm_bytes[p] += backward * (1.0 if one_pass else topology.synced_update_factor)
         if sync_group > 1:
-            sparse, dense = sync_bytes(sync_group, touched, cols, rows)
-            sent = min(sparse, dense)
+            wire = 4 if layout.batch_local else topology.replica_sync_bytes()
+            path, sent = gradient_sum_bytes(sync_group, touched, cols, rows, wire)
             (cost.world_bytes if layout.batch_local else cost.replica_bytes)[p] += sent
-            cost.add(f"{sync_kind}.{'dense' if dense < sparse else 'sparse'}", p, sent)
+            cost.add(f"{sync_kind}.{path}", p, sent)
             cost.add(f"{sync_kind}.counts", p, (sync_group - 1) * 8)
     return cost
+
+
+def gradient_sum_bytes(
+    group: int, touched: float, cols: int, rows: int, wire: int = 4
+) -> tuple[str, float]:
+    """("sparse" | "dense", bytes one member sends) to sum a block's gradient over ``group``
+    as ``dtrec.sharded.grad_sync`` does: the path is the one fp32 bytes pick
+    (``sync_bytes``) for any precision; a quantized sum (``wire`` = 2 bytes per element)
+    sends int32 row ids and half-width rows on the sparse path, half-width pieces and sums
+    on the dense one (``dtrec.comm.quantized.sum_quantized``), half the fp32 bytes (plus,
+    on the dense path, up to g - 1 elements padding the buffer all dense tables share).
+    """
+    sparse, dense = sync_bytes(group, touched, cols, rows)
+    path = "dense" if dense < sparse else "sparse"
+    if wire == 4:
+        return path, min(sparse, dense)
+    if path == "sparse":
+        row_id = 4 if rows <= 2**31 - 1 else 8
+        return path, (group - 1) * touched * (row_id + wire * cols)
+    return path, 2 * (group - 1) * rows * (cols + 1) * wire / group
 
 
 def _exchange(

@@ -9,6 +9,7 @@ per-rank memory, traffic and step time are printed and plotted::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -16,11 +17,12 @@ import numpy as np
 import torch.distributed as dist
 
 from dtrec._torch_compat import init_fake_process_group
+from dtrec.comm.qcomms import QCommsConfig
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.embedding import EmbeddingConfig
 from dtrec.placements.mesh import init_mesh, shard_axis
 from dtrec.planning.cost_model import Topology
-from dtrec.planning.explain import explain
+from dtrec.planning.explain import describe_qcomms, explain
 from dtrec.planning.plan import ShardingPlan
 from dtrec.planning.planner import plan_tables
 
@@ -30,19 +32,32 @@ TABLE_FIELDS = {
 }
 """The fields of a config table of each ``"kind"`` (besides ``kind`` itself)."""
 TABLE_KINDS = {"pooled": EmbeddingBagConfig, "sequence": EmbeddingConfig}
+CONFIG_KEYS = ("tables", "batch_size_per_rank", "pooling_factors", "qcomms")
+"""The keys of a planner config JSON."""
+QCOMMS_FIELDS = tuple(f.name for f in dataclasses.fields(QCommsConfig))
+"""The keys of its ``"qcomms"`` object: ``dtrec.QCommsConfig``'s fields."""
 
 
 def load_config(path: str) -> tuple[list[EmbeddingBagConfig | EmbeddingConfig], dict]:
-    """A planner config JSON: tables, ``batch_size_per_rank``, ``pooling_factors``.
+    """A planner config JSON: tables, ``batch_size_per_rank``, ``pooling_factors``,
+    ``qcomms``.
 
     A table is pooled (an ``EmbeddingBagCollection``'s) unless it says ``"kind":
     "sequence"`` (an ``EmbeddingCollection``'s: one output row per id, no pooling); a
     ``pooling_factors`` entry is then the feature's ids per sample (its sequence length).
+    ``"qcomms"``: the ``dtrec.QCommsConfig`` the model will be distributed with, as an
+    object of its fields (``{"forward_precision": "bf16", "replica_sync_precision":
+    "fp16", ...}``), so the costs price those exchanges in their precisions.
     """
     with open(path) as f:
         data = json.load(f)
     if not isinstance(data, dict) or not isinstance(data.get("tables"), list):
         raise ValueError(f"{path}: expected {{'tables': [...], ...}}")
+    unknown_keys = sorted(set(data) - set(CONFIG_KEYS))
+    if unknown_keys:
+        raise ValueError(
+            f"{path}: unknown key(s) {unknown_keys}; a planner config has {list(CONFIG_KEYS)}"
+        )
     tables: list[EmbeddingBagConfig | EmbeddingConfig] = []
     first_of: dict[str, int] = {}
     for i, entry in enumerate(data["tables"]):
@@ -76,8 +91,31 @@ def load_config(path: str) -> tuple[list[EmbeddingBagConfig | EmbeddingConfig], 
     options = {
         "batch_size_per_rank": int(data.get("batch_size_per_rank", 512)),
         "pooling_factors": {str(k): float(v) for k, v in data.get("pooling_factors", {}).items()},
+        "qcomms": qcomms_from_json(path, data.get("qcomms")),
     }
     return tables, options
+
+
+def qcomms_from_json(path: str, value: object) -> QCommsConfig | None:
+    """The config's ``"qcomms"`` object as a ``QCommsConfig`` (absent or null: None, fp32);
+    a ValueError naming the file for anything else."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f'{path}: "qcomms" must be an object of QCommsConfig fields, e.g. '
+            f'{{"forward_precision": "bf16", "backward_precision": "bf16", '
+            f'"replica_sync_precision": "bf16"}}, got {value!r}'
+        )
+    unknown = sorted(set(value) - set(QCOMMS_FIELDS))
+    if unknown:
+        raise ValueError(
+            f'{path}: "qcomms" has unknown field(s) {unknown}; its fields are {list(QCOMMS_FIELDS)}'
+        )
+    try:
+        return QCommsConfig(**value)
+    except ValueError as exc:
+        raise ValueError(f'{path}: "qcomms": {exc}') from exc
 
 
 def dry_run(
@@ -120,6 +158,7 @@ def dry_run(
         "mesh_seconds": mesh_s,
         "plan_seconds": plan_s,
         "sequence_tables": sum(isinstance(cfg, EmbeddingConfig) for cfg in tables),
+        "qcomms": topology.qcomms,
         "explanation": explain(named, choices, axis, topology) if with_explanation else None,
     }
 
@@ -143,6 +182,7 @@ def print_dry_run(result: dict) -> None:
     )
     print(f"mesh on the fake process group: {result['mesh_seconds']:.2f} s; "
           f"planning: {result['plan_seconds']:.2f} s")  # fmt: skip
+    print(f"exchanges: {describe_qcomms(result['qcomms'])}")
     print(f"memory per rank:  {_stats(result['memory'], 2**30, 'GiB')}")
     print(f"comm per rank per step, shard dim:     {_stats(result['shard_bytes'], 2**20, 'MiB')}")
     print(
@@ -188,7 +228,9 @@ def main(argv: list[str] | None = None) -> None:
         help='model JSON: {"tables": [{"name", "num_embeddings", "embedding_dim", '
         '"feature_names", "pooling"} or {..., "kind": "sequence"} (an EmbeddingCollection '
         'table: no pooling)], "batch_size_per_rank": int, "pooling_factors": {feature: ids '
-        "per bag, or per sample for a sequence feature}}",
+        'per bag, or per sample for a sequence feature}, "qcomms": {"forward_precision", '
+        '"backward_precision", "replica_sync_precision": "fp32" | "fp16" | "bf16", '
+        '"forward_loss_scale", "backward_loss_scale"} (a dtrec.QCommsConfig; optional)}',
     )
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--shard-group-size", type=int, required=True)

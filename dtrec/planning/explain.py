@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from dtrec.comm.qcomms import QCommsConfig
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.embedding import EmbeddingConfig
 from dtrec.placements.mesh import ShardAxis
@@ -30,7 +31,7 @@ from dtrec.planning.cost_model import (
     step_time,
     table_cost,
 )
-from dtrec.planning.planner import Choice
+from dtrec.planning.planner import Choice, collection_of
 
 TIME_PARTS = {
     "HBM": (HBM,),
@@ -68,6 +69,20 @@ def output_rows(cfg: EmbeddingBagConfig | EmbeddingConfig, topology: Topology) -
     )
 
 
+def describe_qcomms(qcomms: QCommsConfig | Mapping[str, QCommsConfig | None] | None) -> str:
+    """The precisions the costs price each quantizable exchange in, in one line."""
+    if isinstance(qcomms, Mapping):
+        per = "; ".join(f"{fqn!r}: {describe_qcomms(c)}" for fqn, c in sorted(qcomms.items()))
+        return f"per collection ({per}; any other: fp32)"
+    if qcomms is None:
+        return "all fp32 (no qcomms)"
+    return (
+        f"output dist forward {qcomms.forward_precision}, backward "
+        f"{qcomms.backward_precision}; replicate-axis gradient sum "
+        f"{qcomms.replica_sync_precision}; data-parallel world sum fp32"
+    )
+
+
 def _mib(values: np.ndarray) -> str:
     return f"{float(np.max(values)) / 2**20:.3f} MiB"
 
@@ -82,6 +97,7 @@ def explain_table(
     """The lines ``--explain`` prints for one table (see the module doc)."""
     sequence = isinstance(cfg, EmbeddingConfig)
     kind = "sequence" if sequence else f"pooled ({cfg.pooling})"
+    topology = topology.for_collection(collection_of(key, cfg))
     cost = table_cost(cfg, choice.spec, axis, topology)
     time = step_time(cost.stack, axis, topology)
     slowest = int(np.argmax(time))
@@ -134,11 +150,12 @@ def explain(
     """Every table's ``explain_table`` lines, in the tables' order."""
     lines = [
         f"why each spec (batch {topology.batch_size_per_rank} per rank; times in ms per step "
-        "of the table alone; the planner also weighs the other tables on each position):"
+        "of the table alone; the planner also weighs the other tables on each position; "
+        f"exchanges: {describe_qcomms(topology.qcomms)}):"
     ]
     for key, cfg in tables.items():
         lines += explain_table(key, cfg, choices[key], axis, topology)
     return "\n".join(lines)
 
 
-__all__ = ["explain", "explain_table", "output_rows", "time_parts"]
+__all__ = ["describe_qcomms", "explain", "explain_table", "output_rows", "time_parts"]

@@ -15,11 +15,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtrec.interop.plans import from_torchrec
+from dtrec.interop.qcomms import qcomms_per_collection
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import SPEC_TYPES, TableSpec
 from dtrec.placements.mesh import shard_axis
 from dtrec.planning.cost_model import Topology, totals
-from dtrec.planning.planner import TableConstraint, plan_tables
+from dtrec.planning.planner import TableConstraint, collection_of, plan_tables
 
 
 def spec_to_dict(spec: TableSpec) -> dict:
@@ -194,7 +195,9 @@ def plan(
     too (``dtrec.interop.plans`` maps them onto the mesh). Tables get the
     spec that keeps the slowest rank fastest within each rank's memory budget (see
     ``dtrec.planner``). ``topology`` defaults to ``Topology.h100()`` on CUDA meshes and
-    ``Topology.cpu()`` otherwise. Deterministic, so every rank computes the same plan.
+    ``Topology.cpu()`` otherwise; its ``qcomms`` may name collections, like
+    ``distribute_module``'s (a name the model lacks is a KeyError). Deterministic, so
+    every rank computes the same plan.
     ``print(plan)`` explains it.
 
     Example::
@@ -215,6 +218,8 @@ def plan(
         raise TypeError(f"topology must be a dtrec.Topology or None, got {topology!r}")
     if topology is None:
         topology = Topology.h100() if mesh.device_type == "cuda" else Topology.cpu()
+    if isinstance(topology.qcomms, Mapping):  # a collection the model lacks: KeyError
+        qcomms_per_collection(topology.qcomms, {collection_of(k, c) for k, c in tables.items()})
     choices, sums = plan_tables(tables, axis, constraints, topology)
     result = ShardingPlan({key: choices[key].spec for key in tables})
     rows = []

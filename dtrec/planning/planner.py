@@ -254,6 +254,12 @@ def _costs(
     return out
 
 
+def collection_of(key: str, cfg: EmbeddingBagConfig) -> str:
+    """The collection FQN of plan key ``key`` (``"<collection fqn>.<table name>"``, or
+    the bare name at the root)."""
+    return key[: -len(cfg.name) - 1] if key != cfg.name else ""
+
+
 def plan_tables(
     tables: Mapping[str, EmbeddingBagConfig],
     axis: ShardAxis,
@@ -279,11 +285,9 @@ def plan_tables(
                 f"table {key!r}: no sharding spec on a shard axis of {axis.size} satisfies "
                 f"{constraint or 'the layout rules'}"
             )
-        own = (
-            constraint.topology(cfg, topology)
-            if isinstance(constraint, TableConstraint)
-            else topology
-        )
+        own = topology.for_collection(collection_of(key, cfg))
+        if isinstance(constraint, TableConstraint):
+            own = constraint.topology(cfg, own)
         options[key] = _costs(cfg, specs, axis, own)
         least[key] = min(work(c, axis, topology) for _, c in options[key])
     order = sorted(tables, key=lambda k: (-tables[k].num_embeddings * tables[k].embedding_dim, k))
