@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dtrec.modules",),
     ("dtrec.interop",),  # TorchRec modules and configs -> dtrec's (torchrec never imported)
     ("dtrec.placements",),
-    ("dtrec.planning.cost_model", "dtrec.planning.planner"),  # the plan search
+    ("dtrec.planning.topology", "dtrec.planning.cost_model", "dtrec.planning.planner"),  # search
     ("dtrec.interop.plans",),  # TorchRec plans / constraints -> specs, TableConstraint
     ("dtrec.planning",),
     ("dtrec.sharded",),

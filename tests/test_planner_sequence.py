@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dtrec
-from dtrec.planning.cost_model import Topology
+from dtrec.planning.topology import Topology
 from dtrec.planning.dry_run import dry_run, load_config, main
 from dtrec.planning.plan import ShardingPlan
 from tests.fake_world import fake_world

@@ -21,7 +21,7 @@ from dtrec.comm.qcomms import QCommsConfig
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.embedding import EmbeddingConfig
 from dtrec.placements.mesh import init_mesh, shard_axis
-from dtrec.planning.cost_model import Topology
+from dtrec.planning.topology import Topology
 from dtrec.planning.explain import describe_qcomms, explain
 from dtrec.planning.plan import ShardingPlan
 from dtrec.planning.planner import plan_tables
