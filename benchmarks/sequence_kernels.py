@@ -1,7 +1,8 @@
 """Unpooled (sequence) lookup kernels vs a device copy of the same bytes (issue 15).
 
-The sequence path looks rows up through the pooled op with bags of one id
-(``SequenceLookup.rows``: one op call per table, offsets ``0..n``). This times that op at
+The sequence path's fallback looks rows up through the pooled op with bags of one id
+(``dtrec.sharded.sequence_lookup.RowPool``; with a fused optimizer it gathers from the packed
+shards instead, ``gather_of_copy`` below). This times that op at
 DLRM-like shapes: 26 tables of dim 128 (rows geometric 1e5..``--max-rows``), ``--batch``
 samples with ``L`` ids each per table (``--lengths``), uniform or Zipf(1.1) ids:
 
@@ -10,7 +11,7 @@ samples with ``L`` ids each per table (``--lengths``), uniform or Zipf(1.1) ids:
   (``RowWiseAdagrad.backward_update``: one pass over the touched rows where the backend
   fuses it).
 
-Both as one op call per table (``per_table``, what ``SequenceLookup`` runs) and as one call
+Both as one op call per table (``per_table``) and as one call
 over every table (``batched``: T entries, ``[n, T*D]``, possible here since every table
 gets n ids). Each is compared with a device-to-device copy moving the same bytes (read +
 write, ``traffic``), timed in the same run: ``of_copy`` = copy time / kernel time, the

@@ -668,6 +668,12 @@ LOCAL: dict[str, Case] = {
     "E191": lambda tmp: dtrec.EmbeddingCollection([Cfg("t0", 10, 4)]),
     "E192": lambda tmp: JT(torch.zeros(2, 2, dtype=torch.long), ids(2)),
     "E193": on_mesh(2, 2, lambda m: distributed(m, model=mixed_dtype_sequence())),
+    "E240": lambda tmp: KJT.from_jt_dict(
+        {"f0": JT(torch.zeros(1, 4), ids(1)), "f1": JT(torch.zeros(1, 8), ids(1))}
+    ),
+    "E241": lambda tmp: dtrec.EmbeddingCollection([dtrec.EmbeddingConfig("t0", 10, 4, ["f0"])])(
+        KJT(["f0"], torch.zeros(2, 4), ids(1, 1))
+    ),
 }
 
 

@@ -4,9 +4,9 @@ A sequence lookup is the pooled lookup with bags of one id, so ids travel exactl
 for bags (``InputDist``, ``Routing.bucketize``: each id goes to every block holding its
 row, in a stable segment order). What changes is what comes back:
 
-* server (``SequenceLookup.served``): per served table, one op call over the ids it
-  received (bags of length 1) gathers their rows (``[ids, block cols]``), laid out in the
-  order the ids arrived: per source, per segment, per id;
+* server (``SequenceLookup.served``): one call over every served table
+  (``sequence_lookup.lookup_rows``) gathers the received ids' rows (``[ids, block
+  cols]``), laid out in the order the ids arrived: per source, per segment, per id;
 * output dist (``SequenceOutputDist``): one differentiable all-to-all
   (``sequence_output_dist`` in ``dtrec.comm_stats()``) returns the rows to the ranks
   whose batches sent the ids;
@@ -36,10 +36,10 @@ from torch.distributed import ProcessGroup
 from dtrec.comm.collectives import all_to_all_autograd
 from dtrec.comm.qcomms import QCommsConfig
 from dtrec.comm.quantized import quantized_all_to_all
-from dtrec.ops.op import EmbeddingBagFunction
-from dtrec.sharded.fused_update import FusedUpdater, fused_lookup
+from dtrec.sharded.fused_update import FusedUpdater
 from dtrec.sharded.input_dist import RoutedBatch
 from dtrec.sharded.routing import Routing
+from dtrec.sharded.sequence_lookup import IdRuns, expand_runs, lookup_rows
 from dtrec.sparse import KeyedJaggedTensor
 
 
@@ -86,17 +86,6 @@ class SequenceRouting(Routing):
         from the last ``bucketize``; None when nothing was bucketized since the last take."""
         sent, self._sent = self._sent, None
         return sent
-
-
-def _expand_columns(starts: Tensor, widths: Tensor, total: int | None = None) -> Tensor:
-    """``cat(arange(s, s + w) for s, w in zip(starts, widths))``, vectorized; ``total``
-    (``widths.sum()``, when the caller knows it) spares a host read."""
-    if total is None:
-        total = int(widths.sum()) if widths.numel() else 0
-    first = torch.cumsum(widths, 0) - widths
-    step = torch.arange(total, device=starts.device)
-    step -= torch.repeat_interleave(first, widths, output_size=total)
-    return torch.repeat_interleave(starts, widths, output_size=total) + step
 
 
 def column_unit(routing: Routing) -> int:
@@ -153,6 +142,12 @@ class ReturnPlan:
             first += len(p_segs)
         if self.whole:
             return
+        position = torch.cat(positions) if positions else self.dest
+        if all(slot.dim == unit for slot in routing.slots):
+            # Every row is one run (one dim, no column split): the flat output is the
+            # batch's ids in order, so each id's run is its batch position.
+            self.dest = position
+            return
         dims = torch.tensor([s.dim for s in routing.slots], dtype=torch.long, device=device)
         value_start = torch.tensor(
             list(itertools.accumulate(lengths, initial=0))[:-1], dtype=torch.long, device=device
@@ -160,7 +155,6 @@ class ReturnPlan:
         out_start = torch.tensor(self.out_start, dtype=torch.long, device=device)
         seg_feature = torch.tensor(self.segment_features, dtype=torch.long, device=device)
         seg_col = torch.tensor([s.block.cols[0] for s in segs], dtype=torch.long, device=device)
-        position = torch.cat(positions) if positions else self.dest
         segment = torch.repeat_interleave(
             torch.arange(len(segs), device=device), seg_counts, output_size=position.numel()
         )
@@ -168,7 +162,7 @@ class ReturnPlan:
         row = position - value_start.index_select(0, feature)
         starts = out_start.index_select(0, feature)
         starts += row * dims.index_select(0, feature) + seg_col.index_select(0, segment)
-        self.dest = _expand_columns(
+        self.dest = expand_runs(
             starts // unit,
             seg_width.index_select(0, segment) // unit,
             sum(self.recv_splits) // unit,
@@ -176,30 +170,13 @@ class ReturnPlan:
 
 
 class SequenceLookup:
-    """Row gathers on local shards: one op call per table, bags of one id."""
+    """Row gathers on local shards: every table's ids in one call (``lookup_rows``)."""
 
     def __init__(self, routing: Routing, updater: FusedUpdater | None) -> None:
         self._routing = routing
         self._updater = updater
-        served = routing.served
-        self._tables = sorted({s.table for s in served})
+        self._tables = sorted({s.table for s in routing.served})
         self._table_of = {t: u for u, t in enumerate(self._tables)}
-
-    def rows(self, table: int, shard: Tensor, ids: Tensor) -> Tensor:
-        """``shard[ids]`` as ``[ids, cols]`` through the op (or the fused updater).
-
-        Called for every local table in every step, even without ids (one empty bag
-        then), so replicas and column peers always join the table's gradient sync.
-        """
-        n = ids.numel()
-        offsets = torch.arange(n + 1, device=ids.device)
-        if n == 0:
-            offsets = torch.zeros(2, dtype=torch.long, device=ids.device)
-        if self._updater is not None:
-            out = fused_lookup(self._updater, [table], [shard], [0], [False], ids, offsets, None)
-        else:
-            out = EmbeddingBagFunction.apply([0], [False], False, ids, offsets, None, shard)
-        return out[:n]
 
     def served(
         self, routed: RoutedBatch, local: dict[int, Tensor]
@@ -208,79 +185,49 @@ class SequenceLookup:
         id, each id's block columns; None when this rank serves nothing) and its
         per-source split sizes (elements).
 
-        The received ids come in runs, one per (source, segment), each of one table. The
-        ids of each table are gathered run by run (one op call per table over them), and
-        the rows go back to received order run by run: both index maps are built from the
-        runs' counts alone (one host read), not per id."""
+        The received ids come in runs, one per (source, segment), each of one table; the
+        runs' counts are read once (one host read), every index is built from them."""
         routing = self._routing
         served, batch, shards = routing.served, routed.batch, routing.shard_size
         lengths, ids, _ = routed.wait_served(len(served))
         if not served:
             return None, [0] * shards
-        device = ids.device
-        run_counts = lengths.view(shards * len(served), batch).sum(1)
-        counts = run_counts.tolist()
+        counts = lengths.view(shards * len(served), batch).sum(1).tolist()
         widths = [s.block.num_cols for s in served]
         send_splits = [
             sum(c * w for c, w in zip(counts[p * len(served) :], widths, strict=False))
             for p in range(shards)
         ]
-        if len(self._tables) == 1:  # one table: its ids and rows are in received order
-            t = self._tables[0]
-            return self.rows(t, local[t], ids).reshape(-1), send_splits
-        segment_table = [self._table_of[s.table] for s in served]
-        run_table = segment_table * shards
-        run_first = list(itertools.accumulate(counts, initial=0))[:-1]  # in the received ids
-        per_table = [0] * len(self._tables)
-        run_place = []  # each run's first id among its table's ids (runs kept in order)
-        for c, u in zip(counts, run_table, strict=True):
-            run_place.append(per_table[u])
-            per_table[u] += c
-        by_table = sorted(range(len(counts)), key=run_table.__getitem__)  # stable
-        gather = _expand_columns(
-            torch.tensor([run_first[r] for r in by_table], dtype=torch.long, device=device),
-            run_counts.index_select(0, torch.tensor(by_table, dtype=torch.long, device=device)),
-            ids.numel(),
+        runs = IdRuns(
+            ids, [self._table_of[s.table] for s in served] * shards, counts, len(self._tables)
         )
-        grouped = ids.index_select(0, gather)
-        pieces = []
-        for u, piece_ids in enumerate(grouped.split(per_table)):
-            t = self._tables[u]
-            pieces.append(self.rows(t, local[t], piece_ids).reshape(-1))
-        pool = torch.cat(pieces)
-        # run r's rows are one contiguous range of the pool, in runs of ``unit`` columns
-        # (every served width is a multiple of it)
-        widths_of = [local[t].shape[1] for t in self._tables]
-        unit = functools.reduce(math.gcd, widths_of)
-        table_base = list(itertools.accumulate(
-            (n * w // unit for n, w in zip(per_table, widths_of, strict=True)), initial=0
-        ))  # fmt: skip
-        starts, sizes = [], []
-        for c, u, place in zip(counts, run_table, run_place, strict=True):
-            starts.append(table_base[u] + place * widths_of[u] // unit)
-            sizes.append(c * widths_of[u] // unit)
-        runs = _expand_columns(
-            torch.tensor(starts, dtype=torch.long, device=device),
-            torch.tensor(sizes, dtype=torch.long, device=device),
-            pool.numel() // unit,
-        )
-        return pool.view(-1, unit).index_select(0, runs).reshape(-1), send_splits
+        weights = [local[t] for t in self._tables]
+        return lookup_rows(self._updater, self._tables, weights, runs), send_splits
 
     def data_parallel(self, kjt: KeyedJaggedTensor, local: dict[int, Tensor]) -> list[Tensor]:
-        """Rows of the data-parallel features of the own batch, one ``[ids, D]`` each."""
+        """Rows of the data-parallel features of the own batch, one ``[ids, D]`` each, in
+        one call (a table's features are adjacent in the batch: one run per table)."""
         routing = self._routing
         per_feature = kjt.length_per_key()
-        starts = [sum(per_feature[:k]) for k in range(len(per_feature))]
-        out: list[Tensor] = []
+        starts = list(itertools.accumulate(per_feature, initial=0))
         by_table: dict[int, list[int]] = {}
         for k in routing.local_features:
             by_table.setdefault(routing.slots[k].table, []).append(k)
-        for t, features in by_table.items():  # a table's features are adjacent in the batch
-            lo = starts[features[0]]
-            hi = starts[features[-1]] + per_feature[features[-1]]
-            rows = self.rows(t, local[t], kjt.values()[lo:hi])
-            out.extend(rows.split([per_feature[k] for k in features]))
-        return out
+        spans = [(starts[fs[0]], starts[fs[-1] + 1]) for fs in by_table.values()]
+        values = kjt.values()
+        ids = values[spans[0][0] : spans[-1][1]]
+        if any(hi != lo for (_, hi), (lo, _) in zip(spans, spans[1:], strict=False)):
+            ids = torch.cat([values[lo:hi] for lo, hi in spans])
+        tables = list(by_table)
+        runs = IdRuns(ids, list(range(len(tables))), [hi - lo for lo, hi in spans], len(tables))
+        rows = lookup_rows(self._updater, tables, [local[t] for t in tables], runs)
+        features = [k for fs in by_table.values() for k in fs]
+        sizes = [per_feature[k] * routing.slots[k].dim for k in features]
+        by_feature = {
+            k: piece.view(-1, routing.slots[k].dim)
+            for k, piece in zip(features, rows.split(sizes), strict=True)
+        }
+        return [by_feature[k] for k in routing.local_features]
 
 
 class SequenceOutputDist:
@@ -340,6 +287,6 @@ class SequenceOutputDist:
         if sources:  # (torch.cat of one tensor would copy it)
             runs = (sources[0] if len(sources) == 1 else torch.cat(sources)).view(-1, unit)
             index = dests[0] if len(dests) == 1 else torch.cat(dests)
-            flat = flat.index_copy(0, index, runs.to(self._dtype))
+            flat.index_copy_(0, index, runs.to(self._dtype))  # in place: no copy of the zeros
         pieces = flat.view(-1).split(plan.feature_sizes)
         return [p.view(-1, slot.dim) for p, slot in zip(pieces, routing.slots, strict=True)]

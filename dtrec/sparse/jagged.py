@@ -9,7 +9,7 @@ from torch import Tensor
 
 from dtrec.sparse.checks import INDEX_DTYPES, check_tensors, describe, exclusive_cumsum
 
-__all__ = ["JaggedTensor"]
+__all__ = ["JaggedTensor", "check_embedding_rows"]
 
 
 class JaggedTensor:
@@ -28,7 +28,7 @@ class JaggedTensor:
 
     def __init__(self, values: Tensor, lengths: Tensor, weights: Tensor | None = None) -> None:
         if isinstance(values, Tensor) and values.dim() == 2:
-            _check_embedding_rows(values, lengths, weights)
+            check_embedding_rows(values, lengths, weights)
         else:
             check_tensors(values, lengths, weights)
         if lengths.numel() and bool((lengths < 0).any()):
@@ -83,7 +83,7 @@ class JaggedTensor:
         )
 
 
-def _check_embedding_rows(values: Tensor, lengths: object, weights: object) -> None:
+def check_embedding_rows(values: Tensor, lengths: object, weights: object) -> None:
     """2-D values are looked-up rows: float, one row per id; weights (if any) the ids."""
     if not values.is_floating_point():
         raise TypeError(f"2-D values must be floating point (embedding rows), got {values.dtype}")

@@ -25,7 +25,7 @@ from dtrec.sparse.checks import (
     slice_or_none,
     sum_per_key,
 )
-from dtrec.sparse.jagged import JaggedTensor
+from dtrec.sparse.jagged import JaggedTensor, check_embedding_rows
 
 __all__ = ["KeyedJaggedTensor", "as_kjt"]
 
@@ -47,6 +47,10 @@ class KeyedJaggedTensor:
     sample b of the full batch to its bag of key f. Embedding collections expand the
     pooled rows through ``inverse_indices`` (``dtrec.sparse.variable_batch``), as
     TorchRec's do. ``offsets`` may replace ``lengths`` (TorchRec's other constructor).
+
+    ``values`` may also be a sequence collection's looked-up rows ``[ids, D]`` (float,
+    one row per id; ``weights`` then may hold the ids): ``from_jt_dict(ec(kjt))``, as
+    TorchRec users write it, and ``to_dict()`` back. Such a KJT is not a batch to look up.
     """
 
     def __init__(
@@ -63,7 +67,11 @@ class KeyedJaggedTensor:
     ) -> None:
         keys = check_keys(keys)
         lengths = lengths_from(lengths, offsets)
-        check_tensors(values, lengths, weights)
+        rows = isinstance(values, Tensor) and values.dim() == 2 and values.is_floating_point()
+        if rows:  # looked-up rows (a sequence collection's output), one per id
+            check_embedding_rows(values, lengths, weights)
+        else:
+            check_tensors(values, lengths, weights)
         num_keys, n = len(keys), lengths.numel()
         inverse = check_inverse_indices(inverse_indices, values.device)
         if stride_per_key_per_rank is not None:
@@ -97,10 +105,10 @@ class KeyedJaggedTensor:
                 f"{keys[f]!r} at sample {b}"
             )
         total = int(lengths.sum()) if n else 0
-        if total != values.numel():
+        if total != values.shape[0]:
             per_key = sum_per_key(lengths, stride_per_key).tolist()
             raise ValueError(
-                f"sum(lengths)={total} != values.numel()={values.numel()} "
+                f"sum(lengths)={total} != values.{'rows' if rows else 'numel()'}={values.shape[0]} "
                 f"(per-key sums: {dict(zip(keys, per_key, strict=True))})"
             )
         self._set(keys, values, lengths, weights, batch, None, per_rank, inverse)
@@ -143,7 +151,14 @@ class KeyedJaggedTensor:
 
     @staticmethod
     def from_dict(d: Mapping[str, JaggedTensor]) -> KeyedJaggedTensor:
-        """Concatenate per-feature ``JaggedTensor``s (same batch size) into one KJT."""
+        """Concatenate per-feature ``JaggedTensor``s (same batch size) into one KJT.
+
+        Also takes a sequence collection's output (``{feature: JaggedTensor}`` of rows
+        ``[ids, D]``, as TorchRec users pass to ``from_jt_dict``): the KJT's values are then
+        the rows ``[all ids, D]``, its keys the features in order, and ``to_dict`` gives the
+        features back. Every feature must have rows of one dim (a ValueError naming them
+        otherwise: build one KJT per dim).
+        """
         if not isinstance(d, Mapping):
             raise TypeError(f"from_dict takes a dict key -> JaggedTensor, got {type(d).__name__}")
         for k, jt in d.items():
@@ -160,6 +175,14 @@ class KeyedJaggedTensor:
                     f"key {k!r} has batch size {jt.lengths().numel()}, expected {batch} "
                     f"(batch size of key {keys[0]!r})"
                 )
+        shapes = {k: tuple(jt.values().shape[1:]) for k, jt in d.items()}
+        if len(set(shapes.values())) > 1:
+            kinds = {k: f"rows of dim {s[0]}" if s else "ids" for k, s in shapes.items()}
+            raise ValueError(
+                f"the features hold values of different shapes ({kinds}) but one "
+                "KeyedJaggedTensor holds values of one shape: build one per embedding dim "
+                "(or keep the dict)"
+            )
         missing = [k for k, jt in d.items() if jt.weights_or_none() is None]
         if missing and len(missing) != len(keys):
             raise ValueError(f"either all or no keys must have weights; {missing} have none")
@@ -377,7 +400,19 @@ class KeyedJaggedTensor:
 
 def as_kjt(obj: Any) -> KeyedJaggedTensor:
     """Accept our KJT unchanged, or convert (and validate) a TorchRec-style KJT, keeping
-    its variable batch per feature (``stride_per_key_per_rank``, ``inverse_indices``)."""
+    its variable batch per feature (``stride_per_key_per_rank``, ``inverse_indices``).
+
+    The batch of a lookup: a KJT of looked-up rows (2-D values) is a TypeError."""
+    kjt = _as_kjt(obj)
+    if kjt.values().dim() == 2:
+        raise TypeError(
+            f"batch values are embedding rows {tuple(kjt.values().shape)} (a KeyedJaggedTensor "
+            "of a sequence collection's output), not ids: look up the KeyedJaggedTensor of ids"
+        )
+    return kjt
+
+
+def _as_kjt(obj: Any) -> KeyedJaggedTensor:
     if isinstance(obj, KeyedJaggedTensor):
         return obj
     if all(callable(getattr(obj, m, None)) for m in _KJT_METHODS):
