@@ -117,3 +117,81 @@ def test_grad_sync_plan_sums_data_parallel_tables_over_the_world(sync_every) -> 
         else:  # replicas average weights every k steps instead: own 4 batches only
             assert (rw.group, rw.scale) == (None, 1 / 4)
         assert rw.kind == "grad_sync.replicate"
+
+
+# Row-split tables whose row block i sits at position i (row-wise chunks, one node's
+# table-row-wise, a table with fewer rows than shards): fbgemm's block bucketize serves them.
+RW_TABLES = [*TABLES[:4], dtrec.EmbeddingBagConfig("rw2", 9, 8, ["f"]), TABLES[5]]
+RW_SPECS = [RowWise(), ColumnWise(), TableWise(rank=2), DataParallel(), RowWise(), RowWise()]
+
+
+def _batch(tables, seed: int, weights: str):
+    g = torch.Generator().manual_seed(seed)
+    batch = 5
+    rows = [cfg.num_embeddings for cfg in tables for _ in cfg.feature_names]
+    lengths = torch.randint(0, 4, (len(rows), batch), generator=g)
+    lengths[0, 1] = 0  # an empty bag
+    values = torch.cat([torch.randint(0, r, (int(n),), generator=g)
+                        for r, n in zip(rows, lengths.sum(1))])  # fmt: skip
+    w = {
+        "none": None,
+        "fp32": torch.rand(values.numel(), generator=g),
+        "fp64": torch.rand(values.numel(), generator=g, dtype=torch.float64),
+        "positions": torch.arange(values.numel()),  # the sequence path's int64 "weights"
+    }[weights]
+    return values, lengths, w
+
+
+@pytest.mark.parametrize("weights", ["none", "fp32", "fp64", "positions"])
+@pytest.mark.parametrize("path", ["fbgemm", "sort"])
+@pytest.mark.parametrize("position", [0, 3])
+def test_row_wise_bucketize_paths_match_the_per_segment_layout(
+    monkeypatch: pytest.MonkeyPatch, path: str, weights: str, position: int
+) -> None:
+    import dtrec.sharded.routing as routing_module
+    from dtrec.ops.backends.fbgemm_loader import fbgemm_available
+
+    if path == "fbgemm" and not fbgemm_available():
+        pytest.skip("fbgemm_gpu is not importable: only the sort path runs")
+    calls = []
+    if path == "sort":  # what a machine without fbgemm runs
+        monkeypatch.setattr(routing_module, "fbgemm_ops", lambda: None)
+    else:
+        real = routing_module.fbgemm_ops
+        monkeypatch.setattr(routing_module, "fbgemm_ops", lambda: calls.append(1) or real())
+    layouts = [spec.layout(cfg, AXIS) for spec, cfg in zip(RW_SPECS, RW_TABLES, strict=True)]
+    routing = Routing(RW_TABLES, layouts, AXIS.size, position)
+    assert routing._bucket_maps.fbgemm_rows is not None
+    values, lengths, w = _batch(RW_TABLES, position, weights)
+    got = routing.bucketize(values, lengths, w)
+    want = _loop_bucketize(routing, values, lengths, w)
+    assert len(calls) == (path == "fbgemm")
+    assert got[2] == want[2]
+    for p, (a, b) in enumerate(zip(got[0], want[0], strict=True)):
+        assert a.dtype == torch.long and torch.equal(a, b), p
+    for a, b in zip(got[1], want[1], strict=True):
+        assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+
+
+def test_sort_path_serves_other_layouts_and_trained_weights(monkeypatch) -> None:
+    """Column blocks (grid), a node's rows at positions 2-3 and weights that need a gradient
+    are not fbgemm's: the sort path lays them out, and the weights' gradient flows back."""
+    import dtrec.sharded.routing as routing_module
+
+    real = routing_module.fbgemm_ops
+    calls = []
+    monkeypatch.setattr(routing_module, "fbgemm_ops", lambda: calls.append(1) or real())
+    for specs in (SPECS, [*RW_SPECS[:5], TableRowWise(node=1)]):
+        layouts = [spec.layout(cfg, AXIS) for spec, cfg in zip(specs, TABLES, strict=True)]
+        assert Routing(TABLES, layouts, AXIS.size, 0)._bucket_maps.fbgemm_rows is None
+    layouts = [spec.layout(cfg, AXIS) for spec, cfg in zip(RW_SPECS, RW_TABLES, strict=True)]
+    routing = Routing(RW_TABLES, layouts, AXIS.size, 1)
+    values, lengths, w = _batch(RW_TABLES, 1, "fp32")
+    w_loop = w.clone().requires_grad_(True)
+    w.requires_grad_(True)
+    got = routing.bucketize(values, lengths, w)
+    want = _loop_bucketize(routing, values, lengths, w_loop)
+    assert not calls
+    for sent in (got[1], want[1]):  # each position's weights scaled differently
+        sum(((p + 1) * x).sum() for p, x in enumerate(sent)).backward()
+    assert torch.equal(w.grad, w_loop.grad) and bool(w.grad.max() > 1)

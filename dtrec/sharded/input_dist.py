@@ -18,6 +18,7 @@ over the world.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -63,28 +64,68 @@ class RoutedBatch:
     error: Exception | None = None
     packed_weights: bool = False
 
-    def wait_served(self, num_segments: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    def wait_served(
+        self, num_segments: int, block_runs: list[tuple[int, int]] | None = None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Wait for the ids; return (bag lengths, ids, per-sample weights or None).
 
-        Bags are source-major, then segment (``Routing.served`` order), then sample;
-        ``num_segments`` is the number of segments this rank serves.
+        Bags come in blocks of ``batch``, one per (source, served segment), numbered
+        source-major (``Routing.served`` order within a source); ``num_segments`` is the
+        number of segments this rank serves. ``block_runs`` (runs ``[a, b)`` of block
+        numbers, none across sources) returns the blocks in that order instead, sliced
+        straight out of the received buffer: one copy of the ids, one host read of the
+        block sizes.
         """
         assert self.ids is not None
         received = self.ids.wait()
         psw = None if self.psw is None else self.psw.wait()
         bags = num_segments * self.batch
-        lengths, ids, weights, start = [], [], [], 0
+        heads, id_starts, weight_starts, start = [], [], [], 0
         for count in self.peer_counts:
-            lengths.append(received[start : start + bags])
-            ids.append(received[start + bags : start + bags + count])
+            heads.append(received[start : start + bags])
+            id_starts.append(start + bags)
             start += bags + count
             if self.packed_weights:
-                packed = packed_size(count)
-                weights.append(received[start : start + packed].view(torch.float32)[:count])
-                start += packed
+                weight_starts.append(start)
+                start += packed_size(count)
+        lengths = torch.cat(heads)
+        if block_runs is None:  # as received: each source's ids whole
+            spans = [(p, 0, count) for p, count in enumerate(self.peer_counts)]
+        else:
+            blocks = lengths.view(-1, self.batch)
+            spans = _id_spans(block_runs, blocks.sum(1).tolist(), num_segments)
+            lengths = torch.cat([blocks[a:b] for a, b in block_runs]).reshape(-1)
+        ids = _cat_spans([received[id_starts[p] :] for p in range(len(id_starts))], spans)
         if self.packed_weights:
-            psw = torch.cat(weights)
-        return torch.cat(lengths), torch.cat(ids), psw
+            packed = [
+                received[at : at + packed_size(count)].view(torch.float32)
+                for at, count in zip(weight_starts, self.peer_counts, strict=True)
+            ]
+            psw = _cat_spans(packed, spans)
+        elif psw is not None and block_runs is not None:  # trained: a differentiable cat
+            firsts = itertools.accumulate(self.peer_counts, initial=0)
+            psw = _cat_spans([psw[first:] for first in firsts], spans)
+        return lengths, ids, psw
+
+
+def _id_spans(
+    block_runs: list[tuple[int, int]], sizes: list[int], num_segments: int
+) -> list[tuple[int, int, int]]:
+    """(source, first id, end) of each run of blocks, ids counted within the source's."""
+    first = []  # each block's first id within its source's ids
+    for p in range(len(sizes) // num_segments if num_segments else 0):
+        own = sizes[p * num_segments : (p + 1) * num_segments]
+        first += itertools.accumulate(own[:-1], initial=0)
+    return [
+        (a // num_segments, first[a], first[b - 1] + sizes[b - 1]) for a, b in block_runs if b > a
+    ]
+
+
+def _cat_spans(per_source: list[Tensor], spans: list[tuple[int, int, int]]) -> Tensor:
+    """``per_source[p][lo:hi]`` of every span, concatenated (empty when there is none)."""
+    if not spans:
+        return per_source[0][:0]
+    return torch.cat([per_source[p][lo:hi] for p, lo, hi in spans])
 
 
 def packed_size(count: int) -> int:

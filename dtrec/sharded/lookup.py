@@ -40,10 +40,8 @@ class LocalLookup:
             for a, b in table_runs(routing)
             for src in range(shards)
         ]
-        self._block_order = torch.tensor(
-            [i for a, b in self._block_runs for i in range(a, b)], dtype=torch.long
-        )
-        self._entries = [served[i % len(served)].table for i in self._block_order.tolist()]
+        self._entries = [served[i % len(served)].table for a, b in self._block_runs
+                         for i in range(a, b)]  # fmt: skip
         self._reorders = len(self._block_runs) > 1 and self._block_runs != sorted(self._block_runs)
 
     def served(self, routed: RoutedBatch, local: dict[int, Tensor]) -> Tensor | None:
@@ -53,31 +51,16 @@ class LocalLookup:
         their gradient exchange runs on every rank)."""
         routing = self._routing
         served = routing.served
-        lengths, ids, psw = routed.wait_served(len(served))
+        runs = self._block_runs if self._reorders else None
+        lengths, ids, psw = routed.wait_served(len(served), runs)
         if not served:
             if psw is not None and psw.requires_grad:  # nothing received: an empty [B, 0]
                 # view, so the output dist's backward also runs the weights' one
                 return psw.view(routed.batch, 0)
             return None
-        if self._reorders:
-            lengths, ids, psw = self._table_major(lengths, ids, psw, routed.batch)
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long, device=lengths.device)
         torch.cumsum(lengths, 0, out=offsets[1:])
         return self._pooled(self._entries, local, ids, offsets, psw)
-
-    def _table_major(
-        self, lengths: Tensor, ids: Tensor, psw: Tensor | None, batch: int
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The received bags (source-major blocks of ``batch``) in table-major block order:
-        one host read of the block sizes, one copy of the ids (and weights)."""
-        blocks = lengths.view(-1, batch)
-        order = self._block_order.to(lengths.device)
-        starts = [0, *torch.cumsum(blocks.sum(1), 0).tolist()]
-        spans = [(starts[a], starts[b]) for a, b in self._block_runs]
-        ids = torch.cat([ids[lo:hi] for lo, hi in spans])
-        if psw is not None:  # slices and a cat: differentiable where the weights train
-            psw = torch.cat([psw[lo:hi] for lo, hi in spans])
-        return blocks.index_select(0, order).reshape(-1), ids, psw
 
     def data_parallel(self, kjt: KeyedJaggedTensor, local: dict[int, Tensor]) -> Tensor:
         """``[B, data-parallel dims]``: the data-parallel features of the own batch."""

@@ -46,7 +46,7 @@ class OutputDist:
         self._routing = routing
         self._shard_group = shard_group
         self._dtype = dtype  # of the tables, hence of an output no lookup produced
-        self._received_cols = routing.received_columns(torch.device("cpu"))
+        self._adds = _source_adds(routing)
         # The served partials' table-major column runs: (first column in served order, width).
         cols = [0]
         for seg in routing.served:
@@ -94,12 +94,7 @@ class OutputDist:
                 self._qcomms.forward_codec,
                 self._qcomms.backward_codec,
             )
-        pieces = torch.split(partials, [batch * w for w in routing.widths])
-        received = torch.cat(
-            [p.view(batch, w) for p, w in zip(pieces, routing.widths, strict=True)], dim=1
-        )
-        out = torch.zeros(batch, routing.total_dim, dtype=received.dtype, device=device)
-        return out.index_add(1, self._received_cols.to(device), received)
+        return _AddPartials.apply(partials, batch, routing.widths, self._adds, routing.total_dim)
 
     def _destination_major(self, served: Tensor, batch: int, shards: int) -> Tensor:
         """The flat send buffer ``[S, B, served width]`` (segments in served order) from
@@ -138,3 +133,66 @@ class OutputDist:
         factor = bag_scale(lengths, self._is_mean.to(lengths.device), self._dtype)
         dims = self._dims.to(lengths.device)  # output_size: no host read of the dims
         return factor.t().repeat_interleave(dims, dim=1, output_size=self._routing.total_dim)
+
+
+# How one source's ``[B, width]`` partials add into the output: runs (partial column, output
+# column, width) of contiguous columns, or, when they are many, every column's output column.
+_Adds = list[tuple[int, int, int]] | Tensor
+_MAX_RUNS = 4  # per source: more runs than this add with one index_add instead of slices
+
+
+def _source_adds(routing: Routing) -> list[_Adds]:
+    """Per source position, how its partials add into the output (``_Adds``)."""
+    adds: list[_Adds] = []
+    for segs in routing.segments_to:
+        runs: list[tuple[int, int, int]] = []
+        col = 0
+        for seg in segs:
+            dst = routing.slots[seg.feature].col + seg.block.cols[0]
+            width = seg.block.num_cols
+            if runs and runs[-1][0] + runs[-1][2] == col and runs[-1][1] + runs[-1][2] == dst:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + width)
+            else:
+                runs.append((col, dst, width))
+            col += width
+        if len(runs) > _MAX_RUNS:
+            adds.append(torch.cat([torch.arange(d, d + w) for _, d, w in runs]))
+        else:
+            adds.append(runs)
+    return adds
+
+
+class _AddPartials(torch.autograd.Function):
+    """The ``[B, total dim]`` output from the received partials (flat, source-major blocks of
+    ``[B, width]``): every source's columns added in source order, exactly the sums one
+    ``index_add`` over their concatenation makes, without building that concatenation.
+    Backward copies each source's gradient columns into one flat buffer (the exchange's)."""
+
+    @staticmethod
+    def forward(ctx, partials, batch, widths, adds, total_dim):  # type: ignore[override]
+        ctx.batch, ctx.widths, ctx.adds = batch, widths, adds
+        out = partials.new_zeros(batch, total_dim)
+        for block, add in zip(_blocks(partials, batch, widths), adds, strict=True):
+            if isinstance(add, Tensor):
+                out.index_add_(1, add.to(out.device), block)
+                continue
+            for src, dst, width in add:
+                out[:, dst : dst + width] += block[:, src : src + width]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        grad_in = grad.new_empty(ctx.batch * sum(ctx.widths))
+        for block, add in zip(_blocks(grad_in, ctx.batch, ctx.widths), ctx.adds, strict=True):
+            if isinstance(add, Tensor):
+                torch.index_select(grad, 1, add.to(grad.device), out=block)
+                continue
+            for src, dst, width in add:
+                block[:, src : src + width] = grad[:, dst : dst + width]
+        return grad_in, None, None, None, None
+
+
+def _blocks(flat: Tensor, batch: int, widths: list[int]) -> list[Tensor]:
+    """The source-major ``[B, width]`` blocks of a flat buffer, as views."""
+    pieces = torch.split(flat, [batch * w for w in widths])
+    return [piece.view(batch, w) for piece, w in zip(pieces, widths, strict=True)]
