@@ -23,8 +23,8 @@ from dtrec.modules import (
 )
 from dtrec.placements.mesh import init_mesh
 from dtrec.planning import cost_model
-from dtrec.planning.topology import Topology
 from dtrec.planning.plan import ShardingPlan, plan
+from dtrec.planning.topology import Topology
 from dtrec.sharded.distribute import distribute_module
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.pipeline import TrainPipeline

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 import dtrec
-from dtrec.planning.topology import Topology
 from dtrec.planning.dry_run import dry_run, load_config, main
 from dtrec.planning.plan import ShardingPlan
+from dtrec.planning.topology import Topology
 from tests.fake_world import fake_world
 
 SEQUENCE = {

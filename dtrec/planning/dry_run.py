@@ -21,10 +21,10 @@ from dtrec.comm.qcomms import QCommsConfig
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.embedding import EmbeddingConfig
 from dtrec.placements.mesh import init_mesh, shard_axis
-from dtrec.planning.topology import Topology
 from dtrec.planning.explain import describe_qcomms, explain
 from dtrec.planning.plan import ShardingPlan
 from dtrec.planning.planner import plan_tables
+from dtrec.planning.topology import Topology
 
 TABLE_FIELDS = {
     "pooled": {"name", "num_embeddings", "embedding_dim", "feature_names", "pooling"},
