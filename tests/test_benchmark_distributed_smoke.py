@@ -103,10 +103,11 @@ def test_cost_model_row_wise_closed_forms():
         for world in (shards, 8 * shards):
             kinds = table_kinds("row_wise", shards, tables)
             by_world[world] = m = cost_model(w, kinds, world, shards)["mean_by_kind"]
-            # Every peer gets B lengths per table; ids leave unless their row is local.
-            assert m["input_dist.lengths"] == pytest.approx(8 * batch * tables * (shards - 1))
+            # Every peer gets B lengths per table; ids leave unless their row is local;
+            # both as int32 (every table has fewer than 2**31 rows).
+            assert m["input_dist.lengths"] == pytest.approx(4 * batch * tables * (shards - 1))
             assert m["input_dist.id_values"] == pytest.approx(
-                8 * batch * bag * tables * (shards - 1) / shards
+                4 * batch * bag * tables * (shards - 1) / shards
             )
             partials = (shards - 1) * batch * tables * dim * 4
             assert m["output_dist"] == pytest.approx(partials)

@@ -10,7 +10,8 @@ routes by), for a batch of ``B`` samples per rank and ``L`` ids per bag on avera
 * HBM traffic of the lookup: forward reads a row per id; backward reads the output
   gradients and updates each touched row (weights and state read and written), times
   ``Topology.synced_update_factor`` where the gradient is synced before the update;
-* shard-axis traffic (input-dist ids and lengths, output-dist partials forward and
+* shard-axis traffic (input-dist ids and lengths, int32 for tables under 2**31 rows as
+  the input dist sends them, output-dist partials forward and
   backward in ``Topology.qcomms``' precisions, exact row-wise Adagrad's row norms), sent
   and received apart;
 * replicate-axis traffic: the per-step gradient sync of the block's touched rows
@@ -178,7 +179,9 @@ def table_cost(
             others = np.arange(s_size) != p
             near = others & (node == node[p])  # peers on p's node
             far = others & (node != node[p])
-            lengths, id_bytes = 8 * batch * features, 8 * batch * pooling * ids.mass(*block.rows)
+            wire = 4 if cfg.num_embeddings < 2**31 else 8  # the input dist's int32 buffer
+            lengths = wire * batch * features
+            id_bytes = wire * batch * pooling * ids.mass(*block.rows)
             partials, partial_grads = out_rows * cols * forward_elt, out_rows * cols * backward_elt
             # To the block's owner: ids (input-dist) and the partials' gradients (backward);
             # from it: the partials (output-dist forward).

@@ -10,7 +10,8 @@ Per batch, inside one sharding group (the ranks sharing a "replicate" coordinate
 3. ids all-to-all (``input_dist.ids``; per-sample weights ride in the same buffer,
    unless they are trained: then a differentiable ``input_dist.weights`` all-to-all
    carries them), left in flight: each id goes to the block(s) that hold its row
-   (``Routing.bucketize``); the lookup waits on it.
+   (``Routing.bucketize``); the lookup waits on it. The buffer is int32 when every
+   table has fewer than 2**31 rows (``wire_dtype``): half the bytes of int64 ids.
 
 Collections whose tables are all data parallel send no ids: only the verdict runs,
 over the world.
@@ -50,7 +51,8 @@ class RoutedBatch:
     """A batch after input-dist: its validated features and the ids this rank serves.
 
     ``ids`` holds, per source rank, ``[lengths of the served segments | ids]``, followed
-    by the ids' per-sample weights (two fp32 per int64) when ``packed_weights``; it and
+    by the ids' per-sample weights (fp32 bit patterns, one per int32 slot or two per
+    int64 one) when ``packed_weights``; it and
     ``psw`` (per-sample weights that are trained, so they travel in a differentiable
     exchange of their own) may still be in flight until waited on. ``error``: why the
     batch was refused, here or on another rank (``forward`` raises it; no ids sent).
@@ -87,18 +89,18 @@ class RoutedBatch:
             start += bags + count
             if self.packed_weights:
                 weight_starts.append(start)
-                start += packed_size(count)
-        lengths = torch.cat(heads)
+                start += packed_size(count, received.dtype)
+        lengths = torch.cat(heads).long()
         if block_runs is None:  # as received: each source's ids whole
             spans = [(p, 0, count) for p, count in enumerate(self.peer_counts)]
         else:
             blocks = lengths.view(-1, self.batch)
             spans = _id_spans(block_runs, blocks.sum(1).tolist(), num_segments)
             lengths = torch.cat([blocks[a:b] for a, b in block_runs]).reshape(-1)
-        ids = _cat_spans([received[id_starts[p] :] for p in range(len(id_starts))], spans)
+        ids = _cat_spans([received[id_starts[p] :] for p in range(len(id_starts))], spans).long()
         if self.packed_weights:
             packed = [
-                received[at : at + packed_size(count)].view(torch.float32)
+                received[at : at + packed_size(count, received.dtype)].view(torch.float32)
                 for at, count in zip(weight_starts, self.peer_counts, strict=True)
             ]
             psw = _cat_spans(packed, spans)
@@ -128,18 +130,25 @@ def _cat_spans(per_source: list[Tensor], spans: list[tuple[int, int, int]]) -> T
     return torch.cat([per_source[p][lo:hi] for p, lo, hi in spans])
 
 
-def packed_size(count: int) -> int:
-    """int64 slots that carry ``count`` fp32 weights (two per slot)."""
-    return (count + 1) // 2
+def wire_dtype(tables: list[EmbeddingBagConfig]) -> torch.dtype:
+    """The ids buffer's dtype: int32 when every id (and bag length) fits, else int64."""
+    rows = max((t.num_embeddings for t in tables), default=0)
+    return torch.int32 if rows < 2**31 else torch.int64
 
 
-def pack_weights(weights: Tensor) -> Tensor:
-    """fp32 weights as int64 slots (bit patterns, two per slot, zero-padded), so they
-    travel in the ids buffer instead of a collective of their own."""
+def packed_size(count: int, wire: torch.dtype) -> int:
+    """Slots of a ``wire`` buffer that carry ``count`` fp32 weights (one per int32 slot,
+    two per int64 one)."""
+    return count if wire == torch.int32 else (count + 1) // 2
+
+
+def pack_weights(weights: Tensor, wire: torch.dtype) -> Tensor:
+    """fp32 weights as ``wire`` slots (bit patterns, zero-padded), so they travel in the
+    ids buffer instead of a collective of their own."""
     weights = weights.float()
-    if weights.numel() % 2:
+    if wire == torch.int64 and weights.numel() % 2:
         weights = torch.cat([weights, weights.new_zeros(1)])
-    return weights.view(torch.int64)
+    return weights.view(wire)
 
 
 class InputDist:
@@ -154,6 +163,7 @@ class InputDist:
         self._replicate_group = mesh.get_group(REPLICATE)
         self._shard_ranks = dist.get_process_group_ranks(self._shard_group)
         self._device = mesh_device(mesh)  # batches and collective buffers (NCCL: cuda)
+        self._wire = wire_dtype(tables)
 
     def __call__(
         self, features: object, bounds_check: str, weighted: bool | None = None
@@ -254,12 +264,15 @@ class InputDist:
             ]
         trained = _WEIGHTS_TRAINED in flags  # their gradients travel back: an exchange of
         packed = send_w is not None and not trained  # their own; otherwise in the ids buffer
+        wire = self._wire
         if packed:
             assert send_w is not None
-            buffers = [torch.cat([b, pack_weights(w)]) for b, w in zip(buffers, send_w)]
-        extra = packed_size if packed else lambda count: 0
+            buffers = [
+                torch.cat([b.to(wire), pack_weights(w, wire)]) for b, w in zip(buffers, send_w)
+            ]
+        extra = (lambda count: packed_size(count, wire)) if packed else (lambda count: 0)
         ids = all_to_all_start(
-            torch.cat(buffers).to(device),
+            torch.cat(buffers).to(device=device, dtype=wire),
             [n_served + c + extra(c) for c in peer_counts],
             [b.numel() for b in buffers],
             group,
