@@ -65,7 +65,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -79,6 +78,7 @@ from benchmarks.stages import (
     print_stage_table,
     torchrec_targets,
 )
+from benchmarks.stages import train_step as stage_train_step
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import (
     ColumnWise,
@@ -470,17 +470,7 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
     timer = ExclusiveStageTimer()
 
     def train_step(kjt, labels) -> float:
-        with timer.stage("dense"):  # what the sparse stages nested in it leave
-            loss = F.binary_cross_entropy_with_logits(model(kjt), labels)
-            for opt in optimizers:
-                opt.zero_grad(set_to_none=True)
-            with timer.stage("backward_update"):
-                loss.backward()
-            for opt in optimizers:
-                opt.step()
-            if hook is not None:
-                hook()
-            return loss.item()
+        return stage_train_step(model, optimizers, timer, kjt, labels, hook)
 
     def timed_step(s: int) -> float:
         dist.barrier()  # start together; the barrier is outside the timed region

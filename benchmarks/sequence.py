@@ -45,6 +45,7 @@ import dtrec
 from benchmarks.distributed import MALLOC_ENV, CollectiveCensus, CommCounter, dtrec_source, zipf_ids
 from benchmarks.sequence_stages import PART_OF, dtrec_sequence_targets, torchrec_sequence_targets
 from benchmarks.stages import ExclusiveStageTimer, HostReads, print_stage_table
+from benchmarks.stages import train_step as stage_train_step
 from tests.multiprocess import WorldError, run_world
 
 CONFIGS = ("table_wise", "row_wise", "column_wise")
@@ -228,15 +229,7 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
     timer = ExclusiveStageTimer()
 
     def train_step(kjt: object, labels: Tensor) -> float:
-        with timer.stage("dense"):  # what the sparse stages nested in it leave
-            loss = F.binary_cross_entropy_with_logits(model(kjt), labels)
-            for opt in optimizers:
-                opt.zero_grad(set_to_none=True)
-            with timer.stage("backward_update"):
-                loss.backward()
-            for opt in optimizers:
-                opt.step()
-            return loss.item()
+        return stage_train_step(model, optimizers, timer, kjt, labels)
 
     def step(s: int) -> float:
         dist.barrier()  # start together; the barrier is outside the timed region

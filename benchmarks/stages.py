@@ -32,6 +32,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.step_probes import REPO, SyncSites
@@ -119,6 +120,30 @@ class ExclusiveStageTimer:
             if part in ms:
                 ms[whole] += ms[part]
         return ms
+
+
+def train_step(
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    timer: ExclusiveStageTimer,
+    kjt: object,
+    labels: torch.Tensor,
+    hook: Callable[[], None] | None = None,
+) -> float:
+    """One BCE training step, its backward timed as "backward_update" and the rest as
+    "dense" (what the sparse stages nested in it leave); ``hook`` runs after the
+    optimizers (TorchRec's replica sync). Returns the loss."""
+    with timer.stage("dense"):
+        loss = F.binary_cross_entropy_with_logits(model(kjt), labels)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        with timer.stage("backward_update"):
+            loss.backward()
+        for opt in optimizers:
+            opt.step()
+        if hook is not None:
+            hook()
+        return loss.item()
 
 
 def dtrec_targets(model: nn.Module) -> list[Target]:
