@@ -192,7 +192,7 @@ def row_grads(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     )
     num_entries, batch, device = len(entry_table), lookup.batch, values.device
     bag, scale = occurrence_scale(offsets, lookup.mean, lookup.per_sample_weights, values.numel())
-    per_entry = offsets[:: max(batch, 1)].diff() if batch else offsets.new_zeros(num_entries)
+    per_entry = offsets[::batch].diff() if batch else offsets.new_zeros(num_entries)
     rows = [w.shape[0] for w in weights]
     bounds = [0, *itertools.accumulate(rows)]
     row_base = torch.tensor(bounds, device=device)

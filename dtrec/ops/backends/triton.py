@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from dtrec.kernels.update_math import row_sq_sums
 from dtrec.ops.backends.base import Capabilities, RowUpdate, StepRule
 from dtrec.ops.backends.device_lists import device_list
 from dtrec.ops.lookup import Lookup, pack_tables, shared_storage
@@ -251,7 +252,7 @@ def _rowwise_adagrad_rows(rule: StepRule, updates: Sequence[RowUpdate], args: di
     if any(u.row_sq_sum is not None for u in updates):
         row_sq_sum = torch.cat(
             [
-                u.row_sq_sum if u.row_sq_sum is not None else u.grad_rows.square().sum(1)
+                u.row_sq_sum if u.row_sq_sum is not None else row_sq_sums(u.grad_rows)
                 for u in updates
             ]
         )
