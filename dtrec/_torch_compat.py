@@ -130,6 +130,36 @@ def contiguous_dtensor(
     return DTensor(local, spec, requires_grad=False)
 
 
+def picklable_dtensor(value: DTensor) -> DTensor:
+    """``value`` (same local tensor, same spec, no copy) in a wrapper that ``torch.save``
+    can pickle.
+
+    DTensor's constructor gives the wrapper its local tensor's storage offset. A local
+    tensor that views a packed buffer at a non-zero offset then makes the wrapper's
+    ``data_ptr()`` non-zero, so ``Tensor.__reduce_ex__`` takes the plain-tensor path and
+    reads the wrapper's storage, which has no data: "Attempted to access the data pointer
+    on an invalid python storage". A wrapper built with offset 0
+    (``Tensor._make_wrapper_subclass``, as DTensor's own constructor did in earlier
+    torch) pickles as any DTensor: its ``_local_tensor`` and ``_spec``; ``torch.load``
+    (weights_only too) rebuilds it. Checked: torch 2.13.
+    """
+    if value.storage_offset() == 0:
+        return value
+    wrapper = Tensor._make_wrapper_subclass(
+        type(value),
+        value.shape,
+        strides=value.stride(),
+        storage_offset=0,
+        dtype=value.dtype,
+        device=value.device,
+        layout=value.layout,
+        requires_grad=value.requires_grad,
+    )
+    wrapper._spec = value._spec
+    wrapper._local_tensor = value._local_tensor
+    return wrapper
+
+
 def local_shape_and_offset(
     global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -142,6 +142,20 @@ def test_contiguous_dtensor_and_implicit_replication() -> None:
             assert compat.implicit_replication_enabled() is True
 
 
+def test_picklable_dtensor_saves_a_view_at_an_offset(tmp_path) -> None:
+    with gloo_world_of_one() as mesh:
+        flat = torch.arange(20.0)
+        view = flat[8:].view(3, 4)
+        placed = DTensor.from_local(view, mesh, [Replicate()])
+        made = compat.picklable_dtensor(placed)
+        assert made.storage_offset() == 0 and made._local_tensor is placed._local_tensor
+        assert made.placements == placed.placements and made.shape == placed.shape
+        torch.save(made, tmp_path / "t.pt")
+        loaded = torch.load(tmp_path / "t.pt")
+        assert isinstance(loaded, DTensor) and torch.equal(loaded.to_local(), view)
+        assert compat.picklable_dtensor(loaded) is loaded  # offset 0 already
+
+
 @torch.library.custom_op("dtrec_compat_test::twice", mutates_args=())
 def _twice(x: torch.Tensor) -> torch.Tensor:
     return x * 2

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import distribute_tensor as _torch_distribute_tensor
 
-from dtrec._torch_compat import is_sharded_tensor, sharded_tensor_full
+from dtrec._torch_compat import is_sharded_tensor, picklable_dtensor, sharded_tensor_full
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.ops.dtensor_bridge import register_dtensor_rules
 from dtrec.placements.layout import Block, TableLayout
@@ -112,9 +112,10 @@ def state_dtensor(state: Tensor, weight: DTensor, kind: str) -> Tensor:
     if weight.device_mesh.get_coordinate() is None:  # holds none of it: empty, right rank
         state = state.new_empty((0,) * len(shape))
     stride = tuple(torch.Size(shape[i + 1 :]).numel() for i in range(len(shape)))  # contiguous
-    return DTensor.from_local(
+    placed = DTensor.from_local(
         state, weight.device_mesh, placements, shape=shape, stride=stride, run_check=False
     )
+    return picklable_dtensor(placed)  # packed state views pickle too (torch.save)
 
 
 def load_block(target: DTensor, value: Tensor, block: Block | None, key: str) -> None:
