@@ -63,6 +63,22 @@ class TwoCollections(nn.Module):
         self.b = EBC([Cfg("t1", 5, 3, ["f1"])])
 
 
+def in_backward(model: nn.Module, **tables: list[tuple[type, dict]]) -> nn.Module:
+    """``model`` with its tables marked as torch's ``_apply_optimizer_in_backward`` marks
+    them (table name -> [(class, kwargs)]; only the marker lists, no optimizer built)."""
+    for module in model.modules():
+        for name, table in getattr(module, "embedding_bags", {}).items():
+            if name in tables:
+                table.weight._in_backward_optimizers = [None] * len(tables[name])
+                table.weight._optimizer_classes = [cls for cls, _ in tables[name]]
+                table.weight._optimizer_kwargs = [kwargs for _, kwargs in tables[name]]
+    return model
+
+
+def sgd(**kwargs: object) -> list[tuple[type, dict]]:
+    return [(torch.optim.SGD, {"lr": 0.1, **kwargs})]
+
+
 def batch(f0: tuple[int, ...] = (1, 2), f1: tuple[int, ...] = (3,)) -> dtrec.KeyedJaggedTensor:
     """Batch of 2: f0 = [[f0...], []], f1 = [[], [f1...]]."""
     return KJT(["f0", "f1"], ids(*f0, *f1), ids(len(f0), 0, 0, len(f1)))
@@ -437,6 +453,44 @@ LOCAL: dict[str, Case] = {
     "E065": lambda tmp: dtrec.distribute_tensor(_w(), "cpu", RowWise(), "t0"),
     "E066": fake(2, lambda: dtrec.distribute_tensor(_w(), DeviceMesh("cpu", [0, 1]), RowWise())),
     # distribute_module and the distributed model
+    # TorchRec's in-backward optimizer recipe (apply_optimizer_in_backward)
+    "E270": on_mesh(
+        2, 2, lambda m: distributed(m, model=in_backward(Model(), t0=[(torch.optim.Adagrad, {})]))
+    ),
+    "E271": on_mesh(
+        2, 2, lambda m: distributed(m, model=in_backward(Model(), t0=sgd(momentum=0.9)))
+    ),
+    "E272": on_mesh(2, 2, lambda m: distributed(m, model=in_backward(Model(), t0=sgd(eps=0.1)))),
+    "E273": on_mesh(
+        2,
+        2,
+        lambda m: distributed(
+            m,
+            model=in_backward(
+                Model(), t0=[(torch.optim.Adam, {"betas": (0.9, 0.9), "beta1": 0.8})]
+            ),
+        ),
+    ),
+    "E274": on_mesh(2, 2, lambda m: distributed(m, model=in_backward(Model(), t0=sgd(lr=-1.0)))),
+    "E275": on_mesh(
+        2, 2, lambda m: distributed(m, model=in_backward(Model(), t0=sgd() + sgd(), t1=sgd()))
+    ),
+    "E276": on_mesh(2, 2, lambda m: distributed(m, model=in_backward(Model(), t0=sgd()))),
+    "E277": on_mesh(
+        2, 2, lambda m: distributed(m, model=in_backward(Model(), t0=sgd(), t1=sgd(lr=0.2)))
+    ),
+    "E278": on_mesh(
+        2,
+        2,
+        lambda m: distributed(
+            m, model=in_backward(TwoCollections(), t0=sgd(), t1=[(torch.optim.Adam, {})])
+        ),
+    ),
+    "E279": on_mesh(
+        2,
+        2,
+        lambda m: distributed(m, None, Adam(lr=0.1), in_backward(Model(), t0=sgd(), t1=sgd())),
+    ),
     "E067": on_mesh(2, 2, lambda m: dtrec.distribute_module(Model().state_dict(), m)),
     "E068": on_mesh(2, 2, lambda m: distributed(m, [RowWise(), RowWise()])),
     "E069": on_mesh(2, 2, lambda m: distributed(m, {"t0": RowWise()})),

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtrec._torch_compat import replicate_module
 from dtrec.comm.failures import install_excepthook
 from dtrec.comm.qcomms import QCommsConfig
+from dtrec.interop.in_backward import fused_rules
 from dtrec.interop.plans import from_torchrec, is_torchrec_plan
 from dtrec.interop.qcomms import qcomms_per_collection
 from dtrec.optim import FusedOptimizer
@@ -54,7 +55,12 @@ def distribute_module(
     ``is_weighted``); any other TorchRec sparse module is a TypeError naming it. Dense
     parameters become data parallel over all W ranks (torch's ``replicate``). With
     ``optimizer`` (a ``dtrec.optim`` config) the table update is fused into backward: table
-    weights get no ``.grad`` and ``model.fused_optimizer`` holds the state.
+    weights get no ``.grad`` and ``model.fused_optimizer`` holds the state. TorchRec's recipe
+    works the same way: tables marked by ``apply_optimizer_in_backward`` (torchrec's or
+    torch's) get that optimizer fused (``dtrec.interop.in_backward``: RowWiseAdagrad, SGD,
+    Adam and their kwargs; anything else is a ValueError naming the table), and fused
+    tables carry TorchRec's ``_in_backward_optimizers`` marker, so
+    ``in_backward_optimizer_filter`` leaves them out of the dense optimizer.
     ``sync_every=k``: replicas of a sharded table stop summing gradients every step and
     instead average weights (and fused optimizer state) every k steps, like TorchRec's 2D
     ``DMPCollection``: less replicate-axis traffic, but each replica group takes its own
@@ -104,6 +110,8 @@ def distribute_module(
             "model has no dtrec.EmbeddingBagCollection (or torchrec.EmbeddingBagCollection) "
             "to distribute"
         )
+    rules = collection_rules(collections, optimizer)
+    optimizer = next(iter(rules.values()), None)
     tables = model_tables(model)
     plan = from_torchrec(plan, tables, mesh)
     check_plan_keys(dict(plan or {}), tables)
@@ -115,7 +123,7 @@ def distribute_module(
     )
     seed = torch.initial_seed() if on_meta else 0  # meta tables: every rank inits its blocks
     qcomms_of = qcomms_per_collection(qcomms, collections)
-    check_same_on_every_rank(tables, full_plan, optimizer, sync_every, seed, qcomms_of)
+    check_same_on_every_rank(tables, full_plan, rules or None, sync_every, seed, qcomms_of)
     install_excepthook()  # an uncaught exception on a rank names it in its peers' errors
 
     sharded: dict[str, ShardedCollection] = {}
@@ -125,12 +133,12 @@ def distribute_module(
         weights = {cfg.name: collection_tables(ebc)[cfg.name].weight for cfg in tables}
         if not hasattr(ebc, "embedding_bags"):  # a sequence collection (EmbeddingCollection)
             sharded[fqn] = ShardedEmbeddingCollection(
-                tables, weights, mesh, specs, optimizer, ebc.bounds_check, sync_every, seed,
+                tables, weights, mesh, specs, rules.get(fqn), ebc.bounds_check, sync_every, seed,
                 ebc.need_indices, qcomms_of[fqn],
             )  # fmt: skip
             continue
         sharded[fqn] = ShardedEmbeddingBagCollection(
-            tables, weights, mesh, specs, optimizer, ebc.bounds_check, sync_every, seed,
+            tables, weights, mesh, specs, rules.get(fqn), ebc.bounds_check, sync_every, seed,
             ebc.is_weighted, qcomms_of[fqn],
         )  # fmt: skip
     fused = FusedOptimizerView(sharded, optimizer) if optimizer is not None else None
@@ -153,6 +161,35 @@ def distribute_module(
     if any(id(p) not in sharded_params for p in model.parameters()):
         replicate_module(model, ignored_modules=sharded.values())
     return as_distributed(model, state)
+
+
+def collection_rules(
+    collections: Mapping[str, nn.Module], optimizer: FusedOptimizer | None
+) -> dict[str, FusedOptimizer]:
+    """Collection FQN -> its fused rule: ``optimizer``, or the one TorchRec's recipe marked
+    its tables with (``apply_optimizer_in_backward``, ``dtrec.interop.in_backward``); {}
+    without either. ValueError when both are given and differ."""
+    marked = fused_rules(
+        {
+            fqn: {
+                table_fqn(fqn, cfg.name): collection_tables(ebc)[cfg.name].weight
+                for cfg in collection_configs(ebc)
+            }
+            for fqn, ebc in collections.items()
+        }
+    )
+    if marked is None:
+        return {} if optimizer is None else dict.fromkeys(collections, optimizer)
+    if optimizer is not None:
+        differ = {fqn: rule for fqn, rule in marked.items() if rule != optimizer}
+        if differ:
+            fqn, rule = next(iter(differ.items()))
+            raise ValueError(
+                f"distribute_module got optimizer={optimizer!r}, but the tables of {fqn!r} "
+                f"have the in-backward optimizer {rule!r} (apply_optimizer_in_backward); "
+                "give one of the two"
+            )
+    return marked
 
 
 @dataclass(frozen=True)
@@ -214,7 +251,7 @@ def as_distributed(module: nn.Module, state: DistributedState) -> nn.Module:
 def check_same_on_every_rank(
     tables: Mapping[str, object],
     plan: Mapping[str, TableSpec],
-    optimizer: FusedOptimizer | None,
+    optimizer: FusedOptimizer | Mapping[str, FusedOptimizer] | None,
     sync_every: int | None,
     init_seed: int = 0,
     qcomms: Mapping[str, object] | None = None,

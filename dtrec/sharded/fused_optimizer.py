@@ -64,7 +64,9 @@ class FusedOptimizerView(torch.optim.Optimizer):
                 "params": [
                     (table_fqn(fqn, name), table.weight)
                     for name, table in collection_tables(ebc).items()
-                ]
+                ],
+                # a collection's own rule (TorchRec's recipe may give collections their own lr)
+                **(ebc.optimizer or optimizer).hyperparameters(),
             }
             for fqn, ebc in collections.items()
         ]
@@ -75,6 +77,9 @@ class FusedOptimizerView(torch.optim.Optimizer):
                 group["params"], ebc.fused_optimizer_state().values(), strict=True
             ):
                 self.state[weight] = state  # the live local state, torch-style
+                # TorchRec's marker of a fused table: in_backward_optimizer_filter (and
+                # torch's _get_in_backward_optimizers) keep it out of the dense optimizer
+                weight._in_backward_optimizers = [self]
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Nothing to do: the update ran in backward. Returns ``closure()`` if given."""
