@@ -486,6 +486,13 @@ LOCAL: dict[str, Case] = {
             m, model=in_backward(TwoCollections(), t0=sgd(), t1=[(torch.optim.Adam, {})])
         ),
     ),
+    "E280": on_mesh(
+        2,
+        2,
+        lambda m: setattr(
+            distributed(m, optimizer=SGD(lr=0.1)).fused_optimizer, "optimizer", Adam(lr=0.1)
+        ),
+    ),
     "E279": on_mesh(
         2,
         2,
