@@ -439,6 +439,10 @@ LOCAL: dict[str, Case] = {
     "E054": on_mesh(2, 2, lambda m: distributed(m, {"sparse.t0": TableWise(rank=2)})),
     "E055": on_mesh(2, 2, lambda m: dtrec.distribute_tensor(_w(), m, TableWise(), "t0")),
     "E056": on_mesh(8, 8, lambda m: distributed(m, {"sparse.t0": ColumnWise()})),
+    "E281": on_mesh(4, 4, lambda m: distributed(m, {"sparse.t0": ColumnWise(positions=(0, 4))})),
+    "E282": on_mesh(
+        8, 8, lambda m: distributed(m, {"sparse.t1": ColumnWise(positions=(0, 1, 2, 3, 4))})
+    ),
     "E057": on_mesh(4, 2, lambda m: distributed(m, {"sparse.t0": TableRowWise()})),
     "E058": on_mesh(4, 4, lambda m: distributed(m, {"sparse.t0": TableRowWise(node=2)}), 2),
     "E059": on_mesh(8, 8, lambda m: distributed(m, {"sparse.t1": Grid()}), 1),
@@ -669,7 +673,7 @@ LOCAL: dict[str, Case] = {
     "E154": lambda tmp: EBC([EmbeddingBagConfig("t0", 10, 4, ["f0"], use_virtual_table=True)]),
     "E155": lambda tmp: EBC(tables(), is_weighted="yes"),
     "E156": lambda tmp: EBC(tables(), is_weighted=True)(batch()),
-    "E157": on_mesh(2, 2, lambda m: tr_plan(m, sharding_type="table_column_wise", ranks=[0])),
+    "E157": on_mesh(2, 2, lambda m: tr_plan(m, sharding_type="bucket_wise", ranks=[0])),
     "E158": on_mesh(
         2, 2, lambda m: tr_plan(m, sharding_type="table_wise", compute_kernel="key_value")
     ),

@@ -154,7 +154,7 @@ def _check(rank: int, world: int, recipe: str) -> dict:
     initial = theirs.state_dict()  # DMP made its own tables (TBE init): start from them
     mine = _dlrm(recipe)
     mesh = dtrec.init_mesh("cpu", shard_group_size=world)
-    mine = dtrec.distribute_module(mine, mesh, _plan(mine, world))
+    mine = dtrec.distribute_module(mine, mesh, _plan(mine, world).plan)  # the plan dict
     mine.load_state_dict(initial)
     start = dtrec.checkpoint.to_full_state_dict(initial)
     _train(theirs, _dense_optimizer(theirs), rank)
