@@ -113,6 +113,11 @@ def loss(model: nn.Module, kjt: dtrec.KeyedJaggedTensor) -> torch.Tensor:
     return model(kjt).sum()
 
 
+def copy(kjt: dtrec.KeyedJaggedTensor) -> dtrec.KeyedJaggedTensor:
+    """The same batch in a new object (what a pipeline cannot have prefetched)."""
+    return KJT(kjt.keys(), kjt.values(), kjt.lengths())
+
+
 def run_pipeline(mesh: DeviceMesh, model=None, loss_fn=loss, **kw) -> None:
     list(dtrec.TrainPipeline(model or all_dp(mesh), None, loss_fn, **kw).run([batch()]))
 
@@ -658,12 +663,25 @@ LOCAL: dict[str, Case] = {
     "E142": lambda tmp: dtrec.TrainPipeline(Model(), None, loss),
     "E143": on_mesh(2, 2, lambda m: dtrec.TrainPipeline(all_dp(m), None, "mse")),
     "E144": on_mesh(2, 2, lambda m: dtrec.TrainPipeline(all_dp(m), SGD(lr=0.1), loss)),
-    "E145": on_mesh(
-        2, 2, lambda m: list(dtrec.TrainPipeline(all_dp(m), None, loss).run([{"ids": batch()}]))
+    "E145": on_mesh(2, 2, lambda m: run_pipeline(m, loss_fn=lambda model, b: loss(model, copy(b)))),
+    "E146": on_mesh(
+        2,
+        2,
+        lambda m: run_pipeline(
+            m, model=distributed(m, model=TwoCollections()), sparse_features=lambda b: b
+        ),
     ),
-    "E146": on_mesh(2, 2, lambda m: run_pipeline(m, model=distributed(m, model=TwoCollections()))),
     "E147": on_mesh(2, 2, lambda m: run_pipeline(m, sparse_features=lambda b: {"sprase": b})),
-    "E148": on_mesh(2, 2, lambda m: run_pipeline(m, loss_fn=lambda model, b: torch.zeros(()))),
+    "E148": on_mesh(
+        2,
+        2,
+        lambda m: run_pipeline(
+            m, loss_fn=lambda model, b: torch.zeros(()), sparse_features=lambda b: b
+        ),
+    ),
+    "E283": on_mesh(2, 2, lambda m: run_pipeline(m, loss_fn=lambda model, b: torch.zeros(()))),
+    "E284": on_mesh(2, 2, lambda m: torch.fx.symbolic_trace(all_dp(m))),
+    "E285": on_mesh(2, 2, lambda m: run_pipeline(m, loss_fn=lambda model, b: 1.0)),
     # comm stats
     "E149": summary_of_no_steps,
     # TorchRec modules, configs, plans and constraints

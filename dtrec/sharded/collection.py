@@ -199,6 +199,18 @@ class ShardedCollection(nn.Module):
     _start: Callable[[object], Any]
     """The input dist of one batch (what ``prefetch`` leaves in flight)."""
 
+    def _refuse_fx_trace(self, features: object) -> None:
+        """TypeError for a torch.fx Proxy: TorchRec's ``TrainPipelineSparseDist`` fx-traces
+        the model at its first ``progress`` to find TorchRec's own sharded modules (it
+        pipelines nothing else), and a traced dtrec input dist cannot branch on the batch."""
+        if isinstance(features, torch.fx.Proxy):
+            raise TypeError(
+                f"dtrec's {type(self).__name__} got a torch.fx Proxy: the model is being "
+                "fx-traced, as TorchRec's TrainPipelineSparseDist does to find TorchRec's own "
+                "sharded modules (it cannot pipeline dtrec's); use dtrec.TrainPipeline(model, "
+                "optimizer) and its progress(dataloader_iter) instead"
+            )
+
     def prefetch(self, features: object) -> None:
         """Start input-dist of a batch now; ``forward`` of that same object consumes it.
 
@@ -206,6 +218,7 @@ class ShardedCollection(nn.Module):
         prefetches batch i + 1 before running batch i). Collective: all ranks of the
         sharding group prefetch in the same order.
         """
+        self._refuse_fx_trace(features)
         self._prefetched.append((features, self._start(features)))
 
     def is_prefetched(self, features: object) -> bool:

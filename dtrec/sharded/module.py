@@ -81,6 +81,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         return list(self._tables)
 
     def forward(self, features: object) -> KeyedTensor:
+        self._refuse_fx_trace(features)
         self._begin_step()
         routed = self._routed(features)
         if routed.error is not None:

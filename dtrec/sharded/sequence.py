@@ -79,6 +79,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         return list(self._tables)
 
     def forward(self, features: object) -> dict[str, JaggedTensor]:
+        self._refuse_fx_trace(features)
         self._begin_step()
         routed, sent, refusal = self._routed(features)
         if refusal is not None or routed.error is not None:
