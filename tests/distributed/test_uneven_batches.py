@@ -10,7 +10,8 @@ joins every collective and gets a ``(0, D)`` output (sequence: empty JaggedTenso
 Pooled (``EmbeddingBagCollection``: sum and mean pooling, weighted) and sequence
 (``EmbeddingCollection``) collections, every sharding type and the mixed plan, a 1D
 (S=4 on nodes of 2: table-row-wise and grid split rows inside a node) and a 2D (2x2)
-mesh of 4 gloo ranks, torch and fused optimizers. One world runs them with fbgemm as it
+mesh of 4 gloo ranks, torch and fused optimizers (and on 2D, SGD with ``sync_every=1``:
+replicas average weights instead of summing gradients). One world runs them with fbgemm as it
 loads (row-wise ids then go through fbgemm's ``block_bucketize_sparse_features``: the
 calls are counted) and one with ``DTREC_DISABLE_FBGEMM=1`` (the sort path) runs the plans
 whose ids are split by rows.
@@ -78,6 +79,13 @@ def _run(rank: int, world: int, plans: tuple[str, ...]) -> dict:
                         mesh, POOLED_PLANS[plan], weighted, fused=_fused(fused), batch_sizes=SIZES
                     )
                     out[f"pooled-{mesh_name}-{plan}-{variant}"] = vars(r)
+                if shards < world:  # replicas average weights every step instead (SGD only)
+                    for variant, fused in (("sync_every_sgd", None), ("sync_every_fused", "sgd")):
+                        r = check_numerics(
+                            mesh, POOLED_PLANS[plan], False, fused=_fused(fused),
+                            batch_sizes=SIZES, sync_every=1,
+                        )  # fmt: skip
+                        out[f"pooled-{mesh_name}-{plan}-{variant}"] = vars(r)
                 for fused in SEQUENCE:
                     r = check_sequence_numerics(
                         mesh, sequence_plans(mesh)[plan], _fused(fused), batch_sizes=SIZES
@@ -118,7 +126,10 @@ def _check_sequence(results: list[dict], name: str) -> None:
             assert r[key] < TOLERANCE, f"rank {rank}: {key} {r[key]}"
 
 
-POOLED_CASES = [f"{m}-{p}-{v}" for m in MESHES for p in PLANS for v in POOLED]
+SYNC_EVERY = ("sync_every_sgd", "sync_every_fused")  # 2D only: sync_every=1
+POOLED_CASES = [f"{m}-{p}-{v}" for m in MESHES for p in PLANS for v in POOLED] + [
+    f"2d-{p}-{v}" for p in PLANS for v in SYNC_EVERY
+]
 SEQUENCE_CASES = [f"{m}-{p}-{f}" for m in MESHES for p in PLANS for f in SEQUENCE]
 
 
@@ -142,6 +153,7 @@ def test_row_wise_ids_went_through_fbgemm(with_fbgemm) -> None:
 @pytest.mark.parametrize(
     "case",
     [f"pooled-{m}-{p}-{v}" for m in MESHES for p in ROW_SPLIT_PLANS for v in POOLED]
+    + [f"pooled-2d-{p}-{v}" for p in ROW_SPLIT_PLANS for v in SYNC_EVERY]
     + [f"sequence-{m}-{p}-{f}" for m in MESHES for p in ROW_SPLIT_PLANS for f in SEQUENCE],
 )
 def test_sort_bucketize_without_fbgemm(without_fbgemm, case: str) -> None:
