@@ -767,7 +767,6 @@ WORLD: dict[str, tuple[int, ...]] = {
     # error id -> the ranks that raise it
     "E043": (1,),
     "E044": (0,),
-    "E045": (0, 1),
     "E150": (0,),
     "E077": (0, 1),
 }
@@ -809,8 +808,6 @@ def run_world_cases(rank: int, world_size: int) -> dict:
     one_shard = {"sparse.t0": RowWise(), "sparse.t1": TableWise(rank=0)}
     other_group = distributed(dtrec.init_mesh("cpu", 1), one_shard, optimizer=SGD(lr=0.5))
     out["E150"] = outcome(lambda: other_group(bad_ids).sum().backward())
-    three = KJT(["f0", "f1"], ids(1, 2, 3), ids(1, 0, 1, 0, 0, 1))
-    out["E045"] = outcome(lambda: model(three if rank == 1 else batch()))
     out["next_step"] = outcome(lambda: model(batch()).sum().backward())
     out["updated"] = not unchanged()
     configs = tables()

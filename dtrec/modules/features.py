@@ -43,6 +43,18 @@ def check_weighted(is_weighted: bool | None) -> bool | None:
     return is_weighted
 
 
+class RefusedBatch:
+    """Stands in for a batch that failed before it reached a collection (a feature
+    processor raised on it): ``prepare_features`` raises ``error``. A sharded collection
+    (``collective_forward``) raises it only after its input dist told its peers, so every
+    rank fails that step together instead of some waiting in a collective."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
 def prepare_features(
     features: object,
     tables: Sequence[EmbeddingBagConfig],
@@ -63,6 +75,8 @@ def prepare_features(
     is then undefined behaviour). ``weighted`` (``check_weighted``): False drops the
     batch's per-sample weights, True makes a batch without them a ValueError.
     """
+    if isinstance(features, RefusedBatch):
+        raise features.error
     kjt = as_kjt(features)
     if device is not None and kjt.device() != device:
         raise ValueError(

@@ -54,6 +54,9 @@ class ShardedCollection(nn.Module):
     #: whichever sends fewer bytes), "sparse" or "dense"; see ``dtrec.sharded.grad_sync``.
     replica_sync: str = "auto"
     tables_attr: str
+    #: Its forward runs collectives on every rank, even for a batch refused before it
+    #: (``dtrec.modules.features.RefusedBatch``): the refusal travels in the input dist.
+    collective_forward: bool = True
 
     def __init__(
         self,

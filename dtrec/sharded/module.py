@@ -95,7 +95,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             own = self._lookup.data_parallel(kjt, local)
         if self._routing.has_sharded:
             served = self._lookup.served(routed, local)
-            out = self._output_dist(served, routed.batch, device)
+            out = self._output_dist(served, routed.batch, routed.peer_batches, device)
         else:
             out = self._output_dist.zeros(routed.batch, device)
         if own is not None:

@@ -8,7 +8,7 @@ reports the largest differences.
 from __future__ import annotations
 
 import copy
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +101,9 @@ class Result:
     """Largest magnitudes of the unsharded pooled embeddings and gradient blocks (the
     scale of the differences above)."""
     grads_sharded_like_weights: bool = True
+    shapes_match: bool = True
+    """This rank's pooled output had the unsharded one's shape every step (``(0, D)`` for an
+    empty batch); a mismatch is described in ``notes``."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -119,6 +122,7 @@ def check_numerics(
     sync_every: int | None = None,
     empty: Mapping[int, Collection[str]] | None = None,
     device: str = "cpu",
+    batch_sizes: Sequence[Sequence[int]] | None = None,
 ) -> Result:
     """Train sharded and unsharded side by side; return the largest differences.
 
@@ -127,7 +131,10 @@ def check_numerics(
     ``dtype`` after each update: fused steps take fp32 gradient rows, which a bf16
     ``.grad`` would round); ``empty``: per rank, features its batches leave empty;
     ``device``: where both models and the batches live (the mesh's device type; the
-    batches are drawn on CPU, so every device sees the same numbers).
+    batches are drawn on CPU, so every device sees the same numbers); ``batch_sizes``:
+    per step, every rank's batch size (uneven, 0 included; default: ``batch`` on every
+    rank for ``steps`` steps). Each rank's loss is over its own batch
+    (``rank_loss``), the unsharded model's the sum of those over W.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     tables = tables if tables is not None else make_tables(weighted)
@@ -174,21 +181,27 @@ def check_numerics(
 
     seen: dict[str, torch.Tensor] = {}
     sharded.sparse.register_forward_hook(lambda m, i, out: seen.update(pooled=out.values()))
-    for step in range(steps):
-        batches = [make_batch(tables, batch, weighted, gen, empty.get(r, ())) for r in range(world)]
+    if batch_sizes is None:
+        batch_sizes = [[batch] * world] * steps
+    for step, sizes in enumerate(batch_sizes):
+        batches = [
+            make_batch(tables, sizes[r], weighted, gen, empty.get(r, ())) for r in range(world)
+        ]
         if device != "cpu":
             batches = [(kjt.to(device), target.to(device)) for kjt, target in batches]
         kjt, target = batches[rank]
-        loss = ((sharded(kjt) - target) ** 2).mean()  # the root forward: dense grad sync
+        loss = rank_loss(sharded(kjt), target)  # the root forward: dense grad sync
         pooled = seen["pooled"]
         loss.backward()
 
         ref_pooled = [reference.sparse(k).values() for k, _ in batches]
-        ref_losses = [
-            ((reference.head(p) - t) ** 2).mean() for p, (_, t) in zip(ref_pooled, batches)
-        ]
+        ref_losses = [rank_loss(reference.head(p), t) for p, (_, t) in zip(ref_pooled, batches)]
         torch.stack(ref_losses).mean().backward()
         result.max_loss_diff = max(result.max_loss_diff, abs(loss.item() - ref_losses[rank].item()))
+        if pooled.shape != ref_pooled[rank].shape:
+            result.shapes_match = False
+            result.notes.append(f"step {step}: output {tuple(pooled.shape)}, want "
+                                f"{tuple(ref_pooled[rank].shape)}")  # fmt: skip
         out_diff = (
             (pooled.float() - ref_pooled[rank].float()).abs().max().item()
             if pooled.numel()
@@ -252,6 +265,12 @@ def check_numerics(
     return result
 
 
+def rank_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """One rank's loss over its own batch: the mean squared error, 0 for an empty batch
+    (``sum / max(B, 1)``: finite, and every parameter still gets a (zero) gradient)."""
+    return ((prediction - target) ** 2).sum() / max(target.numel(), 1)
+
+
 def spacing(x: torch.Tensor) -> torch.Tensor:
     """The gap between ``x`` and the next representable value of its dtype (at least the
     smallest normal's), as fp32: the unit bf16 weights are compared in."""
@@ -274,7 +293,8 @@ def fused_reference_update(
         weight = model.sparse.embedding_bags[cfg.name].weight
         ids = torch.cat([b[f].values() for b in batches for f in cfg.feature_names])
         rows = torch.unique(ids.long())
-        with torch.no_grad():
-            fused.update_rows(weight, state[cfg.name], rows, weight.grad[rows].float())
+        grad = torch.zeros_like(weight) if weight.grad is None else weight.grad
+        with torch.no_grad():  # also without rows (empty batches): the sharded tables step
+            fused.update_rows(weight, state[cfg.name], rows, grad[rows].float())
             weight.copy_(weight.to(dtype).float())
         weight.grad = None
