@@ -9,6 +9,7 @@ import triton, so they are imported here only when a method runs.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -64,9 +65,13 @@ class TritonBackend:
         from dtrec.kernels.embedding_bag_bwd import embedding_bag_bwd_rows
 
         weights = lookup.weights
-        g = embedding_bag_bwd_rows(grad_out.contiguous(), **_rows(lookup), **_layout(lookup))
-        # Rows come sorted by table, so each table's rows and grads are contiguous.
-        counts = torch.bincount(g.row_table.long(), minlength=len(weights)).tolist()
+        rows = _rows(lookup)
+        g = embedding_bag_bwd_rows(grad_out.contiguous(), **rows, **_layout(lookup))
+        # Rows come sorted by table (keys row_base[t] + row), so each table's rows and grads
+        # are contiguous; the tables' first keys split them (one host read).
+        bounds = [*torch.searchsorted(g.unique_keys, rows["row_base"]).tolist(),
+                  g.unique_keys.numel()]  # fmt: skip
+        counts = [end - first for first, end in zip(bounds, bounds[1:])]
         result, start, grad_start = [], 0, 0
         for w, n in zip(weights, counts, strict=True):
             dim = w.shape[1]
@@ -128,9 +133,13 @@ def _layout(lookup: Lookup) -> dict:
 
 
 def _rows(lookup: Lookup) -> dict:
-    """The backward's table sizes: rows per table (a device list) and their sum."""
+    """The backward's table sizes: rows per table, their exclusive cumsum (device lists)
+    and their sum."""
     rows = [w.shape[0] for w in lookup.weights]
-    return {"num_rows": device_list(rows, torch.int64, lookup.values.device),
+    device = lookup.values.device
+    return {"num_rows": device_list(rows, torch.int64, device),
+            "row_base": device_list(list(itertools.accumulate(rows[:-1], initial=0)),
+                                    torch.int64, device),
             "total_rows": sum(rows)}  # fmt: skip
 
 
