@@ -49,6 +49,7 @@ from benchmarks.step_probes import (
     cuda_activity,
     sync_debug_sites,
 )
+from dtrec.sharded.local_path import LocalPath
 from dtrec.sharded.lookup import LocalLookup
 from dtrec.sharded.output_dist import OutputDist
 
@@ -272,6 +273,7 @@ def stage_targets(lib: Library) -> list[tuple[str, type, str]]:
         ("input_dist", sparse, "input_dist"),
         ("lookup_fwd", LocalLookup, "served"),
         ("lookup_fwd", LocalLookup, "data_parallel"),
+        ("lookup_fwd", LocalPath, "lookup"),
         ("output_dist", OutputDist, "__call__"),
         ("output_dist", OutputDist, "zeros"),
         ("output_dist", OutputDist, "add_data_parallel"),

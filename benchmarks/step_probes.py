@@ -14,6 +14,7 @@ Probes for ``benchmarks/gpu_step.py``, each usable on CPU (smoke runs) and CUDA:
 
 from __future__ import annotations
 
+import sys
 import time
 import traceback
 from collections import Counter, defaultdict
@@ -305,7 +306,9 @@ class StepCounter(TorchDispatchMode):
     a GPU (``cuda_activity``) is the upper reference, this one is the same on both devices.
 
     ``syncs``, by op and source line: the ops of ``host_sync`` plus, on CPU, ``tolist()`` and
-    ``numpy()`` of a tensor (no dispatched op, but a device-to-host read on CUDA).
+    ``numpy()`` of a tensor (no dispatched op, but a device-to-host read on CUDA), except
+    ``dtrec.ops.host_flags.HostFlag``'s reads of its host copies: on CUDA they read pinned
+    host memory whose copy an event reported done (no wait; ``sync_debug_sites`` checks).
 
     Example::
 
@@ -385,8 +388,14 @@ class StepCounter(TorchDispatchMode):
         counter = self
 
         def counted(tensor, *args, **kwargs):
-            if not counter._in_kernel:
+            if not counter._in_kernel and not _reading_host_copy():
                 counter.syncs[f"Tensor.{read.__name__} at {call_site()}"] += 1
             return read(tensor, *args, **kwargs)
 
         return counted
+
+
+def _reading_host_copy() -> bool:
+    """Whether ``dtrec.ops.host_flags`` is reading a host copy (not the device)."""
+    module = sys.modules.get("dtrec.ops.host_flags")
+    return module is not None and module.reading_host_copy()

@@ -13,7 +13,7 @@ Packed layout shared by every kernel here and in ``embedding_bag_bwd.py``:
   row-major: row ``r`` starts at ``table_offsets[u] + r * dims[u]`` (a row is contiguous).
 * ``table_offsets`` int64 ``[U]``; ``dims`` int32 ``[U]``; ``num_rows`` int64 ``[U]``.
 * E entries (one feature reading one table; several may share a table):
-  ``entry_table`` int32 ``[E]``, ``out_cols`` int32 ``[E]`` (first output column of the
+  ``entry_table`` int32 ``[E]``, ``out_cols`` int32 or int64 ``[E]`` (first output column of the
   entry), ``mean`` int8/bool ``[E]`` (mean instead of sum pooling).
 * ``values`` int32/int64 ids local to their table, entry-major then bag-major;
   ``offsets`` int64 ``[E * B + 1]``, bag ``(e, b)`` is
@@ -232,7 +232,7 @@ def embedding_bag_fwd(
     psw = values if per_sample_weights is None else per_sample_weights.float()
     _embedding_bag_fwd_kernel[(entry_table.numel() * per_entry, col_blocks)](
         weights, table_offsets.to(torch.int64), dims.to(torch.int32),
-        entry_table.to(torch.int32), out_cols.to(torch.int32), _nonempty(values),
+        entry_table.to(torch.int32), out_cols, _nonempty(values),
         offsets.to(torch.int64), mean.to(torch.int8), _nonempty(psw),
         error if bounds is None else bounds.to(torch.int64), error, out, batch_size, total_dim,
         per_entry, HAS_PSW=per_sample_weights is not None, HAS_BOUNDS=bounds is not None,

@@ -244,7 +244,7 @@ def find_runs(values, offsets, entry_table, row_base, num_rows, total_rows, dims
     grid = (triton.cdiv(num_occ, _SCAN_BLOCK),)
     _run_flags_kernel[grid](
         keys, perm, bag_of, offsets, mean.to(torch.int8), _nonempty(psw) if psw is not None
-        else scale, out_cols.to(torch.int64), src, scale, flags, num_occ, batch_size, total_dim,
+        else scale, out_cols, src, scale, flags, num_occ, batch_size, total_dim,
         total_rows, num_occ.bit_length(), HAS_PSW=psw is not None, SHORT=short, CHUNK=chunk,
         BLOCK=_SCAN_BLOCK,
     )  # fmt: skip
