@@ -46,6 +46,15 @@ def test_smoke_run_reports_every_measure(tmp_path) -> None:
         # a 1-rank world: nothing to move, so no output dist (dtrec/sharded/local_path.py)
         assert {"input_dist", "lookup_fwd", "bwd_and_fused_update"} <= set(stages)
         assert config["dtrec"]["pipelined_step_s"] > 0
+        counts = config["dtrec"]["counts"]["embedding"]
+        assert counts["launches"] > 0 and counts["syncs"] >= 0
+    # issue 24's table: one row per config, every column filled
+    table = report["issue_table"]
+    assert [row["config"] for row in table] == sorted(report["results"])
+    for row in table:
+        assert all(value is not None for value in row.values()), row
+        assert 0 < row["of_copy"] and row["embedding_vs_pytorch"] > 0
+    assert "| B64_multi_hot |" in done.stdout  # printed as markdown too
 
 
 def test_full_table_watch_flags_new_table_sized_tensors_only() -> None:
