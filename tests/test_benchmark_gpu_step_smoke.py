@@ -53,7 +53,7 @@ def test_smoke_run_reports_every_measure(tmp_path) -> None:
     assert [row["config"] for row in table] == sorted(report["results"])
     for row in table:
         assert all(value is not None for value in row.values()), row
-        assert 0 < row["of_copy"] and row["embedding_vs_pytorch"] > 0
+        assert row["of_copy"] > 0 and row["embedding_vs_pytorch"] > 0
     assert "| B64_multi_hot |" in done.stdout  # printed as markdown too
 
 
