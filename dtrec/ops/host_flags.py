@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 _READING = [0]
-_MAX_PENDING = 16  # copies kept unread before the oldest is waited for
+_MAX_PENDING = 4  # copies kept unread (each holds its batch) before the oldest is waited for
 
 
 def reading_host_copy() -> bool:
