@@ -63,7 +63,8 @@ def serves_locally(routing: Routing, layouts: list[TableLayout]) -> bool:
     """Whether the shard axis has one position and every table is one block there (its
     blocks cover it once, so that block is the whole table)."""
     return routing.shard_size == 1 and all(
-        layout.batch_local or len(layout.blocks) == 1 for layout in layouts
+        t in routing.data_parallel_tables or len(layout.blocks) == 1
+        for t, layout in enumerate(layouts)
     )
 
 
