@@ -109,6 +109,18 @@ def all_dp(mesh: DeviceMesh) -> nn.Module:
     return distributed(mesh, {"sparse.t0": DataParallel(), "sparse.t1": DataParallel()})
 
 
+def _reported_later(mesh: DeviceMesh) -> None:
+    """A one-rank world, Triton backend, fused optimizer: the bad batch's ids are checked on
+    the device and the next forward reports them."""
+    backend.set_backend("triton")
+    try:
+        sparse = distributed(mesh, optimizer=SGD(lr=0.1), model=EBC(tables()))
+        sparse(batch(f0=(1, 10))).values().sum().backward()  # t0 has 10 rows: flagged only
+        sparse(batch())
+    finally:
+        backend.set_backend("auto")
+
+
 def loss(model: nn.Module, kjt: dtrec.KeyedJaggedTensor) -> torch.Tensor:
     return model(kjt).sum()
 
@@ -431,6 +443,7 @@ LOCAL: dict[str, Case] = {
     "E040": lambda tmp: EBC(tables())(batch(f0=(1, 10))),
     "E041": lambda tmp: EBC(tables())(batch(f1=(-1,))),
     "E042": lambda tmp: EBC(tables(), device="meta")(batch()),
+    "E300": fake(1, lambda: _reported_later(dtrec.init_mesh("cpu", 1))),
     # init_mesh
     "E046": lambda tmp: dtrec.init_mesh("cpu", 1),
     "E047": fake(4, lambda: dtrec.init_mesh("cpu", "2")),
