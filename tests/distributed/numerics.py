@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import dtrec
 from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
@@ -100,6 +101,9 @@ class Result:
     max_grad: float = 0.0
     """Largest magnitudes of the unsharded pooled embeddings and gradient blocks (the
     scale of the differences above)."""
+    max_norm_diff: float = 0.0
+    """Largest |sharded - unsharded| total norm returned by ``clip_grad_norm_`` (``clip``)."""
+    max_norm: float = 0.0
     grads_sharded_like_weights: bool = True
     notes: list[str] = field(default_factory=list)
 
@@ -119,6 +123,8 @@ def check_numerics(
     sync_every: int | None = None,
     empty: Mapping[int, Collection[str]] | None = None,
     device: str = "cpu",
+    opt_kwargs: Mapping[str, object] | None = None,
+    clip: Mapping[str, object] | None = None,
 ) -> Result:
     """Train sharded and unsharded side by side; return the largest differences.
 
@@ -127,7 +133,13 @@ def check_numerics(
     ``dtype`` after each update: fused steps take fp32 gradient rows, which a bf16
     ``.grad`` would round); ``empty``: per rank, features its batches leave empty;
     ``device``: where both models and the batches live (the mesh's device type; the
-    batches are drawn on CPU, so every device sees the same numbers).
+    batches are drawn on CPU, so every device sees the same numbers); ``opt_kwargs``:
+    extra arguments of the torch optimizer (``foreach=True``, ``fused=True``), given to the
+    sharded and the unsharded model's alike; ``clip``: keyword arguments of
+    ``torch.nn.utils.clip_grad_norm_`` run on both models' parameters before each step
+    (with a fused optimizer the unsharded model clips its dense part only: the sharded
+    tables have no ``.grad``), the largest difference of the returned norms in
+    ``Result.max_norm_diff``.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     tables = tables if tables is not None else make_tables(weighted)
@@ -154,10 +166,14 @@ def check_numerics(
         if fused is not None
         else {}
     )
+    kw = dict(opt_kwargs or {})
     make_opt = {
-        "sgd": lambda ps: torch.optim.SGD(ps, lr=lr),
-        "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=lr),
-        "adam": lambda ps: torch.optim.Adam(ps, lr=lr / 10),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=lr, **kw),
+        "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=lr / 5, momentum=0.9, **kw),
+        "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=lr, **kw),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=lr / 10, **kw),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=lr / 10, weight_decay=0.1, **kw),
+        "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=lr / 50, **kw),
     }[optimizer]
     ref_opt, opt = make_opt(reference.parameters()), make_opt(sharded.parameters())
     result = Result()
@@ -221,6 +237,13 @@ def check_numerics(
                 result.max_grad = max(
                     result.max_grad, block_of(name, want).abs().max().item() if got.numel() else 0.0
                 )
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(sharded.parameters(), **clip)
+            ref_params = reference.dense if fused is not None else reference
+            want_norm = torch.nn.utils.clip_grad_norm_(ref_params.parameters(), **clip)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            result.max_norm_diff = max(result.max_norm_diff, (norm - want_norm).abs().item())
+            result.max_norm = max(result.max_norm, want_norm.item())
         opt.step()
         opt.zero_grad()
 
@@ -246,7 +269,9 @@ def check_numerics(
         result.max_weight_diff = max(
             result.max_weight_diff, diff.max().item() if diff.numel() else 0.0
         )
-    result.max_dense_diff = (sharded.dense.weight - reference.dense.weight).abs().max().item()
+    dense = sharded.dense.weight  # a DTensor replicated over the mesh: every rank's copy
+    dense = dense.to_local() if isinstance(dense, DTensor) else dense
+    result.max_dense_diff = (dense - reference.dense.weight).abs().max().item()
     if dtype == torch.float32:
         result.max_weight_diff = max(result.max_weight_diff, result.max_dense_diff)
     return result
