@@ -11,6 +11,7 @@ averaging and prefetching.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -25,12 +26,14 @@ from dtrec.modules.features import check_bounds_mode
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import shard_axis, shard_position
+from dtrec.sharded.copies import deepcopy_module
 from dtrec.sharded.fused_update import FusedUpdater, TableUpdate
 from dtrec.sharded.groups import column_groups
 from dtrec.sharded.input_dist import InputDist
 from dtrec.sharded.routing import Routing
 from dtrec.sharded.storage import pack_local_shards, shard_tables, state_dtensors
 from dtrec.sharded.sync_plan import GradSyncPlan
+from dtrec.sharded.tensor import like_dtensor
 
 
 def check_sync_every(sync_every: int | None) -> None:
@@ -101,6 +104,19 @@ class ShardedCollection(nn.Module):
         )
         self._input_dist = InputDist(tables, self._routing, mesh)
         self._prefetched: list[tuple[object, Any]] = []
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardedCollection:
+        """A copy whose tables are views of the copy of this rank's packed buffer, the
+        tensors the copied fused updater updates (a DTensor parameter's own deepcopy would
+        clone its block apart from them); communication shared (``sharded/copies.py``)."""
+        for table in self._stored().values():
+            weight = table.weight
+            with torch.no_grad():
+                local = copy.deepcopy(weight.to_local(), memo)  # storage copied once
+            memo[id(weight)] = nn.Parameter(
+                like_dtensor(local, weight), requires_grad=weight.requires_grad
+            )
+        return deepcopy_module(self, memo)
 
     def _stored(self) -> nn.ModuleDict:
         return getattr(self, self.tables_attr)

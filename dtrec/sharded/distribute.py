@@ -7,6 +7,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from dtrec.planning.plan import (
 )
 from dtrec.planning.plan import plan as make_plan
 from dtrec.sharded.collection import ShardedCollection, check_sync_every
+from dtrec.sharded.copies import deepcopy_module
 from dtrec.sharded.dense import ReplicatedDense, replicate_dense
 from dtrec.sharded.dtensor_handlers import register_dtensor_handlers
 from dtrec.sharded.fused_optimizer import FusedOptimizerView
@@ -190,6 +192,13 @@ class DistributedModule:
         # the original class: index 0 is the generated class, 1 this mixin.
         original = cls.__mro__[2]
         return original.__new__(original, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
+        """An independent copy (own weights, optimizer state, hooks), sharing the process
+        groups and meshes (``dtrec.sharded.copies``). Collective in effect: every rank
+        copies, so that both models keep issuing the same collectives."""
+        own = getattr(type(self).__mro__[2], "__deepcopy__", None)  # a sharded collection's
+        return own(self, memo) if own is not None else deepcopy_module(self, memo)
 
     @property
     def sharding_plan(self) -> ShardingPlan:
