@@ -225,6 +225,25 @@ def all_reduce(tensor: Tensor, group: ProcessGroup | None, kind: str, op: str = 
     return tensor
 
 
+def all_gather_varied(tensor: Tensor, group: ProcessGroup | None, kind: str) -> list[Tensor]:
+    """Every member's 1-D ``tensor`` (sizes may differ), by rank: two all-gathers into a
+    tensor (the sizes, then the data padded to the largest), which every backend runs on
+    every device (gloo included on CUDA, unlike the functional all-gather)."""
+    size = dist.get_world_size(group)
+    count = torch.tensor([tensor.numel()], dtype=torch.long, device=tensor.device)
+    counts = torch.empty(size, dtype=torch.long, device=tensor.device)
+    with collective(kind + ".sizes", (size - 1) * 8, group):
+        all_gather_flat(counts, count, group)
+    sizes = counts.tolist()
+    most = max(sizes)
+    padded = tensor.new_zeros(most)
+    padded[: tensor.numel()] = tensor
+    out = tensor.new_empty(size * most)
+    with collective(kind, (size - 1) * most * tensor.element_size(), group):
+        all_gather_flat(out, padded, group)
+    return [out[r * most : r * most + n] for r, n in enumerate(sizes)]
+
+
 def all_reduce_min(tensor: Tensor, group: ProcessGroup, kind: str) -> Tensor:
     """Elementwise MIN of ``tensor`` over ``group``, in place; returns it when done."""
     size = dist.get_world_size(group)

@@ -9,7 +9,8 @@ gradient accumulation: when it cannot take a table's gradient as is, it copies i
 so the copy all-gathers (``dtrec/sharded/dtensor_handlers.py``). Here every plan type
 trains a step (forward, backward, a foreach optimizer step; then ``clip_grad_norm_``) with a
 gradient hook that keeps each table gradient referenced, which forces that copy path on
-CPU as CUDA's device threads do, and counts calls of ``torch.ops._c10d_functional.*``.
+CPU as CUDA's device threads do, and counts calls of ``torch.ops._c10d_functional.*``;
+then ``checkpoint.full_state_dict`` (which used ``DTensor.full_tensor``) likewise.
 On main at 57977ad under torch 2.11 this step all-gathered (the column-wise and grid
 tables' gradients came out Replicate); torch 2.13 keeps uneven shards, so on this CPU CI
 the test guards against any new functional collective in the step.
@@ -79,6 +80,9 @@ def _run(rank: int, world: int) -> dict:
         calls.clear()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
         clip_calls = dict(calls)
+        calls.clear()
+        dtrec.checkpoint.full_state_dict(model)  # user-facing assembly: c10d only too
+        full_calls = dict(calls)
         layouts_ok = all(
             t.weight.grad is None
             or (
@@ -88,7 +92,8 @@ def _run(rank: int, world: int) -> dict:
             )
             for t in model.sparse.embedding_bags.values()
         )
-        out[plan] = {"step": step_calls, "clip": clip_calls, "grads_like_weights": layouts_ok}
+        out[plan] = {"step": step_calls, "clip": clip_calls, "full": full_calls,
+                     "grads_like_weights": layouts_ok}  # fmt: skip
     return out
 
 
@@ -101,6 +106,7 @@ def results() -> list[dict]:
 def test_training_step_uses_no_functional_collective(results, plan: str) -> None:
     for rank, r in enumerate(results):
         assert r[plan]["step"] == {}, (rank, r[plan])
+        assert r[plan]["full"] == {}, (rank, r[plan])
         # clip_grad_norm_ over one mesh is DTensor's own reduction: a functional all_reduce
         # (gloo runs it on CUDA); over several meshes dtrec's c10d one. Never an all-gather.
         assert not any("gather" in k for k in r[plan]["clip"]), (rank, r[plan])
