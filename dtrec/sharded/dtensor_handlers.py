@@ -221,8 +221,8 @@ def global_scalars(tensors: list[Tensor]) -> Tensor:
     if header.tolist() != [n, -n]:
         raise ValueError(
             f"stacking scalars from different meshes (clip_grad_norm_): rank "
-            f"{dist.get_rank()} has {n} of them, another rank has {int(header[0])} or "
-            f"{int(-header[1])}; every rank must pass the same parameters, each with a .grad"
+            f"{dist.get_rank()} has {n} of them, the ranks have {int(-header[1])} to "
+            f"{int(header[0])}; every rank must pass the same parameters, each with a .grad"
         )
     sums = torch.zeros(n, dtype=torch.float64, device=device)
     maxes = torch.full((n,), -math.inf, dtype=torch.float64, device=device)
