@@ -62,6 +62,7 @@ class _Bucket:
         self.params = params
         self.ready: set[int] = set()
         self.pending: PendingTensors | None = None
+        self.missing = False  # whether this rank sent a zero for a parameter without grad
 
 
 class ReplicatedDense:
@@ -180,10 +181,11 @@ class ReplicatedDense:
                 p.grad.to_local() / world if p.grad is not None else torch.zeros_like(p.to_local())
                 for p in bucket.params
             ]
-            counts = torch.tensor(
-                [float(p.grad is not None) for p in bucket.params], device=grads[0].device
-            )
-        bucket.pending = all_reduce_coalesced_start([*grads, counts], None, KIND)
+            # device-side flags (no host copy): 1 where this rank has a gradient
+            flags = [g.new_ones(1) if p.grad is not None else g.new_zeros(1)
+                     for p, g in zip(bucket.params, grads, strict=True)]  # fmt: skip
+        bucket.missing = any(p.grad is None for p in bucket.params)
+        bucket.pending = all_reduce_coalesced_start([*grads, *flags], None, KIND)
 
     def _finish(self) -> None:
         """End of backward: send the buckets not yet sent, then write the averages."""
@@ -193,9 +195,12 @@ class ReplicatedDense:
         with torch.no_grad():
             for bucket in self._buckets:
                 assert bucket.pending is not None
-                *sums, counts = bucket.pending.wait()
+                parts = bucket.pending.wait()
                 bucket.pending, bucket.ready = None, set()
-                for p, total, count in zip(bucket.params, sums, counts.tolist(), strict=True):
+                sums, flags = parts[: len(bucket.params)], parts[len(bucket.params) :]
+                # counts are read (a host sync) only if this rank lacked some gradient
+                counts = [f.item() for f in flags] if bucket.missing else [1.0] * len(sums)
+                for p, total, count in zip(bucket.params, sums, counts, strict=True):
                     if count == 0:
                         continue  # no rank used it: grad stays None everywhere
                     mean = total.to(p.dtype)
