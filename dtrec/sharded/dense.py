@@ -78,8 +78,13 @@ class ReplicatedDense:
         owners: dict[int, list[tuple[nn.Module, str]]],
         params: list[nn.Parameter],
         buffers: list[tuple[nn.Module, str]],
+        aliases: dict[int, list[tuple[nn.Module, Any, Any]]] | None = None,
     ) -> None:
         self.mesh = mesh
+        # id(param) -> [(module, container, key)]: a dict / list attribute of a module that
+        # holds the parameter too (TorchRec's PositionWeightedModuleCollection keeps
+        # position_weights_dict beside its ParameterDict); it gets the views as well
+        self._aliases = aliases or {}
         self._root = root
         self._owners = owners  # id(param) -> [(module, attribute)], shared params listed twice
         self._params = params
@@ -91,7 +96,9 @@ class ReplicatedDense:
         root.register_forward_pre_hook(self._root_pre_forward, prepend=True)
         root.register_forward_hook(self._root_post_forward, always_call=True)
         root._register_load_state_dict_pre_hook(self._load_pre_hook, with_module=True)
-        for module in {id(m): m for places in owners.values() for m, _ in places}.values():
+        holders = [m for places in owners.values() for m, _ in places]
+        holders += [m for places in self._aliases.values() for m, _, _ in places]
+        for module in {id(m): m for m in holders}.values():
             if module is not root:
                 module.register_forward_pre_hook(self._module_pre_forward, prepend=True)
                 module.register_forward_hook(self._module_post_forward, always_call=True)
@@ -113,12 +120,19 @@ class ReplicatedDense:
             for module, name in self._owners[id(p)]:
                 if only is None or module is only:
                     module.__dict__[name] = local
+            for module, container, key in self._aliases.get(id(p), ()):
+                if only is None or module is only:
+                    container[key] = local
 
     def _unviews(self, only: nn.Module | None = None) -> None:
         for places in self._owners.values():
             for module, name in places:
                 if only is None or module is only:
                     module.__dict__.pop(name, None)
+        for p in self._params:
+            for module, container, key in self._aliases.get(id(p), ()):
+                if only is None or module is only:
+                    container[key] = p
 
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         self._sync_buffers()
@@ -226,6 +240,11 @@ class ReplicatedDense:
             for old, p in zip(self._params, new._params, strict=True)
         }
         new._buffers = [(copy.deepcopy(m, memo), n) for m, n in self._buffers]
+        new._aliases = {
+            id(p): [(copy.deepcopy(m, memo), copy.deepcopy(c, memo), k)
+                    for m, c, k in self._aliases.get(id(old), ())]
+            for old, p in zip(self._params, new._params, strict=True)
+        }  # fmt: skip
         new._in_root, new._backward, new._next = False, None, 0
         new._hook_params()
         return new
@@ -319,11 +338,39 @@ def replicate_dense(
             broadcast_coalesced([p.detach() for p in originals], 0, None, "dense.init")
             if buffers:
                 broadcast_coalesced([getattr(m, n) for m, n in buffers], 0, None, "dense.init")
+    aliases = _aliases(model, skip, params)
     replaced = []
     for p in originals:
         new = nn.Parameter(_as_replicated_dtensor(p.detach(), mesh), requires_grad=p.requires_grad)
         for module, name in owners[id(p)]:
             module._parameters[name] = new
         owners[id(new)] = owners.pop(id(p))
+        for _, container, key in aliases.get(id(p), ()):
+            container[key] = new
+        if id(p) in aliases:
+            aliases[id(new)] = aliases.pop(id(p))
         replaced.append(new)
-    return ReplicatedDense(model, mesh, owners, replaced, buffers)
+    return ReplicatedDense(model, mesh, owners, replaced, buffers, aliases)
+
+
+def _aliases(
+    model: nn.Module, skip: set[int], params: dict[int, nn.Parameter]
+) -> dict[int, list[tuple[nn.Module, Any, Any]]]:
+    """Where a module's own dict or list attribute holds one of ``params`` too."""
+    found: dict[int, list[tuple[nn.Module, Any, Any]]] = {}
+    bookkeeping = set(vars(nn.Module()))  # _parameters, _buffers, hooks, ...
+    for module in model.modules():
+        if id(module) in skip:
+            continue
+        for name, value in vars(module).items():
+            if name in bookkeeping:
+                continue
+            items = (
+                value.items()
+                if isinstance(value, dict)
+                else (enumerate(value) if isinstance(value, list) else ())
+            )
+            for key, x in items:
+                if isinstance(x, nn.Parameter) and id(x) in params:
+                    found.setdefault(id(x), []).append((module, value, key))
+    return found

@@ -134,6 +134,8 @@ def _fused_rule(name: str):
 def check_training(mesh, reference: FPModel, plan: str, fused_name: str, kjt_type=None) -> dict:
     """Train ``reference`` unsharded on the global batch and a sharded copy on each rank's
     part; the largest differences of loss, table blocks, position weights and dense."""
+    from torch.distributed.tensor import DTensor
+
     import dtrec
     from dtrec.placements.mesh import shard_position
 
@@ -184,10 +186,13 @@ def check_training(mesh, reference: FPModel, plan: str, fused_name: str, kjt_typ
     position_diff, position_moved = 0.0, 0.0
     for name, param in sharded.named_parameters():
         if "position_weight" in name:
+            param = param.to_local() if isinstance(param, DTensor) else param  # replicated
             position_diff = max(position_diff, (param - dense[name]).abs().max().item())
             moved = (dense[name] - initial[name]).abs().max().item()  # trained, not just kept
             position_moved = max(position_moved, moved)
-    dense_diff = (sharded.dense.weight - reference.dense.weight).abs().max().item()
+    weight = sharded.dense.weight
+    weight = weight.to_local() if isinstance(weight, DTensor) else weight
+    dense_diff = (weight - reference.dense.weight).abs().max().item()
     return {
         "loss": loss_diff,
         "tables": table_diff,
