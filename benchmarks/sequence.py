@@ -7,7 +7,8 @@ feature -> ``Linear(64, 64)`` -> ReLU -> mean over the sequence -> concatenated 
 ``Linear(256, 1)``, BCE-with-logits vs random labels (every row's gradient is distinct).
 Tables: fused exact row-wise Adagrad (lr 0.01, eps 1e-8); dense: ``torch.optim.Adagrad``,
 data parallel (dtrec's replicated DTensor parameters, TorchRec DDP). Rank r's batch of
-step s is drawn from the seed (r, s) alike for both libraries, and both start from the same table weights.
+step s is drawn from the seed (r, s) alike for both libraries, and both start from the same
+table weights.
 
 Configs (``--configs``): ``table_wise`` (table i on rank i % W), ``row_wise``,
 ``column_wise`` (each table's 64 columns split over the W ranks), on one shard group of
