@@ -782,6 +782,7 @@ WORLD: dict[str, tuple[int, ...]] = {
     "E044": (0,),
     "E150": (0,),
     "E077": (0, 1),
+    "E260": (0, 1),
 }
 
 
@@ -827,4 +828,8 @@ def run_world_cases(rank: int, world_size: int) -> dict:
     if rank == 1:
         configs[0] = Cfg("t0", 11, 4, ["f0"])
     out["E077"] = outcome(lambda: distributed(mesh, plan, model=Model(configs)))
+    # clip_grad_norm_'s stack across meshes with different parameter lists per rank
+    with torch.no_grad():
+        norms = [torch.linalg.vector_norm(t.weight) for t in model.sparse.embedding_bags.values()]
+        out["E260"] = outcome(lambda: torch.stack(norms + norms[:rank]))
     return out

@@ -7,13 +7,13 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtrec._torch_compat import replicate_module
 from dtrec.comm.failures import install_excepthook
 from dtrec.comm.qcomms import QCommsConfig
 from dtrec.interop.in_backward import fused_rules
@@ -33,6 +33,9 @@ from dtrec.planning.plan import (
 )
 from dtrec.planning.plan import plan as make_plan
 from dtrec.sharded.collection import ShardedCollection, check_sync_every
+from dtrec.sharded.copies import deepcopy_module
+from dtrec.sharded.dense import ReplicatedDense, replicate_dense
+from dtrec.sharded.dtensor_handlers import register_dtensor_handlers
 from dtrec.sharded.fused_optimizer import FusedOptimizerView
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.sequence import ShardedEmbeddingCollection
@@ -46,14 +49,16 @@ def distribute_module(
     sync_every: int | None = None,
     qcomms: QCommsConfig | Mapping[str, QCommsConfig | None] | object | None = None,
 ) -> nn.Module:
-    """Shard every ``EmbeddingBagCollection`` of ``model`` per ``plan``; DDP the rest.
+    """Shard every ``EmbeddingBagCollection`` of ``model`` per ``plan``; replicate the rest.
 
     ``plan`` maps ``"<collection fqn>.<table>"`` to a spec; tables it omits, and open
     choices like ``TableWise(rank=None)``, are planned by ``dtrec.plan``. A TorchRec
     ``ShardingPlan`` works too (``dtrec.interop.plans``). TorchRec's
     ``EmbeddingBagCollection``s are sharded like dtrec's (same weights, same
     ``is_weighted``); any other TorchRec sparse module is a TypeError naming it. Dense
-    parameters become data parallel over all W ranks (torch's ``replicate``). With
+    parameters become DTensors replicated over ``mesh``, their gradients averaged over
+    all W ranks during backward (``dtrec.sharded.dense``), so every parameter is a DTensor
+    and any torch optimizer (``foreach``, ``fused``) steps ``model.parameters()``. With
     ``optimizer`` (a ``dtrec.optim`` config) the table update is fused into backward: table
     weights get no ``.grad`` and ``model.fused_optimizer`` holds the state. TorchRec's recipe
     works the same way: tables marked by ``apply_optimizer_in_backward`` (torchrec's or
@@ -142,9 +147,9 @@ def distribute_module(
             ebc.is_weighted, qcomms_of[fqn],
         )  # fmt: skip
     fused = FusedOptimizerView(sharded, optimizer) if optimizer is not None else None
-    state = DistributedState(full_plan, fused)
+    register_dtensor_handlers()  # uneven-shard grads, clip_grad_norm_ across meshes
     if "" in sharded:
-        return as_distributed(sharded[""], state)
+        return as_distributed(sharded[""], DistributedState(full_plan, fused))
     for fqn, module in sharded.items():
         parent_name, _, attr = fqn.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, module)
@@ -158,9 +163,8 @@ def distribute_module(
             f"parameters {dense_meta[:5]} are on the meta device: only embedding tables may "
             "be (each rank then creates its own blocks); build the dense part on cpu or cuda"
         )
-    if any(id(p) not in sharded_params for p in model.parameters()):
-        replicate_module(model, ignored_modules=sharded.values())
-    return as_distributed(model, state)
+    dense = replicate_dense(model, mesh, ignored=sharded.values())
+    return as_distributed(model, DistributedState(full_plan, fused, dense))
 
 
 def collection_rules(
@@ -200,6 +204,8 @@ class DistributedState:
     """The full plan, every table's spec (the user's pins and the planner's choices)."""
     fused_optimizer: FusedOptimizerView | None
     """The fused optimizer's state per table, or None without a fused optimizer."""
+    dense: ReplicatedDense | None = None
+    """The replicated dense parameters' gradient averaging (None: no dense parameters)."""
 
 
 class DistributedModule:
@@ -223,6 +229,13 @@ class DistributedModule:
         # the original class: index 0 is the generated class, 1 this mixin.
         original = cls.__mro__[2]
         return original.__new__(original, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
+        """An independent copy (own weights, optimizer state, hooks), sharing the process
+        groups and meshes (``dtrec.sharded.copies``). Collective in effect: every rank
+        copies, so that both models keep issuing the same collectives."""
+        own = getattr(type(self).__mro__[2], "__deepcopy__", None)  # a sharded collection's
+        return own(self, memo) if own is not None else deepcopy_module(self, memo)
 
     @property
     def sharding_plan(self) -> ShardingPlan:

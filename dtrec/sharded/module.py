@@ -109,7 +109,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             out = self._output_dist.zeros(routed.batch, device)
         if own is not None:
             out = self._output_dist.add_data_parallel(out, own)
-        return self._output_dist.keyed(out, kjt)
+        return self._output_dist.keyed(self._with_absent_grads(out), kjt)
 
     def input_dist(self, features: object) -> RoutedBatch | LocalBatch:
         """Validate the batch and send each id to the shard(s) holding its row.

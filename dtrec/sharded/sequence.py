@@ -90,7 +90,9 @@ class ShardedEmbeddingCollection(ShardedCollection):
         if self._routing.has_sharded:
             send, send_splits = self._lookup.served(routed, local)
         local_rows = self._lookup.data_parallel(kjt, local) if self._routing.local_features else []
-        rows = self._output_dist(send, send_splits, plan, local_rows, device)
+        rows = self._with_absent_grads(
+            self._output_dist(send, send_splits, plan, local_rows, device)
+        )
         return sequence_outputs(kjt, rows, self.need_indices)
 
     def _start(self, features: object) -> _Routed:

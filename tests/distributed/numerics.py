@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import dtrec
 from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
@@ -100,6 +101,9 @@ class Result:
     max_grad: float = 0.0
     """Largest magnitudes of the unsharded pooled embeddings and gradient blocks (the
     scale of the differences above)."""
+    max_norm_diff: float = 0.0
+    """Largest |sharded - unsharded| total norm returned by ``clip_grad_norm_`` (``clip``)."""
+    max_norm: float = 0.0
     grads_sharded_like_weights: bool = True
     shapes_match: bool = True
     """This rank's pooled output had the unsharded one's shape every step (``(0, D)`` for an
@@ -123,6 +127,8 @@ def check_numerics(
     empty: Mapping[int, Collection[str]] | None = None,
     device: str = "cpu",
     batch_sizes: Sequence[Sequence[int]] | None = None,
+    opt_kwargs: Mapping[str, object] | None = None,
+    clip: Mapping[str, object] | None = None,
 ) -> Result:
     """Train sharded and unsharded side by side; return the largest differences.
 
@@ -134,7 +140,13 @@ def check_numerics(
     batches are drawn on CPU, so every device sees the same numbers); ``batch_sizes``:
     per step, every rank's batch size (uneven, 0 included; default: ``batch`` on every
     rank for ``steps`` steps). Each rank's loss is over its own batch
-    (``rank_loss``), the unsharded model's the sum of those over W.
+    (``rank_loss``), the unsharded model's the sum of those over W. ``opt_kwargs``:
+    extra arguments of the torch optimizer (``foreach=True``, ``fused=True``), given to the
+    sharded and the unsharded model's alike; ``clip``: keyword arguments of
+    ``torch.nn.utils.clip_grad_norm_`` run on both models' parameters before each step
+    (with a fused optimizer the unsharded model clips its dense part only: the sharded
+    tables have no ``.grad``), the largest difference of the returned norms in
+    ``Result.max_norm_diff``.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     tables = tables if tables is not None else make_tables(weighted)
@@ -161,10 +173,14 @@ def check_numerics(
         if fused is not None
         else {}
     )
+    kw = dict(opt_kwargs or {})
     make_opt = {
-        "sgd": lambda ps: torch.optim.SGD(ps, lr=lr),
-        "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=lr),
-        "adam": lambda ps: torch.optim.Adam(ps, lr=lr / 10),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=lr, **kw),
+        "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=lr / 5, momentum=0.9, **kw),
+        "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=lr, **kw),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=lr / 10, **kw),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=lr / 10, weight_decay=0.1, **kw),
+        "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=lr / 50, **kw),
     }[optimizer]
     ref_opt, opt = make_opt(reference.parameters()), make_opt(sharded.parameters())
     result = Result()
@@ -234,6 +250,13 @@ def check_numerics(
                 result.max_grad = max(
                     result.max_grad, block_of(name, want).abs().max().item() if got.numel() else 0.0
                 )
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(sharded.parameters(), **clip)
+            ref_params = reference.dense if fused is not None else reference
+            want_norm = torch.nn.utils.clip_grad_norm_(ref_params.parameters(), **clip)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            result.max_norm_diff = max(result.max_norm_diff, (norm - want_norm).abs().item())
+            result.max_norm = max(result.max_norm, want_norm.item())
         opt.step()
         opt.zero_grad()
 
@@ -259,7 +282,9 @@ def check_numerics(
         result.max_weight_diff = max(
             result.max_weight_diff, diff.max().item() if diff.numel() else 0.0
         )
-    result.max_dense_diff = (sharded.dense.weight - reference.dense.weight).abs().max().item()
+    dense = sharded.dense.weight  # a DTensor replicated over the mesh: every rank's copy
+    dense = dense.to_local() if isinstance(dense, DTensor) else dense
+    result.max_dense_diff = (dense - reference.dense.weight).abs().max().item()
     if dtype == torch.float32:
         result.max_weight_diff = max(result.max_weight_diff, result.max_dense_diff)
     return result

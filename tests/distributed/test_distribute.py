@@ -71,16 +71,16 @@ def _comm_counts(rank: int) -> dict:
         "forward_c10d": forward,
         "forward_calls": dict(stats.calls),
         "backward_calls": dict(bstats.calls),
-        # A position with no rows of a table (t1 has 3 rows on 4 positions) gets no grad.
+        # Every table gets a grad shaped like its local shard on every rank, empty where a
+        # position has no rows (t1: 3 rows on 4 positions), so all ranks list the same
+        # .grad parameters (clip_grad_norm_ stacks their norms in one order everywhere).
         "grad_local_rows": {
             n: tuple(t.weight.grad.to_local().shape)
             for n, t in model.sparse.embedding_bags.items()
             if t.weight.grad is not None
         },
         "weight_local_rows": {
-            n: tuple(t.weight.to_local().shape)
-            for n, t in model.sparse.embedding_bags.items()
-            if t.weight.to_local().numel() > 0
+            n: tuple(t.weight.to_local().shape) for n, t in model.sparse.embedding_bags.items()
         },
         "dtype": str(torch.get_default_dtype()),
     }

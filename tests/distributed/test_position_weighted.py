@@ -138,6 +138,8 @@ def check_training(
     part; the largest differences of loss, table blocks, position weights and dense.
     ``batch_sizes``: per step, every rank's batch size (default: 3 everywhere, ``STEPS``
     steps); each rank's loss is over its own batch (``rank_loss``)."""
+    from torch.distributed.tensor import DTensor
+
     import dtrec
     from dtrec.placements.mesh import shard_position
     from tests.distributed.numerics import rank_loss
@@ -189,10 +191,13 @@ def check_training(
     position_diff, position_moved = 0.0, 0.0
     for name, param in sharded.named_parameters():
         if "position_weight" in name:
+            param = param.to_local() if isinstance(param, DTensor) else param  # replicated
             position_diff = max(position_diff, (param - dense[name]).abs().max().item())
             moved = (dense[name] - initial[name]).abs().max().item()  # trained, not just kept
             position_moved = max(position_moved, moved)
-    dense_diff = (sharded.dense.weight - reference.dense.weight).abs().max().item()
+    weight = sharded.dense.weight
+    weight = weight.to_local() if isinstance(weight, DTensor) else weight
+    dense_diff = (weight - reference.dense.weight).abs().max().item()
     return {
         "loss": loss_diff,
         "tables": table_diff,
