@@ -209,13 +209,19 @@ def build_dtrec(w: Workload, device: torch.device, plan: str, watch: FullTableWa
     )  # fmt: skip
 
 
+def plain_state(module: nn.Module) -> dict[str, Tensor]:
+    """``module``'s state as full plain tensors (dtrec's dense parameters are replicated
+    DTensors, which a plain module's ``load_state_dict`` refuses)."""
+    return dtrec.checkpoint.to_full_state_dict(module.state_dict())
+
+
 def build_pytorch(w: Workload, device: torch.device, like: DLRM) -> Library:
     """Plain PyTorch with dtrec's weights (1 rank: each local shard is the whole table)."""
     model = DLRM(TorchTables(w, device), DenseArch(len(w.rows) * w.dim, w.dim).to(device))
     with torch.no_grad():
         for bag, table in zip(model.sparse.bags, like.sparse.embedding_bags.values()):
             bag.weight.copy_(table.weight.to_local())
-        model.dense_arch.load_state_dict(like.dense_arch.state_dict())
+        model.dense_arch.load_state_dict(plain_state(like.dense_arch))
     tables = list(model.sparse.parameters())
     opts = [torch.optim.Adagrad(model.dense_arch.parameters(), lr=LR),
             torch.optim.Adagrad(tables, lr=LR, foreach=False)]  # fmt: skip
@@ -393,7 +399,7 @@ class DenseOnly:
 
     def __init__(self, lib: Library, w: Workload, like: Tensor) -> None:
         self.arch = DenseArch(len(w.rows) * w.dim, w.dim).to(like.device)
-        self.arch.load_state_dict(lib.model.dense_arch.state_dict())
+        self.arch.load_state_dict(plain_state(lib.model.dense_arch))
         self.opt = torch.optim.Adagrad(self.arch.parameters(), lr=LR)
         self.pooled = like.detach().clone().requires_grad_()
 
