@@ -726,7 +726,8 @@ def cost_model(
     P(b) = probability mass of block b's rows,
     U(n, b) = expected distinct rows of block b among n ids = sum_r in b 1 - (1 - p_r)^n):
 
-    * ``input_dist.header``: (S - 1) x 4 int64 when any table is not data parallel;
+    * ``input_dist.header``: to each of the S - 1 peers 4 int32 when any table is not data
+      parallel, and one int32 id count per segment that peer serves;
     * ``input_dist.ids``: to each block's position, from every other position, B int64
       lengths + B L P(b) int64 ids (column blocks get every id of their rows);
     * ``output_dist``: a block's position sends (S - 1) x [B, block cols] fp32 partials;

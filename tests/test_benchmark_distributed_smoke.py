@@ -62,6 +62,17 @@ def test_runs_and_counts(runs, config):
     assert m["collectives_per_step"] >= 4 and m["host_reads_per_step"] > 0
 
 
+def test_header_bytes_are_the_closed_form(runs):
+    # 2 shard positions serving every table's one row-wise segment: to the one peer, 4 int32
+    # fields and an int32 id count per segment; the verdict (an int32 header slot) is
+    # all-reduced over the 2 replicas.
+    tables = len(TINY.rows)
+    for r in runs["2d_row_wise"]["ranks"]:
+        stats = r["dtrec_comm_stats"]
+        assert stats["input_dist.header"]["bytes"] == 4 * (4 + tables)
+        assert stats["input_dist.verdict"]["bytes"] == 4
+
+
 def test_census_sees_the_dense_all_reduce_exactly(runs):
     # No column-wise table: besides the dense gradient all-reduce only the input-dist verdict.
     for r in runs["2d_row_wise"]["ranks"]:
@@ -110,6 +121,9 @@ def test_cost_model_row_wise_closed_forms():
             assert m["input_dist.id_values"] == pytest.approx(
                 4 * batch * bag * tables * (shards - 1) / shards
             )
+            # The header: 4 int32 fields and an id count per segment (one per table) a peer
+            # serves.
+            assert m["input_dist.header"] == pytest.approx(4 * (4 + tables) * (shards - 1))
             partials = (shards - 1) * batch * tables * dim * 4
             assert m["output_dist"] == pytest.approx(partials)
             assert m["output_dist.backward"] == pytest.approx(partials)

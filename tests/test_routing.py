@@ -1,4 +1,5 @@
-"""Routing.bucketize (vectorized) vs a per-segment loop that states the send layout plainly."""
+"""Routing.bucketize + send_layout (vectorized) vs a per-segment loop that states the send
+layout plainly."""
 
 from __future__ import annotations
 
@@ -21,6 +22,21 @@ TABLES = [
 ]
 SPECS = [RowWise(), ColumnWise(), TableWise(rank=2), DataParallel(), Grid(),
          TableRowWise(node=0)]  # fmt: skip
+
+
+def _bucketize(routing: Routing, values, lengths, weights):
+    """What the input dist sends each position: runs laid out on the device, their sizes read
+    (the header's read), sliced; per position ``[lengths | ids]``, weights and id count."""
+    runs = routing.bucketize(values, lengths, weights)
+    layout = routing.send_layout(runs, runs.lengths.sum(1).tolist())
+    buffers = [
+        torch.cat([*(x.long() for x in ls), *(x.long() for x in ids)]) if ls else values[:0]
+        for ls, ids in zip(layout.lengths, layout.ids, strict=True)
+    ]
+    sent = [None] * len(buffers)
+    if layout.weights is not None:
+        sent = [torch.cat(ws) if ws else weights[:0] for ws in layout.weights]
+    return buffers, sent, layout.counts
 
 
 def _loop_bucketize(routing: Routing, values, lengths, weights):
@@ -47,17 +63,27 @@ def _loop_bucketize(routing: Routing, values, lengths, weights):
     return buffers, sent, counts
 
 
-@pytest.mark.parametrize("search", [False, True])
+@pytest.mark.parametrize("path", ["fbgemm", "sort", "search"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("position", [0, 3])
 def test_bucketize_matches_the_per_segment_layout(
-    weighted: bool, position: int, search: bool
+    monkeypatch: pytest.MonkeyPatch, weighted: bool, position: int, path: str
 ) -> None:
+    import dtrec.sharded.routing as routing_module
+    from dtrec.ops.backends.fbgemm_loader import fbgemm_available
+
+    if path == "fbgemm" and not fbgemm_available():
+        pytest.skip("fbgemm_gpu is not importable: only the sort path runs")
     layouts = [spec.layout(cfg, AXIS) for spec, cfg in zip(SPECS, TABLES, strict=True)]
     routing = Routing(TABLES, layouts, AXIS.size, position)
-    assert routing._bucket_maps.uniform_block_rows is not None  # chunks: id // rows per block
-    if search:  # the general path: each id's block by searchsorted over block starts
-        routing._bucket_maps.uniform_block_rows = None
+    # chunks: id // rows per block; fbgemm's buckets are the row blocks (grid's column
+    # blocks share theirs)
+    assert routing._run_maps.chunk_rows is not None
+    assert routing._run_maps.fbgemm_segment_run is not None
+    if path != "fbgemm":  # what a machine without fbgemm runs
+        monkeypatch.setattr(routing_module, "fbgemm_ops", lambda: None)
+    if path == "search":  # the general path: each id's block by searchsorted over block starts
+        routing._run_maps.chunk_rows = None
     g = torch.Generator().manual_seed(position)
     batch = 5
     rows = [cfg.num_embeddings for cfg in TABLES for _ in cfg.feature_names]
@@ -66,7 +92,7 @@ def test_bucketize_matches_the_per_segment_layout(
     values = torch.cat([torch.randint(0, r, (int(n),), generator=g)
                         for r, n in zip(rows, lengths.sum(1))])  # fmt: skip
     weights = torch.rand(values.numel(), generator=g) if weighted else None
-    got = routing.bucketize(values, lengths, weights)
+    got = _bucketize(routing, values, lengths, weights)
     want = _loop_bucketize(routing, values, lengths, weights)
     assert got[2] == want[2]
     for p, (a, b) in enumerate(zip(got[0], want[0], strict=True)):
@@ -161,21 +187,22 @@ def test_row_wise_bucketize_paths_match_the_per_segment_layout(
         monkeypatch.setattr(routing_module, "fbgemm_ops", lambda: calls.append(1) or real())
     layouts = [spec.layout(cfg, AXIS) for spec, cfg in zip(RW_SPECS, RW_TABLES, strict=True)]
     routing = Routing(RW_TABLES, layouts, AXIS.size, position)
-    assert routing._bucket_maps.fbgemm_rows is not None
+    assert routing._run_maps.fbgemm_segment_run is not None
     values, lengths, w = _batch(RW_TABLES, position, weights)
-    got = routing.bucketize(values, lengths, w)
+    got = _bucketize(routing, values, lengths, w)
     want = _loop_bucketize(routing, values, lengths, w)
     assert len(calls) == (path == "fbgemm")
     assert got[2] == want[2]
     for p, (a, b) in enumerate(zip(got[0], want[0], strict=True)):
-        assert a.dtype == torch.long and torch.equal(a, b), p
+        assert torch.equal(a, b), p
     for a, b in zip(got[1], want[1], strict=True):
         assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
 
 
-def test_sort_path_serves_other_layouts_and_trained_weights(monkeypatch) -> None:
-    """Column blocks (grid), a node's rows at positions 2-3 and weights that need a gradient
-    are not fbgemm's: the sort path lays them out, and the weights' gradient flows back."""
+def test_trained_weights_take_the_sort_path(monkeypatch) -> None:
+    """fbgemm's op has no autograd: weights that need a gradient are laid out by the sort,
+    and their gradient flows back. fbgemm serves every chunked layout otherwise, column
+    blocks (grid) and a node's rows at positions 2-3 included."""
     import dtrec.sharded.routing as routing_module
 
     real = routing_module.fbgemm_ops
@@ -183,15 +210,67 @@ def test_sort_path_serves_other_layouts_and_trained_weights(monkeypatch) -> None
     monkeypatch.setattr(routing_module, "fbgemm_ops", lambda: calls.append(1) or real())
     for specs in (SPECS, [*RW_SPECS[:5], TableRowWise(node=1)]):
         layouts = [spec.layout(cfg, AXIS) for spec, cfg in zip(specs, TABLES, strict=True)]
-        assert Routing(TABLES, layouts, AXIS.size, 0)._bucket_maps.fbgemm_rows is None
+        assert Routing(TABLES, layouts, AXIS.size, 0)._run_maps.fbgemm_segment_run is not None
     layouts = [spec.layout(cfg, AXIS) for spec, cfg in zip(RW_SPECS, RW_TABLES, strict=True)]
     routing = Routing(RW_TABLES, layouts, AXIS.size, 1)
     values, lengths, w = _batch(RW_TABLES, 1, "fp32")
     w_loop = w.clone().requires_grad_(True)
     w.requires_grad_(True)
-    got = routing.bucketize(values, lengths, w)
+    got = _bucketize(routing, values, lengths, w)
     want = _loop_bucketize(routing, values, lengths, w_loop)
     assert not calls
     for sent in (got[1], want[1]):  # each position's weights scaled differently
         sum(((p + 1) * x).sum() for p, x in enumerate(sent)).backward()
     assert torch.equal(w.grad, w_loop.grad) and bool(w.grad.max() > 1)
+
+
+def test_chunks_fbgemm_cannot_bucket_take_the_sort_path() -> None:
+    """fbgemm sends an id to bucket ``id // c`` of S: a table of more than S chunks (or an
+    empty block with no empty bucket to stand for it) is not fbgemm's."""
+    from dtrec.placements import Block
+    from dtrec.sharded.row_buckets import fbgemm_runs_of
+
+    five = [(0, Block(p, rows, (0, 4))) for p, rows in enumerate([(0, 2), (2, 4), (4, 5), (5, 5)])]
+    assert fbgemm_runs_of([5], five, [2], 4) == (0, 1, 2, 3)  # bucket 3 ([6, 8)) is empty
+    assert fbgemm_runs_of([5], five[:3], [2], 3) == (0, 1, 2)
+    assert fbgemm_runs_of([5], five[:2], [2], 2) is None  # ids 4 would wrap to bucket 0
+    full = [(0, Block(p, rows, (0, 4))) for p, rows in enumerate([(0, 2), (2, 3), (3, 3)])]
+    assert fbgemm_runs_of([3], full, [2], 3) == (0, 1, 2)
+    assert fbgemm_runs_of([4], [*five[:2], (0, Block(2, (4, 4), (0, 4)))], [2], 2) is None
+
+
+@pytest.mark.parametrize("path", ["fbgemm", "sort", "search"])
+def test_ids_outside_their_table_are_laid_out_without_indexing_out_of_range(
+    monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """The input dist lays a batch out before the header says whether some rank refused it,
+    so a batch with ids outside their table (negative, past the last row, past int32) must
+    lay out without an error: each id lands in some run, every segment gets its ids' count,
+    and the good ids are laid out as for a good batch."""
+    import dtrec.sharded.routing as routing_module
+    from dtrec.ops.backends.fbgemm_loader import fbgemm_available
+
+    if path == "fbgemm" and not fbgemm_available():
+        pytest.skip("fbgemm_gpu is not importable: only the sort path runs")
+    if path != "fbgemm":
+        monkeypatch.setattr(routing_module, "fbgemm_ops", lambda: None)
+    layouts = [spec.layout(cfg, AXIS) for spec, cfg in zip(SPECS, TABLES, strict=True)]
+    routing = Routing(TABLES, layouts, AXIS.size, 0)
+    if path == "search":
+        routing._run_maps.chunk_rows = None
+    values, lengths, _ = _batch(TABLES, 7, "none")
+    good_runs = routing.bucketize(values, lengths, None)
+    good = routing.send_layout(good_runs, good_runs.lengths.sum(1).tolist())
+    bad = values.clone()
+    last = bad.numel() - 1  # feature "g" (table-row-wise), its last id
+    bad[0], bad[1], bad[last] = -1, 2**31 + 3, 10_000  # feature "a" (row-wise): two bad ids
+    runs = routing.bucketize(bad, lengths, None)
+    sizes = runs.lengths.sum(1)
+    assert int(sizes.sum()) == runs.ids.numel() and runs.ids.numel() >= bad.numel()
+    got = routing.send_layout(runs, sizes.tolist())
+    # the features without bad ids are laid out as in the good batch
+    for p in range(AXIS.size):
+        for i, seg in enumerate(routing.segments_to[p]):
+            if seg.feature not in (0, len(routing.slots) - 1):
+                assert torch.equal(got.lengths[p][i], good.lengths[p][i]), (p, seg)
+                assert torch.equal(got.ids[p][i], good.ids[p][i]), (p, seg)

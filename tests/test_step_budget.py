@@ -2,7 +2,8 @@
 
 A DLRM-shaped sharded collection (26 tables with MLPerf DLRM's row counts, capped, and
 its multi-hot sizes, as ``benchmarks/gpu_step.py`` runs them; and the same model with
-500 tables, 100 at W=2) trains with the fused row-wise Adagrad on the Triton backend,
+500 tables, 100 at W=2; table-wise, and at W=2 also row-wise, column-wise and data
+parallel) trains with the fused row-wise Adagrad on the Triton backend,
 its kernels in Triton's interpreter. After two warm-up steps, ``benchmarks.step_probes.StepCounter``
 counts one step of the embedding part (input dist -> lookup -> output dist -> backward
 -> fused update): the Triton launches plus the ATen ops that would launch device work on
@@ -25,9 +26,17 @@ pytest.importorskip("triton")
 MAX_LAUNCHES = 20
 BATCH, DIM = 16, 16
 TABLES = {1: (26, 500), 2: (26, 100)}  # world size -> table counts
+PLANS = {1: ("table_wise",), 2: ("table_wise", "row_wise", "column_wise", "data_parallel")}
 
 
-def _count_step(rank: int, world: int, num_tables: int) -> dict:
+def _spec(plan: str, i: int, world: int):
+    from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
+
+    return {"table_wise": lambda: TableWise(rank=i % world), "row_wise": RowWise,
+            "column_wise": ColumnWise, "data_parallel": DataParallel}[plan]()  # fmt: skip
+
+
+def _count_step(rank: int, world: int, num_tables: int, plan_kind: str = "table_wise") -> dict:
     """Launches and syncs of one steady-state embedding step of this rank (a dict of counts
     by kernel/op and by sync site, plus totals)."""
     import torch
@@ -45,7 +54,7 @@ def _count_step(rank: int, world: int, num_tables: int) -> dict:
     torch.manual_seed(0)
     ebc = dtrec.EmbeddingBagCollection(tables, device="meta")
     mesh = dtrec.init_mesh("cpu", world)
-    plan = {t.name: dtrec.placements.TableWise(rank=i % world) for i, t in enumerate(tables)}
+    plan = {t.name: _spec(plan_kind, i, world) for i, t in enumerate(tables)}
     model = dtrec.distribute_module(ebc, mesh, plan, optimizer=dtrec.optim.RowWiseAdagrad(lr=0.1))
     gen = torch.Generator().manual_seed(rank)
 
@@ -78,7 +87,11 @@ def _count_step(rank: int, world: int, num_tables: int) -> dict:
 
 
 def _count_all(rank: int, world: int) -> dict:
-    return {num_tables: _count_step(rank, world, num_tables) for num_tables in TABLES[world]}
+    return {
+        (plan, num_tables): _count_step(rank, world, num_tables, plan)
+        for plan in PLANS[world]
+        for num_tables in TABLES[world]
+    }
 
 
 # Counts on main at 57977ad (the same for 26, 100 and 500 tables): W=1 79 launches and 5
@@ -86,11 +99,30 @@ def _count_all(rank: int, world: int) -> dict:
 # embedding_bag_bwd.py:464 unique_consecutive and :475 tolist); W=2 85 launches and 6
 # syncs (also input_dist.py:98 wait_served). The H200 profile of gpu_step.py counted 118
 # launches (CUDA runs sort, unique and friends as several kernels each) and 8 syncs.
-# Now W=1: 12 launches, no sync. W=2: 52 launches and 4 syncs, all in the input dist
-# (check_id_range, bucketize, header and wait_served reads), which another change owns.
-BEFORE = pytest.mark.xfail(
-    strict=True, reason="issue 24 budget: W=2 input dist still reads 4 sizes (main: 6 syncs)"
-)
+# Then W=1: 12 launches, no sync; W=2 table-wise: 51 launches and 4 syncs, all in the
+# input dist (check_id_range, bucketize, header and wait_served reads). Now the input dist
+# reads once (the header, with the ids' range count and every size): W=2 table-wise 43
+# launches, row-wise 47, 1 sync each, for 26 and 100 tables.
+# Left, outside the input dist: column-wise row-wise Adagrad (column peers' row norms) runs
+# 3 launches per table and reads 4 sizes in the unfused backward rows and the packed
+# update; data-parallel tables sync their gradients per table (grad_sync.py: boolean
+# masks, unique_consecutive, nonzero) and read length_per_key in the local lookup.
+AFTER_INPUT_DIST = {
+    "column_wise": "outside the input dist: the unfused backward rows and the packed update "
+    "read 4 sizes; the column peers' row norms take 3 launches per table",
+    "data_parallel": "outside the input dist: grad_sync.py syncs each table's rows (boolean "
+    "masks, unique_consecutive, nonzero); the local lookup reads length_per_key",
+}
+
+
+def _two_rank_plans() -> list:
+    return [
+        pytest.param(plan, marks=pytest.mark.xfail(strict=True, reason=AFTER_INPUT_DIST[plan]))
+        if plan in AFTER_INPUT_DIST
+        else plan
+        for plan in PLANS[2]
+    ]
+
 
 _ENV = {"TRITON_INTERPRET": "1", "DTREC_BACKEND": "triton"}
 
@@ -107,29 +139,32 @@ def two_ranks() -> list[dict]:
 
 @pytest.mark.parametrize("num_tables", TABLES[1])
 def test_one_rank_step_launches_within_budget(one_rank, num_tables: int) -> None:
-    counts = one_rank[num_tables]
+    counts = one_rank["table_wise", num_tables]
     assert counts["launches"] <= MAX_LAUNCHES, counts["launch_kinds"]
 
 
 def test_one_rank_launches_do_not_grow_with_tables(one_rank) -> None:
-    few, many = (one_rank[t] for t in TABLES[1])
+    few, many = (one_rank["table_wise", t] for t in TABLES[1])
     assert few["launches"] == many["launches"], (few["launch_kinds"], many["launch_kinds"])
 
 
 @pytest.mark.parametrize("num_tables", TABLES[1])
 def test_one_rank_step_never_waits_for_the_device(one_rank, num_tables: int) -> None:
-    assert one_rank[num_tables]["syncs"] == 0, one_rank[num_tables]["sync_sites"]
+    counts = one_rank["table_wise", num_tables]
+    assert counts["syncs"] == 0, counts["sync_sites"]
 
 
-@BEFORE
 @pytest.mark.parametrize("num_tables", TABLES[2])
-def test_two_rank_step_waits_at_most_once(two_ranks, num_tables: int) -> None:
+@pytest.mark.parametrize("plan", _two_rank_plans())
+def test_two_rank_step_waits_at_most_once(two_ranks, plan: str, num_tables: int) -> None:
     for rank, counts in enumerate(two_ranks):
-        assert counts[num_tables]["syncs"] <= 1, (rank, counts[num_tables]["sync_sites"])
+        got = counts[plan, num_tables]
+        assert got["syncs"] <= 1, (rank, got["sync_sites"])
 
 
-def test_two_rank_launches_do_not_grow_with_tables(two_ranks) -> None:
+@pytest.mark.parametrize("plan", _two_rank_plans())
+def test_two_rank_launches_do_not_grow_with_tables(two_ranks, plan: str) -> None:
     for rank, counts in enumerate(two_ranks):
-        few, many = (counts[t] for t in TABLES[2])
+        few, many = (counts[plan, t] for t in TABLES[2])
         assert few["launches"] == many["launches"], (rank, few["launch_kinds"],
                                                      many["launch_kinds"])  # fmt: skip

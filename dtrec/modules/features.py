@@ -128,8 +128,8 @@ def prepare_features(
 def count_bad_ids(kjt: KeyedJaggedTensor, tables: Sequence[EmbeddingBagConfig]) -> Tensor:
     """int64 ``[1]`` on the batch's device: how many ids lie outside ``[0, rows of their
     feature's table)``. No host read: a caller that must fail on a bad batch reads it where
-    it reads the device anyway (the sharded input dist's header), or raises
-    ``check_id_range``'s error."""
+    it reads the device anyway (the sharded input dist's header), then builds the error
+    with ``id_range_error``."""
     values = kjt.values()
     if values.numel() == 0:
         return torch.zeros(1, dtype=torch.int64, device=values.device)
@@ -149,18 +149,29 @@ def check_id_range(
     host read (the verdict), then, for a bad batch only, the details of its first bad id."""
     if not int(count_bad_ids(kjt, tables)):
         return
-    values = kjt.values()
+    error = id_range_error(kjt, tables, rank)
+    assert error is not None
+    raise error
+
+
+def id_range_error(
+    kjt: KeyedJaggedTensor, tables: Sequence[EmbeddingBagConfig], rank: int | None = None
+) -> IndexError | None:
+    """The IndexError naming a batch's first id outside its table (None: there is none),
+    built on the host: for a batch already known to be bad (``count_bad_ids``)."""
+    values = kjt.values().cpu()
     rows = torch.tensor([cfg.num_embeddings for cfg in tables for _ in cfg.feature_names])
     counts = bag_lengths(kjt).sum(1).cpu()
-    bound = torch.repeat_interleave(rows, counts)
-    host = values.cpu()
-    bad = (host < 0) | (host >= bound)
+    bound = torch.repeat_interleave(rows, counts, output_size=values.numel())
+    bad = (values < 0) | (values >= bound)
+    if not bool(bad.any()):
+        return None
     first = int(torch.nonzero(bad)[0])
     key_index = int(torch.searchsorted(torch.cumsum(counts, 0), first, right=True))
     feature = kjt.keys()[key_index]
     table = next(cfg for cfg in tables if feature in cfg.feature_names)
-    raise IndexError(
-        f"feature {feature!r} (table {table.name!r}){_where(rank)}: id {int(host[first])} "
+    return IndexError(
+        f"feature {feature!r} (table {table.name!r}){_where(rank)}: id {int(values[first])} "
         f"is outside [0, {table.num_embeddings}) ({int(bad.sum())} bad ids in the batch)"
     )
 

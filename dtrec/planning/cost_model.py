@@ -187,6 +187,7 @@ def table_cost(
             # from it: the partials (output-dist forward).
             _exchange(cost.stack, p, near, far, lengths + id_bytes + partial_grads, partials)
             cost.add("input_dist.lengths", others, lengths)
+            cost.add("input_dist.header", others, wire * features)  # an id count per segment
             cost.add("input_dist.id_values", others, id_bytes)
             cost.add(out_kind, p, (s_size - 1) * partials)
             cost.add(f"{out_kind}.backward", others, partial_grads)
@@ -298,25 +299,29 @@ def totals(costs: list[TableCost], positions: int) -> PositionTotals:
     return out
 
 
-HEADER_BYTES = 4 * 8  # input-dist header per peer: status, batch, id count, weighted
-VERDICT_BYTES = 8  # input-dist verdict: the lowest rank that refused its batch
+HEADER_BYTES = 4 * 4  # input-dist header per peer, besides an id count per segment it serves:
+# failed, the replicas' verdict, batch, weighted (int32 unless a table has 2**31 rows)
+VERDICT_BYTES = 8  # input-dist verdict without a header: the lowest rank that refused
 
 
 def comm_by_kind(costs: list[TableCost], axis: ShardAxis) -> dict[str, np.ndarray]:
     """Bytes each position sends per step per collective kind, for a plan's tables.
 
-    Adds the input-dist header (one per peer when any table is sharded),
-    ``input_dist.ids`` (lengths + id values, sent in one all-to-all) and the
-    verdict all-reduce (over the replicas, or over the world without a header).
+    Adds the input-dist header's fixed fields (one set per peer when any table is sharded;
+    the tables add an id count per segment), ``input_dist.ids`` (lengths + id values, sent
+    in one all-to-all) and the verdict all-reduce (over the replicas, a header slot, or an
+    int64 over the world without a header).
     """
     out: dict[str, np.ndarray] = {}
     for cost in costs:
         for kind, sent in (cost.comm or {}).items():
             out[kind] = out.get(kind, np.zeros(axis.size)) + sent
     if "input_dist.lengths" in out:
-        out["input_dist.header"] = np.full(axis.size, (axis.size - 1) * HEADER_BYTES, float)
+        out["input_dist.header"] = out["input_dist.header"] + (axis.size - 1) * HEADER_BYTES
         out["input_dist.ids"] = out["input_dist.lengths"] + out["input_dist.id_values"]
-    group = axis.replicas if "input_dist.lengths" in out else axis.size * axis.replicas
+    header = "input_dist.lengths" in out
+    group = axis.replicas if header else axis.size * axis.replicas
+    verdict = HEADER_BYTES // 4 if header else VERDICT_BYTES
     if costs and group > 1:
-        out["input_dist.verdict"] = np.full(axis.size, 2 * (group - 1) * VERDICT_BYTES // group)
+        out["input_dist.verdict"] = np.full(axis.size, 2 * (group - 1) * verdict // group)
     return out

@@ -2,28 +2,33 @@
 
 Per batch, inside one sharding group (the ranks sharing a "replicate" coordinate):
 
-1. header all-to-all (fixed size, ``input_dist.header``): every rank learns its
-   peers' batch size, id counts and whether their input was valid. Local batch sizes
-   may differ (the last batch of a ``drop_last=False`` loop), 0 included: a served
-   segment pools each source's batch (its bags padded with empty ones to the largest),
-   and the output dist returns each source its own rows;
-2. verdict all-reduce (8 bytes, ``input_dist.verdict``) over the replicas: the
-   lowest rank in the world that refused its batch, so a bad batch fails on every
-   rank instead of hanging a later collective;
+1. on the device, no host read: the ids outside their table are counted
+   (``count_bad_ids``) and the ids are laid out in runs (``Routing.bucketize``); the
+   verdict all-reduce (``input_dist.verdict``, one header slot) over the replicas takes
+   the lowest rank that refused its batch (W: none);
+2. header all-to-all (``input_dist.header``): to each peer, whether this rank refused its
+   batch, the replicas' verdict, the batch size, the per-sample weights flag and the id
+   count of each segment the peer serves. This rank then reads its run sizes and the
+   headers it received in one host read, the step's only one: every rank learns whether
+   anyone in the world refused (so a bad batch fails on every rank, before any collective
+   carries it, instead of hanging a later one), its peers' batch sizes and every size the
+   ids all-to-all and the lookup need. Local batch sizes may differ (the last batch of a
+   ``drop_last=False`` loop), 0 included: a served segment pools each source's batch (its
+   bags padded with empty ones to the largest), and the output dist returns each source
+   its own rows;
 3. ids all-to-all (``input_dist.ids``; per-sample weights ride in the same buffer,
    unless they are trained: then a differentiable ``input_dist.weights`` all-to-all
    carries them), left in flight: each id goes to the block(s) that hold its row
-   (``Routing.bucketize``); the lookup waits on it. The buffer is int32 when every
-   table has fewer than 2**31 rows (``wire_dtype``): half the bytes of int64 ids.
+   (``Routing.send_layout`` slices the runs); the lookup waits on it. The buffer (and the
+   header) is int32 when every table has fewer than 2**31 rows (``wire_dtype``).
 
 Collections whose tables are all data parallel send no ids: only the verdict runs,
-over the world.
+over the world, and its result is the step's one host read.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,134 +43,19 @@ from dtrec.comm.collectives import (
     all_to_all_start,
 )
 from dtrec.modules.config import EmbeddingBagConfig
-from dtrec.modules.features import bag_lengths, prepare_features
+from dtrec.modules.features import bag_lengths, count_bad_ids, id_range_error, prepare_features
+from dtrec.ops.backends.device_lists import device_list
 from dtrec.placements.mesh import REPLICATE, SHARD, mesh_device
 from dtrec.sharded.groups import world_group
+from dtrec.sharded.routed_batch import RoutedBatch, pack_weights, packed_size, wire_dtype
 from dtrec.sharded.routing import Routing
+from dtrec.sharded.row_buckets import Runs
 from dtrec.sparse import KeyedJaggedTensor
 
-_HEADER = 4  # status, batch size, ids sent to this peer, per-sample weights (_weights_flag)
-_STATUS_OK, _STATUS_BAD_INPUT = 0, 1
+# The header to each peer: the fixed fields, then one id count per segment the peer serves.
+_FAILED, _VERDICT, _BATCH, _WEIGHTS_FIELD = range(4)  # failed: this rank, or W when it is fine
+_HEADER = 4  # verdict: the lowest rank over the replicas that failed; weights: _weights_flag
 _NO_WEIGHTS, _WEIGHTS, _WEIGHTS_TRAINED = 0, 1, 2
-
-
-@dataclass
-class RoutedBatch:
-    """A batch after input-dist: its validated features and the ids this rank serves.
-
-    ``ids`` holds, per source rank, ``[lengths of the served segments | ids]``, followed
-    by the ids' per-sample weights (fp32 bit patterns, one per int32 slot or two per
-    int64 one) when ``packed_weights``; it and
-    ``psw`` (per-sample weights that are trained, so they travel in a differentiable
-    exchange of their own) may still be in flight until waited on. ``error``: why the
-    batch was refused, here or on another rank (``forward`` raises it; no ids sent).
-    ``peer_batches``: each shard position's local batch size (they may differ).
-    """
-
-    kjt: KeyedJaggedTensor | None
-    batch: int
-    peer_counts: list[int]
-    ids: PendingTensor | None
-    psw: PendingTensor | None
-    error: Exception | None = None
-    packed_weights: bool = False
-    peer_batches: list[int] = field(default_factory=list)
-
-    @property
-    def served_batch(self) -> int:
-        """Bags per served block: the largest batch of the group (smaller ones padded)."""
-        return max(self.peer_batches, default=0)
-
-    def wait_served(
-        self, num_segments: int, block_runs: list[tuple[int, int]] | None = None
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Wait for the ids; return (bag lengths, ids, per-sample weights or None).
-
-        Bags come in blocks of ``served_batch``, one per (source, served segment),
-        numbered source-major (``Routing.served`` order within a source); a source with a
-        smaller batch has its blocks padded with empty bags. ``num_segments`` is the
-        number of segments this rank serves. ``block_runs`` (runs ``[a, b)`` of block
-        numbers, none across sources) returns the blocks in that order instead, sliced
-        straight out of the received buffer: one copy of the ids, one host read of the
-        block sizes.
-        """
-        assert self.ids is not None
-        received = self.ids.wait()
-        psw = None if self.psw is None else self.psw.wait()
-        batch = self.served_batch
-        heads, id_starts, weight_starts, start = [], [], [], 0
-        for count, own_batch in zip(self.peer_counts, self.peer_batches, strict=True):
-            bags = num_segments * own_batch
-            head = received[start : start + bags]
-            if own_batch < batch:  # pad every block of this source with empty bags
-                head = torch.nn.functional.pad(
-                    head.view(num_segments, own_batch), (0, batch - own_batch)
-                ).view(-1)
-            heads.append(head)
-            id_starts.append(start + bags)
-            start += bags + count
-            if self.packed_weights:
-                weight_starts.append(start)
-                start += packed_size(count, received.dtype)
-        lengths = torch.cat(heads).long()
-        if block_runs is None:  # as received: each source's ids whole
-            spans = [(p, 0, count) for p, count in enumerate(self.peer_counts)]
-        else:
-            blocks = lengths.view(len(self.peer_counts) * num_segments, batch)
-            spans = _id_spans(block_runs, blocks.sum(1).tolist(), num_segments)
-            lengths = torch.cat([blocks[a:b] for a, b in block_runs]).reshape(-1)
-        ids = _cat_spans([received[id_starts[p] :] for p in range(len(id_starts))], spans).long()
-        if self.packed_weights:
-            packed = [
-                received[at : at + packed_size(count, received.dtype)].view(torch.float32)
-                for at, count in zip(weight_starts, self.peer_counts, strict=True)
-            ]
-            psw = _cat_spans(packed, spans)
-        elif psw is not None and block_runs is not None:  # trained: a differentiable cat
-            firsts = itertools.accumulate(self.peer_counts, initial=0)
-            psw = _cat_spans([psw[first:] for first in firsts], spans)
-        return lengths, ids, psw
-
-
-def _id_spans(
-    block_runs: list[tuple[int, int]], sizes: list[int], num_segments: int
-) -> list[tuple[int, int, int]]:
-    """(source, first id, end) of each run of blocks, ids counted within the source's."""
-    first = []  # each block's first id within its source's ids
-    for p in range(len(sizes) // num_segments if num_segments else 0):
-        own = sizes[p * num_segments : (p + 1) * num_segments]
-        first += itertools.accumulate(own[:-1], initial=0)
-    return [
-        (a // num_segments, first[a], first[b - 1] + sizes[b - 1]) for a, b in block_runs if b > a
-    ]
-
-
-def _cat_spans(per_source: list[Tensor], spans: list[tuple[int, int, int]]) -> Tensor:
-    """``per_source[p][lo:hi]`` of every span, concatenated (empty when there is none)."""
-    if not spans:
-        return per_source[0][:0]
-    return torch.cat([per_source[p][lo:hi] for p, lo, hi in spans])
-
-
-def wire_dtype(tables: list[EmbeddingBagConfig]) -> torch.dtype:
-    """The ids buffer's dtype: int32 when every id (and bag length) fits, else int64."""
-    rows = max((t.num_embeddings for t in tables), default=0)
-    return torch.int32 if rows < 2**31 else torch.int64
-
-
-def packed_size(count: int, wire: torch.dtype) -> int:
-    """Slots of a ``wire`` buffer that carry ``count`` fp32 weights (one per int32 slot,
-    two per int64 one)."""
-    return count if wire == torch.int32 else (count + 1) // 2
-
-
-def pack_weights(weights: Tensor, wire: torch.dtype) -> Tensor:
-    """fp32 weights as ``wire`` slots (bit patterns, zero-padded), so they travel in the
-    ids buffer instead of a collective of their own."""
-    weights = weights.float()
-    if wire == torch.int64 and weights.numel() % 2:
-        weights = torch.cat([weights, weights.new_zeros(1)])
-    return weights.view(wire)
 
 
 class InputDist:
@@ -178,9 +68,12 @@ class InputDist:
         self._world_size = mesh.size()
         self._shard_group = mesh.get_group(SHARD)
         self._replicate_group = mesh.get_group(REPLICATE)
+        self._replicas = dist.get_world_size(self._replicate_group)
         self._shard_ranks = dist.get_process_group_ranks(self._shard_group)
         self._device = mesh_device(mesh)  # batches and collective buffers (NCCL: cuda)
         self._wire = wire_dtype(tables)
+        self._header_index: dict[tuple[int, ...], Tensor] = {}
+        self._world_group: dist.ProcessGroup | None = None  # made at the first verdict
 
     def __call__(
         self, features: object, bounds_check: str, weighted: bool | None = None
@@ -188,44 +81,74 @@ class InputDist:
         """Validate ``features`` (``prepare_features``: ids, per-sample weights per
         ``weighted``) and start sending its ids; a refusal is kept, not raised.
 
-        Everything this rank computes before the header exchange (validation, bucketize)
-        runs under one ``except Exception``: whatever fails there, a bad batch or not,
-        becomes this rank's refusal in the exchange, so every rank fails the step
-        together and none is left waiting in a collective its peer never joins.
+        Everything this rank computes before the header exchange (validation, the ids'
+        range count, bucketize) runs on the device under one ``except Exception``: whatever
+        fails there, a bad batch or not, becomes this rank's refusal in the exchange, so
+        every rank fails the step together and none is left waiting in a collective its
+        peer never joins. Ids outside their table are counted on the device and read with
+        the header (one host read per step).
         """
         kjt: KeyedJaggedTensor | None = None
-        local: _Bucketized | None = None
+        runs: Runs | None = None
+        bad: Tensor | None = None
         error: Exception | None = None
         try:
             kjt = prepare_features(
-                features, self._tables, dist.get_rank(), bounds_check, self._device, weighted
+                features, self._tables, dist.get_rank(), "off", self._device, weighted
             )
+            if bounds_check == "on":
+                bad = count_bad_ids(kjt, self._tables)
             if self._routing.has_sharded:
-                local = _Bucketized.of(self._routing, kjt)
+                runs = self._routing.bucketize(
+                    kjt.values(), bag_lengths(kjt), kjt.weights_or_none()
+                )
         except Exception as exc:  # noqa: BLE001 - refused in the exchange, raised in forward
-            error, local = exc, None
-        return self._exchange(kjt, local, error)
-
-    def _exchange(
-        self, kjt: KeyedJaggedTensor | None, local: _Bucketized | None, error: Exception | None
-    ) -> RoutedBatch:
-        """The status exchange (header or world verdict), then the ids' when all agree."""
+            error, runs = exc, None
         if self._routing.has_sharded:
-            return self._exchange_ids(kjt, local, error)
-        # no header: the verdict goes over the world
-        failed = dist.get_rank() if error is not None else self._world_size
-        elsewhere = self._verdict(failed, world_group(self._mesh))  # every rank joins it
-        error = error or elsewhere
+            return self._exchange_ids(kjt, runs, bad, error)
+        return self._exchange_verdict(kjt, bad, error)
+
+    def _failed(self, bad: Tensor | None, error: Exception | None, dtype: torch.dtype) -> Tensor:
+        """``[1]`` on the device: this rank if it refuses its batch (``error``, or an id
+        outside its table: ``bad`` > 0), else W. Read-only (cached when known on the host)."""
+        rank, device = dist.get_rank(), self._device
+        if error is not None or bad is None:
+            return device_list([rank if error is not None else self._world_size], dtype, device)
+        here, none = (
+            device_list([rank], dtype, device),
+            device_list([self._world_size], dtype, device),
+        )
+        return torch.where(bad > 0, here, none)
+
+    def _exchange_verdict(
+        self, kjt: KeyedJaggedTensor | None, bad: Tensor | None, error: Exception | None
+    ) -> RoutedBatch:
+        """No table is sharded, so no header: the verdict goes over the world (one read)."""
+        if self._world_group is None:
+            self._world_group = world_group(self._mesh)
+        group = self._world_group
+        failed = self._failed(bad, error, torch.long)
+        lowest = failed
+        if dist.get_world_size(group) > 1:  # every rank joins it
+            lowest = all_reduce_min(failed.clone(), group, "input_dist.verdict")
+        first, mine = torch.cat([lowest, failed]).tolist()  # the step's one host read
+        error = error or self._own_error(kjt, mine) or self._elsewhere(first)
         batch = kjt.stride() if kjt is not None else 0
         return RoutedBatch(kjt, batch, [], None, None, error)
 
-    def _verdict(self, failed: int, group: dist.ProcessGroup) -> Exception | None:
-        """The error for a batch refused elsewhere: MIN over ``group`` of the lowest rank
-        that refused its batch (``failed``, W for none). Blocking: right after the header's
-        host read, it adds one small latency and no device sync of its own."""
-        if dist.get_world_size(group) > 1:
-            verdict = torch.tensor([failed], dtype=torch.long, device=self._device)
-            failed = int(all_reduce_min(verdict, group, "input_dist.verdict")[0])
+    def _own_error(self, kjt: KeyedJaggedTensor | None, failed: int) -> Exception | None:
+        """The IndexError of this rank's ids outside their table (``failed``: as read)."""
+        if failed >= self._world_size or kjt is None:
+            return None
+        rank = dist.get_rank()
+        return id_range_error(kjt, self._tables, rank) or IndexError(
+            f"the ids of rank {rank} were counted outside their tables on the device, but "
+            "not on the host"
+        )
+
+    def _elsewhere(self, failed: int) -> Exception | None:
+        """The error for a batch refused on another rank (``failed``: the lowest such rank
+        in the world, W for none)."""
         if failed >= self._world_size:
             return None
         return ValueError(
@@ -233,75 +156,127 @@ class InputDist:
             "stops this step in forward, before any weight changes"
         )
 
-    def _check_peers(self, header: list[list[int]]) -> tuple[Exception | None, int]:
-        """Why this sharding group refuses the batch (None: it does not) and the lowest
-        rank at fault (W: none). Every rank of the group computes the same."""
-        bad = [self._shard_ranks[j] for j, row in enumerate(header) if row[0] != _STATUS_OK]
-        if bad:
-            return ValueError(
-                f"rank(s) {bad} of this sharding group rejected their input batch "
-                "(see the error on those ranks); no collective was run with it"
-            ), min(bad)
-        return None, self._world_size
+    def _group_error(self, rows: list[list[int]]) -> Exception | None:
+        """Why this sharding group refuses the batch (None: it does not); every rank of the
+        group computes the same from the header rows."""
+        world = self._world_size
+        bad = [self._shard_ranks[j] for j, row in enumerate(rows) if row[_FAILED] < world]
+        if not bad:
+            return None
+        return ValueError(
+            f"rank(s) {bad} of this sharding group rejected their input batch "
+            "(see the error on those ranks); no collective was run with it"
+        )
+
+    def _header(
+        self,
+        kjt: KeyedJaggedTensor | None,
+        runs: Runs | None,
+        bad: Tensor | None,
+        error: Exception | None,
+    ) -> Tensor:
+        """This rank's header fields then its run sizes, on the device, no host read:
+        ``[failed, failed over the replicas, batch, weights flag, ids per run...]``. The
+        verdict all-reduce over the replicas runs here, so the header carries it."""
+        wire, device = self._wire, self._device
+        failed = self._failed(bad, error, wire)
+        verdict = failed
+        if self._replicas > 1:  # every rank joins it
+            verdict = all_reduce_min(failed.clone(), self._replicate_group, "input_dist.verdict")
+        batch = kjt.stride() if kjt is not None else 0
+        flag = _weights_flag(kjt.weights_or_none()) if kjt is not None else _NO_WEIGHTS
+        fixed = device_list([batch, flag], wire, device)
+        if runs is None:  # refused before its layout: no sizes
+            sizes = torch.zeros(self._routing.num_runs, dtype=wire, device=device)
+        else:
+            sizes = runs.lengths.sum(1, dtype=wire)
+        return torch.cat([failed, verdict, fixed, sizes])
+
+    def _send_header_index(self, segment_run: tuple[int, ...]) -> Tensor:
+        """Per destination: the 4 fixed fields, then the size of the run of each segment
+        it serves (entries of ``_header``'s output)."""
+        if segment_run not in self._header_index:
+            index, g = [], 0
+            for segs in self._routing.segments_to:
+                index += [0, 1, 2, 3] + [_HEADER + segment_run[g + i] for i in range(len(segs))]
+                g += len(segs)
+            self._header_index[segment_run] = device_list(index, torch.long, self._device)
+        return self._header_index[segment_run]
 
     def _exchange_ids(
-        self, kjt: KeyedJaggedTensor | None, local: _Bucketized | None, error: Exception | None
+        self,
+        kjt: KeyedJaggedTensor | None,
+        runs: Runs | None,
+        bad: Tensor | None,
+        error: Exception | None,
     ) -> RoutedBatch:
         routing = self._routing
         group = self._shard_group
-        shards = routing.shard_size
-        batch = kjt.stride() if kjt is not None else 0
-        header = torch.zeros(shards, _HEADER, dtype=torch.long)  # built on the host
-        if error is None:
-            assert kjt is not None and local is not None
-            header[:, 0] = _STATUS_OK
-            header[:, 1] = batch
-            header[:, 2] = torch.tensor(local.counts, dtype=torch.long)
-            header[:, 3] = local.weights_flag
-        else:
-            header[:, 0] = _STATUS_BAD_INPUT
+        shards, served = routing.shard_size, len(routing.served)
+        own = self._header(kjt, runs, bad, error)
+        segment_run = runs.segment_run if runs is not None else routing.segment_run
         peer = all_to_all(
-            header.flatten().to(self._device),
-            [_HEADER] * shards,
-            [_HEADER] * shards,
+            own.index_select(0, self._send_header_index(segment_run)),
+            [_HEADER + served] * shards,
+            [_HEADER + len(segs) for segs in routing.segments_to],
             group,
             "input_dist.header",
         )
-        rows = peer.view(shards, _HEADER).tolist()  # one host read for every check below
-        group_error, failed = self._check_peers(rows)
-        elsewhere = self._verdict(failed, self._replicate_group)  # every rank joins it
-        error = error or group_error or elsewhere
+        read = torch.cat([own, peer]).tolist()  # the step's one host read
+        own_read, peer_read = read[: own.numel()], read[own.numel() :]
+        rows = [peer_read[j * (_HEADER + served) : (j + 1) * (_HEADER + served)]
+                for j in range(shards)]  # fmt: skip
+        error = (
+            error
+            or self._own_error(kjt, own_read[_FAILED])
+            or self._group_error(rows)
+            or self._elsewhere(min(row[_VERDICT] for row in rows))
+        )
+        batch = kjt.stride() if kjt is not None else 0
         if error is not None:
             return RoutedBatch(kjt, batch, [], None, None, error)
-        assert kjt is not None and local is not None
-        buffers, sent_weights, counts = local.buffers, local.weights, local.counts
+        assert kjt is not None and runs is not None
+        return self._send_ids(kjt, runs, own_read[_HEADER:], rows)
 
-        device = kjt.values().device
-        peer_batches = [row[1] for row in rows]
-        peer_counts = [row[2] for row in rows]
-        flags = {row[3] for row in rows}
+    def _send_ids(
+        self, kjt: KeyedJaggedTensor, runs: Runs, run_sizes: list[int], rows: list[list[int]]
+    ) -> RoutedBatch:
+        """Start the ids all-to-all, every size known on the host from the header's read."""
+        routing, group, wire = self._routing, self._shard_group, self._wire
+        served = len(routing.served)
+        flags = {row[_WEIGHTS_FIELD] for row in rows}
+        trained = _WEIGHTS_TRAINED in flags  # their gradients travel back: an exchange of
+        packed = flags != {_NO_WEIGHTS} and not trained  # their own; else in the ids buffer
+        weights = runs.weights
+        if packed and weights is not None:
+            weights = weights.float()
+        wired = Runs(runs.lengths.to(wire), runs.ids.to(wire), weights, runs.segment_run)
+        layout = routing.send_layout(wired, run_sizes)
+        counts = layout.counts
+        peer_batches = [row[_BATCH] for row in rows]
+        peer_segment_counts = [row[_HEADER:] for row in rows]
+        peer_counts = [sum(c) for c in peer_segment_counts]
         send_w = None
         if flags != {_NO_WEIGHTS}:  # then every rank sends weights (ones where it has none)
-            send_w = [
-                torch.ones(count, device=device) if w is None else w.float()
-                for w, count in zip(sent_weights, counts, strict=True)
-            ]
-        trained = _WEIGHTS_TRAINED in flags  # their gradients travel back: an exchange of
-        packed = send_w is not None and not trained  # their own; otherwise in the ids buffer
-        wire = self._wire
-        if packed:
-            assert send_w is not None
-            buffers = [
-                torch.cat([b.to(wire), pack_weights(w, wire)]) for b, w in zip(buffers, send_w)
-            ]
+            send_w = layout.weights
+            if send_w is None:
+                ones = torch.ones(sum(counts), device=self._device)
+                firsts = list(itertools.accumulate(counts, initial=0))
+                send_w = [[ones[a:b]] for a, b in itertools.pairwise(firsts)]
+        pieces: list[Tensor] = []
+        for p in range(routing.shard_size):
+            pieces += layout.lengths[p] + layout.ids[p]
+            if packed:
+                assert send_w is not None
+                pieces += _packed(send_w[p], wire)
         extra = (lambda count: packed_size(count, wire)) if packed else (lambda count: 0)
         ids = all_to_all_start(
-            torch.cat(buffers).to(device=device, dtype=wire),
+            torch.cat(pieces),
+            [served * b + c + extra(c) for b, c in zip(peer_batches, peer_counts, strict=True)],
             [
-                len(routing.served) * b + c + extra(c)
-                for b, c in zip(peer_batches, peer_counts, strict=True)
-            ],
-            [b.numel() for b in buffers],
+                len(segs) * kjt.stride() + c + extra(c)
+                for segs, c in zip(routing.segments_to, counts, strict=True)
+            ],  # fmt: skip
             group,
             "input_dist.ids",
         )
@@ -309,27 +284,27 @@ class InputDist:
         if trained:
             assert send_w is not None
             received = all_to_all_autograd(
-                torch.cat(send_w), peer_counts, counts, group, "input_dist.weights"
-            )
+                _cat_float([w for ws in send_w for w in ws]), peer_counts, counts, group,
+                "input_dist.weights",
+            )  # fmt: skip
             psw = PendingTensor(received, None, "input_dist.weights", group)
-        return RoutedBatch(kjt, batch, peer_counts, ids, psw, None, packed, peer_batches)
+        return RoutedBatch(kjt, kjt.stride(), peer_counts, ids, psw, None, packed, peer_batches,
+                           peer_segment_counts)  # fmt: skip
 
 
-@dataclass
-class _Bucketized:
-    """This rank's batch laid out per shard position (``Routing.bucketize``), before the
-    header exchange."""
+def _cat_float(weights: list[Tensor]) -> Tensor:
+    """The trained weights sent, as one fp32 tensor (differentiable)."""
+    return torch.cat(weights).float()
 
-    buffers: list[Tensor]
-    weights: list[Tensor | None]
-    counts: list[int]
-    weights_flag: int
 
-    @staticmethod
-    def of(routing: Routing, kjt: KeyedJaggedTensor) -> _Bucketized:
-        weights = kjt.weights_or_none()
-        buffers, sent, counts = routing.bucketize(kjt.values(), bag_lengths(kjt), weights)
-        return _Bucketized(buffers, sent, counts, _weights_flag(weights))
+def _packed(weights: list[Tensor], wire: torch.dtype) -> list[Tensor]:
+    """One position's fp32 weights as ``wire`` slots (``pack_weights``): views for int32
+    slots, one padded copy for int64 ones."""
+    if wire == torch.int32:
+        return [w.view(wire) for w in weights]
+    if not weights:
+        return []
+    return [pack_weights(torch.cat(weights), wire)]
 
 
 def _weights_flag(weights: Tensor | None) -> int:
@@ -338,3 +313,6 @@ def _weights_flag(weights: Tensor | None) -> int:
     if weights is None:
         return _NO_WEIGHTS
     return _WEIGHTS_TRAINED if weights.requires_grad and torch.is_grad_enabled() else _WEIGHTS
+
+
+__all__ = ["InputDist", "RoutedBatch", "pack_weights", "packed_size", "wire_dtype"]

@@ -10,6 +10,8 @@ This one scheme covers every sharding type.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +20,7 @@ from torch import Tensor
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.ops.backends.fbgemm_loader import fbgemm_ops
 from dtrec.placements import Block, TableLayout
-from dtrec.sharded.row_buckets import BucketMaps, fbgemm_bucketize, sort_by_segment
+from dtrec.sharded.row_buckets import RunMaps, Runs, lay_out_runs
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,21 @@ class FeatureSlot:
     table: int
     col: int
     dim: int
+
+
+@dataclass
+class SendLayout:
+    """What this rank sends each shard position (``Routing.send_layout``): per position,
+    the ``[B]`` bag lengths of its segments (in ``segments_to[p]`` order), their ids (local
+    to the block's rows) and their weights (None when the batch has none)."""
+
+    lengths: list[list[Tensor]]
+    ids: list[list[Tensor]]
+    weights: list[list[Tensor]] | None
+    counts: list[int]
+    """Ids sent to each position."""
+    segment_counts: list[int]
+    """Ids of each segment (send order)."""
 
 
 class Routing:
@@ -96,116 +113,56 @@ class Routing:
         for segs in self.segments_to:
             first = sum(len(x) for x in self._segment_numbers)
             self._segment_numbers.append(list(range(first, first + len(segs))))
-        # Features whose table is split by rows: their ids need a search for their block.
-        split = {
-            seg.feature
-            for _, seg in numbered
-            if seg.block.rows != (0, tables[seg.table].num_embeddings)
-        }
-        self._split_features = sorted(split)
-        split_numbered = [(g, seg) for g, (_, seg) in enumerate(numbered) if seg.feature in split]
-        self._split_segment_numbers = [g for g, _ in split_numbered]
-        feature_index = {k: i for i, k in enumerate(self._split_features)}
-        self._bucket_maps = BucketMaps(
-            [tables[self.slots[k].table].num_embeddings for k in self._split_features],
-            [(feature_index[seg.feature], seg.block) for _, seg in split_numbered],
-            shard_size,
-        )
-        self._device_maps: dict[torch.device, BucketMaps] = {}
+        segments = [(seg.feature, seg.block) for _, seg in numbered]
+        sizes = [tables[slot.table].num_embeddings for slot in self.slots]
+        self._run_maps = RunMaps(sizes, segments, shard_size)
 
-    def bucketize(
-        self, values: Tensor, lengths: Tensor, weights: Tensor | None
-    ) -> tuple[list[Tensor], list[Tensor | None], list[int]]:
-        """Split a batch (features in output order) into what each shard position receives.
+    def bucketize(self, values: Tensor, lengths: Tensor, weights: Tensor | None) -> Runs:
+        """Lay a batch (features in output order) out in runs, on the device, no host read.
 
-        ``values`` int ids, ``lengths`` ``[F, B]``, ``weights`` per id or None. Returns, per
-        position p: an int64 buffer ``[lengths of p's segments (B each, in
-        segments_to[p] order) | their ids, local to the block's rows]``, the ids'
-        weights, and the id count (each id crosses the wire once per block holding its row).
-
-        A segment whose block holds all its table's rows (table-wise, column-wise) takes
-        its feature's ids and lengths as they are: slices, no search. The ids of features
-        split by rows (row-wise, table-row-wise, grid) are laid out by segment in one
-        counting pass (fbgemm) or a stable sort of narrow keys (``_split_segments``).
-        One host read of the per-feature id counts (two with row-split features).
+        ``values`` int ids, ``lengths`` ``[F, B]``, ``weights`` per id or None. Each segment
+        sends one run whole (``row_buckets``): a feature whose blocks hold all its table's
+        rows (table-wise, column-wise) is one run, the batch as it came; features split by
+        rows (row-wise, table-row-wise, grid) are laid out in one counting pass (fbgemm,
+        on CPU) or a stable sort of narrow keys. ``send_layout`` slices the runs once the
+        host knows their sizes (the input dist reads them with its header).
         """
-        num_features, batch = lengths.shape
-        values, lengths = values.long(), lengths.long()
-        per_feature = lengths.sum(1).tolist()
-        starts = [0]
-        for n in per_feature:
-            starts.append(starts[-1] + n)
-        split_parts: dict[int, tuple[Tensor, Tensor, Tensor | None]] = {}
-        if self._split_features:
-            split_parts = self._split_segments(values, lengths, weights, per_feature, starts)
-        buffers, sent_weights, counts = [], [], []
-        for p, segs in enumerate(self.segments_to):
-            seg_lengths, seg_ids, seg_weights = [], [], []
-            for g, seg in zip(self._segment_numbers[p], segs, strict=True):
-                if g in split_parts:
-                    part_lengths, part_ids, part_weights = split_parts[g]
-                else:
-                    k = seg.feature
-                    part_lengths, part_ids = lengths[k], values[starts[k] : starts[k + 1]]
-                    part_weights = None if weights is None else weights[starts[k] : starts[k + 1]]
-                seg_lengths.append(part_lengths)
-                seg_ids.append(part_ids)
-                seg_weights.append(part_weights)
-            buffers.append(torch.cat([*seg_lengths, *seg_ids]) if segs else values[:0])
-            counts.append(sum(t.numel() for t in seg_ids))
-            if weights is None:
-                sent_weights.append(None)
-            else:
-                sent_weights.append(torch.cat(seg_weights) if segs else weights[:0])
-        return buffers, sent_weights, counts
-
-    def _split_segments(
-        self,
-        values: Tensor,
-        lengths: Tensor,
-        weights: Tensor | None,
-        per_feature: list[int],
-        starts: list[int],
-    ) -> dict[int, tuple[Tensor, Tensor, Tensor | None]]:
-        """Segment number -> (bag lengths, local ids, weights) of the row-split features.
-
-        Every segment's ids keep their batch order (a stable counting sort by segment), as
-        the receiving lookup and the fused backward expect. Row-wise chunks on CPU go
-        through fbgemm's ``block_bucketize_sparse_features`` (TorchRec's row-wise input
-        dist: one pass, no sort) when fbgemm is there; otherwise ``sort_by_segment``.
-        """
-        maps = self._maps(values.device)
-        features = self._split_features
-        if len(features) < len(per_feature):
-            values = torch.cat([values[starts[k] : starts[k + 1]] for k in features])
-            if weights is not None:
-                weights = torch.cat([weights[starts[k] : starts[k + 1]] for k in features])
-            lengths = lengths[features]
-        counts = [per_feature[k] for k in features]
+        maps = self._run_maps
         fbgemm_fits = (  # fbgemm's op has no autograd: trained weights take the sort path
-            maps.fbgemm_rows is not None
+            not maps.whole_features
+            and maps.fbgemm_segment_run is not None
             and values.device.type == "cpu"
             and (weights is None or not weights.requires_grad)
         )
         ops = fbgemm_ops() if fbgemm_fits else None
-        if ops is not None:
-            seg_lengths, local_ids, weights = fbgemm_bucketize(ops, maps, values, lengths, weights)
-        else:
-            seg_lengths, local_ids, weights = sort_by_segment(
-                maps, values, lengths, weights, counts
-            )
-        per_segment = seg_lengths.sum(1).tolist()
-        parts, start = {}, 0
-        for i, (g, count) in enumerate(zip(self._split_segment_numbers, per_segment, strict=True)):
-            part_weights = None if weights is None else weights[start : start + count]
-            parts[g] = (seg_lengths[i], local_ids[start : start + count], part_weights)
-            start += count
-        return parts
+        return lay_out_runs(maps, values, lengths, weights, ops)
 
-    def _maps(self, device: torch.device) -> BucketMaps:
-        if device not in self._device_maps:
-            self._device_maps[device] = self._bucket_maps.to(device)
-        return self._device_maps[device]
+    def send_layout(self, runs: Runs, run_sizes: Sequence[int]) -> SendLayout:
+        """What each shard position gets: per position, its segments' ``[B]`` bag lengths
+        and their ids (and weights), slices of ``runs`` (``run_sizes``: ids per run, read
+        by the host); each id crosses the wire once per block holding its row."""
+        starts = list(itertools.accumulate(run_sizes, initial=0))
+        layout = SendLayout([], [], None if runs.weights is None else [], [], [])
+        for numbers in self._segment_numbers:
+            spans = [(r, starts[r], starts[r + 1]) for r in (runs.segment_run[g] for g in numbers)]
+            layout.lengths.append([runs.lengths[r] for r, _, _ in spans])
+            layout.ids.append([runs.ids[lo:hi] for _, lo, hi in spans])
+            if runs.weights is not None:
+                assert layout.weights is not None
+                layout.weights.append([runs.weights[lo:hi] for _, lo, hi in spans])
+            layout.segment_counts += [hi - lo for _, lo, hi in spans]
+            layout.counts.append(sum(hi - lo for _, lo, hi in spans))
+        return layout
+
+    @property
+    def num_runs(self) -> int:
+        """Runs of the sort layout (``row_buckets``): one size each in a refused header."""
+        return self._run_maps.num_runs
+
+    @property
+    def segment_run(self) -> tuple[int, ...]:
+        """Per segment (send order), its run in the sort layout."""
+        return self._run_maps.segment_run
 
     @property
     def local_tables(self) -> list[int]:

@@ -1,106 +1,132 @@
-"""Laying out the ids of row-split features by segment, for ``Routing.bucketize``.
+"""A batch's ids laid out in *runs* on the device, for ``Routing.bucketize``: no host read.
 
-Every segment's ids keep their batch order. Two ways, same result: fbgemm's
-``block_bucketize_sparse_features`` (TorchRec's row-wise input dist, one C++ pass) where
-the blocks are row-wise chunks, or a stable sort of each id's segment number (any
-layout, any device, differentiable in the weights).
+A run is the ids of one feature that fall in one row range of its table (a row block), in
+batch order, each made local to the block's first row. Every segment (feature, block)
+sends one run whole: the column blocks of one row range send the same run. Runs are
+numbered feature by feature, row block by row block; a feature whose blocks hold all its
+table's rows (table-wise, column-wise, data-parallel) is one run, its ids as they came.
+
+``lay_out_runs`` lays the ids out run after run and counts them per (run, bag) on the
+device; the host learns the run sizes from the input dist's one read (the header) and
+only slices then (``Routing.send_layout``). Three ways, same runs:
+
+* no feature is split by rows: the batch as it is, one run per feature;
+* fbgemm's ``block_bucketize_sparse_features`` (TorchRec's row-wise input dist, one C++
+  pass) on CPU, where every feature's row blocks are equal chunks ``[i c, (i + 1) c)``;
+  its runs are its ``[S * F, B]`` buckets (bucket-major);
+* a stable sort of each id's run number (any layout, any device, differentiable in the
+  weights).
+
+Ids outside their table (a batch the input dist will refuse once the header is read)
+must not break the layout: they land in some run, and no index goes out of range.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from dtrec.ops.row_blocks import ids_in_rows
+from dtrec.ops.backends.device_lists import device_list
 from dtrec.placements import Block
 
-SplitSegment = tuple[int, Block]  # (index of its feature among the row-split ones, block)
+FeatureSegment = tuple[int, Block]  # (feature, block) of one segment, in send order
 
 
 @dataclass
-class BucketMaps:
-    """Static lookup tables for ``Routing._split_segments`` (built once, kept per device).
+class Runs:
+    """A batch's ids run after run (``lay_out_runs``), on the device."""
 
-    Over the row-split features only (numbered in their output order) and their segments
-    (numbered in send order). A *row block* is one distinct row range of one feature's
-    blocks; its segments are its column blocks. Every feature gets a disjoint key range
-    ``feature_base[k] + id``; ``starts`` holds every row block's first key, sorted.
+    lengths: Tensor
+    """``[runs, B]``: each run's ids per bag."""
+    ids: Tensor
+    """Every run's ids, run after run, local to the run's first row."""
+    weights: Tensor | None
+    """The ids' per-sample weights, in the same order (None when the batch has none)."""
+    segment_run: tuple[int, ...]
+    """Per segment (send order): the run it sends."""
+
+
+class RunMaps:
+    """Static tables for ``lay_out_runs`` (built once per routing, kept per device).
+
+    Over every feature of the collection (output order): ``first_run[f]`` is feature f's
+    first run, its runs follow in row order (one run for a feature no block splits by
+    rows, data-parallel ones included).
     """
 
-    starts: Tensor  # [row blocks] first key of each row block
-    feature_base: Tensor  # [F split] key offset of each feature
-    row_block_first: Tensor  # [row blocks] first entry in row_block_segments
-    row_block_count: Tensor  # [row blocks] number of segments (column blocks)
-    row_block_segments: Tensor  # segments of each row block, concatenated
-    segment_row_start: Tensor  # [segments] first row of the segment's block
-    num_segments: int
-    one_segment_per_row_block: bool
-    uniform_block_rows: list[int] | None  # per feature: rows of every row block but its last
-    feature_first_row_block: list[int]  # per feature: its first row block's number
-    sort_dtype: torch.dtype  # narrowest dtype of segment numbers: fewer radix-sort passes
-    shard_size: int
-    fbgemm_rows: Tensor | None  # [segments] row of [S * F split, B] bucketized lengths
-    fbgemm_block_sizes: Tensor | None  # [F split] rows per block, fbgemm's index dtype
-
-    def __init__(self, sizes: list[int], segments: list[SplitSegment], shard_size: int) -> None:
-        """``sizes``: rows of each row-split feature's table; ``segments`` in send order."""
-        self.num_segments = len(segments)
+    def __init__(self, sizes: list[int], segments: list[FeatureSegment], shard_size: int) -> None:
+        """``sizes``: rows of each feature's table; ``segments`` in send order."""
+        self.sizes = sizes
         self.shard_size = shard_size
-        bases = [sum(sizes[:k]) for k in range(len(sizes))]
-        by_row_block: dict[tuple[int, int], list[int]] = {}
-        for g, (f, block) in enumerate(segments):
-            by_row_block.setdefault((f, block.rows[0]), []).append(g)
-        keys = sorted(by_row_block)
-        lists = [by_row_block[k] for k in keys]
-        counts = [len(x) for x in lists]
-        self.starts = torch.tensor([bases[k] + row for k, row in keys], dtype=torch.long)
-        self.feature_base = torch.tensor(bases, dtype=torch.long)
-        self.row_block_count = torch.tensor(counts, dtype=torch.long)
-        self.row_block_first = torch.tensor([sum(counts[:i]) for i in range(len(counts))],
-                                            dtype=torch.long)  # fmt: skip
-        self.row_block_segments = torch.tensor([g for x in lists for g in x], dtype=torch.long)
-        self.one_segment_per_row_block = all(c == 1 for c in counts)
-        self.feature_first_row_block = [
-            next(i for i, (f, _) in enumerate(keys) if f == k) for k in range(len(sizes))
-        ]
-        self.uniform_block_rows = uniform_block_rows_of(sizes, segments)
-        self.segment_row_start = torch.tensor(
-            [block.rows[0] for _, block in segments], dtype=torch.long
+        starts_of: list[set[int]] = [set() for _ in sizes]
+        for f, block in segments:
+            starts_of[f].add(block.rows[0])
+        row_starts = [sorted(s) or [0] for s in starts_of]
+        self.whole_features = all(s == [0] for s in row_starts) and all(
+            block.rows == (0, sizes[f]) for f, block in segments
         )
+        """No block splits a feature by rows: the runs are the features, as they came."""
+        self.first_run = [0]
+        for starts in row_starts:
+            self.first_run.append(self.first_run[-1] + len(starts))
+        self.num_runs = self.first_run.pop()
+        self.segment_run = tuple(
+            self.first_run[f] + row_starts[f].index(block.rows[0]) for f, block in segments
+        )
+        self.run_row_start = [row for starts in row_starts for row in starts]
+        bases = [sum(sizes[:f]) for f in range(len(sizes))]
+        self.run_key = [bases[f] + row for f, starts in enumerate(row_starts) for row in starts]
+        """Each run's first key in one key space (feature f's ids at ``bases[f] + id``),
+        sorted: an id's run is the last key not above its own."""
+        self.feature_base = bases
+        self.chunk_rows = chunk_rows_of(sizes, segments)
+        """Per feature, the rows c of its row blocks when they are ``[i c, (i + 1) c)``
+        (empty ones after the last row allowed): an id's run is ``first_run + id // c``."""
         self.sort_dtype = next(
             dtype
             for dtype in (torch.uint8, torch.int16, torch.int32, torch.int64)
-            if len(segments) - 1 <= torch.iinfo(dtype).max
+            if self.num_runs - 1 <= torch.iinfo(dtype).max
         )
-        rows = fbgemm_rows_of(segments, self.uniform_block_rows, counts)
-        self.fbgemm_rows = None if rows is None else torch.tensor(rows, dtype=torch.long)
-        self.fbgemm_block_sizes = None
-        if rows is not None:
-            assert self.uniform_block_rows is not None
-            wide = max(sizes) > torch.iinfo(torch.int32).max  # int32 ids: ~1.5x faster
-            dtype = torch.long if wide else torch.int32
-            self.fbgemm_block_sizes = torch.tensor(self.uniform_block_rows, dtype=dtype)
+        self.fbgemm_segment_run = fbgemm_runs_of(sizes, segments, self.chunk_rows, shard_size)
+        """Per segment, its fbgemm bucket ``b * F + f``, or None when fbgemm's buckets
+        are not the row blocks."""
+        wide = max(sizes, default=0) > torch.iinfo(torch.int32).max  # int32 ids: ~1.5x faster
+        self.index_dtype = torch.long if wide else torch.int32
+        self._tensors: dict[torch.device, dict[str, Tensor]] = {}
 
-    def to(self, device: torch.device) -> BucketMaps:
-        moved = object.__new__(BucketMaps)
-        for name, value in vars(self).items():
-            setattr(moved, name, value.to(device) if isinstance(value, Tensor) else value)
-        return moved
+    def tensors(self, device: torch.device) -> dict[str, Tensor]:
+        """The device copies the layout indexes with (built once per device: read-only)."""
+        if device not in self._tensors:
+            self._tensors[device] = self._build_tensors(device)
+        return self._tensors[device]
+
+    def _build_tensors(self, device: torch.device) -> dict[str, Tensor]:
+        long = torch.long
+        out = {
+            "run_key": device_list(self.run_key, long, device),
+            "run_row_start": device_list(self.run_row_start, long, device),
+            "feature_base": device_list(self.feature_base, long, device),
+            "first_run": device_list(self.first_run, long, device),
+        }
+        if self.chunk_rows is not None:
+            out["chunk"] = device_list(self.chunk_rows, long, device)
+            out["block_sizes"] = device_list(self.chunk_rows, self.index_dtype, device)
+        return out
 
 
-def uniform_block_rows_of(sizes: list[int], segments: list[SplitSegment]) -> list[int] | None:
+def chunk_rows_of(sizes: list[int], segments: list[FeatureSegment]) -> list[int] | None:
     """Per feature, the rows c of its row blocks when they are ``[i c, min((i + 1) c, n))``
-    for i = 0, 1, ... (row-wise's chunks; empty blocks after the last row allowed), so an
-    id's row block is ``id // c``; None when some feature's blocks are not like that."""
-    rows_by_feature: list[set[tuple[int, int]]] = [set() for _ in sizes]
+    for i = 0, 1, ... (row-wise chunks; empty blocks after the last row allowed; a feature
+    with one block of all rows, or none, has c = n); None when some feature's are not."""
+    blocks_of: list[set[tuple[int, int]]] = [set() for _ in sizes]
     for f, block in segments:
-        rows_by_feature[f].add(block.rows)
+        blocks_of[f].add(block.rows)
     out = []
-    for n, blocks in zip(sizes, rows_by_feature, strict=True):
+    for n, blocks in zip(sizes, blocks_of, strict=True):
+        blocks = blocks or {(0, n)}
         starts = sorted({lo for lo, hi in blocks if hi > lo})
         size = starts[1] - starts[0] if len(starts) > 1 else n
         want = {(lo, min(lo + size, n)) for lo in range(0, n, max(size, 1))}
@@ -112,106 +138,103 @@ def uniform_block_rows_of(sizes: list[int], segments: list[SplitSegment]) -> lis
     return out
 
 
-def fbgemm_rows_of(
-    segments: list[SplitSegment],
-    uniform_block_rows: list[int] | None,
-    segments_per_row_block: list[int],
-) -> list[int] | None:
-    """Per segment, its row in fbgemm's bucketized ``[S * F, B]`` lengths (bucket-major):
-    fbgemm sends feature f's id to bucket ``id // rows per block``, so this holds only when
-    row block i of every feature sits at shard position i, whole-width (row-wise); None
-    otherwise (table-row-wise, grid: the sort path)."""
-    if not segments or uniform_block_rows is None or any(c != 1 for c in segments_per_row_block):
+def fbgemm_runs_of(
+    sizes: list[int], segments: list[FeatureSegment], chunk_rows: list[int] | None, shards: int
+) -> tuple[int, ...] | None:
+    """Per segment, the row ``b * F + f`` of fbgemm's bucketized ``[S * F, B]`` lengths that
+    holds its ids: fbgemm sends feature f's id to bucket ``id // c`` (S buckets), so this
+    holds for chunked row blocks of at most S chunks; an empty block takes an empty
+    bucket. None otherwise (the sort path)."""
+    if chunk_rows is None or not segments:
         return None
-    rows = []
+    num_features, out = len(sizes), []
     for f, block in segments:
-        if block.position != block.rows[0] // uniform_block_rows[f]:
+        c, n = chunk_rows[f], sizes[f]
+        if n > shards * c:  # ids past S chunks would wrap around in fbgemm
             return None
-        rows.append(block.position * len(uniform_block_rows) + f)
-    return rows if rows == sorted(rows) else None  # fbgemm's order must be the send order
+        bucket = block.rows[0] // c
+        if block.num_rows == 0:  # no id: any bucket no id reaches
+            bucket = shards - 1
+            if bucket * c < n:
+                return None
+        out.append(bucket * num_features + f)
+    return tuple(out)
 
 
-def fbgemm_bucketize(
-    ops: Any, maps: BucketMaps, values: Tensor, lengths: Tensor, weights: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``sort_by_segment``'s result from fbgemm's ``block_bucketize_sparse_features``: it
-    lays ids out bucket-major, then feature, then sample, each bag's ids in batch order,
-    which is the send order of row-wise segments. Weights fbgemm cannot carry (not fp32 /
-    fp64: the sequence path's positions) follow its permutation."""
-    assert maps.fbgemm_rows is not None and maps.fbgemm_block_sizes is not None
-    index_dtype = maps.fbgemm_block_sizes.dtype
+def lay_out_runs(
+    maps: RunMaps, values: Tensor, lengths: Tensor, weights: Tensor | None, ops: Any | None
+) -> Runs:
+    """The batch's runs (``values`` ids, ``lengths`` ``[F, B]``, ``weights`` per id or None):
+    as they came when no feature is split by rows, else through fbgemm's op (``ops``, not
+    None where it fits) or the sort."""
+    if maps.whole_features:
+        return Runs(lengths, values, weights, maps.segment_run)
+    if ops is not None:
+        return _fbgemm_runs(ops, maps, values, lengths, weights)
+    return _sorted_runs(maps, values, lengths, weights)
+
+
+def _fbgemm_runs(
+    ops: Any, maps: RunMaps, values: Tensor, lengths: Tensor, weights: Tensor | None
+) -> Runs:
+    """fbgemm's ``block_bucketize_sparse_features`` lays ids out bucket-major, then
+    feature, then sample, each bag's ids in batch order: its buckets are the runs. Weights
+    fbgemm cannot carry (not fp32 / fp64: the sequence path's positions) follow its
+    permutation. Negative ids (a bad batch) are clamped: fbgemm would index with them."""
+    assert maps.fbgemm_segment_run is not None
+    index_dtype = maps.index_dtype
     carried = weights is not None and weights.dtype in (torch.float32, torch.float64)
     permuted = weights is not None and not carried
+    ids = values.to(index_dtype)
+    ids = ids.clamp_(min=0) if ids is not values else ids.clamp(min=0)
     new_lengths, local_ids, new_weights, _, permute = ops.block_bucketize_sparse_features(
         lengths.reshape(-1).to(index_dtype),
-        values.to(index_dtype),
+        ids,
         False,
         permuted,  # "sequence": also return where each id went
-        maps.fbgemm_block_sizes,
+        maps.tensors(values.device)["block_sizes"],
         maps.shard_size,
         weights if carried else None,
     )
     if permuted:
         assert weights is not None
         new_weights = torch.empty_like(weights).index_copy_(0, permute.long(), weights)
-    batch = lengths.shape[1]
     rows = maps.shard_size * lengths.shape[0]  # explicit: the batch may be empty
-    seg_lengths = new_lengths.view(rows, batch).index_select(0, maps.fbgemm_rows).long()
-    return seg_lengths, local_ids.long(), new_weights
+    return Runs(
+        new_lengths.view(rows, lengths.shape[1]), local_ids, new_weights, maps.fbgemm_segment_run
+    )
 
 
-def sort_by_segment(
-    maps: BucketMaps, values: Tensor, lengths: Tensor, weights: Tensor | None, counts: list[int]
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(bag lengths ``[segments, B]``, local ids, weights) of the row-split features, ids in
-    segment order, each segment's in batch order; ``counts``: ids per feature.
-
-    Each id finds its row block (a division per feature for row-wise chunks, else one
-    ``searchsorted`` over the block boundaries), is copied once per column block of that
-    row block, and a stable sort of the segment numbers (in ``maps.sort_dtype``: a uint8
-    key sorts ~4x faster than int32 on CPU) lays the ids out.
-    """
+def _sorted_runs(maps: RunMaps, values: Tensor, lengths: Tensor, weights: Tensor | None) -> Runs:
+    """Each id's run (a division for chunked row blocks, else a ``searchsorted`` over the
+    runs' first keys), then a stable sort of the run numbers (in ``maps.sort_dtype``: a
+    uint8 key sorts ~4x faster than int32 on CPU) lays the ids out; the per-(run, bag)
+    counts are summed into a fixed ``[runs, B]`` (no ``bincount``: it sizes its output by
+    reading the largest value)."""
+    device = values.device
     n = values.numel()
     num_features, batch = lengths.shape
-    sample = torch.repeat_interleave(  # each id's sample in the batch (no modulo later)
-        torch.arange(batch, device=values.device).repeat(num_features),
-        lengths.reshape(-1),
-        output_size=n,
+    t = maps.tensors(device)
+    bag = torch.repeat_interleave(  # each id's bag, feature-major
+        torch.arange(num_features * batch, device=device), lengths.reshape(-1), output_size=n
     )
-    if maps.uniform_block_rows is not None:  # equal row blocks: a division per feature
-        row_block = torch.cat([
-            torch.div(values[a:b], size, rounding_mode="floor") + first
-            for a, b, size, first in zip(
-                [0, *itertools.accumulate(counts)], itertools.accumulate(counts),
-                maps.uniform_block_rows, maps.feature_first_row_block,
-            )
-        ])  # fmt: skip
+    feature = torch.div(bag, max(batch, 1), rounding_mode="floor")
+    values = values.long()
+    if maps.chunk_rows is not None:  # equal row blocks: a division per feature
+        run = torch.div(values, t["chunk"].index_select(0, feature), rounding_mode="floor")
+        run += t["first_run"].index_select(0, feature)
     else:
-        base = torch.repeat_interleave(  # each id's feature's first key in the row space
-            maps.feature_base, torch.tensor(counts, device=values.device), output_size=n
-        )
-        row_block = torch.searchsorted(maps.starts, base + values, right=True)
-        row_block -= 1
-    if maps.one_segment_per_row_block:
-        segment = maps.row_block_segments.index_select(
-            0, maps.row_block_first.index_select(0, row_block)
-        )
-    else:  # column blocks: one copy of the id per column block of its row block
-        copies = maps.row_block_count.index_select(0, row_block)
-        source = torch.repeat_interleave(torch.arange(n, device=values.device), copies)
-        first = torch.cumsum(copies, 0) - copies
-        within = torch.arange(source.numel(), device=values.device)
-        within -= first.index_select(0, source)
-        block_first = maps.row_block_first.index_select(0, row_block.index_select(0, source))
-        segment = maps.row_block_segments.index_select(0, block_first + within)
-        values, sample = values.index_select(0, source), sample.index_select(0, source)
-        weights = None if weights is None else weights.index_select(0, source)
-    local_ids, _ = ids_in_rows(values, segment, maps.segment_row_start)
-    seg_lengths = torch.bincount(
-        segment * batch + sample, minlength=maps.num_segments * batch
-    ).view(maps.num_segments, batch)
-    order = torch.sort(segment.to(maps.sort_dtype), stable=True).indices
+        key = values + t["feature_base"].index_select(0, feature)
+        run = torch.searchsorted(t["run_key"], key, right=True)
+        run -= 1
+    run.clamp_(0, maps.num_runs - 1)  # ids outside their table: some run, never past the end
+    local_ids = values - t["run_row_start"].index_select(0, run)
+    run_bag = run * batch
+    run_bag += bag - feature * batch
+    run_lengths = torch.zeros(maps.num_runs * batch, dtype=torch.long, device=device)
+    run_lengths.index_add_(0, run_bag, device_list([1], torch.long, device).expand(n))
+    order = torch.sort(run.to(maps.sort_dtype), stable=True).indices
     # index_select: ~4x faster than advanced indexing for 1-D gathers on CPU
     local_ids = local_ids.index_select(0, order)
     weights = None if weights is None else weights.index_select(0, order)
-    return seg_lengths, local_ids, weights
+    return Runs(run_lengths.view(maps.num_runs, batch), local_ids, weights, maps.segment_run)

@@ -19,8 +19,8 @@ row, in a stable segment order). What changes is what comes back:
   themselves: no index, no copy (``SequenceRouting.returns_whole_features``).
 
 The requester knows where each returned row belongs because ``SequenceRouting`` records,
-while bucketizing, each sent id's position in the batch (the same stable order the ids
-were sent in).
+while laying out what it sends, each sent id's position in the batch (the same stable
+order the ids were sent in).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -36,23 +37,26 @@ from torch.distributed import ProcessGroup
 from dtrec.comm.collectives import all_to_all_autograd
 from dtrec.comm.qcomms import QCommsConfig
 from dtrec.comm.quantized import quantized_all_to_all
+from dtrec.ops.backends.device_lists import device_list
 from dtrec.sharded.fused_update import FusedUpdater
 from dtrec.sharded.input_dist import RoutedBatch
-from dtrec.sharded.routing import Routing
+from dtrec.sharded.routing import Routing, SendLayout
+from dtrec.sharded.row_buckets import Runs
 from dtrec.sharded.sequence_lookup import IdRuns, expand_runs, lookup_rows
 from dtrec.sparse import KeyedJaggedTensor
 
 
 class SequenceRouting(Routing):
-    """``Routing`` that also records, per shard position, the batch position of each id it
-    sends (``sent_positions``) and each sent segment's id count (``segment_counts``).
+    """``Routing`` that also records the batch position of each id it sends and each sent
+    segment's id count (``take_sent``).
 
     The positions ride through ``Routing.bucketize`` as the ids' "weights": they are
-    permuted exactly like the ids. The caller takes them with ``take_sent`` right after
-    the input dist that bucketized.
+    permuted exactly like the ids, and ``send_layout`` (run once the sizes are read, only
+    for a batch every rank accepted) keeps them instead of sending them. The caller takes
+    them with ``take_sent`` right after the input dist.
     """
 
-    _sent: tuple[list[Tensor], Tensor] | None = None
+    _sent: tuple[list[Tensor], list[int]] | None = None
 
     @functools.cached_property
     def returns_whole_features(self) -> bool:
@@ -66,24 +70,22 @@ class SequenceRouting(Routing):
             s.block.num_cols == self.slots[s.feature].dim for s in segs
         )
 
-    def bucketize(
-        self, values: Tensor, lengths: Tensor, weights: Tensor | None
-    ) -> tuple[list[Tensor], list[Tensor | None], list[int]]:
+    def bucketize(self, values: Tensor, lengths: Tensor, weights: Tensor | None) -> Runs:
         positions = None
         if not self.returns_whole_features:
             positions = torch.arange(values.numel(), device=values.device)
-        buffers, sent, counts = super().bucketize(values, lengths, positions)
-        batch = lengths.shape[1]
-        heads = [
-            buf[: len(segs) * batch].view(len(segs), batch).sum(1)
-            for buf, segs in zip(buffers, self.segments_to, strict=True)
-        ]
-        self._sent = ([p for p in sent if p is not None], torch.cat(heads))
-        return buffers, [None] * len(buffers), counts
+        return super().bucketize(values, lengths, positions)
 
-    def take_sent(self) -> tuple[list[Tensor], Tensor] | None:
-        """(per position: batch positions of the ids sent there, per segment: its id count),
-        from the last ``bucketize``; None when nothing was bucketized since the last take."""
+    def send_layout(self, runs: Runs, run_sizes: Sequence[int]) -> SendLayout:
+        layout = super().send_layout(runs, run_sizes)
+        positions = [w for ws in layout.weights or [] for w in ws]
+        self._sent = (positions, layout.segment_counts)
+        layout.weights = None  # recorded, not sent
+        return layout
+
+    def take_sent(self) -> tuple[list[Tensor], list[int]] | None:
+        """(the batch positions of the ids sent, in send order; per segment: its id count),
+        from the last ``send_layout``; None when nothing was sent since the last take."""
         sent, self._sent = self._sent, None
         return sent
 
@@ -132,10 +134,10 @@ class ReturnPlan:
         self.segment_sizes = [0] * len(segs)
         if sent is None:
             return
-        positions, seg_counts = sent
+        positions, counts = sent
         seg_width = torch.tensor([s.block.num_cols for s in segs], dtype=torch.long, device=device)
-        seg_counts = seg_counts.to(device)
-        self.segment_sizes = (seg_counts * seg_width).tolist()
+        seg_counts = device_list(counts, torch.long, device, cached=False)
+        self.segment_sizes = [c * s.block.num_cols for c, s in zip(counts, segs, strict=True)]
         first = 0
         for p, p_segs in enumerate(routing.segments_to):
             self.recv_splits[p] = sum(self.segment_sizes[first : first + len(p_segs)])
@@ -186,13 +188,13 @@ class SequenceLookup:
         per-source split sizes (elements).
 
         The received ids come in runs, one per (source, segment), each of one table; the
-        runs' counts are read once (one host read), every index is built from them."""
+        runs' counts came in the input dist's header, every index is built from them."""
         routing = self._routing
-        served, batch, shards = routing.served, routed.served_batch, routing.shard_size
-        lengths, ids, _ = routed.wait_served(len(served))
+        served, shards = routing.served, routing.shard_size
+        _, ids, _ = routed.wait_served(len(served))
         if not served:
             return None, [0] * shards
-        counts = lengths.view(shards * len(served), batch).sum(1).tolist()
+        counts = [c for source in routed.peer_segment_counts for c in source]  # header's
         widths = [s.block.num_cols for s in served]
         send_splits = [
             sum(c * w for c, w in zip(counts[p * len(served) :], widths, strict=False))
