@@ -101,8 +101,9 @@ def _count_all(rank: int, world: int) -> dict:
 # launches (CUDA runs sort, unique and friends as several kernels each) and 8 syncs.
 # Then W=1: 12 launches, no sync; W=2 table-wise: 51 launches and 4 syncs, all in the
 # input dist (check_id_range, bucketize, header and wait_served reads). Now the input dist
-# reads once (the header, with the ids' range count and every size): W=2 table-wise 43
-# launches, row-wise 47, 1 sync each, for 26 and 100 tables.
+# reads once (the header, with the ids' range count and every size): W=2 table-wise 35
+# launches, row-wise 40 (55 without fbgemm, CUDA's sort path), 1 sync each, for 26 and
+# 100 tables.
 # Left, outside the input dist: column-wise row-wise Adagrad (column peers' row norms) runs
 # 3 launches per table and reads 4 sizes in the unfused backward rows and the packed
 # update; data-parallel tables sync their gradients per table (grad_sync.py: boolean

@@ -141,9 +141,10 @@ def all_to_all(
     input_splits: Sequence[int],
     group: ProcessGroup,
     kind: str,
+    output: Tensor | None = None,
 ) -> Tensor:
     """``all_to_all_single`` with uneven splits (no autograd); returns when it is done."""
-    return all_to_all_start(input, output_splits, input_splits, group, kind).wait()
+    return all_to_all_start(input, output_splits, input_splits, group, kind, output).wait()
 
 
 class PendingTensor:
@@ -258,13 +259,16 @@ def all_to_all_start(
     input_splits: Sequence[int],
     group: ProcessGroup,
     kind: str,
+    output: Tensor | None = None,
 ) -> PendingTensor:
-    """Start an uneven ``all_to_all_single`` and return at once (no autograd).
+    """Start an uneven ``all_to_all_single`` and return at once (no autograd); ``output``:
+    where the result goes (contiguous, ``sum(output_splits)`` elements), else a new tensor.
 
     Collectives on a group run in the order ranks issue them, so later calls on
     ``group`` may be issued while this one is in flight.
     """
-    output = input.new_empty(sum(output_splits))
+    if output is None:
+        output = input.new_empty(sum(output_splits))
     me = dist.get_rank(group)
     nbytes = (sum(input_splits) - input_splits[me]) * input.element_size()
     with collective(kind, nbytes, group):

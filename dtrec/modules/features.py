@@ -6,6 +6,7 @@ with the same, specific error (naming the table, the feature and the rank).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -125,21 +126,38 @@ def prepare_features(
     return kjt
 
 
-def count_bad_ids(kjt: KeyedJaggedTensor, tables: Sequence[EmbeddingBagConfig]) -> Tensor:
-    """int64 ``[1]`` on the batch's device: how many ids lie outside ``[0, rows of their
-    feature's table)``. No host read: a caller that must fail on a bad batch reads it where
-    it reads the device anyway (the sharded input dist's header), then builds the error
-    with ``id_range_error``."""
+def count_bad_ids(
+    kjt: KeyedJaggedTensor,
+    tables: Sequence[EmbeddingBagConfig],
+    dtype: torch.dtype = torch.int64,
+    out: Tensor | None = None,
+) -> Tensor:
+    """``[1]`` of ``dtype`` on the batch's device (``out`` when given): how many ids lie
+    outside ``[0, rows of their feature's table)``. No host read: a caller that must fail
+    on a bad batch reads it where it reads the device anyway (the sharded input dist's
+    header), then builds the error with ``id_range_error``. Each id is clamped to its
+    table's rows and compared with itself: five launches."""
     values = kjt.values()
+    if out is None:
+        out = torch.empty(1, dtype=dtype, device=values.device)
     if values.numel() == 0:
-        return torch.zeros(1, dtype=torch.int64, device=values.device)
-    rows = device_list(
-        [cfg.num_embeddings for cfg in tables for _ in cfg.feature_names], torch.int64,
-        values.device,
-    )  # fmt: skip
-    counts = bag_lengths(kjt).sum(1)
-    bound = torch.repeat_interleave(rows, counts, output_size=values.numel())
-    return ((values < 0) | (values >= bound)).sum(dtype=torch.int64).view(1)
+        return out.zero_()
+    last_rows = tuple(cfg.num_embeddings - 1 for cfg in tables for _ in cfg.feature_names)
+    zero, last = _bag_bounds(last_rows, kjt.stride(), values.dtype, values.device)
+    bound = last.repeat_interleave(kjt.lengths(), output_size=values.numel())  # per id
+    inside = torch.clamp(values, min=zero, max=bound)
+    torch.sum(inside != values, dim=0, dtype=out.dtype, out=out.view(()))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _bag_bounds(
+    last_rows: tuple[int, ...], stride: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """(0, each bag's last valid id) on the device, for ``count_bad_ids`` (read-only)."""
+    top = torch.iinfo(dtype).max  # int32 ids cannot pass a larger table's last row
+    last = torch.tensor([min(r, top) for r in last_rows], dtype=dtype).repeat_interleave(stride)
+    return device_list([0], dtype, device), last.to(device)
 
 
 def check_id_range(

@@ -53,8 +53,10 @@ from dtrec.sharded.row_buckets import Runs
 from dtrec.sparse import KeyedJaggedTensor
 
 # The header to each peer: the fixed fields, then one id count per segment the peer serves.
-_FAILED, _VERDICT, _BATCH, _WEIGHTS_FIELD = range(4)  # failed: this rank, or W when it is fine
-_HEADER = 4  # verdict: the lowest rank over the replicas that failed; weights: _weights_flag
+# bad: ids outside their table (1 for a batch refused on the host; 0: fine); verdict: the
+# lowest rank over the replicas that refused its batch (W: none); weights: _weights_flag.
+_BAD, _VERDICT, _BATCH, _WEIGHTS_FIELD = range(4)
+_HEADER = 4
 _NO_WEIGHTS, _WEIGHTS, _WEIGHTS_TRAINED = 0, 1, 2
 
 
@@ -90,22 +92,24 @@ class InputDist:
         """
         kjt: KeyedJaggedTensor | None = None
         runs: Runs | None = None
+        header: Tensor | None = None
         bad: Tensor | None = None
         error: Exception | None = None
         try:
             kjt = prepare_features(
                 features, self._tables, dist.get_rank(), "off", self._device, weighted
             )
-            if bounds_check == "on":
-                bad = count_bad_ids(kjt, self._tables)
             if self._routing.has_sharded:
                 runs = self._routing.bucketize(
                     kjt.values(), bag_lengths(kjt), kjt.weights_or_none()
                 )
+                header = self._header_buffer(runs.lengths.shape[0])
+                bad = header[:1]  # counted straight into the header
+            bad = count_bad_ids(kjt, self._tables, out=bad) if bounds_check == "on" else None
         except Exception as exc:  # noqa: BLE001 - refused in the exchange, raised in forward
-            error, runs = exc, None
+            error, runs, header, bad = exc, None, None, None
         if self._routing.has_sharded:
-            return self._exchange_ids(kjt, runs, bad, error)
+            return self._exchange_ids(kjt, runs, header, bad, error)
         return self._exchange_verdict(kjt, bad, error)
 
     def _failed(self, bad: Tensor | None, error: Exception | None, dtype: torch.dtype) -> Tensor:
@@ -132,13 +136,15 @@ class InputDist:
         if dist.get_world_size(group) > 1:  # every rank joins it
             lowest = all_reduce_min(failed.clone(), group, "input_dist.verdict")
         first, mine = torch.cat([lowest, failed]).tolist()  # the step's one host read
-        error = error or self._own_error(kjt, mine) or self._elsewhere(first)
+        own = self._own_error(kjt, int(mine < self._world_size))
+        error = error or own or self._elsewhere(first)
         batch = kjt.stride() if kjt is not None else 0
         return RoutedBatch(kjt, batch, [], None, None, error)
 
-    def _own_error(self, kjt: KeyedJaggedTensor | None, failed: int) -> Exception | None:
-        """The IndexError of this rank's ids outside their table (``failed``: as read)."""
-        if failed >= self._world_size or kjt is None:
+    def _own_error(self, kjt: KeyedJaggedTensor | None, bad: int) -> Exception | None:
+        """The IndexError of this rank's ids outside their table (``bad``: their count, as
+        read)."""
+        if not bad or kjt is None:
             return None
         rank = dist.get_rank()
         return id_range_error(kjt, self._tables, rank) or IndexError(
@@ -159,8 +165,7 @@ class InputDist:
     def _group_error(self, rows: list[list[int]]) -> Exception | None:
         """Why this sharding group refuses the batch (None: it does not); every rank of the
         group computes the same from the header rows."""
-        world = self._world_size
-        bad = [self._shard_ranks[j] for j, row in enumerate(rows) if row[_FAILED] < world]
+        bad = [self._shard_ranks[j] for j, row in enumerate(rows) if row[_BAD]]
         if not bad:
             return None
         return ValueError(
@@ -168,29 +173,49 @@ class InputDist:
             "(see the error on those ranks); no collective was run with it"
         )
 
+    def _header_buffer(self, num_runs: int) -> Tensor:
+        """One buffer for this rank's header fields and run sizes, then the headers it
+        receives: the step's one host read reads it whole."""
+        routing = self._routing
+        received = routing.shard_size * (_HEADER + len(routing.served))
+        return torch.empty(_HEADER + num_runs + received, dtype=self._wire, device=self._device)
+
     def _header(
         self,
         kjt: KeyedJaggedTensor | None,
         runs: Runs | None,
+        header: Tensor,
         bad: Tensor | None,
         error: Exception | None,
     ) -> Tensor:
-        """This rank's header fields then its run sizes, on the device, no host read:
-        ``[failed, failed over the replicas, batch, weights flag, ids per run...]``. The
-        verdict all-reduce over the replicas runs here, so the header carries it."""
-        wire, device = self._wire, self._device
-        failed = self._failed(bad, error, wire)
-        verdict = failed
-        if self._replicas > 1:  # every rank joins it
-            verdict = all_reduce_min(failed.clone(), self._replicate_group, "input_dist.verdict")
+        """This rank's header fields then its run sizes, written into ``header`` on the
+        device, no host read: ``[ids outside their table (1 for a batch refused on the
+        host), the lowest rank over the replicas that refused (W: none), batch, weights
+        flag, ids per run...]``. The verdict all-reduce over the replicas runs here, so
+        the header carries it."""
+        wire, device, world = self._wire, self._device, self._world_size
+        num_runs = self._routing.num_runs if runs is None else runs.lengths.shape[0]
+        own = header[: _HEADER + num_runs]
         batch = kjt.stride() if kjt is not None else 0
         flag = _weights_flag(kjt.weights_or_none()) if kjt is not None else _NO_WEIGHTS
-        fixed = device_list([batch, flag], wire, device)
+        rank = dist.get_rank()
+        refused = error is not None
+        if bad is None:  # known on the host
+            fields = [int(refused), rank if refused else world, batch, flag]
+            own[:_HEADER].copy_(device_list(fields, wire, device))
+        else:  # own[0] holds the count of bad ids
+            own[1:_HEADER].copy_(device_list([world, batch, flag], wire, device))
+        if self._replicas > 1:  # every rank joins it
+            verdict = own[_VERDICT : _VERDICT + 1]
+            if bad is not None:
+                here, none = device_list([rank], wire, device), device_list([world], wire, device)
+                torch.where(own[:1] > 0, here, none, out=verdict)
+            all_reduce_min(verdict, self._replicate_group, "input_dist.verdict")
         if runs is None:  # refused before its layout: no sizes
-            sizes = torch.zeros(self._routing.num_runs, dtype=wire, device=device)
+            own[_HEADER:].zero_()
         else:
-            sizes = runs.lengths.sum(1, dtype=wire)
-        return torch.cat([failed, verdict, fixed, sizes])
+            torch.sum(runs.lengths, dim=1, dtype=wire, out=own[_HEADER:])
+        return own
 
     def _send_header_index(self, segment_run: tuple[int, ...]) -> Tensor:
         """Per destination: the 4 fixed fields, then the size of the run of each segment
@@ -207,28 +232,32 @@ class InputDist:
         self,
         kjt: KeyedJaggedTensor | None,
         runs: Runs | None,
+        header: Tensor | None,
         bad: Tensor | None,
         error: Exception | None,
     ) -> RoutedBatch:
         routing = self._routing
         group = self._shard_group
         shards, served = routing.shard_size, len(routing.served)
-        own = self._header(kjt, runs, bad, error)
+        if header is None:  # refused before its layout
+            header = self._header_buffer(routing.num_runs)
+        own = self._header(kjt, runs, header, bad, error)
         segment_run = runs.segment_run if runs is not None else routing.segment_run
-        peer = all_to_all(
+        all_to_all(
             own.index_select(0, self._send_header_index(segment_run)),
             [_HEADER + served] * shards,
             [_HEADER + len(segs) for segs in routing.segments_to],
             group,
             "input_dist.header",
+            output=header[own.numel() :],
         )
-        read = torch.cat([own, peer]).tolist()  # the step's one host read
+        read = header.tolist()  # the step's one host read
         own_read, peer_read = read[: own.numel()], read[own.numel() :]
         rows = [peer_read[j * (_HEADER + served) : (j + 1) * (_HEADER + served)]
                 for j in range(shards)]  # fmt: skip
         error = (
             error
-            or self._own_error(kjt, own_read[_FAILED])
+            or self._own_error(kjt, own_read[_BAD])
             or self._group_error(rows)
             or self._elsewhere(min(row[_VERDICT] for row in rows))
         )
@@ -250,8 +279,12 @@ class InputDist:
         weights = runs.weights
         if packed and weights is not None:
             weights = weights.float()
-        wired = Runs(runs.lengths.to(wire), runs.ids.to(wire), weights, runs.segment_run)
-        layout = routing.send_layout(wired, run_sizes)
+        # One dtype before the cat (a cat of mixed dtypes copies piece by piece on CUDA):
+        # the ids' and lengths' own, cast after the cat, unless packed weights join them.
+        lengths, ids = runs.lengths, runs.ids
+        if packed or lengths.dtype != ids.dtype:
+            lengths, ids = lengths.to(wire), ids.to(wire)
+        layout = routing.send_layout(Runs(lengths, ids, weights, runs.segment_run), run_sizes)
         counts = layout.counts
         peer_batches = [row[_BATCH] for row in rows]
         peer_segment_counts = [row[_HEADER:] for row in rows]
@@ -271,7 +304,7 @@ class InputDist:
                 pieces += _packed(send_w[p], wire)
         extra = (lambda count: packed_size(count, wire)) if packed else (lambda count: 0)
         ids = all_to_all_start(
-            torch.cat(pieces),
+            torch.cat(pieces).to(wire),
             [served * b + c + extra(c) for b, c in zip(peer_batches, peer_counts, strict=True)],
             [
                 len(segs) * kjt.stride() + c + extra(c)

@@ -86,8 +86,13 @@ class RoutedBatch:
             spans = _id_spans(block_runs, sizes, num_segments)
             blocks = [heads[a // num_segments][a % num_segments : a % num_segments + b - a]
                       for a, b in block_runs if b > a]  # fmt: skip
-        lengths = (torch.cat(blocks).reshape(-1) if blocks else received[:0]).long()
-        ids = _cat_spans([received[id_starts[p] :] for p in range(len(id_starts))], spans).long()
+        # One cat and one cast for ids and lengths (ids first: the kernels get an aligned
+        # start); both are views of it.
+        id_pieces = [received[id_starts[p] + lo : id_starts[p] + hi] for p, lo, hi in spans]
+        pieces = [*id_pieces, *(block.reshape(-1) for block in blocks)]
+        both = (torch.cat(pieces) if pieces else received[:0]).long()
+        num_ids = sum(piece.numel() for piece in id_pieces)
+        ids, lengths = both[:num_ids], both[num_ids:]
         if self.packed_weights:
             packed = [
                 received[at : at + packed_size(count, received.dtype)].view(torch.float32)

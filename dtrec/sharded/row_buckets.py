@@ -229,8 +229,7 @@ def _sorted_runs(maps: RunMaps, values: Tensor, lengths: Tensor, weights: Tensor
         run -= 1
     run.clamp_(0, maps.num_runs - 1)  # ids outside their table: some run, never past the end
     local_ids = values - t["run_row_start"].index_select(0, run)
-    run_bag = run * batch
-    run_bag += bag - feature * batch
+    run_bag = torch.add(bag, run - feature, alpha=batch)  # run * B + bag's sample
     run_lengths = torch.zeros(maps.num_runs * batch, dtype=torch.long, device=device)
     run_lengths.index_add_(0, run_bag, device_list([1], torch.long, device).expand(n))
     order = torch.sort(run.to(maps.sort_dtype), stable=True).indices
