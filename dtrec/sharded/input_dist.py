@@ -136,8 +136,8 @@ class InputDist:
         if dist.get_world_size(group) > 1:  # every rank joins it
             lowest = all_reduce_min(failed.clone(), group, "input_dist.verdict")
         first, mine = torch.cat([lowest, failed]).tolist()  # the step's one host read
-        own = self._own_error(kjt, int(mine < self._world_size))
-        error = error or own or self._elsewhere(first)
+        if error is None:
+            error = self._own_error(kjt, int(mine < self._world_size)) or self._elsewhere(first)
         batch = kjt.stride() if kjt is not None else 0
         return RoutedBatch(kjt, batch, [], None, None, error)
 
