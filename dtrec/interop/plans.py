@@ -43,9 +43,15 @@ SHARDING_TYPES: dict[str, type[TableSpec]] = {
 }
 """TorchRec ``ShardingType`` value -> the dtrec spec class that lays a table out alike."""
 
-COMPUTE_KERNELS = ("dense", "fused")
+COMPUTE_KERNELS = ("dense", "fused", "fused_uvm_caching")
 """TorchRec compute kernels dtrec has (fused or not is ``distribute_module``'s
-``optimizer``); UVM caching, key-value, quantized and virtual-table kernels it lacks."""
+``optimizer``; UVM caching is an offloaded spec, ``dtrec.placements.offload``); plain
+UVM, key-value, quantized and virtual-table kernels it lacks."""
+
+CACHING_KERNEL = "fused_uvm_caching"
+DEFAULT_CACHE_LOAD_FACTOR = 0.2
+"""TorchRec's cache load factor when neither the plan nor the sharder gives one (its
+batched embedding kernel's default)."""
 
 
 def is_torchrec_plan(obj: object) -> bool:
@@ -132,10 +138,10 @@ def from_parameter_constraints(
                 "stores or virtual tables); drop it"
             )
     kernels = getattr(constraints, "compute_kernels", None)
-    if kernels is not None and not any(_value(k) in COMPUTE_KERNELS for k in kernels):
+    if kernels is not None and not any(_value(k) in ("dense", "fused") for k in kernels):
         raise ValueError(
             f"table {name!r}: TorchRec compute_kernels {[_value(k) for k in kernels]} has none "
-            f"dtrec runs ({list(COMPUTE_KERNELS)})"
+            f"dtrec runs ({['dense', 'fused']})"
         )
     sharding_types = getattr(constraints, "sharding_types", None)
     types = list(SHARDING_TYPES.values())
@@ -210,12 +216,33 @@ def from_torchrec_plan(
                 f"({list(COMPUTE_KERNELS)}; pass a dtrec.optim optimizer for fused updates)"
             )
         cls = _spec_class(kind, key)
+        cache = _cache_of(key, kind, kernel, sharding)
         if cls is DataParallel:
             specs[key] = DataParallel()
             continue
         shards = _shards(key, tables[key], sharding, world_ranks, position_of)
-        specs[key] = _spec_for(key, tables[key], cls, sharding, shards, axis)
+        specs[key] = _spec_for(key, tables[key], cls, sharding, shards, axis, cache)
     return specs
+
+
+def _cache_of(key: str, kind: object, kernel: object, sharding: object) -> dict[str, float]:
+    """The spec's cache fields for a plan entry: ``cache_fraction`` = its cache load factor
+    under the UVM caching kernel (TorchRec's default 0.2 when it gives none), else none."""
+    if kernel != CACHING_KERNEL:
+        return {}
+    if kind == "data_parallel":
+        raise ValueError(
+            f"TorchRec plan entry {key!r}: data_parallel with compute kernel {kernel!r}; a "
+            "replicated table cannot be offloaded (dtrec offloads sharded tables only)"
+        )
+    params = getattr(sharding, "cache_params", None)
+    factor = getattr(params, "load_factor", None)
+    factor = DEFAULT_CACHE_LOAD_FACTOR if factor is None else factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ValueError(
+            f"TorchRec plan entry {key!r}: cache load factor must be in (0, 1], got {factor!r}"
+        )
+    return {"cache_fraction": float(factor)}
 
 
 def _shards(
@@ -266,22 +293,24 @@ def _spec_for(
     sharding: object,
     shards: list[tuple[int, tuple[int, int], tuple[int, int]]],
     axis: ShardAxis,
+    cache: dict[str, float],
 ) -> TableSpec:
-    """The spec of class ``cls`` whose blocks on this mesh are exactly ``shards``."""
+    """The spec of class ``cls`` (with ``cache``'s fields) whose blocks on this mesh are
+    exactly ``shards``."""
     kind = _value(getattr(sharding, "sharding_type", None))
     first = shards[0][0] if shards else 0
     spec: TableSpec
     if cls is TableWise:
-        spec = TableWise(rank=first)
+        spec = TableWise(rank=first, **cache)
     elif cls is TableRowWise:
         if axis.per_node is None:
             raise ValueError(
                 f"TorchRec plan entry {key!r}: table_row_wise needs a node-aware mesh; build "
                 "it with dtrec.init_mesh(..., node_size=N)"
             )
-        spec = TableRowWise(node=first // axis.per_node)
+        spec = TableRowWise(node=first // axis.per_node, **cache)
     else:
-        spec = cls()
+        spec = cls(**cache)  # type: ignore[call-arg]
     try:
         layout = spec.layout(table, axis)
     except ValueError as exc:

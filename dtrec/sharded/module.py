@@ -71,7 +71,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             tables, weights, mesh, specs, optimizer, bounds_check, sync_every, init_seed, qcomms
         )
         self.is_weighted = is_weighted
-        self._lookup = LocalLookup(self._routing, self._updater)
+        self._lookup = LocalLookup(self._routing, self._updater, self._offload)
         self._output_dist = OutputDist(
             tables, self._routing, mesh.get_group(SHARD), self._dtype, self.qcomms
         )
@@ -116,3 +116,6 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     def _start(self, features: object) -> RoutedBatch:
         return self.input_dist(features)
+
+    def _fill_routed(self, routed: RoutedBatch) -> None:
+        self._lookup.fill(routed)

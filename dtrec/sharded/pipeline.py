@@ -7,6 +7,11 @@ blocking header exchange, then the ids all-to-all left in flight), so those ids 
 while batch i runs its lookups, dense layers, backward and optimizer step. The
 math is the plain loop's: same batches, same order of updates.
 
+Offloaded tables (``RowWise(cache_rows=...)``): after batch i's forward and before its
+backward, batch i + 1's cache fill starts (its missing rows gathered from host memory
+and copied to the device cache, evicted rows written back), so those copies run while
+batch i's backward computes; batch i's rows and batch i + 1's stay pinned in the cache.
+
 Example::
 
     pipeline = dtrec.TrainPipeline(model, opt, lambda m, b: loss_fn(m(b.sparse, b.dense), b.y),
@@ -91,10 +96,10 @@ class TrainPipeline:
             following = next(it, None)
             if following is not None:
                 self._prefetch(following)  # its ids travel while ``current`` computes
-            yield self._step(current)
+            yield self._step(current, following)
             current = following
 
-    def _step(self, batch: Any) -> Tensor:
+    def _step(self, batch: Any, following: Any = None) -> Tensor:
         loss = self.loss_fn(self.model, batch)
         features = self._features(batch)
         stale = [name for name, f in features.items() if self.collections[name].is_prefetched(f)]
@@ -103,6 +108,9 @@ class TrainPipeline:
                 f"loss_fn did not pass the prefetched features to collection(s) {stale}: it "
                 "must give the model the very object sparse_features(batch) returns"
             )
+        if following is not None:  # its cache fill copies rows while this backward runs
+            for name, kjt in self._features(following).items():
+                self.collections[name].fill(kjt)
         loss.backward()
         if self.optimizer is not None:
             self.optimizer.step()

@@ -134,8 +134,8 @@ def test_unmappable_plans_are_errors_naming_the_table() -> None:
     dp = {"t1": sp.data_parallel(), "t2": sp.data_parallel(), "t3": sp.data_parallel()}
     with pytest.raises(ValueError, match="'sparse.t0' .column_wise, ranks \\[0, 1\\]. has blocks"):
         _mapped(4, 4, {"t0": sp.column_wise(ranks=[0, 1], compute_kernel="dense"), **dp})
-    with pytest.raises(ValueError, match="'sparse.t0': compute kernel 'fused_uvm_caching'"):
-        _mapped(4, 4, {"t0": sp.table_wise(rank=0, compute_kernel="fused_uvm_caching"), **dp})
+    with pytest.raises(ValueError, match="'sparse.t0': compute kernel 'fused_uvm'"):
+        _mapped(4, 4, {"t0": sp.table_wise(rank=0, compute_kernel="fused_uvm"), **dp})
     model = _model()
     plan = _plan(model, 4, {"t0": sp.table_wise(rank=0, compute_kernel="dense"), **dp})
     plan.plan["sparse"]["t0"].sharding_type = "table_column_wise"
@@ -225,3 +225,30 @@ def test_plan_of_a_feature_processed_collection_names_its_inner_tables() -> None
         f"{inner}.t0": RowWise(), f"{inner}.t1": TableWise(rank=1),
         f"{inner}.t2": DataParallel(), f"{inner}.t3": ColumnWise(),
     }  # fmt: skip
+
+
+def test_uvm_caching_kernel_is_an_offloaded_spec_with_its_load_factor() -> None:
+    """TorchRec's FUSED_UVM_CACHING kernel: the table in host memory behind a device cache
+    of ``cache_params.load_factor`` of its rows (TorchRec's default 0.2 without one)."""
+    from torchrec.distributed.types import CacheParams
+
+    sp = _helpers()
+    model = _model()
+    caching = "fused_uvm_caching"
+    plan = _plan(model, 4, {
+        "t0": sp.table_wise(rank=2, compute_kernel=caching),
+        "t1": sp.row_wise(compute_kernel=caching),
+        "t2": sp.column_wise(ranks=[0, 1, 2, 3], compute_kernel=caching),
+        "t3": sp.data_parallel(),
+    })  # fmt: skip
+    plan.plan["sparse"]["t1"].cache_params = CacheParams(load_factor=0.05)
+    with fake_world(0, 4):
+        mesh = dtrec.init_mesh("cpu", 4)
+        specs = from_torchrec(plan, model_tables(model), mesh)
+        assert specs["sparse.t0"] == TableWise(rank=2, cache_fraction=0.2)
+        assert specs["sparse.t1"] == RowWise(cache_fraction=0.05)
+        assert specs["sparse.t2"] == ColumnWise(cache_fraction=0.2)
+        assert specs["sparse.t3"] == DataParallel()
+        plan.plan["sparse"]["t3"].compute_kernel = caching
+        with pytest.raises(ValueError, match="'sparse.t3': data_parallel with compute kernel"):
+            from_torchrec(plan, model_tables(model), mesh)
