@@ -323,6 +323,7 @@ class ParameterConstraints:
     min_partition: int | None = None
     pooling_factors: list[float] = field(default_factory=lambda: [1.0])
     cache_params: object = None
+    key_value_params: object = None
 
 
 def tr_plan(mesh: DeviceMesh, **t0: object) -> object:
@@ -634,7 +635,7 @@ LOCAL: dict[str, Case] = {
     ),
     "E165": on_mesh(2, 2, lambda m: dtrec.plan(Model(), m, {"t9": ParameterConstraints()})),
     "E166": on_mesh(
-        2, 2, lambda m: dtrec.plan(Model(), m, {"t0": ParameterConstraints(cache_params=0.2)})
+        2, 2, lambda m: dtrec.plan(Model(), m, {"t0": ParameterConstraints(key_value_params=1)})
     ),
     "E167": on_mesh(
         2,
@@ -692,10 +693,14 @@ LOCAL: dict[str, Case] = {
         lambda m: dtrec.plan(
             Model(),
             m,
-            ShardingPlanTR({"sparse": {
-                "t0": ParameterSharding("table_wise", ranks=[0]),
-                "t1": ParameterSharding("data_parallel", "fused_uvm_caching"),
-            }}),  # fmt: skip
+            ShardingPlanTR(
+                {
+                    "sparse": {
+                        "t0": ParameterSharding("table_wise", ranks=[0]),
+                        "t1": ParameterSharding("data_parallel", "fused_uvm_caching"),
+                    }
+                }
+            ),  # fmt: skip
         ),
     ),
     "E328": on_mesh(
@@ -707,6 +712,26 @@ LOCAL: dict[str, Case] = {
             ranks=[0],
             compute_kernel="fused_uvm_caching",
             cache_params=CacheParams(1.5),
+        ),
+    ),
+    "E329": on_mesh(
+        4,
+        4,
+        lambda m: dtrec.plan(
+            Model(),
+            m,
+            topology=dtrec.Topology.cpu(memory_per_rank=100.0, host_memory_per_rank=50.0),
+        ),
+    ),
+    "E330": lambda tmp: dtrec.Topology(host_memory_per_rank=-1.0),
+    "E331": lambda tmp: TableConstraint(cache_fraction=0),
+    "E332": on_mesh(
+        2,
+        2,
+        lambda m: dtrec.plan(
+            Model(),
+            m,
+            {"t0": ParameterConstraints(["data_parallel"], compute_kernels=["fused_uvm_caching"])},
         ),
     ),
     "E240": lambda tmp: KJT.from_jt_dict(

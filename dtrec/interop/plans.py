@@ -126,23 +126,30 @@ def from_parameter_constraints(
     ``sharding_types`` -> allowed spec classes; ``min_partition`` (narrowest column
     shard) drops ``ColumnWise`` when its columns per position would be narrower;
     ``pooling_factors`` (per feature) -> their mean; ``compute_kernels`` must include one
-    dtrec has. Cache, key-value and virtual-table settings are a ValueError; the other
-    fields (batch sizes, bounds check mode, ...) are hints dtrec's planner does not use.
+    dtrec has; only ``fused_uvm_caching`` -> the table offloaded behind a cache of
+    ``cache_params.load_factor`` of its rows (TorchRec's default 0.2 without one;
+    ``TableConstraint.cache_fraction``). Key-value and virtual-table settings are a
+    ValueError; the other fields (batch sizes, bounds check mode, and cache parameters
+    when other kernels are allowed too) are hints dtrec's planner does not use.
     """
     name = table.name
-    for field_name in ("cache_params", "key_value_params", "use_virtual_table"):
+    for field_name in ("key_value_params", "use_virtual_table"):
         if getattr(constraints, field_name, None) not in (None, False):
             raise ValueError(
                 f"table {name!r}: TorchRec constraint {field_name} is not supported by dtrec "
-                "(its tables live in device or host memory, without caches, key-value "
-                "stores or virtual tables); drop it"
+                "(its tables live in device memory, or in host memory behind a device cache, "
+                "without key-value stores or virtual tables); drop it"
             )
     kernels = getattr(constraints, "compute_kernels", None)
-    if kernels is not None and not any(_value(k) in ("dense", "fused") for k in kernels):
+    if kernels is not None and not any(_value(k) in COMPUTE_KERNELS for k in kernels):
         raise ValueError(
             f"table {name!r}: TorchRec compute_kernels {[_value(k) for k in kernels]} has none "
-            f"dtrec runs ({['dense', 'fused']})"
+            f"dtrec runs ({list(COMPUTE_KERNELS)})"
         )
+    cache_fraction = None
+    if kernels and all(_value(k) == CACHING_KERNEL for k in kernels):
+        params = getattr(constraints, "cache_params", None)
+        cache_fraction = _load_factor(f"table {name!r}", getattr(params, "load_factor", None))
     sharding_types = getattr(constraints, "sharding_types", None)
     types = list(SHARDING_TYPES.values())
     if sharding_types is not None:
@@ -159,9 +166,18 @@ def from_parameter_constraints(
                     f"gives columns of {min(widths)} < min_partition {min_partition}"
                 )
     factors = getattr(constraints, "pooling_factors", None)
+    if cache_fraction is not None:
+        types = [t for t in types if t is not DataParallel]
+        if not types:
+            raise ValueError(
+                f"table {name!r}: TorchRec constraints allow only data_parallel with compute "
+                f"kernel {CACHING_KERNEL!r}; a replicated table cannot be offloaded"
+            )
+    restricted = sharding_types is not None or min_partition is not None
     return TableConstraint(
-        types=tuple(types) if sharding_types is not None or min_partition is not None else None,
+        types=tuple(types) if restricted or cache_fraction is not None else None,
         pooling_factor=float(fmean(factors)) if factors else None,
+        cache_fraction=cache_fraction,
     )
 
 
@@ -236,13 +252,16 @@ def _cache_of(key: str, kind: object, kernel: object, sharding: object) -> dict[
             "replicated table cannot be offloaded (dtrec offloads sharded tables only)"
         )
     params = getattr(sharding, "cache_params", None)
-    factor = getattr(params, "load_factor", None)
+    factor = _load_factor(f"TorchRec plan entry {key!r}", getattr(params, "load_factor", None))
+    return {"cache_fraction": factor}
+
+
+def _load_factor(what: str, factor: object) -> float:
+    """A cache load factor as a cache fraction (TorchRec's default when None)."""
     factor = DEFAULT_CACHE_LOAD_FACTOR if factor is None else factor
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-        raise ValueError(
-            f"TorchRec plan entry {key!r}: cache load factor must be in (0, 1], got {factor!r}"
-        )
-    return {"cache_fraction": float(factor)}
+        raise ValueError(f"{what}: cache load factor must be in (0, 1], got {factor!r}")
+    return float(factor)
 
 
 def _shards(

@@ -16,6 +16,9 @@ plan and cache size (column-wise behind a 10% cache, on an S=4 mesh; the device 
 into column-wise on the device) and train 25 more; again bitwise equal. The sequence
 collection (``EmbeddingCollection``) runs the same comparison for three types.
 
+A planned model: ``dtrec.plan`` on a device budget the tables exceed offloads two of
+them; trained, it equals the same plan on the device.
+
 ``TrainPipeline`` (row-wise, 2D mesh, each optimizer): the cached model trained by the
 pipeline equals the device model trained by the plain loop, bitwise; batch i + 1's fill
 is issued after batch i's forward and before its update, and its row copies run on the
@@ -203,6 +206,39 @@ def _pipelined(mesh, optimizer: str, steps: int) -> dict:
     }
 
 
+def _planned(mesh, steps: int) -> dict:
+    """``dtrec.plan`` with 60 kB of device memory per rank (and host memory): the specs it
+    offloads, and its model trained against the same specs on the device."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    import dtrec
+    from tests.distributed.numerics import TinyModel
+
+    topology = dtrec.Topology.cpu(
+        memory_per_rank=60e3, memory_headroom=0.0, host_memory_per_rank=1e8,
+        batch_size_per_rank=BATCH, default_pooling_factor=2.0,
+    )  # fmt: skip
+    plan = dtrec.plan(TinyModel(_tables()), mesh, topology=topology)
+    on_device = {k: dataclasses.replace(v, cache_rows=None) for k, v in plan.items()}
+    models = []
+    for specs in (on_device, plan):
+        torch.manual_seed(0)
+        model = dtrec.distribute_module(TinyModel(_tables()), mesh, specs, _optimizer("adam"))
+        dense = [p for n, p in model.named_parameters() if n.startswith("dense")]
+        models.append((model, torch.optim.SGD(dense, 0.1)))
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(steps):
+        kjt, target = _batches(gen)[dist.get_rank()]
+        for model, dense in models:
+            _step(model, dense, kjt, target, False)
+    return {
+        "offloaded": sorted(k for k, v in plan.items() if v.offloaded),
+        "differ": _differences(_state(models[0][0]), _state(models[1][0])),
+    }
+
+
 def _round_trip(root: Path, optimizer: str) -> dict:
     """Save both models after SAVE_AT steps (row-wise, S=2 x R=2), load into column-wise
     on S=4 (the cached model behind a 10% cache), train on to STEPS; compare."""
@@ -271,6 +307,7 @@ def _world(rank: int, world: int, root: str) -> dict:
         out[name] = _side_by_side(meshes[mesh], kind, optimizer, STEPS)
     for kind in SEQUENCE:
         out[f"sequence/{kind}"] = _side_by_side(meshes["2d"], kind, "adam", STEPS // 2, True)
+    out["planned"] = _planned(meshes["2d"], STEPS // 2)
     for optimizer in OPTIMIZERS:
         out[f"round_trip/{optimizer}"] = _round_trip(Path(root), optimizer)
         out[f"pipeline/{optimizer}"] = _pipelined(meshes["2d"], optimizer, STEPS)
@@ -311,3 +348,10 @@ def test_pipeline_fills_the_next_batch_during_this_backward(results, optimizer) 
         assert got["events"] == want, f"rank {rank}: {got['events'][:9]}"
         # batch 0 fills in its forward (nothing was prefetched): on the training thread
         assert got["copies_on_main_thread"] and got["copies_elsewhere"], rank
+
+
+def test_a_planned_model_offloads_what_does_not_fit_and_trains_exactly(results) -> None:
+    for rank, per_rank in enumerate(results):
+        got = per_rank["planned"]
+        assert got["offloaded"] == ["sparse.t0", "sparse.t2"], (rank, got["offloaded"])
+        assert got["differ"] == [], f"rank {rank}: {got['differ']}"

@@ -252,3 +252,31 @@ def test_uvm_caching_kernel_is_an_offloaded_spec_with_its_load_factor() -> None:
         plan.plan["sparse"]["t3"].compute_kernel = caching
         with pytest.raises(ValueError, match="'sparse.t3': data_parallel with compute kernel"):
             from_torchrec(plan, model_tables(model), mesh)
+
+
+def test_uvm_caching_constraint_offloads_the_table() -> None:
+    """``ParameterConstraints`` allowing only FUSED_UVM_CACHING: the table is offloaded
+    behind a cache of its load factor (TorchRec's 0.2 without one), never data parallel."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import CacheParams
+
+    model = _model()
+    caching, quarter = ["fused_uvm_caching"], CacheParams(load_factor=0.25)
+    constraints = {
+        "t0": ParameterConstraints(compute_kernels=caching, cache_params=quarter),
+        "t1": ParameterConstraints(compute_kernels=caching, sharding_types=["row_wise"]),
+        "t2": ParameterConstraints(compute_kernels=["fused", *caching]),  # dtrec's choice
+    }
+    with fake_world(0, 4):
+        mesh = dtrec.init_mesh("cpu", 4)
+        mapped = from_torchrec(constraints, model_tables(model), mesh)
+        assert mapped["sparse.t0"].cache_fraction == 0.25
+        assert DataParallel not in mapped["sparse.t0"].types
+        assert mapped["sparse.t1"] == TableConstraint(
+            types=(RowWise,), pooling_factor=1.0, cache_fraction=0.2
+        )
+        assert mapped["sparse.t2"].cache_fraction is None
+        chosen = dtrec.plan(model, mesh, constraints=constraints)
+        assert chosen["sparse.t0"].cache_fraction == 0.25
+        assert chosen["sparse.t1"] == RowWise(cache_fraction=0.2)
+        assert not chosen["sparse.t2"].offloaded
