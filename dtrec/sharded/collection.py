@@ -219,7 +219,7 @@ class ShardedCollection(nn.Module):
         if self._updater is not None:
             self._updater.replica_sync = self.replica_sync
         if self._offload is not None:
-            self._offload.begin_forward(self.training and torch.is_grad_enabled())
+            self._offload.begin_forward(torch.is_grad_enabled(), self.training)
 
     def _local_shards(self) -> dict[int, Tensor]:
         """This rank's blocks as plain tensors; without a fused optimizer (which updates

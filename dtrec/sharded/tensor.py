@@ -83,7 +83,7 @@ def _init_on_ranks(
 ) -> DTensor:
     from dtrec.modules.init import table_block
     from dtrec.placements.mesh import mesh_device, shard_position
-    from dtrec.sharded.offload.host import host_empty
+    from dtrec.sharded.offload.host import host_block
 
     rows, dim = weight.shape
     device = mesh_device(mesh)
@@ -96,7 +96,7 @@ def _init_on_ranks(
         local = torch.empty(shape, dtype=weight.dtype, device=device)
     else:
         if layout.offloaded:  # the block in host memory, never on the device
-            out = host_empty((block.num_rows, block.num_cols), weight.dtype, device)
+            out = host_block((block.num_rows, block.num_cols), weight.dtype, device)
         if weight.is_meta:
             local = table_block(
                 name, rows, dim, block.rows, block.cols, seed, weight.dtype, device, out=out

@@ -161,6 +161,28 @@ def _side_by_side(mesh, kind: str, optimizer: str, steps: int, sequence: bool = 
     }
 
 
+def _edge_cases(mesh, steps: int) -> dict:
+    """Steps the plain loop does not take: training in eval mode (grad enabled), and a
+    ``state_dict()`` (which writes the caches back and empties them) between a forward and
+    its backward; the cached model must still equal the device one."""
+    import torch.distributed as dist
+
+    plain = _build(mesh, "table_wise", "adagrad", {})  # one owner: the one-pass update
+    cached = _build(mesh, "table_wise", "adagrad", {"cache_fraction": 0.05})
+    gen = torch.Generator().manual_seed(13)
+    for step in range(steps):
+        kjt, target = _batches(gen)[dist.get_rank()]
+        for model, dense in (plain, cached):
+            model.train(step % 3 != 1)  # every third step in eval mode
+            loss = ((model(kjt) - target) ** 2).mean()
+            if step % 3 == 2:
+                model.state_dict()
+            loss.backward()
+            dense.step()
+            dense.zero_grad()
+    return {"differ": _differences(_state(plain[0]), _state(cached[0]))}
+
+
 def _pipelined(mesh, optimizer: str, steps: int) -> dict:
     """Device model, plain loop vs 5%-cache model, ``TrainPipeline``; the order of the
     cached model's forwards, fills and updates, and the threads its row copies ran on."""
@@ -308,6 +330,7 @@ def _world(rank: int, world: int, root: str) -> dict:
     for kind in SEQUENCE:
         out[f"sequence/{kind}"] = _side_by_side(meshes["2d"], kind, "adam", STEPS // 2, True)
     out["planned"] = _planned(meshes["2d"], STEPS // 2)
+    out["edge_cases"] = _edge_cases(meshes["1d"], STEPS // 2)
     for optimizer in OPTIMIZERS:
         out[f"round_trip/{optimizer}"] = _round_trip(Path(root), optimizer)
         out[f"pipeline/{optimizer}"] = _pipelined(meshes["2d"], optimizer, STEPS)
@@ -355,3 +378,8 @@ def test_a_planned_model_offloads_what_does_not_fit_and_trains_exactly(results) 
         got = per_rank["planned"]
         assert got["offloaded"] == ["sparse.t0", "sparse.t2"], (rank, got["offloaded"])
         assert got["differ"] == [], f"rank {rank}: {got['differ']}"
+
+
+def test_eval_mode_training_and_a_state_dict_between_forward_and_backward(results) -> None:
+    for rank, per_rank in enumerate(results):
+        assert per_rank["edge_cases"]["differ"] == [], (rank, per_rank["edge_cases"])

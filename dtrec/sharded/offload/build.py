@@ -11,7 +11,7 @@ from dtrec.placements import TableLayout
 from dtrec.placements.mesh import mesh_device
 from dtrec.sharded.fused_update import FusedUpdater
 from dtrec.sharded.groups import world_group
-from dtrec.sharded.offload.host import CopyJobs, CopyStream, host_empty
+from dtrec.sharded.offload.host import CopyJobs, CopyStream, host_block
 from dtrec.sharded.offload.row_cache import RowCache
 from dtrec.sharded.offload.tables import OffloadedTables
 
@@ -73,7 +73,7 @@ def host_state(
         return {}
     probe = optimizer.init_state(torch.empty(tuple(host.shape), dtype=host.dtype, device="meta"))
     return {
-        k: host_empty(tuple(v.shape), v.dtype, device).zero_()
+        k: host_block(tuple(v.shape), v.dtype, device).zero_()
         for k, v in probe.items()
         if v.dim() > 0
     }

@@ -22,15 +22,31 @@ from torch import Tensor
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """An uninitialised host tensor for data that backs ``device``: pinned on CUDA."""
+    """An uninitialised host buffer for copies to and from ``device``: pinned on CUDA (from
+    torch's caching host allocator, which reuses it)."""
     return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 
-def to_host_tier(tensor: Tensor, device: torch.device) -> Tensor:
-    """``tensor`` copied into the host tier of ``device`` (pinned on CUDA)."""
-    out = host_empty(tuple(tensor.shape), tensor.dtype, device)
-    out.copy_(tensor)
-    return out
+_REGISTERED: list[Tensor] = []
+"""Host-tier blocks pinned in place: registered memory must outlive every copy from it,
+so they stay for the process's life (a model's tables usually do)."""
+
+
+def host_block(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialised host-tier block (an offloaded table's rows or their optimizer state).
+
+    On CUDA it is ordinary memory pinned in place (``cudaHostRegister``): torch's caching
+    host allocator rounds each buffer up to a power of two, so a 100 GB block would take
+    128 GB of pinned memory. Where registering fails, a pinned copy from that allocator.
+    """
+    block = torch.empty(shape, dtype=dtype)
+    if device.type != "cuda" or not block.numel():
+        return block
+    nbytes = block.numel() * block.element_size()
+    if int(torch.cuda.cudart().cudaHostRegister(block.data_ptr(), nbytes, 0)) != 0:
+        return host_empty(shape, dtype, device)
+    _REGISTERED.append(block)
+    return block
 
 
 class CopyStream:

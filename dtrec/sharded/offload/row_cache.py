@@ -97,6 +97,7 @@ class RowCache:
         self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
         self.pins = torch.zeros(capacity, dtype=torch.int32, device=device)
         self._tick = 0
+        self._fresh = 0  # slots [fresh, capacity) were never used: a fill takes them in order
         self._staged: tuple[Tensor, Tensor, dict[str, Tensor]] | None = None
         self.stats = {"rows": 0, "misses": 0, "h2d_bytes": 0, "d2h_bytes": 0}
         """Distinct rows looked up, of which missed; bytes copied host -> device and back."""
@@ -150,11 +151,13 @@ class RowCache:
         slots, moves = plan.slots.long(), None
         if plan.misses:
             missing = plan.slots < 0
-            key = torch.where(self.row_of < 0, -1, self.last_used)  # empty first, then LRU
-            key.masked_fill_(self.pins > 0, _KEEP)
-            key = torch.cat([key, key.new_zeros(1)])  # misses' "slot": the scratch entry
-            key.index_fill_(0, torch.where(missing, self.capacity, slots), _KEEP)  # its hits
-            victims = torch.topk(key[:-1], plan.misses, largest=False, sorted=True).indices
+            if self._fresh + plan.misses <= self.capacity:  # never-used slots: no search
+                victims = torch.arange(
+                    self._fresh, self._fresh + plan.misses, device=self.row_of.device
+                )
+                self._fresh += plan.misses
+            else:
+                victims = self._victims(slots, missing, plan.misses)
             # the missing rows first, in row order (a stable sort of the "hit" flags)
             order = torch.argsort(missing.logical_not().to(torch.int8), stable=True)
             new_rows = plan.rows.index_select(0, order[: plan.misses])
@@ -170,6 +173,16 @@ class RowCache:
         self.last_used.index_fill_(0, slots, self._tick)
         self.pins.index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
         return slots, moves
+
+    def _victims(self, slots: Tensor, missing: Tensor, count: int) -> Tensor:
+        """``count`` slots to fill: empty ones first, then the least recently used rows no
+        batch in flight pins (nor this batch: its hits)."""
+        self._fresh = self.capacity
+        key = torch.where(self.row_of < 0, -1, self.last_used)
+        key.masked_fill_(self.pins > 0, _KEEP)
+        key = torch.cat([key, key.new_zeros(1)])  # misses' "slot": the scratch entry
+        key.index_fill_(0, torch.where(missing, self.capacity, slots), _KEEP)  # its hits
+        return torch.topk(key[:-1], count, largest=False, sorted=True).indices
 
     def move(self, moves: Moves) -> None:
         """The fill's row copies (on the copy stream): write the changed evicted rows back
@@ -277,6 +290,7 @@ class RowCache:
             self.stats["d2h_bytes"] += rows.numel() * self._row_bytes()
         self.dirty.zero_()
         drop = torch.nonzero((self.pins == 0) & (self.row_of >= 0)).squeeze(1)
+        self._fresh = self.capacity  # empty slots are anywhere now: fills search
         if drop.numel():
             self.slot_of.index_fill_(0, self.row_of.index_select(0, drop), -1)
             self.row_of.index_fill_(0, drop, -1)

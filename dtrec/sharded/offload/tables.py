@@ -9,9 +9,10 @@ overlapping that backward).
 
 A fill *leases* its rows: they are pinned (never evicted) while the batch is in flight.
 A prefetched batch's lease lasts until its forward; then it is held as *read* (until
-the next forward: nothing else needs those rows) or, for a training forward, as
-*trained* (until the fused update of that backward has run, which reads and writes the
-same slots). So the current batch's and the prefetched batch's rows are never evicted.
+the next forward: nothing else needs those rows) or, for a forward autograd records with
+a fused optimizer (train or eval mode), as *trained* (until the fused update of that
+backward has run, which reads and writes the same slots; its rows are written back on
+eviction). So the current batch's and the prefetched batch's rows are never evicted.
 
 A batch whose rows (plus the rows pinned by other batches in flight) exceed a cache is
 refused before anything changes. One rank's refusal must stop every rank at the same
@@ -79,16 +80,18 @@ class OffloadedTables:
 
     # ------------------------------------------------------------------ batches
 
-    def begin_forward(self, training: bool) -> None:
-        """A forward starts: read leases end; ``training``: it trains (grad and train mode)."""
-        if training and not self._fused:
+    def begin_forward(self, grad: bool, training: bool) -> None:
+        """A forward starts: read leases end. ``grad``: autograd records it, so with a fused
+        optimizer its backward updates the rows it reads (whatever the module's mode);
+        ``training``: the module is in train mode (without a fused optimizer, an error)."""
+        if grad and training and not self._fused:
             raise RuntimeError(
                 f"tables {self._offloaded} are offloaded (host memory behind a device cache): "
                 "they train only with a fused optimizer (distribute_module(..., "
                 "optimizer=dtrec.optim.RowWiseAdagrad(...)), which updates the cached rows); "
                 "without one, run them under torch.no_grad() or in eval mode"
             )
-        self._training = training
+        self._training = grad and self._fused
         self._release(_READ)
 
     def fill(
@@ -223,6 +226,10 @@ class OffloadedTables:
         self._leases = kept
         for cache in self.caches.values():
             cache.flush()
+        for lease in self._leases:  # their update is still to come: written back on eviction
+            if lease.state == _TRAINED:
+                for t, slots in lease.slots.items():
+                    self.caches[t].mark_written(slots)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per local offloaded table: distinct rows looked up, misses, bytes each way."""
