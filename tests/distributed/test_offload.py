@@ -183,6 +183,53 @@ def _edge_cases(mesh, steps: int) -> dict:
     return {"differ": _differences(_state(plain[0]), _state(cached[0]))}
 
 
+def _sequence_pipelined(mesh, steps: int) -> dict:
+    """The sequence collection, cached, through ``TrainPipeline`` vs on the device through
+    the plain loop (the sequence lookup's prefetch fill)."""
+    import torch.distributed as dist
+
+    import dtrec
+
+    plain = _build(mesh, "row_wise", "adam", {}, sequence=True)
+    cached, dense = _build(mesh, "row_wise", "adam", {"cache_fraction": 0.05}, sequence=True)
+    gen = torch.Generator().manual_seed(17)
+    batches = [_batches(gen, sequence=True)[dist.get_rank()] for _ in range(steps)]
+    for kjt, target in batches:
+        _step(*plain, kjt, target, True)
+    pipeline = dtrec.TrainPipeline(cached, dense, lambda m, b: m(b[0]), lambda b: b[0])
+    for _ in pipeline.run(batches):
+        pass
+    return {"differ": _differences(_state(plain[0]), _state(cached))}
+
+
+def _inference(mesh, steps: int) -> dict:
+    """Without a fused optimizer: no-grad forwards of offloaded tables (evaluation) read
+    what the device tables hold; a training forward is E325."""
+    import torch.distributed as dist
+
+    import dtrec
+    from tests.distributed.numerics import TinyModel
+
+    models = []
+    for cache in ({}, {"cache_fraction": 0.05}):
+        torch.manual_seed(0)
+        plan = {f"sparse.{name}": _spec("row_wise", **cache) for name, *_ in TABLES}
+        models.append(dtrec.distribute_module(TinyModel(_tables()), mesh, plan))
+    gen = torch.Generator().manual_seed(19)
+    differ = 0
+    for _ in range(steps):
+        kjt, _target = _batches(gen)[dist.get_rank()]
+        with torch.no_grad():
+            outs = [model(kjt) for model in models]
+        differ += not torch.equal(*outs)
+    try:
+        models[1](kjt)
+        refused = None
+    except RuntimeError as exc:
+        refused = str(exc)
+    return {"differ": differ, "refused": refused}
+
+
 def _pipelined(mesh, optimizer: str, steps: int) -> dict:
     """Device model, plain loop vs 5%-cache model, ``TrainPipeline``; the order of the
     cached model's forwards, fills and updates, and the threads its row copies ran on."""
@@ -331,6 +378,8 @@ def _world(rank: int, world: int, root: str) -> dict:
         out[f"sequence/{kind}"] = _side_by_side(meshes["2d"], kind, "adam", STEPS // 2, True)
     out["planned"] = _planned(meshes["2d"], STEPS // 2)
     out["edge_cases"] = _edge_cases(meshes["1d"], STEPS // 2)
+    out["sequence_pipeline"] = _sequence_pipelined(meshes["2d"], STEPS // 2)
+    out["inference"] = _inference(meshes["2d"], 10)
     for optimizer in OPTIMIZERS:
         out[f"round_trip/{optimizer}"] = _round_trip(Path(root), optimizer)
         out[f"pipeline/{optimizer}"] = _pipelined(meshes["2d"], optimizer, STEPS)
@@ -383,3 +432,14 @@ def test_a_planned_model_offloads_what_does_not_fit_and_trains_exactly(results) 
 def test_eval_mode_training_and_a_state_dict_between_forward_and_backward(results) -> None:
     for rank, per_rank in enumerate(results):
         assert per_rank["edge_cases"]["differ"] == [], (rank, per_rank["edge_cases"])
+
+
+def test_sequence_collection_through_the_pipeline(results) -> None:
+    for rank, per_rank in enumerate(results):
+        assert per_rank["sequence_pipeline"]["differ"] == [], (rank, per_rank["sequence_pipeline"])
+
+
+def test_without_a_fused_optimizer_offloaded_tables_evaluate(results) -> None:
+    for rank, per_rank in enumerate(results):
+        assert per_rank["inference"]["differ"] == 0, rank
+        assert "train only with a fused optimizer" in per_rank["inference"]["refused"], rank
