@@ -48,6 +48,9 @@ TYPES_2D = ("table_wise", "row_wise", "column_wise")
 CONFIGS = [f"{o}/{t}/1d" for o in OPTIMIZERS for t in TYPES_1D]
 CONFIGS += [f"{o}/{t}/2d" for o in OPTIMIZERS for t in TYPES_2D]
 SEQUENCE = ("table_wise", "row_wise", "column_wise")
+DEVICE = "cpu"
+"""Where models and batches live: the CUDA tier (``tests/gpu/test_offload_cuda.py``) sets
+"cuda" in its workers and runs these same checks on the GPU."""
 
 
 def _tables(sequence: bool = False) -> list:
@@ -99,7 +102,7 @@ def _build(mesh, kind: str, optimizer: str, cache: dict, sequence: bool = False)
     from tests.distributed.numerics import TinyModel
 
     torch.manual_seed(0)
-    model = _SequenceModel() if sequence else TinyModel(_tables())
+    model = (_SequenceModel() if sequence else TinyModel(_tables())).to(DEVICE)
     plan = {f"sparse.{name}": _spec(kind, **cache) for name, *_ in TABLES}
     model = dtrec.distribute_module(model, mesh, plan, optimizer=_optimizer(optimizer))
     dense = torch.optim.SGD([p for n, p in model.named_parameters() if n.startswith("dense")], 0.1)
@@ -131,13 +134,20 @@ def _differences(a: dict, b: dict) -> list[str]:
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
+def _largest_difference(a: dict, b: dict) -> float:
+    """The largest |a - b| over every entry (what the CUDA tier bounds)."""
+    diffs = [(a[k].float() - b[k].float()).abs().max().item() for k in a if a[k].numel()]
+    return max(diffs, default=0.0)
+
+
 def _batches(gen: torch.Generator, sequence: bool = False) -> list:
     import torch.distributed as dist
 
     from tests.distributed.numerics import make_batch
 
     tables = _tables(sequence)
-    return [make_batch(tables, BATCH, False, gen) for _ in range(dist.get_world_size())]
+    batches = [make_batch(tables, BATCH, False, gen) for _ in range(dist.get_world_size())]
+    return [(kjt.to(DEVICE), target.to(DEVICE)) for kjt, target in batches]
 
 
 def _side_by_side(mesh, kind: str, optimizer: str, steps: int, sequence: bool = False) -> dict:
@@ -153,8 +163,10 @@ def _side_by_side(mesh, kind: str, optimizer: str, steps: int, sequence: bool = 
         _step(*plain, kjt, target, sequence)
         _step(*cached, kjt, target, sequence)
     stats = cached[0].sparse.cache_stats()
+    want, got = _state(plain[0]), _state(cached[0])
     return {
-        "differ": _differences(_state(plain[0]), _state(cached[0])),
+        "differ": _differences(want, got),
+        "largest": _largest_difference(want, got),
         "misses": sum(s["misses"] for s in stats.values()),
         "rows": sum(s["rows"] for s in stats.values()),
         "written_back": sum(s["d2h_bytes"] for s in stats.values()),
@@ -214,7 +226,7 @@ def _inference(mesh, steps: int) -> dict:
     for cache in ({}, {"cache_fraction": 0.05}):
         torch.manual_seed(0)
         plan = {f"sparse.{name}": _spec("row_wise", **cache) for name, *_ in TABLES}
-        models.append(dtrec.distribute_module(TinyModel(_tables()), mesh, plan))
+        models.append(dtrec.distribute_module(TinyModel(_tables()).to(DEVICE), mesh, plan))
     gen = torch.Generator().manual_seed(19)
     differ = 0
     for _ in range(steps):
@@ -267,8 +279,10 @@ def _pipelined(mesh, optimizer: str, steps: int) -> dict:
     )
     for _ in pipeline.run(batches):
         pass
+    want, got = _state(plain[0]), _state(cached)
     return {
-        "differ": _differences(_state(plain[0]), _state(cached)),
+        "differ": _differences(want, got),
+        "largest": _largest_difference(want, got),
         "events": events,
         "copies_on_main_thread": threading.get_ident() in threads,
         "copies_elsewhere": bool(threads - {threading.get_ident()}),
@@ -294,7 +308,8 @@ def _planned(mesh, steps: int) -> dict:
     models = []
     for specs in (on_device, plan):
         torch.manual_seed(0)
-        model = dtrec.distribute_module(TinyModel(_tables()), mesh, specs, _optimizer("adam"))
+        model = TinyModel(_tables()).to(DEVICE)
+        model = dtrec.distribute_module(model, mesh, specs, _optimizer("adam"))
         dense = [p for n, p in model.named_parameters() if n.startswith("dense")]
         models.append((model, torch.optim.SGD(dense, 0.1)))
     gen = torch.Generator().manual_seed(9)
@@ -317,7 +332,8 @@ def _round_trip(root: Path, optimizer: str) -> dict:
     from dtrec.checkpoint import dcp as checkpoint
 
     rank = dist.get_rank()
-    mesh2d, mesh1d = dtrec.init_mesh("cpu", 2), dtrec.init_mesh("cpu", 4)
+    device = torch.device(DEVICE).type
+    mesh2d, mesh1d = dtrec.init_mesh(device, 2), dtrec.init_mesh(device, 4)
     first = {
         "plain": _build(mesh2d, "row_wise", optimizer, {}),
         "cached": _build(mesh2d, "row_wise", optimizer, {"cache_fraction": 0.05}),
@@ -340,9 +356,11 @@ def _round_trip(root: Path, optimizer: str) -> dict:
             snapshot = _snapshot(first["plain"][0])
             for name, (model, dense) in then.items():
                 checkpoint.load(root / optimizer / name, model, dense)
+    want, got = _state(then["plain"][0]), _state(then["cached"][0])
     out = {
         "saved_differ": _differences(saved["plain"], saved["cached"]),
-        "differ": _differences(_state(then["plain"][0]), _state(then["cached"][0])),
+        "differ": _differences(want, got),
+        "largest": _largest_difference(want, got),
     }
     # after one more step (the caches hold its rows), load_state_dict of step 25's full
     # tensors into both (the cached rows are then stale), five more steps: still equal
