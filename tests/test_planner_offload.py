@@ -149,3 +149,27 @@ def test_expected_misses_match_a_simulated_lru_cache(s: float) -> None:
     measured = steps - steps // 4
     assert read / measured == pytest.approx(want_read, rel=0.05)
     assert 1 - missed / read == pytest.approx(1 - want_missed / want_read, abs=0.03)
+
+
+def test_planner_cli_offloads_with_host_memory(tmp_path, capsys) -> None:
+    import json
+
+    from dtrec.planning.dry_run import main
+
+    config = tmp_path / "model.json"
+    config.write_text(json.dumps({
+        "tables": [
+            {"name": "big", "num_embeddings": 2_000_000_000, "embedding_dim": 128,
+             "feature_names": ["fb"], "pooling": "sum"},
+            {"name": "small", "num_embeddings": 1_000_000, "embedding_dim": 64,
+             "feature_names": ["fs"], "pooling": "sum"},
+        ],
+        "batch_size_per_rank": 512, "pooling_factors": {"fb": 1, "fs": 4},
+    }))  # fmt: skip
+    args = ["--config", str(config), "--world-size", "8", "--shard-group-size", "8", "--png", ""]
+    main([*args, "--host-memory-per-rank-gb", "400", "--zipf-exponent", "1.1", "--explain"])
+    out = capsys.readouterr().out
+    assert "host memory per rank (offloaded tables ['big'])" in out
+    assert "expected hit rate" in out and "why: offloaded" in out
+    with pytest.raises(ValueError, match="'big' .2000000000 x 128. does not fit"):
+        main(args)  # no host memory: the device alone
