@@ -72,14 +72,15 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             tables, weights, mesh, specs, optimizer, bounds_check, sync_every, init_seed, qcomms
         )
         self.is_weighted = is_weighted
-        self._lookup = LocalLookup(self._routing, self._updater)
+        self._lookup = LocalLookup(self._routing, self._updater, self._offload)
         self._output_dist = OutputDist(
             tables, self._routing, mesh.get_group(SHARD), self._dtype, self.qcomms
         )
-        # A shard axis of one position: no routing, no all-to-all (``local_path.py``).
+        # A shard axis of one position: no routing, no all-to-all (``local_path.py``);
+        # offloaded tables take the routed path, whose lookup reads through their caches.
         self._local = (
             LocalPath(tables, self._routing, self._updater, mesh)
-            if serves_locally(self._routing, self._layouts)
+            if serves_locally(self._routing, self._layouts) and self._offload is None
             else None
         )
 
@@ -146,3 +147,6 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         """
         if self._local is not None:
             self._local.report_bad_batches(wait=True)
+
+    def _fill_routed(self, routed: RoutedBatch) -> None:
+        self._lookup.fill(routed)

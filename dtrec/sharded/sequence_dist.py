@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -172,9 +173,10 @@ class ReturnPlan:
 class SequenceLookup:
     """Row gathers on local shards: every table's ids in one call (``lookup_rows``)."""
 
-    def __init__(self, routing: Routing, updater: FusedUpdater | None) -> None:
+    def __init__(self, routing: Routing, updater: FusedUpdater | None, offload: Any = None) -> None:
         self._routing = routing
         self._updater = updater
+        self._offload = offload  # offloaded tables' caches (``OffloadedTables``), or None
         self._tables = sorted({s.table for s in routing.served})
         self._table_of = {t: u for u, t in enumerate(self._tables)}
 
@@ -190,6 +192,8 @@ class SequenceLookup:
         routing = self._routing
         served, batch, shards = routing.served, routed.served_batch, routing.shard_size
         lengths, ids, _ = routed.wait_served(len(served))
+        if self._offload is not None:  # offloaded tables' ids -> their cache slots
+            ids = self._offload.slot_ids(routed, ids, self._run_tables(), lengths, batch)
         if not served:
             return None, [0] * shards
         counts = lengths.view(shards * len(served), batch).sum(1).tolist()
@@ -203,6 +207,16 @@ class SequenceLookup:
         )
         weights = [local[t] for t in self._tables]
         return lookup_rows(self._updater, self._tables, weights, runs), send_splits
+
+    def fill(self, routed: RoutedBatch) -> None:
+        """Fill offloaded tables' caches for a prefetched batch (``OffloadedTables.fill``)."""
+        if self._offload is not None and routed.error is None:
+            lengths, ids, _ = routed.wait_served(len(self._routing.served))
+            self._offload.fill(routed, ids, self._run_tables(), lengths, routed.batch)
+
+    def _run_tables(self) -> list[int]:
+        """The table of each run of received ids (source-major, then served segment)."""
+        return [s.table for s in self._routing.served] * self._routing.shard_size
 
     def data_parallel(self, kjt: KeyedJaggedTensor, local: dict[int, Tensor]) -> list[Tensor]:
         """Rows of the data-parallel features of the own batch, one ``[ids, D]`` each, in
