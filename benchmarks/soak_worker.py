@@ -400,6 +400,7 @@ def attempt(rank: int, world: int, cfg: SoakConfig) -> None:
     faults, an "end" entry (how it ended, the event being injected if one broke it);
     rank 0 writes the final full weights (``final_path``) when the run is done."""
     torch.set_num_threads(1)
+    torch.sparse.check_sparse_tensor_invariants.enable()  # any sparse tensor built is checked
     run = Run(rank, cfg)
     found = [newest_restorable(run.root) if rank == 0 else None]
     dist.broadcast_object_list(found, src=0)
