@@ -22,15 +22,18 @@ table: the next non-zero step of ``hash_size_cumsum``, as fbgemm reads it):
   dtrec's row block); weights None or one per id.
 * ``dense_embedding_codegen_lookup_function`` and
   ``split_embedding_backward_codegen_{sgd,rowwise_adagrad}_cpu`` (the table-batched
-  layout): ``D_offsets`` int32, T + 1 non-decreasing entries ending at total_D, max_D
-  their largest step; ``weights_offsets`` int64, T entries; ``hash_size_cumsum`` int64,
-  T + 1 non-decreasing entries, ``total_hash_size_bits`` enough for its last entry;
-  every feature's table inside the weight buffer (``weights_offsets[t] + rows_t *
-  D_t <= numel``); offsets T * B + 1 non-decreasing entries from 0 to ``len(indices)``,
-  the ids' dtype; every id of feature t in ``[0, rows_t)``; per-sample weights one per
+  layout): the weight buffer (and row-wise Adagrad's ``momentum1_host``) 1-D and
+  contiguous (rows are addressed as a raw pointer); ``D_offsets`` int32, T + 1
+  non-decreasing entries ending at total_D, max_D their largest step;
+  ``weights_offsets`` int64, T entries; ``hash_size_cumsum`` int64, T + 1
+  non-decreasing entries, ``total_hash_size_bits`` enough for its last entry; every
+  feature's table inside the weight buffer (``weights_offsets[t] + rows_t * D_t <=
+  numel``); offsets T * B + 1 non-decreasing entries from 0 to ``len(indices)``, the
+  ids' dtype; every id of feature t in ``[0, rows_t)``; per-sample weights one per
   id, or None (forward) / an empty tensor (backward: the forward reads an empty one
-  as weights, past its end). Backward: ``grad_output`` fp32 ``[B, total_D]``; placements T
-  entries; row-wise Adagrad's ``momentum1_offsets[t] + rows_t <= len(momentum1_host)``.
+  as weights, past its end). Backward: ``grad_output`` fp32 ``[B, total_D]`` (fbgemm
+  makes it contiguous); placements T entries; row-wise Adagrad's
+  ``momentum1_offsets[t] + rows_t <= len(momentum1_host)``.
 """
 
 from __future__ import annotations
@@ -106,6 +109,8 @@ def _check_layout(
     if d_off.dtype != torch.int32 or w_off.dtype != torch.int64 or cumsum.dtype != torch.int64:
         return [f"dtypes: D_offsets {d_off.dtype}, weights_offsets {w_off.dtype}, "
                 f"hash_size_cumsum {cumsum.dtype}"], [], 0  # fmt: skip
+    if weights.dim() != 1 or not weights.is_contiguous():  # rows addressed as raw float*
+        bad.append(f"weight buffer {weights.dim()}-D contiguous={weights.is_contiguous()}")
     features = d_off.numel() - 1
     d, w_start, hs = d_off.tolist(), w_off.tolist(), cumsum.tolist()
     dims = [d[t + 1] - d[t] for t in range(features)]
@@ -163,6 +168,8 @@ def check_backward(a: dict[str, Any]) -> list[str]:
         bad.append(f"{a['weights_placements'].numel()} weights_placements")
     if "momentum1_host" in a:
         m, m_off = a["momentum1_host"], a["momentum1_offsets"].tolist()
+        if m.dim() != 1 or not m.is_contiguous():
+            bad.append(f"momentum1_host {m.dim()}-D contiguous={m.is_contiguous()}")
         for t, r in enumerate(rows):
             if m_off[t] < 0 or m_off[t] + r > m.numel():
                 bad.append(f"feature {t}: momentum1 [{m_off[t]}, +{r}) past {m.numel()}")

@@ -101,6 +101,7 @@ def test_bucketize_violations_are_flagged(change, message) -> None:
         ({"D_offsets": torch.tensor([0, D, D + 3], dtype=torch.int32)}, "past the buffer"),
         ({"max_D": 2}, "max_D 2 != 4"),
         ({"indice_weights": torch.ones(4)}, "4 per-sample weights for 5 ids"),
+        ({"host_weights": torch.zeros(44)[::2]}, "weight buffer 1-D contiguous=False"),
     ],
 )
 def test_table_batched_violations_are_flagged(change, message) -> None:
