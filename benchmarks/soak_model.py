@@ -372,5 +372,14 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for n, p in model.named_parameters() if n.split(".")[0] in ("bottom", "top")]
 
 
+DENSE_EPS = 1e-4
+"""Adam's eps for the MLPs. With torch's 1e-8 this run is chaotic: Adam normalizes
+gradients that nearly cancel, so float reassociation (1e-7 relative: 4 ranks' sums vs
+one process') picks their direction, and a 1e-7 change of one dense weight at step 300
+grew to a 4e-2 weight difference by step 420 (measured on the reference alone); the
+final weights could not be compared with anything. With 1e-4 the same change stays at
+1e-7."""
+
+
 def dense_optimizer(model: nn.Module, foreach: bool) -> torch.optim.Optimizer:
-    return torch.optim.Adam(dense_parameters(model), lr=DENSE_LR, foreach=foreach)
+    return torch.optim.Adam(dense_parameters(model), lr=DENSE_LR, eps=DENSE_EPS, foreach=foreach)
