@@ -188,7 +188,7 @@ class SequenceLookup:
         The received ids come in runs, one per (source, segment), each of one table; the
         runs' counts are read once (one host read), every index is built from them."""
         routing = self._routing
-        served, batch, shards = routing.served, routed.batch, routing.shard_size
+        served, batch, shards = routing.served, routed.served_batch, routing.shard_size
         lengths, ids, _ = routed.wait_served(len(served))
         if not served:
             return None, [0] * shards

@@ -10,7 +10,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import distribute_tensor as _torch_distribute_tensor
 
-from dtrec._torch_compat import is_sharded_tensor, sharded_tensor_full
+from dtrec._torch_compat import (
+    is_sharded_tensor,
+    local_shape_and_offset,
+    picklable_dtensor,
+    sharded_tensor_full,
+)
+from dtrec.comm.collectives import all_gather_varied
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.ops.dtensor_bridge import register_dtensor_rules
 from dtrec.placements.layout import Block, TableLayout
@@ -112,9 +118,10 @@ def state_dtensor(state: Tensor, weight: DTensor, kind: str) -> Tensor:
     if weight.device_mesh.get_coordinate() is None:  # holds none of it: empty, right rank
         state = state.new_empty((0,) * len(shape))
     stride = tuple(torch.Size(shape[i + 1 :]).numel() for i in range(len(shape)))  # contiguous
-    return DTensor.from_local(
+    placed = DTensor.from_local(
         state, weight.device_mesh, placements, shape=shape, stride=stride, run_check=False
     )
+    return picklable_dtensor(placed)  # packed state views pickle too (torch.save)
 
 
 def load_block(target: DTensor, value: Tensor, block: Block | None, key: str) -> None:
@@ -151,13 +158,17 @@ def full_tensor(value: Tensor) -> Tensor:
     is assembled).
 
     Collective for a DTensor or ShardedTensor: call on every rank in the same order. A
-    DTensor on a sub-mesh (a table-wise table) is gathered by its members, then broadcast
-    from the first of them; a ShardedTensor is summed over its own process group.
+    DTensor's blocks (with their offsets) are all-gathered over the world with plain c10d
+    all-gathers, never DTensor's functional one, which gloo does not run on CUDA tensors
+    (so one-GPU gloo worlds can checkpoint); a ShardedTensor is summed over its own
+    process group.
     """
     if is_sharded_tensor(value):
         return sharded_tensor_full(value)
     if not isinstance(value, DTensor):
         return value.detach().cpu().clone()
+    if not any(p.is_partial() for p in value.placements):
+        return _assembled(value)
     members = sorted(value.device_mesh.mesh.flatten().tolist())
     full = value.full_tensor() if value.device_mesh.get_coordinate() is not None else None
     if len(members) < dist.get_world_size():
@@ -165,6 +176,28 @@ def full_tensor(value: Tensor) -> Tensor:
             full = value.to_local().new_empty(value.shape)
         dist.broadcast(full, src=members[0])
     return full.detach().cpu().clone()
+
+
+def _assembled(value: DTensor) -> Tensor:
+    """``value``'s blocks gathered from every rank and put at their offsets (CPU)."""
+    local = value.to_local().detach()
+    member = value.device_mesh.get_coordinate() is not None
+    shape, offset = local_shape_and_offset(value.shape, value.device_mesh, value.placements)
+    if not member or local.numel() == 0:
+        shape, offset = (0,) * value.dim(), (0,) * value.dim()
+    meta = torch.tensor([*shape, *offset], dtype=torch.long, device=local.device)
+    metas = all_gather_varied(meta if member else meta[:0], None, "full_tensor.meta")
+    data = local.reshape(-1) if member else local.new_empty(0)
+    blocks = all_gather_varied(data, None, "full_tensor")
+    full = torch.zeros(tuple(value.shape), dtype=value.dtype)
+    n = value.dim()
+    for meta_r, block in zip(metas, blocks, strict=True):
+        if not meta_r.numel() or not block.numel():
+            continue
+        shape_r, offset_r = meta_r[:n].tolist(), meta_r[n:].tolist()
+        where = tuple(slice(o, o + k) for o, k in zip(offset_r, shape_r, strict=True))
+        full[where] = block.view(shape_r).cpu()
+    return full
 
 
 def like_dtensor(local: Tensor, like: DTensor) -> DTensor:
