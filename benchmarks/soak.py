@@ -15,7 +15,8 @@ row-wise Adagrad with a warmup + cosine LR schedule (torch's LambdaLR on
 Faults (``--faults``: how many of each; seeded by ``--seed``), each before a step:
 ``bad_ids``, ``negative_lengths``, ``missing_feature`` (one rank's batch; every rank
 must refuse the step and change nothing), ``uneven`` (one rank feeds a smaller or an
-empty batch: it must train on every rank or be refused on every rank; ``--uneven``),
+empty batch: it must train on every rank, and the reference replays it; ``--uneven
+refuse`` demands a clean refusal everywhere instead, ``auto`` accepts either),
 ``checkpoint_save``, ``killed_save`` (a rank dies inside a save after tearing its data
 file, or rank 0 after writing the marker, before publishing: the last complete
 checkpoint must load and equal what was saved), ``reshard`` (save, rebuild under the
@@ -244,8 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--uneven",
         choices=("auto", "train", "refuse"),
-        default="auto",
-        help="what a smaller / empty batch on one rank must do",
+        default="train",
+        help="what a smaller / empty batch on one rank must do (train: dtrec supports them)",
     )
     parser.add_argument("--vbe-every", type=int, default=3)
     parser.add_argument("--ckpt-dir", help="checkpoint root (default: a temporary directory)")
