@@ -203,15 +203,25 @@ def full_tensor(value: Tensor) -> Tensor:
 
 
 def _assembled(value: DTensor) -> Tensor:
-    """``value``'s blocks gathered from every rank and put at their offsets (CPU)."""
+    """``value``'s blocks gathered from every rank and put at their offsets (CPU).
+
+    A block replicated over mesh dims comes from the rank at coordinate 0 of them only:
+    the copies should agree, and where one does not it must not win by rank order (a
+    column-wise table with fewer columns than shards leaves its last ranks without a
+    column block; their copy of row-wise Adagrad's replicated row sums is never updated,
+    and as the last writer it zeroed every rank's full tensor; found by the soak)."""
     local = value.to_local().detach()
-    member = value.device_mesh.get_coordinate() is not None
+    coordinate = value.device_mesh.get_coordinate()
+    member = coordinate is not None
+    first_copy = member and all(
+        c == 0 for c, p in zip(coordinate, value.placements, strict=True) if p.is_replicate()
+    )
     shape, offset = local_shape_and_offset(value.shape, value.device_mesh, value.placements)
-    if not member or local.numel() == 0:
+    if not first_copy or local.numel() == 0:
         shape, offset = (0,) * value.dim(), (0,) * value.dim()
     meta = torch.tensor([*shape, *offset], dtype=torch.long, device=local.device)
     metas = all_gather_varied(meta if member else meta[:0], None, "full_tensor.meta")
-    data = local.reshape(-1) if member else local.new_empty(0)
+    data = local.reshape(-1) if first_copy else local.new_empty(0)
     blocks = all_gather_varied(data, None, "full_tensor")
     full = torch.zeros(tuple(value.shape), dtype=value.dtype)
     n = value.dim()
