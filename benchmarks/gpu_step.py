@@ -45,10 +45,12 @@ from benchmarks.kernels import copy_bandwidth, make_ids
 from benchmarks.step_probes import (
     FullTableWatch,
     StageTimer,
+    StepCounter,
     SyncSites,
     cuda_activity,
     sync_debug_sites,
 )
+from dtrec.sharded.local_path import LocalPath
 from dtrec.sharded.lookup import LocalLookup
 from dtrec.sharded.output_dist import OutputDist
 
@@ -207,13 +209,19 @@ def build_dtrec(w: Workload, device: torch.device, plan: str, watch: FullTableWa
     )  # fmt: skip
 
 
+def plain_state(module: nn.Module) -> dict[str, Tensor]:
+    """``module``'s state as full plain tensors (dtrec's dense parameters are replicated
+    DTensors, which a plain module's ``load_state_dict`` refuses)."""
+    return dtrec.checkpoint.to_full_state_dict(module.state_dict())
+
+
 def build_pytorch(w: Workload, device: torch.device, like: DLRM) -> Library:
     """Plain PyTorch with dtrec's weights (1 rank: each local shard is the whole table)."""
     model = DLRM(TorchTables(w, device), DenseArch(len(w.rows) * w.dim, w.dim).to(device))
     with torch.no_grad():
         for bag, table in zip(model.sparse.bags, like.sparse.embedding_bags.values()):
             bag.weight.copy_(table.weight.to_local())
-        model.dense_arch.load_state_dict(like.dense_arch.state_dict())
+        model.dense_arch.load_state_dict(plain_state(like.dense_arch))
     tables = list(model.sparse.parameters())
     opts = [torch.optim.Adagrad(model.dense_arch.parameters(), lr=LR),
             torch.optim.Adagrad(tables, lr=LR, foreach=False)]  # fmt: skip
@@ -272,6 +280,7 @@ def stage_targets(lib: Library) -> list[tuple[str, type, str]]:
         ("input_dist", sparse, "input_dist"),
         ("lookup_fwd", LocalLookup, "served"),
         ("lookup_fwd", LocalLookup, "data_parallel"),
+        ("lookup_fwd", LocalPath, "lookup"),
         ("output_dist", OutputDist, "__call__"),
         ("output_dist", OutputDist, "zeros"),
         ("output_dist", OutputDist, "add_data_parallel"),
@@ -359,6 +368,19 @@ def measure(lib: Library, w: Workload, batches: list[Batch], args, device, copy_
     with sync_debug_sites() as cuda_sites, SyncSites(device) as op_sites:
         lib.step(one)
     out["host_syncs"] = {"cuda_sync_debug": dict(cuda_sites), "sync_ops": dict(op_sites.sites)}
+    # The CPU budget test's count (tests/test_step_budget.py), here on this device; the
+    # batch is built first (a KJT checks its lengths when it is made, outside the step).
+    counted = steps(1)[0]
+    with StepCounter(device) as counts:
+        embedding(counted)
+    out["counts"] = {
+        "embedding": {
+            "launches": counts.total_launches(),
+            "syncs": counts.total_syncs(),
+            "launch_kinds": dict(counts.launches),
+            "sync_sites": dict(counts.syncs),
+        }
+    }
     seconds = back_to_back(embedding, steps(args.steps), device)
     moved = embedding_bytes(w, batches[0])
     out["embedding"] = {
@@ -377,7 +399,7 @@ class DenseOnly:
 
     def __init__(self, lib: Library, w: Workload, like: Tensor) -> None:
         self.arch = DenseArch(len(w.rows) * w.dim, w.dim).to(like.device)
-        self.arch.load_state_dict(lib.model.dense_arch.state_dict())
+        self.arch.load_state_dict(plain_state(lib.model.dense_arch))
         self.opt = torch.optim.Adagrad(self.arch.parameters(), lr=LR)
         self.pooled = like.detach().clone().requires_grad_()
 
@@ -501,8 +523,11 @@ def run(args, w: Workload, sizes: list[int], device, copy_gbps: float) -> dict:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     violations = (build_watch.violations if build_watch else []) + step_watch.violations
+    table = issue_table(results, copy_gbps)
+    print("\n" + "\n".join(markdown_table(table)))
     return {
         "results": results,
+        "issue_table": table,
         "torchrec_fbgemm": "not run: TorchRec + fbgemm-gpu are not installed on this machine",
         "full_table_check": {
             "watched_tables": sorted(watched),
@@ -517,10 +542,62 @@ def summary_line(config: str, library: str, r: dict) -> str:
     return (
         f"{config:<22} {library:<8} step {r['step_s'] * 1e3:8.2f} ms | embedding "
         f"{emb['GBps']:7.1f} GB/s ({emb['of_copy']:.0%} of copy), "
-        f"{r['profile']['embedding']['launches']:.0f} launches | step: "
+        f"{r['profile']['embedding']['launches']:.0f} launches "
+        f"({r['counts']['embedding']['launches']} dispatched) | step: "
         f"{sum(syncs['cuda_sync_debug'].values())} syncs (CUDA count), "
         f"{sum(syncs['sync_ops'].values())} sync-forcing ops"
     )
+
+
+def issue_table(results: dict[str, dict], copy_gbps: float) -> list[dict]:
+    """One row per config, the columns of issue 24's table: dtrec's and plain PyTorch's step,
+    dtrec's embedding part (fwd + bwd + update), its share of this run's copy bandwidth and
+    speedup over plain PyTorch's, its launches (CUDA profile; dispatch count as the CPU test
+    counts them) and its host syncs (CUDA's own count over a whole step; dispatch count)."""
+    rows = []
+    for config, libs in results.items():
+        d, p = libs["dtrec"], libs.get("pytorch")
+        emb = d["embedding"]
+        batch = int(config.split("_")[0][1:])
+        rows.append({
+            "config": config,
+            "dtrec_step_ms": d["step_s"] * 1e3,
+            "pytorch_step_ms": p["step_s"] * 1e3 if p else None,
+            "embedding_ms": emb["fwd_bwd_update_s"] * 1e3,
+            "of_copy": emb["of_copy"],
+            "embedding_vs_pytorch": (
+                p["embedding"]["fwd_bwd_update_s"] / emb["fwd_bwd_update_s"] if p else None
+            ),
+            "launches_profile": d["profile"]["embedding"]["launches"],
+            "launches_dispatch": d["counts"]["embedding"]["launches"],
+            "host_syncs_cuda": sum(d["host_syncs"]["cuda_sync_debug"].values()),
+            "host_syncs_dispatch": d["counts"]["embedding"]["syncs"],
+            "samples_per_s": batch / d["step_s"],
+            "copy_GBps": copy_gbps,
+        })  # fmt: skip
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> list[str]:
+    """Issue 24's table (``issue_table``) as markdown lines."""
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f} ms"
+
+    lines = [
+        "| config | dtrec step | plain PyTorch | embedding fwd+bwd+update | share of copy BW "
+        "| vs plain PyTorch's | launches (embedding part) | host syncs per step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        speedup = "-" if r["embedding_vs_pytorch"] is None else f"{r['embedding_vs_pytorch']:.1f}x"
+        lines.append(
+            f"| {r['config']} | {ms(r['dtrec_step_ms'])} | {ms(r['pytorch_step_ms'])} | "
+            f"{ms(r['embedding_ms'])} | {r['of_copy']:.0%} | {speedup} | "
+            f"{r['launches_profile']:.0f} ({r['launches_dispatch']} dispatched) | "
+            f"{r['host_syncs_cuda']} ({r['host_syncs_dispatch']} in the embedding part) |"
+        )
+    return lines
 
 
 def check_same_pooled(libs: list[Library], b: Batch) -> None:

@@ -225,7 +225,7 @@ def _fbgemm_split_tbe(weights: list[torch.Tensor]):
     return tbe
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -235,10 +235,13 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies table rows")
     parser.add_argument("--max-rows", type=float, default=5e6, help="largest DLRM table")
     parser.add_argument("--poolings", default="1,20,80")
+    parser.add_argument("--dists", default="uniform,zipf", help="id distributions")
+    parser.add_argument("--many-small", type=int, default=500,
+                        help="tables of the many-small config (0: skip it)")  # fmt: skip
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--json", help="write results here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
 
@@ -252,18 +255,19 @@ def main() -> None:
             dist,
         )
         for L in map(int, args.poolings.split(","))
-        for dist in ("uniform", "zipf")
+        for dist in args.dists.split(",")
     ]
-    configs.append(
-        Config(
-            "many_small_D32_L20",
-            [max(1, int(1e4 * args.scale))] * 500,
-            32,
-            args.batch // 4,
-            20,
-            "zipf",
+    if args.many_small:
+        configs.append(
+            Config(
+                f"many_small_D32_L20_T{args.many_small}",
+                [max(1, int(1e4 * args.scale))] * args.many_small,
+                32,
+                max(1, args.batch // 4),
+                20,
+                "zipf",
+            )
         )
-    )
 
     copy_gbps = copy_bandwidth(device, 1 << 30 if device.type == "cuda" else 1 << 27, args.iters)
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()

@@ -14,6 +14,7 @@ Probes for ``benchmarks/gpu_step.py``, each usable on CPU (smoke runs) and CUDA:
 
 from __future__ import annotations
 
+import sys
 import time
 import traceback
 from collections import Counter, defaultdict
@@ -128,6 +129,7 @@ _SYNC_OPS = {
     "aten._unique2",
     "aten.unique_dim",
     "aten.repeat_interleave",  # without output_size
+    "aten.bincount",  # sizes its output by the largest value
     "aten.equal",
     "aten.is_nonzero",
 }
@@ -145,6 +147,33 @@ def call_site(skip: str = "step_probes") -> str:
     return "outside the repository"
 
 
+def _on_device(device: torch.device, args, kwargs) -> bool:
+    """Whether an op touches ``device``'s tensors (on CPU: every op, as if it were a GPU)."""
+    return device.type == "cpu" or any(
+        isinstance(t, Tensor) and t.device.type == device.type for t in tree_leaves((args, kwargs))
+    )
+
+
+def host_sync(func, args, kwargs, out, device: torch.device) -> bool:
+    """Whether this dispatched op makes the host wait for ``device`` (on CPU: would, were
+    its tensors on a GPU): a value or a data-dependent size read on the host, or a
+    device-to-host copy. The one rule ``SyncSites`` and ``StepCounter`` share."""
+    name = str(func.overloadpacket)  # e.g. "aten.nonzero"
+    on_device = _on_device(device, args, kwargs)
+    if name == "aten.repeat_interleave" and kwargs.get("output_size") is not None:
+        return False
+    if on_device and name in _SYNC_OPS:
+        return True
+    if name in ("aten._to_copy", "aten.copy_"):
+        return _device_to_host(func, args, kwargs, out)
+    # boolean-mask indexing (read or write): the result size is data-dependent
+    return (
+        on_device
+        and name in ("aten.index", "aten.index_put_", "aten.index_put")
+        and any(isinstance(i, Tensor) and i.dtype == torch.bool for i in tree_leaves(args[1:]))
+    )
+
+
 class SyncSites(TorchDispatchMode):
     """Counts ops that make the host wait for the device, by the source line that ran them.
 
@@ -159,26 +188,9 @@ class SyncSites(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = str(func.overloadpacket)  # e.g. "aten.nonzero"
         out = func(*args, **kwargs)
-        overload = str(func)
-        on_device = self.device.type == "cpu" or any(
-            isinstance(t, Tensor) and t.device.type == self.device.type
-            for t in tree_leaves((args, kwargs))
-        )
-        syncs = on_device and name in _SYNC_OPS
-        if name == "aten.repeat_interleave" and kwargs.get("output_size") is not None:
-            syncs = False
-        if name in ("aten._to_copy", "aten.copy_") and not syncs:
-            syncs = _device_to_host(func, args, kwargs, out)
-        if (
-            on_device
-            and name == "aten.index"
-            and any(isinstance(i, Tensor) and i.dtype == torch.bool for i in tree_leaves(args[1:]))
-        ):
-            syncs = True  # boolean-mask indexing: the result size is data-dependent
-        if syncs:
-            self.sites[f"{overload} at {call_site()}"] += 1
+        if host_sync(func, args, kwargs, out, self.device):
+            self.sites[f"{func} at {call_site()}"] += 1
         return out
 
 
@@ -264,3 +276,126 @@ def _storage(t: object) -> int | None:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+# ---------------------------------------------------------------- launches and host syncs
+
+# Dispatched ops that launch nothing on the device: views, metadata, allocation without a
+# fill, and host scalars wrapped for an op (``torch.where(c, x, 0.0)``).
+_NO_LAUNCH = {
+    "aten.view", "aten._unsafe_view", "aten._reshape_alias", "aten.reshape", "aten.slice",
+    "aten.select", "aten.as_strided", "aten.expand", "aten.permute", "aten.t",
+    "aten.transpose", "aten.unsqueeze", "aten.squeeze", "aten.detach", "aten.alias",
+    "aten.empty", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
+    "aten.empty_like", "aten.set_", "aten.split", "aten.split_with_sizes", "aten.unbind",
+    "aten.narrow", "aten.resize_", "aten.view_as", "aten.unflatten", "aten.chunk",
+    "aten.scalar_tensor", "aten.record_stream", "aten.is_pinned", "aten.sym_size",
+    "aten.sym_stride", "aten.sym_numel", "aten.sym_storage_offset",
+}  # fmt: skip
+
+
+class StepCounter(TorchDispatchMode):
+    """Device launches and host syncs of the code run inside, counted alike on CPU and CUDA.
+
+    ``launches``, by kernel or op: every Triton kernel launch (counted where Triton runs a
+    kernel, so the Triton interpreter on CPU counts what CUDA would launch; ops the
+    interpreter runs inside a kernel are not counted), and every dispatched ATen op on the
+    device's tensors that moves or computes data (collectives and copies included; views,
+    metadata and bare allocations are not). One op is one launch here, so ops that CUDA runs
+    as several kernels (``sort``: a radix sort's passes) count once: the profiler's count on
+    a GPU (``cuda_activity``) is the upper reference, this one is the same on both devices.
+
+    ``syncs``, by op and source line: the ops of ``host_sync`` plus, on CPU, ``tolist()`` and
+    ``numpy()`` of a tensor (no dispatched op, but a device-to-host read on CUDA), except
+    ``dtrec.ops.host_flags.HostFlag``'s reads of its host copies: on CUDA they read pinned
+    host memory whose copy an event reported done (no wait; ``sync_debug_sites`` checks).
+
+    Example::
+
+        with StepCounter(torch.device("cpu")) as counts:
+            model(kjt).values().backward(grad)
+        counts.total_launches(), counts.total_syncs()
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.launches: Counter[str] = Counter()
+        self.syncs: Counter[str] = Counter()
+        self._in_kernel = 0
+        self._restore: list[tuple[object, str, object]] = []
+
+    def total_launches(self) -> int:
+        return sum(self.launches.values())
+
+    def total_syncs(self) -> int:
+        return sum(self.syncs.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._in_kernel:  # the interpreter's own tensor ops inside a Triton kernel
+            return out
+        name = str(func.overloadpacket)
+        if name not in _NO_LAUNCH and _on_device(self.device, args, kwargs):
+            self.launches[name] += 1
+        if host_sync(func, args, kwargs, out, self.device):
+            self.syncs[f"{func} at {call_site()}"] += 1
+        return out
+
+    def __enter__(self):
+        self._patch_triton()
+        if self.device.type == "cpu":
+            for method in ("tolist", "numpy"):
+                self._patch(torch.Tensor, method, self._host_read(getattr(torch.Tensor, method)))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for owner, attr, original in reversed(self._restore):
+                setattr(owner, attr, original)
+            self._restore.clear()
+
+    def _patch(self, owner: object, attr: str, replacement: object) -> None:
+        self._restore.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, replacement)
+
+    def _patch_triton(self) -> None:
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            return
+        for cls in (JITFunction, InterpretedFunction):
+            self._patch(cls, "run", self._launch(cls.run))
+
+    def _launch(self, run: Callable) -> Callable:
+        counter = self
+
+        def counted(kernel, *args, **kwargs):
+            counter.launches[f"triton:{getattr(kernel.fn, '__name__', kernel)}"] += 1
+            counter._in_kernel += 1
+            try:
+                return run(kernel, *args, **kwargs)
+            finally:
+                counter._in_kernel -= 1
+
+        return counted
+
+    def _host_read(self, read: Callable) -> Callable:
+        counter = self
+
+        def counted(tensor, *args, **kwargs):
+            if not counter._in_kernel and not _reading_host_copy():
+                counter.syncs[f"Tensor.{read.__name__} at {call_site()}"] += 1
+            return read(tensor, *args, **kwargs)
+
+        return counted
+
+
+def _reading_host_copy() -> bool:
+    """Whether ``dtrec.ops.host_flags`` is reading a host copy (not the device)."""
+    module = sys.modules.get("dtrec.ops.host_flags")
+    return module is not None and module.reading_host_copy()

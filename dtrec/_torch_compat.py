@@ -8,12 +8,12 @@ It is the lowest layer of dtrec (``tests/test_layering.py``): it imports no dtre
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
@@ -67,7 +67,7 @@ def concatenate_meshes(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
     return DeviceMesh._concatenate(list(meshes))
 
 
-# --------------------------------------------------------------------------- autograd / DDP
+# --------------------------------------------------------------------------- autograd
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -80,16 +80,6 @@ def current_backward_id() -> int:
     """The id of the autograd graph task running now (-1 outside backward): tells one
     ``backward()`` from the next (``torch._C._current_graph_task_id``). Checked: torch 2.13."""
     return int(torch._C._current_graph_task_id())
-
-
-def replicate_module(module: nn.Module, ignored_modules: Iterable[nn.Module]) -> nn.Module:
-    """Data parallel over the default group for ``module``'s parameters, except those of
-    ``ignored_modules`` (composable DDP, ``torch.distributed._composable.replicate``; its
-    public successor is not in torch yet). Changes ``module``'s class in place, like
-    ``fully_shard``. Checked: torch 2.13."""
-    from torch.distributed._composable import replicate
-
-    return replicate(module, ignored_modules=list(ignored_modules))
 
 
 # --------------------------------------------------------------------------- DTensor internals
@@ -122,12 +112,58 @@ def contiguous_dtensor(
     ``DTensorSpec``, ``TensorMeta``). For op handlers, which run below autograd.
     Checked: torch 2.13."""
     import torch._prims_common
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     size = torch.Size(shape)
-    meta = TensorMeta(size, torch._prims_common.make_contiguous_strides_for(size), local.dtype)
+    return dtensor_with_layout(
+        local, mesh, placements, size, torch._prims_common.make_contiguous_strides_for(size)
+    )
+
+
+def dtensor_with_layout(
+    local: Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: Sequence[int],
+    stride: Sequence[int],
+) -> DTensor:
+    """A DTensor of global ``shape`` and ``stride`` around this rank's ``local`` (DTensor's
+    private constructor, for op handlers, which run below autograd). Checked: torch 2.11,
+    2.13."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
     spec = DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
     return DTensor(local, spec, requires_grad=False)
+
+
+def picklable_dtensor(value: DTensor) -> DTensor:
+    """``value`` (same local tensor, same spec, no copy) in a wrapper that ``torch.save``
+    can pickle.
+
+    DTensor's constructor gives the wrapper its local tensor's storage offset. A local
+    tensor that views a packed buffer at a non-zero offset then makes the wrapper's
+    ``data_ptr()`` non-zero, so ``Tensor.__reduce_ex__`` takes the plain-tensor path and
+    reads the wrapper's storage, which has no data: "Attempted to access the data pointer
+    on an invalid python storage". A wrapper built with offset 0
+    (``Tensor._make_wrapper_subclass``, as DTensor's own constructor did in earlier
+    torch) pickles as any DTensor: its ``_local_tensor`` and ``_spec``; ``torch.load``
+    (weights_only too) rebuilds it. Checked: torch 2.13.
+    """
+    if value.storage_offset() == 0:
+        return value
+    wrapper = Tensor._make_wrapper_subclass(
+        type(value),
+        value.shape,
+        strides=value.stride(),
+        storage_offset=0,
+        dtype=value.dtype,
+        device=value.device,
+        layout=value.layout,
+        requires_grad=value.requires_grad,
+    )
+    wrapper._spec = value._spec
+    wrapper._local_tensor = value._local_tensor
+    return wrapper
 
 
 def local_shape_and_offset(
@@ -179,3 +215,18 @@ def sharded_tensor_full(value: Tensor) -> Tensor:
         dist.all_reduce(moved, group=group)
         full = moved.cpu()
     return full
+
+
+# --------------------------------------------------------------------------- foreach kernels
+
+
+def foreach_norm(tensors: Sequence[Tensor], ord: float, dtype: torch.dtype | None) -> list[Tensor]:
+    """Each tensor's ``ord``-norm in one multi-tensor kernel (``torch._foreach_norm``, what
+    ``clip_grad_norm_`` runs). Checked: torch 2.11, 2.13."""
+    return list(torch._foreach_norm(list(tensors), ord, dtype=dtype))
+
+
+def foreach_mul_(tensors: Sequence[Tensor], scalar: Tensor) -> None:
+    """Every tensor times one 0-dim ``scalar``, in place, one multi-tensor kernel
+    (``torch._foreach_mul_``). Checked: torch 2.11, 2.13."""
+    torch._foreach_mul_(list(tensors), scalar)

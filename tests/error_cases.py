@@ -63,6 +63,22 @@ class TwoCollections(nn.Module):
         self.b = EBC([Cfg("t1", 5, 3, ["f1"])])
 
 
+def in_backward(model: nn.Module, **tables: list[tuple[type, dict]]) -> nn.Module:
+    """``model`` with its tables marked as torch's ``_apply_optimizer_in_backward`` marks
+    them (table name -> [(class, kwargs)]; only the marker lists, no optimizer built)."""
+    for module in model.modules():
+        for name, table in getattr(module, "embedding_bags", {}).items():
+            if name in tables:
+                table.weight._in_backward_optimizers = [None] * len(tables[name])
+                table.weight._optimizer_classes = [cls for cls, _ in tables[name]]
+                table.weight._optimizer_kwargs = [kwargs for _, kwargs in tables[name]]
+    return model
+
+
+def sgd(**kwargs: object) -> list[tuple[type, dict]]:
+    return [(torch.optim.SGD, {"lr": 0.1, **kwargs})]
+
+
 def batch(f0: tuple[int, ...] = (1, 2), f1: tuple[int, ...] = (3,)) -> dtrec.KeyedJaggedTensor:
     """Batch of 2: f0 = [[f0...], []], f1 = [[], [f1...]]."""
     return KJT(["f0", "f1"], ids(*f0, *f1), ids(len(f0), 0, 0, len(f1)))
@@ -93,8 +109,25 @@ def all_dp(mesh: DeviceMesh) -> nn.Module:
     return distributed(mesh, {"sparse.t0": DataParallel(), "sparse.t1": DataParallel()})
 
 
+def _reported_later(mesh: DeviceMesh) -> None:
+    """A one-rank world, Triton backend, fused optimizer: the bad batch's ids are checked on
+    the device and the next forward reports them."""
+    backend.set_backend("triton")
+    try:
+        sparse = distributed(mesh, optimizer=SGD(lr=0.1), model=EBC(tables()))
+        sparse(batch(f0=(1, 10))).values().sum().backward()  # t0 has 10 rows: flagged only
+        sparse(batch())
+    finally:
+        backend.set_backend("auto")
+
+
 def loss(model: nn.Module, kjt: dtrec.KeyedJaggedTensor) -> torch.Tensor:
     return model(kjt).sum()
+
+
+def copy(kjt: dtrec.KeyedJaggedTensor) -> dtrec.KeyedJaggedTensor:
+    """The same batch in a new object (what a pipeline cannot have prefetched)."""
+    return KJT(kjt.keys(), kjt.values(), kjt.lengths())
 
 
 def run_pipeline(mesh: DeviceMesh, model=None, loss_fn=loss, **kw) -> None:
@@ -417,6 +450,7 @@ LOCAL: dict[str, Case] = {
     "E040": lambda tmp: EBC(tables())(batch(f0=(1, 10))),
     "E041": lambda tmp: EBC(tables())(batch(f1=(-1,))),
     "E042": lambda tmp: EBC(tables(), device="meta")(batch()),
+    "E300": fake(1, lambda: _reported_later(dtrec.init_mesh("cpu", 1))),
     # init_mesh
     "E046": lambda tmp: dtrec.init_mesh("cpu", 1),
     "E047": fake(4, lambda: dtrec.init_mesh("cpu", "2")),
@@ -430,6 +464,10 @@ LOCAL: dict[str, Case] = {
     "E054": on_mesh(2, 2, lambda m: distributed(m, {"sparse.t0": TableWise(rank=2)})),
     "E055": on_mesh(2, 2, lambda m: dtrec.distribute_tensor(_w(), m, TableWise(), "t0")),
     "E056": on_mesh(8, 8, lambda m: distributed(m, {"sparse.t0": ColumnWise()})),
+    "E281": on_mesh(4, 4, lambda m: distributed(m, {"sparse.t0": ColumnWise(positions=(0, 4))})),
+    "E282": on_mesh(
+        8, 8, lambda m: distributed(m, {"sparse.t1": ColumnWise(positions=(0, 1, 2, 3, 4))})
+    ),
     "E057": on_mesh(4, 2, lambda m: distributed(m, {"sparse.t0": TableRowWise()})),
     "E058": on_mesh(4, 4, lambda m: distributed(m, {"sparse.t0": TableRowWise(node=2)}), 2),
     "E059": on_mesh(8, 8, lambda m: distributed(m, {"sparse.t1": Grid()}), 1),
@@ -444,6 +482,51 @@ LOCAL: dict[str, Case] = {
     "E065": lambda tmp: dtrec.distribute_tensor(_w(), "cpu", RowWise(), "t0"),
     "E066": fake(2, lambda: dtrec.distribute_tensor(_w(), DeviceMesh("cpu", [0, 1]), RowWise())),
     # distribute_module and the distributed model
+    # TorchRec's in-backward optimizer recipe (apply_optimizer_in_backward)
+    "E270": on_mesh(
+        2, 2, lambda m: distributed(m, model=in_backward(Model(), t0=[(torch.optim.Adagrad, {})]))
+    ),
+    "E271": on_mesh(
+        2, 2, lambda m: distributed(m, model=in_backward(Model(), t0=sgd(momentum=0.9)))
+    ),
+    "E272": on_mesh(2, 2, lambda m: distributed(m, model=in_backward(Model(), t0=sgd(eps=0.1)))),
+    "E273": on_mesh(
+        2,
+        2,
+        lambda m: distributed(
+            m,
+            model=in_backward(
+                Model(), t0=[(torch.optim.Adam, {"betas": (0.9, 0.9), "beta1": 0.8})]
+            ),
+        ),
+    ),
+    "E274": on_mesh(2, 2, lambda m: distributed(m, model=in_backward(Model(), t0=sgd(lr=-1.0)))),
+    "E275": on_mesh(
+        2, 2, lambda m: distributed(m, model=in_backward(Model(), t0=sgd() + sgd(), t1=sgd()))
+    ),
+    "E276": on_mesh(2, 2, lambda m: distributed(m, model=in_backward(Model(), t0=sgd()))),
+    "E277": on_mesh(
+        2, 2, lambda m: distributed(m, model=in_backward(Model(), t0=sgd(), t1=sgd(lr=0.2)))
+    ),
+    "E278": on_mesh(
+        2,
+        2,
+        lambda m: distributed(
+            m, model=in_backward(TwoCollections(), t0=sgd(), t1=[(torch.optim.Adam, {})])
+        ),
+    ),
+    "E280": on_mesh(
+        2,
+        2,
+        lambda m: setattr(
+            distributed(m, optimizer=SGD(lr=0.1)).fused_optimizer, "optimizer", Adam(lr=0.1)
+        ),
+    ),
+    "E279": on_mesh(
+        2,
+        2,
+        lambda m: distributed(m, None, Adam(lr=0.1), in_backward(Model(), t0=sgd(), t1=sgd())),
+    ),
     "E067": on_mesh(2, 2, lambda m: dtrec.distribute_module(Model().state_dict(), m)),
     "E068": on_mesh(2, 2, lambda m: distributed(m, [RowWise(), RowWise()])),
     "E069": on_mesh(2, 2, lambda m: distributed(m, {"t0": RowWise()})),
@@ -600,12 +683,25 @@ LOCAL: dict[str, Case] = {
     "E142": lambda tmp: dtrec.TrainPipeline(Model(), None, loss),
     "E143": on_mesh(2, 2, lambda m: dtrec.TrainPipeline(all_dp(m), None, "mse")),
     "E144": on_mesh(2, 2, lambda m: dtrec.TrainPipeline(all_dp(m), SGD(lr=0.1), loss)),
-    "E145": on_mesh(
-        2, 2, lambda m: list(dtrec.TrainPipeline(all_dp(m), None, loss).run([{"ids": batch()}]))
+    "E145": on_mesh(2, 2, lambda m: run_pipeline(m, loss_fn=lambda model, b: loss(model, copy(b)))),
+    "E146": on_mesh(
+        2,
+        2,
+        lambda m: run_pipeline(
+            m, model=distributed(m, model=TwoCollections()), sparse_features=lambda b: b
+        ),
     ),
-    "E146": on_mesh(2, 2, lambda m: run_pipeline(m, model=distributed(m, model=TwoCollections()))),
     "E147": on_mesh(2, 2, lambda m: run_pipeline(m, sparse_features=lambda b: {"sprase": b})),
-    "E148": on_mesh(2, 2, lambda m: run_pipeline(m, loss_fn=lambda model, b: torch.zeros(()))),
+    "E148": on_mesh(
+        2,
+        2,
+        lambda m: run_pipeline(
+            m, loss_fn=lambda model, b: torch.zeros(()), sparse_features=lambda b: b
+        ),
+    ),
+    "E283": on_mesh(2, 2, lambda m: run_pipeline(m, loss_fn=lambda model, b: torch.zeros(()))),
+    "E284": on_mesh(2, 2, lambda m: torch.fx.symbolic_trace(all_dp(m))),
+    "E285": on_mesh(2, 2, lambda m: run_pipeline(m, loss_fn=lambda model, b: 1.0)),
     # comm stats
     "E149": summary_of_no_steps,
     # TorchRec modules, configs, plans and constraints
@@ -615,7 +711,7 @@ LOCAL: dict[str, Case] = {
     "E154": lambda tmp: EBC([EmbeddingBagConfig("t0", 10, 4, ["f0"], use_virtual_table=True)]),
     "E155": lambda tmp: EBC(tables(), is_weighted="yes"),
     "E156": lambda tmp: EBC(tables(), is_weighted=True)(batch()),
-    "E157": on_mesh(2, 2, lambda m: tr_plan(m, sharding_type="table_column_wise", ranks=[0])),
+    "E157": on_mesh(2, 2, lambda m: tr_plan(m, sharding_type="bucket_wise", ranks=[0])),
     "E158": on_mesh(
         2, 2, lambda m: tr_plan(m, sharding_type="table_wise", compute_kernel="key_value")
     ),
@@ -750,11 +846,11 @@ WORLD: dict[str, tuple[int, ...]] = {
     # error id -> the ranks that raise it
     "E043": (1,),
     "E044": (0,),
-    "E045": (0, 1),
     "E150": (0,),
     "E077": (0, 1),
     "E323": (1,),
     "E324": (0,),
+    "E260": (0, 1),
 }
 
 
@@ -794,8 +890,6 @@ def run_world_cases(rank: int, world_size: int) -> dict:
     one_shard = {"sparse.t0": RowWise(), "sparse.t1": TableWise(rank=0)}
     other_group = distributed(dtrec.init_mesh("cpu", 1), one_shard, optimizer=SGD(lr=0.5))
     out["E150"] = outcome(lambda: other_group(bad_ids).sum().backward())
-    three = KJT(["f0", "f1"], ids(1, 2, 3), ids(1, 0, 1, 0, 0, 1))
-    out["E045"] = outcome(lambda: model(three if rank == 1 else batch()))
     out["next_step"] = outcome(lambda: model(batch()).sum().backward())
     out["updated"] = not unchanged()
     configs = tables()
@@ -811,4 +905,8 @@ def run_world_cases(rank: int, world_size: int) -> dict:
     after = dtrec.checkpoint.full_state_dict(offloaded)
     out["offloaded_unchanged"] = all(torch.equal(weights[k], after[k]) for k in weights)
     out["offloaded_next_step"] = outcome(lambda: offloaded(batch()).sum().backward())
+    # clip_grad_norm_'s stack across meshes with different parameter lists per rank
+    with torch.no_grad():
+        norms = [torch.linalg.vector_norm(t.weight) for t in model.sparse.embedding_bags.values()]
+        out["E260"] = outcome(lambda: torch.stack(norms + norms[:rank]))
     return out

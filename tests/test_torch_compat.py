@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
@@ -100,14 +99,12 @@ def test_current_backward_id_tells_backward_calls_apart() -> None:
     assert len(seen) == 2 and min(seen) >= 0 and seen[0] != seen[1]
 
 
-def test_replicate_module_ignores_the_given_modules() -> None:
-    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
-    with gloo_world_of_one():
-        out = compat.replicate_module(model, ignored_modules=[model[1]])
-        assert out is model and type(model).__name__.startswith("DDP")
-        assert isinstance(model, nn.Sequential)
-        model(torch.ones(4, 3)).sum().backward()
-        assert model[0].weight.grad is not None and model[1].weight.grad is not None
+def test_dtensor_with_layout_keeps_the_given_stride() -> None:
+    with gloo_world_of_one() as mesh:
+        local = torch.arange(6.0).view(2, 3)
+        d = compat.dtensor_with_layout(local, mesh, [Shard(1)], (2, 3), (3, 1))
+        assert isinstance(d, DTensor) and d.stride() == (3, 1) and d.placements == (Shard(1),)
+        assert d.to_local().data_ptr() == local.data_ptr()
 
 
 def test_sharded_tensor_assembled_and_recognised() -> None:
@@ -140,6 +137,20 @@ def test_contiguous_dtensor_and_implicit_replication() -> None:
         assert compat.implicit_replication_enabled() is False
         with implicit_replication():
             assert compat.implicit_replication_enabled() is True
+
+
+def test_picklable_dtensor_saves_a_view_at_an_offset(tmp_path) -> None:
+    with gloo_world_of_one() as mesh:
+        flat = torch.arange(20.0)
+        view = flat[8:].view(3, 4)
+        placed = DTensor.from_local(view, mesh, [Replicate()])
+        made = compat.picklable_dtensor(placed)
+        assert made.storage_offset() == 0 and made._local_tensor is placed._local_tensor
+        assert made.placements == placed.placements and made.shape == placed.shape
+        torch.save(made, tmp_path / "t.pt")
+        loaded = torch.load(tmp_path / "t.pt")
+        assert isinstance(loaded, DTensor) and torch.equal(loaded.to_local(), view)
+        assert compat.picklable_dtensor(loaded) is loaded  # offset 0 already
 
 
 @torch.library.custom_op("dtrec_compat_test::twice", mutates_args=())
@@ -235,3 +246,10 @@ def test_private_use_scanner_sees_them(tmp_path: Path) -> None:
     ]
     with pytest.raises(AssertionError):
         assert not private_torch_uses(path)
+
+
+def test_foreach_norm_and_mul() -> None:
+    a, b = torch.tensor([3.0, 4.0]), torch.tensor([1.0])
+    assert [n.item() for n in compat.foreach_norm([a, b], 2.0, None)] == [5.0, 1.0]
+    compat.foreach_mul_([a, b], torch.tensor(2.0))
+    assert a.tolist() == [6.0, 8.0] and b.tolist() == [2.0]

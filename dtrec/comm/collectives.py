@@ -1,7 +1,10 @@
 """Autograd-aware collectives used by the sharded step, with byte accounting.
 
 Every collective dtrec issues goes through here, so ``count_comm`` sees all of
-them (the dense part's DDP all-reduce is torch's and is not counted here).
+them (the dense part's gradient all-reduce included: ``dense.grad_sync``). Only plain
+c10d collectives are used (all-reduce, broadcast, all-to-all, all-gather into a tensor),
+never the functional ones DTensor's redistribute uses, which gloo does not run on CUDA
+tensors (``tests/distributed/test_collectives_used.py``).
 """
 
 from __future__ import annotations
@@ -185,12 +188,60 @@ def all_reduce_coalesced(tensors: Sequence[Tensor], group: ProcessGroup, kind: s
     return all_reduce_coalesced_start(tensors, group, kind).wait()
 
 
+def broadcast_coalesced(
+    tensors: Sequence[Tensor], src: int, group: ProcessGroup | None, kind: str
+) -> None:
+    """``src``'s values of ``tensors`` on every member, in place: one broadcast per dtype
+    (and device) of one flat buffer."""
+    by_type: dict[tuple[torch.dtype, torch.device], list[Tensor]] = defaultdict(list)
+    for t in tensors:
+        by_type[t.dtype, t.device].append(t)
+    size = dist.get_world_size(group)
+    me = dist.get_rank(group) if group is not None else dist.get_rank()
+    for same in by_type.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        sent = flat.numel() * flat.element_size() * (size - 1) if me == src else 0
+        with collective(kind, sent, group):
+            dist.broadcast(flat, src=src, group=group)
+        with torch.no_grad():
+            for t, part in zip(same, torch.split(flat, [t.numel() for t in same]), strict=True):
+                t.copy_(part.view_as(t))
+
+
 def all_gather_flat(output: Tensor, input: Tensor, group: ProcessGroup) -> None:
     """Every member's ``input`` concatenated into ``output`` (rank order). torch 2.13 renamed
     ``all_gather_into_tensor`` to ``all_gather_single`` (looked up per call, so wrappers
     installed later, like the benchmark's counters, see it)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(output, input, group=group)
+
+
+def all_reduce(tensor: Tensor, group: ProcessGroup | None, kind: str, op: str = "sum") -> Tensor:
+    """Elementwise ``op`` ("sum" or "max") of ``tensor`` over ``group``, in place; returns it."""
+    size = dist.get_world_size(group)
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    with collective(kind, 2 * (size - 1) * tensor.numel() * tensor.element_size() // size, group):
+        dist.all_reduce(tensor, op=reduce_op, group=group)
+    return tensor
+
+
+def all_gather_varied(tensor: Tensor, group: ProcessGroup | None, kind: str) -> list[Tensor]:
+    """Every member's 1-D ``tensor`` (sizes may differ), by rank: two all-gathers into a
+    tensor (the sizes, then the data padded to the largest), which every backend runs on
+    every device (gloo included on CUDA, unlike the functional all-gather)."""
+    size = dist.get_world_size(group)
+    count = torch.tensor([tensor.numel()], dtype=torch.long, device=tensor.device)
+    counts = torch.empty(size, dtype=torch.long, device=tensor.device)
+    with collective(kind + ".sizes", (size - 1) * 8, group):
+        all_gather_flat(counts, count, group)
+    sizes = counts.tolist()
+    most = max(sizes)
+    padded = tensor.new_zeros(most)
+    padded[: tensor.numel()] = tensor
+    out = tensor.new_empty(size * most)
+    with collective(kind, (size - 1) * most * tensor.element_size(), group):
+        all_gather_flat(out, padded, group)
+    return [out[r * most : r * most + n] for r, n in enumerate(sizes)]
 
 
 def all_reduce_min(tensor: Tensor, group: ProcessGroup, kind: str) -> Tensor:

@@ -38,6 +38,7 @@ SHARDING_TYPES: dict[str, type[TableSpec]] = {
     "table_wise": TableWise,
     "row_wise": RowWise,
     "column_wise": ColumnWise,
+    "table_column_wise": ColumnWise,  # column blocks on some ranks: what ColumnWise lays out
     "table_row_wise": TableRowWise,
     "grid_shard": Grid,
 }
@@ -63,6 +64,21 @@ def is_torchrec_plan(obj: object) -> bool:
     )
 
 
+def is_torchrec_plan_dict(obj: object) -> bool:
+    """Whether ``obj`` is a TorchRec ``ShardingPlan.plan``: module path -> module plan
+    (table -> ``ParameterSharding``), as ``ShardingPlan(plan=...)`` takes it."""
+    return (
+        isinstance(obj, Mapping)
+        and bool(obj)
+        and all(
+            isinstance(module_plan, Mapping)
+            and bool(module_plan)
+            and all(_is_parameter_sharding(v) for v in module_plan.values())
+            for module_plan in obj.values()
+        )
+    )
+
+
 def _is_parameter_sharding(obj: object) -> bool:
     return all(hasattr(obj, a) for a in ("sharding_type", "compute_kernel", "ranks"))
 
@@ -83,15 +99,17 @@ def from_torchrec(
         specs = from_torchrec(torchrec_plan, model_tables(model), mesh)
     """
     if is_torchrec_plan(constraints):
-        return from_torchrec_plan(constraints, tables, mesh)
+        return from_torchrec_plan(constraints.plan, tables, mesh)  # type: ignore[attr-defined]
+    if is_torchrec_plan_dict(constraints):
+        return from_torchrec_plan(constraints, tables, mesh)  # type: ignore[arg-type]
     if not isinstance(constraints, Mapping):
         return constraints
     values = list(constraints.values())
     if any(_is_parameter_sharding(v) for v in values):
         raise TypeError(
             "got a TorchRec module plan (table -> ParameterSharding); wrap it in "
-            "torchrec's ShardingPlan({'<collection fqn>': module_plan}) so each table has "
-            "its collection's path"
+            "{'<collection fqn>': module_plan} (a TorchRec ShardingPlan.plan) or "
+            "torchrec's ShardingPlan of that, so each table has its collection's path"
         )
     if not any(_is_parameter_constraints(v) for v in values):
         return constraints
@@ -201,14 +219,17 @@ _FP_INNER = "{prefix}_embedding_bag_collection.{table}"
 
 
 def from_torchrec_plan(
-    plan: object, tables: Mapping[str, EmbeddingBagConfig], mesh: DeviceMesh
+    plan: Mapping[str, Mapping[str, object]],
+    tables: Mapping[str, EmbeddingBagConfig],
+    mesh: DeviceMesh,
 ) -> dict[str, TableSpec]:
-    """``{table fqn: spec}`` for a TorchRec ``ShardingPlan`` on this mesh (module doc)."""
+    """``{table fqn: spec}`` for a TorchRec ``ShardingPlan``'s ``plan`` (module path ->
+    module plan) on this mesh (module doc)."""
     axis = shard_axis(mesh)
     ranks = mesh.mesh.tolist()  # [S][R] global ranks
     position_of = {r: (p, c) for p, row in enumerate(ranks) for c, r in enumerate(row)}
     entries: list[tuple[str, object]] = []
-    for module_path, module_plan in plan.plan.items():  # type: ignore[attr-defined]
+    for module_path, module_plan in plan.items():
         for table, sharding in module_plan.items():
             key = f"{module_path}.{table}" if module_path else table
             if key not in tables:  # TorchRec plans a feature-processed collection at its
@@ -314,31 +335,67 @@ def _spec_for(
     axis: ShardAxis,
     cache: dict[str, float],
 ) -> TableSpec:
-    """The spec of class ``cls`` (with ``cache``'s fields) whose blocks on this mesh are
-    exactly ``shards``."""
+    """A spec (with ``cache``'s fields) whose blocks on this mesh are exactly ``shards``: of
+    class ``cls``, or one laying out the same blocks (a column-wise entry of a single full
+    block is table-wise)."""
     kind = _value(getattr(sharding, "sharding_type", None))
+    candidates = _candidates(key, table, cls, shards, axis, cache)
+    last: tuple[TableSpec, list] | None = None
+    for spec in candidates:
+        try:
+            layout = spec.layout(table, axis)
+        except ValueError as exc:
+            if len(candidates) == 1:
+                raise ValueError(f"TorchRec plan entry {key!r} ({kind}): {exc}") from None
+            continue
+        ours = sorted((b.position, b.rows, b.cols) for b in layout.blocks)
+        if ours == shards:
+            return spec
+        last = (spec, ours)
+    why = ""
+    if cls is ColumnWise:
+        by_columns = sorted(shards, key=lambda s: s[2])
+        positions = [p for p, _, _ in by_columns]
+        widths = [cols[1] - cols[0] for _, _, cols in by_columns]
+        why = (
+            f"; dtrec's ColumnWise holds one block per shard position, the columns in "
+            f"torch.chunk widths over increasing positions (torch orders a sub-mesh's process "
+            f"group by rank); TorchRec's blocks, in column order, have widths {widths} at "
+            f"positions {positions}"
+        )
+    tried = (
+        f", which dtrec's {last[0]!r} does not reproduce on this mesh ({last[1]})" if last else ""
+    )
+    raise ValueError(
+        f"TorchRec plan entry {key!r} ({kind}, ranks {getattr(sharding, 'ranks', None)}) "
+        f"has blocks (position, rows, cols) {shards}{tried}{why}; use a dtrec spec for this "
+        "table instead"
+    )
+
+
+def _candidates(
+    key: str,
+    table: EmbeddingBagConfig,
+    cls: type[TableSpec],
+    shards: list[tuple[int, tuple[int, int], tuple[int, int]]],
+    axis: ShardAxis,
+    cache: dict[str, float],
+) -> list[TableSpec]:
+    """The specs (with ``cache``'s fields) that may lay out a ``cls`` entry's blocks, most
+    specific last."""
     first = shards[0][0] if shards else 0
-    spec: TableSpec
     if cls is TableWise:
-        spec = TableWise(rank=first, **cache)
-    elif cls is TableRowWise:
+        return [TableWise(rank=first, **cache)]
+    if cls is TableRowWise:
         if axis.per_node is None:
             raise ValueError(
                 f"TorchRec plan entry {key!r}: table_row_wise needs a node-aware mesh; build "
                 "it with dtrec.init_mesh(..., node_size=N)"
             )
-        spec = TableRowWise(node=first // axis.per_node, **cache)
-    else:
-        spec = cls(**cache)  # type: ignore[call-arg]
-    try:
-        layout = spec.layout(table, axis)
-    except ValueError as exc:
-        raise ValueError(f"TorchRec plan entry {key!r} ({kind}): {exc}") from None
-    ours = sorted((b.position, b.rows, b.cols) for b in layout.blocks)
-    if ours != shards:
-        raise ValueError(
-            f"TorchRec plan entry {key!r} ({kind}, ranks {getattr(sharding, 'ranks', None)}) "
-            f"has blocks (position, rows, cols) {shards}, which dtrec's {spec!r} does not "
-            f"reproduce on this mesh ({ours}); use a dtrec spec for this table instead"
-        )
-    return spec
+        return [TableRowWise(node=first // axis.per_node, **cache)]
+    if cls is ColumnWise:  # column_wise and table_column_wise, as TorchRec's planner cuts them
+        whole = [(first, (0, table.num_embeddings), (0, table.embedding_dim))]
+        single = [TableWise(rank=first, **cache)] if shards == whole else []
+        by_columns = tuple(p for p, _, _ in sorted(shards, key=lambda s: s[2]))
+        return [*single, ColumnWise(**cache), ColumnWise(positions=by_columns, **cache)]
+    return [cls(**cache)]  # type: ignore[call-arg]

@@ -13,7 +13,7 @@ Packed layout shared by every kernel here and in ``embedding_bag_bwd.py``:
   row-major: row ``r`` starts at ``table_offsets[u] + r * dims[u]`` (a row is contiguous).
 * ``table_offsets`` int64 ``[U]``; ``dims`` int32 ``[U]``; ``num_rows`` int64 ``[U]``.
 * E entries (one feature reading one table; several may share a table):
-  ``entry_table`` int32 ``[E]``, ``out_cols`` int32 ``[E]`` (first output column of the
+  ``entry_table`` int32 ``[E]``, ``out_cols`` int32 or int64 ``[E]`` (first output column of the
   entry), ``mean`` int8/bool ``[E]`` (mean instead of sum pooling).
 * ``values`` int32/int64 ids local to their table, entry-major then bag-major;
   ``offsets`` int64 ``[E * B + 1]``, bag ``(e, b)`` is
@@ -84,101 +84,27 @@ def _embedding_bag_fwd_kernel(
     out_ptr,
     batch_size,
     total_dim,
+    blocks_per_entry,
     HAS_PSW: tl.constexpr,
     HAS_BOUNDS: tl.constexpr,
+    BLOCK_B: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """out[b, out_cols[e] + d] = scale_e(b) * sum_i psw[i] * W_t[values[i], d], t = entry_table[e].
 
-    Grid ``(E * B, cdiv(max_dim, BLOCK_D))``: program (bag, k) pools columns
-    ``k * BLOCK_D ...`` of bag ``bag = e * B + b``, over ``i`` in
-    ``offsets[bag] .. offsets[bag + 1]``. ``W_t[r, d] = weights[table_offsets[t] + r * dims[t]
-    + d]`` (d contiguous). ``scale = 1 / len`` for mean entries (0 for an empty bag, whose sum
-    is 0), else 1; ``psw = 1`` without per-sample weights. The bag is read BLOCK_L ids at a
-    time as one ``[BLOCK_L, BLOCK_D]`` tile. With HAS_BOUNDS an id outside
-    ``[0, bounds[t])`` adds nothing (it is never dereferenced) and sets ``error[0] = 1``,
-    ``error[1] = max`` bad entry index.
-    """
-    bag = tl.program_id(0)
-    d0 = tl.program_id(1) * BLOCK_D
-    entry = bag // batch_size
-    b = bag - entry * batch_size
-    table = tl.load(entry_table_ptr + entry)
-    dim = tl.load(dims_ptr + table)
-    base = tl.load(table_offsets_ptr + table).to(tl.int64)
-    start = tl.load(offsets_ptr + bag).to(tl.int64)
-    end = tl.load(offsets_ptr + bag + 1).to(tl.int64)
-    # Column blocks past this table's dim do no work (an empty loop, not an early return).
-    stop = tl.where(d0 < dim, end, start)
-    cols = d0 + tl.arange(0, BLOCK_D)
-    col_mask = cols < dim
-    if HAS_BOUNDS:
-        num_rows = tl.load(bounds_ptr + table)
-    num_bad = tl.zeros([BLOCK_L], dtype=tl.int32)
-
-    acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
-    for l0 in range(start, stop, BLOCK_L):
-        pos = l0 + tl.arange(0, BLOCK_L)
-        l_mask = pos < stop
-        ids = tl.load(values_ptr + pos, mask=l_mask, other=0).to(tl.int64)
-        if HAS_BOUNDS:
-            bad = l_mask & ((ids < 0) | (ids >= num_rows))
-            num_bad += bad.to(tl.int32)
-            l_mask = l_mask & (~bad)
-        row_ptrs = weights_ptr + base + ids[:, None] * dim + cols[None, :]
-        rows = tl.load(row_ptrs, mask=l_mask[:, None] & col_mask[None, :], other=0.0)
-        rows = rows.to(tl.float32)
-        if HAS_PSW:
-            psw = tl.load(psw_ptr + pos, mask=l_mask, other=0.0)
-            rows = rows * psw[:, None]
-        acc += rows
-
-    if HAS_BOUNDS:  # noqa: SIM102 (a constexpr branch: compiled out without bounds)
-        # One reduction and (rarely) two atomics per program, outside the hot loop.
-        if tl.sum(num_bad, axis=0) > 0:
-            tl.atomic_max(error_ptr, 1)
-            tl.atomic_max(error_ptr + 1, entry)
-
-    pooled = tl.sum(acc, axis=0)
-    count = tl.maximum(end - start, 1).to(tl.float32)
-    is_mean = tl.load(mean_ptr + entry) != 0
-    pooled = pooled * tl.where(is_mean, 1.0 / count, 1.0)
-    out_col = tl.load(out_cols_ptr + entry).to(tl.int64)
-    out_ptrs = out_ptr + b.to(tl.int64) * total_dim + out_col + cols
-    tl.store(out_ptrs, pooled.to(out_ptr.dtype.element_ty), mask=col_mask)
-
-
-@triton.jit
-def _embedding_bag_fwd_bags_kernel(
-    weights_ptr,
-    table_offsets_ptr,
-    dims_ptr,
-    entry_table_ptr,
-    out_cols_ptr,
-    values_ptr,
-    offsets_ptr,
-    mean_ptr,
-    psw_ptr,
-    bounds_ptr,
-    error_ptr,
-    out_ptr,
-    batch_size,
-    total_dim,
-    blocks_per_entry,
-    HAS_PSW: tl.constexpr,
-    HAS_BOUNDS: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """``_embedding_bag_fwd_kernel``'s result, BLOCK_B bags of one entry per program.
-
-    For short bags (L ~ 1-8) one bag per program leaves the GPU idle between tiny
-    programs. Grid ``(E * blocks_per_entry, cdiv(max_dim, BLOCK_D))``: program (p, k) pools
-    bags ``b = (p % blocks_per_entry) * BLOCK_B ...`` of entry ``e = p // blocks_per_entry``;
-    step ``l`` adds each bag's l-th row as one ``[BLOCK_B, BLOCK_D]`` tile (BLOCK_B row
-    gathers in flight, the next ids loaded meanwhile) up to the longest bag of the block.
-    Same math, bounds flag and output as the one-bag kernel.
+    Grid ``(E * blocks_per_entry, cdiv(max_dim, BLOCK_D))``: program (p, k) pools columns
+    ``k * BLOCK_D ...`` of the bags ``b = (p % blocks_per_entry) * BLOCK_B ...`` of entry
+    ``e = p // blocks_per_entry`` (bag ``e * B + b``: ids ``offsets[bag] .. offsets[bag +
+    1]``). Step ``l`` adds ids ``l * BLOCK_L ...`` of each of its bags as one ``[BLOCK_B,
+    BLOCK_L, BLOCK_D]`` tile, the next step's ids loaded meanwhile, up to the longest bag of
+    the block. One configuration serves both shapes of work: short bags take several bags
+    and one id per step (BLOCK_B gathers in flight instead of a program per tiny bag), long
+    bags one bag and BLOCK_L ids per step. ``W_t[r, d] = weights[table_offsets[t] + r *
+    dims[t] + d]`` (d contiguous). ``scale = 1 / len`` for mean entries (0 for an empty
+    bag, whose sum is 0), else 1; ``psw = 1`` without per-sample weights. With HAS_BOUNDS
+    an id outside ``[0, bounds[t])`` adds nothing (it is never dereferenced) and sets
+    ``error[0] = 1``, ``error[1] = max`` bad entry index.
     """
     pid = tl.program_id(0)
     d0 = tl.program_id(1) * BLOCK_D
@@ -191,47 +117,50 @@ def _embedding_bag_fwd_bags_kernel(
     bag = entry.to(tl.int64) * batch_size + b
     start = tl.load(offsets_ptr + bag, mask=b_mask, other=0).to(tl.int64)
     end = tl.load(offsets_ptr + bag + 1, mask=b_mask, other=0).to(tl.int64)
+    # Column blocks past this table's dim do no work (an empty loop, not an early return).
     count = tl.where(b_mask & (d0 < dim), end - start, 0)
     cols = d0 + tl.arange(0, BLOCK_D)
     col_mask = cols < dim
     if HAS_BOUNDS:
         num_rows = tl.load(bounds_ptr + table)
-    num_bad = tl.zeros([BLOCK_B], dtype=tl.int32)
+    num_bad = tl.zeros([BLOCK_B, BLOCK_L], dtype=tl.int32)
 
-    live = count > 0
-    ids = tl.load(values_ptr + start, mask=live, other=0).to(tl.int64)
-    acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
-    for step in range(0, tl.max(count, axis=0)):
+    step = tl.arange(0, BLOCK_L)
+    pos = start[:, None] + step[None, :]
+    live = step[None, :] < count[:, None]
+    ids = tl.load(values_ptr + pos, mask=live, other=0).to(tl.int64)
+    acc = tl.zeros([BLOCK_B, BLOCK_L, BLOCK_D], dtype=tl.float32)
+    for l0 in range(0, tl.max(count, axis=0), BLOCK_L):
         use = live
         if HAS_BOUNDS:
             bad = use & ((ids < 0) | (ids >= num_rows))
             num_bad += bad.to(tl.int32)
             use = use & (~bad)
         rows = tl.load(
-            weights_ptr + base + ids[:, None] * dim + cols[None, :],
-            mask=use[:, None] & col_mask[None, :],
+            weights_ptr + base + ids[:, :, None] * dim + cols[None, None, :],
+            mask=use[:, :, None] & col_mask[None, None, :],
             other=0.0,
         ).to(tl.float32)
         if HAS_PSW:
-            rows = rows * tl.load(psw_ptr + start + step, mask=use, other=0.0)[:, None]
-        live_next = step + 1 < count
-        ids = tl.load(values_ptr + start + step + 1, mask=live_next, other=0).to(tl.int64)
+            rows = rows * tl.load(psw_ptr + pos, mask=use, other=0.0)[:, :, None]
+        pos += BLOCK_L
+        live = (l0 + BLOCK_L + step)[None, :] < count[:, None]
+        ids = tl.load(values_ptr + pos, mask=live, other=0).to(tl.int64)
         acc += rows
-        live = live_next
 
     if HAS_BOUNDS:  # noqa: SIM102 (a constexpr branch: compiled out without bounds)
-        if tl.sum(num_bad, axis=0) > 0:
+        # One reduction and (rarely) two atomics per program, outside the hot loop.
+        if tl.sum(tl.sum(num_bad, axis=1), axis=0) > 0:
             tl.atomic_max(error_ptr, 1)
             tl.atomic_max(error_ptr + 1, entry)
 
     is_mean = tl.load(mean_ptr + entry) != 0
     scale = tl.where(is_mean, 1.0 / tl.maximum(end - start, 1).to(tl.float32), 1.0)
+    pooled = tl.sum(acc, axis=1) * scale[:, None]
     out_col = tl.load(out_cols_ptr + entry).to(tl.int64)
     out_ptrs = out_ptr + b.to(tl.int64)[:, None] * total_dim + out_col + cols[None, :]
     tl.store(
-        out_ptrs,
-        (acc * scale[:, None]).to(out_ptr.dtype.element_ty),
-        mask=b_mask[:, None] & col_mask[None, :],
+        out_ptrs, pooled.to(out_ptr.dtype.element_ty), mask=b_mask[:, None] & col_mask[None, :]
     )
 
 
@@ -259,6 +188,7 @@ def embedding_bag_fwd(
     *,
     max_dim: int | None = None,
     bags_per_program: int | None = None,
+    error: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Pooled lookup of E entries over packed tables in one launch; ``[B, total_dim]``.
 
@@ -272,7 +202,10 @@ def embedding_bag_fwd(
     against ``[0, bounds[t])`` inside the kernel, bad ids contribute zero (and are never
     read), and the result is ``(out, error)``: ``error`` int32 ``[2]`` with ``error[0] == 1``
     if any id was bad and ``error[1]`` the largest entry index holding one. The caller
-    checks ``error`` later (one small read, no extra pass over the ids).
+    checks ``error`` later (one small read, no extra pass over the ids). ``error`` may be
+    given (int32 ``[2]``, zeroed once): the kernel only ever raises its fields, so a flag
+    kept across calls stays set (sticky) until its owner clears it, and no launch zeroes a
+    new one.
 
     Example::
 
@@ -280,43 +213,31 @@ def embedding_bag_fwd(
                                 batch_size=B, total_dim=sum_d, mean=mean)
     """
     num_bags = offsets.numel() - 1
-    out = torch.zeros(
-        (batch_size, total_dim), dtype=out_dtype or weights.dtype, device=weights.device
-    )
-    error = torch.zeros(2, dtype=torch.int32, device=weights.device)
-    if num_bags > 0 and total_dim > 0 and weights.numel() > 0:
-        block_d, col_blocks, num_warps = _dim_blocks(_max_dim(dims, max_dim))
-        if bags_per_program is None:
-            bags_per_program = _bags_per_program(values.numel(), num_bags, block_d)
-        psw = values if per_sample_weights is None else per_sample_weights.float()
-        args = (
-            weights,
-            table_offsets.to(torch.int64),
-            dims.to(torch.int32),
-            entry_table.to(torch.int32),
-            out_cols.to(torch.int32),
-            _nonempty(values),
-            offsets.to(torch.int64),
-            mean.to(torch.int8),
-            _nonempty(psw),
-            error if bounds is None else bounds.to(torch.int64),
-            error,
-            out,
-            batch_size,
-            total_dim,
-        )
-        flags = {"HAS_PSW": per_sample_weights is not None, "HAS_BOUNDS": bounds is not None}
-        if bags_per_program > 1:
-            block_b = triton.next_power_of_2(bags_per_program)
-            per_entry = triton.cdiv(batch_size, block_b)
-            _embedding_bag_fwd_bags_kernel[(entry_table.numel() * per_entry, col_blocks)](
-                *args, per_entry, **flags, BLOCK_B=block_b, BLOCK_D=block_d,
-                num_warps=_FWD_BAGS_WARPS,
-            )  # fmt: skip
-        else:
-            _embedding_bag_fwd_kernel[(num_bags, col_blocks)](
-                *args, **flags, BLOCK_L=_BLOCK_L, BLOCK_D=block_d, num_warps=num_warps
-            )
+    device = weights.device
+    if error is None:
+        error = torch.zeros(2, dtype=torch.int32, device=device)
+    if num_bags <= 0 or total_dim <= 0 or weights.numel() == 0:
+        out = torch.zeros((batch_size, total_dim), dtype=out_dtype or weights.dtype, device=device)
+        return out if bounds is None else (out, error)
+    # Every element is written: the entries' columns tile the output, every bag is pooled.
+    out = torch.empty((batch_size, total_dim), dtype=out_dtype or weights.dtype, device=device)
+    block_d, col_blocks, num_warps = _dim_blocks(_max_dim(dims, max_dim))
+    if bags_per_program is None:
+        bags_per_program = _bags_per_program(values.numel(), num_bags, block_d)
+    if bags_per_program > 1:  # several bags, one id of each per step
+        block_b, block_l, num_warps = triton.next_power_of_2(bags_per_program), 1, _FWD_BAGS_WARPS
+    else:  # one bag, _BLOCK_L of its ids per step
+        block_b, block_l = 1, _BLOCK_L
+    per_entry = triton.cdiv(batch_size, block_b)
+    psw = values if per_sample_weights is None else per_sample_weights.float()
+    _embedding_bag_fwd_kernel[(entry_table.numel() * per_entry, col_blocks)](
+        weights, table_offsets.to(torch.int64), dims.to(torch.int32),
+        entry_table.to(torch.int32), out_cols, _nonempty(values),
+        offsets.to(torch.int64), mean.to(torch.int8), _nonempty(psw),
+        error if bounds is None else bounds.to(torch.int64), error, out, batch_size, total_dim,
+        per_entry, HAS_PSW=per_sample_weights is not None, HAS_BOUNDS=bounds is not None,
+        BLOCK_B=block_b, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=num_warps,
+    )  # fmt: skip
     return out if bounds is None else (out, error)
 
 

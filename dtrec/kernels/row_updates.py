@@ -30,7 +30,9 @@ class FusedRowUpdate(NamedTuple):
     ``state`` is row-wise Adagrad's per-row sum (``state_offsets[t] + r``) or Adam's
     ``exp_avg``; ``state2`` Adam's ``exp_avg_sq`` (both packed like the weights). Unused
     buffers may be any tensor. ``full_dims`` int32 ``[U]``: the dim row-wise Adagrad
-    averages squares over.
+    averages squares over. ``error`` int32 (its first element read): while nonzero no row is
+    written (a device flag set by a bounds check whose batch must change nothing; None: a
+    zero the launcher supplies).
     """
 
     kind: int
@@ -41,6 +43,7 @@ class FusedRowUpdate(NamedTuple):
     state_offsets: Tensor
     state2: Tensor
     full_dims: Tensor
+    error: Tensor | None = None
 
 
 @triton.jit
@@ -87,16 +90,22 @@ def apply_row_update(
     state_offsets_ptr,
     state2_ptr,
     full_dims_ptr,
+    error_ptr,
     KIND: tl.constexpr,
 ):
     """Update rows ``W_t[row, cols]`` (tile ``[R, BLOCK_D]``) with their fp32 gradient ``g``.
 
     ``mask`` ``[R, BLOCK_D]`` marks real elements, ``live`` ``[R]`` real rows; ``table``,
-    ``row``, ``dim`` are ``[R]``. SGD: ``W -= lr g``. Row-wise Adagrad (the tile must hold
-    whole rows): ``s += sum_d g^2 / full_dim``, ``W -= lr g / (sqrt(s) + eps)``. Adam
-    (torch's, weight_decay=0): ``m = lerp(m, g, 1 - b1)``, ``v = b2 v + (1 - b2) g^2``,
-    ``W -= lr' m / (sqrt(v) / sqrt_bc2 + eps)``. Math in fp32, stored in the weights dtype.
+    ``row``, ``dim`` are ``[R]``. Nothing is written while ``error[0] != 0``. SGD: ``W -=
+    lr g``. Row-wise Adagrad (the tile must hold whole rows): ``s += sum_d g^2 /
+    full_dim``, ``W -= lr g / (sqrt(s) + eps)``. Adam (torch's, weight_decay=0): ``m =
+    lerp(m, g, 1 - b1)``, ``v = b2 v + (1 - b2) g^2``, ``W -= lr' m / (sqrt(v) / sqrt_bc2
+    + eps)``. Math in fp32, stored in the weights dtype.
     """
+    # Vector masks from a vector load (the interpreter mishandles tensor & scalar-bool masks).
+    ok = tl.load(error_ptr + row * 0, mask=live, other=1) == 0
+    live = live & ok
+    mask = mask & ok[:, None]
     g = g * tl.load(hyper_ptr + 5)
     lr = tl.load(hyper_ptr)
     w_off = tl.load(table_offsets_ptr + table, mask=live, other=0) + row * dim

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
+from dtrec.modules.features import RefusedBatch
 from dtrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor, as_kjt
 
 
@@ -199,6 +200,17 @@ class FeatureProcessedEmbeddingBagCollection(nn.Module):
         return self._embedding_bag_collection.embedding_bag_configs()
 
     def forward(self, features: object) -> KeyedTensor:
+        try:
+            processed: object = self._processed(features)
+        except Exception as exc:
+            if not getattr(self._embedding_bag_collection, "collective_forward", False):
+                raise
+            # a sharded collection still runs its input dist, so its peers fail this step too
+            processed = RefusedBatch(exc)
+        return self._embedding_bag_collection(processed)
+
+    def _processed(self, features: object) -> KeyedJaggedTensor:
+        """The batch with the processors' per-sample weights."""
         kjt = as_kjt(features)
         processors = self._feature_processors
         if isinstance(processors, nn.ModuleDict):
@@ -207,7 +219,5 @@ class FeatureProcessedEmbeddingBagCollection(nn.Module):
                 for key, jt in kjt.to_dict().items()
                 if key in processors
             }
-            kjt = with_weights(kjt, per_key)
-        else:
-            kjt = processors(kjt)
-        return self._embedding_bag_collection(kjt)
+            return with_weights(kjt, per_key)
+        return processors(kjt)

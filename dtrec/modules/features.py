@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from dtrec.modules.config import EmbeddingBagConfig
+from dtrec.ops.backends.device_lists import device_list
 from dtrec.sparse import KeyedJaggedTensor, as_kjt
 from dtrec.sparse.variable_batch import expand_variable_batch
 
@@ -43,6 +44,18 @@ def check_weighted(is_weighted: bool | None) -> bool | None:
     return is_weighted
 
 
+class RefusedBatch:
+    """Stands in for a batch that failed before it reached a collection (a feature
+    processor raised on it): ``prepare_features`` raises ``error``. A sharded collection
+    (``collective_forward``) raises it only after its input dist told its peers, so every
+    rank fails that step together instead of some waiting in a collective."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
 def prepare_features(
     features: object,
     tables: Sequence[EmbeddingBagConfig],
@@ -63,6 +76,8 @@ def prepare_features(
     is then undefined behaviour). ``weighted`` (``check_weighted``): False drops the
     batch's per-sample weights, True makes a batch without them a ValueError.
     """
+    if isinstance(features, RefusedBatch):
+        raise features.error
     kjt = as_kjt(features)
     if device is not None and kjt.device() != device:
         raise ValueError(
@@ -110,28 +125,44 @@ def prepare_features(
     return kjt
 
 
+def count_bad_ids(kjt: KeyedJaggedTensor, tables: Sequence[EmbeddingBagConfig]) -> Tensor:
+    """int64 ``[1]`` on the batch's device: how many ids lie outside ``[0, rows of their
+    feature's table)``. No host read: a caller that must fail on a bad batch reads it where
+    it reads the device anyway (the sharded input dist's header), or raises
+    ``check_id_range``'s error."""
+    values = kjt.values()
+    if values.numel() == 0:
+        return torch.zeros(1, dtype=torch.int64, device=values.device)
+    rows = device_list(
+        [cfg.num_embeddings for cfg in tables for _ in cfg.feature_names], torch.int64,
+        values.device,
+    )  # fmt: skip
+    counts = bag_lengths(kjt).sum(1)
+    bound = torch.repeat_interleave(rows, counts, output_size=values.numel())
+    return ((values < 0) | (values >= bound)).sum(dtype=torch.int64).view(1)
+
+
 def check_id_range(
     kjt: KeyedJaggedTensor, tables: Sequence[EmbeddingBagConfig], rank: int | None = None
 ) -> None:
-    """Every id of feature f lies in ``[0, rows of f's table)``; one vectorized pass."""
-    values = kjt.values()
-    if values.numel() == 0:
+    """Every id of feature f lies in ``[0, rows of f's table)``; one vectorized pass and one
+    host read (the verdict), then, for a bad batch only, the details of its first bad id."""
+    if not int(count_bad_ids(kjt, tables)):
         return
-    rows = torch.tensor(
-        [cfg.num_embeddings for cfg in tables for _ in cfg.feature_names], device=values.device
+    values = kjt.values()
+    rows = torch.tensor([cfg.num_embeddings for cfg in tables for _ in cfg.feature_names])
+    counts = bag_lengths(kjt).sum(1).cpu()
+    bound = torch.repeat_interleave(rows, counts)
+    host = values.cpu()
+    bad = (host < 0) | (host >= bound)
+    first = int(torch.nonzero(bad)[0])
+    key_index = int(torch.searchsorted(torch.cumsum(counts, 0), first, right=True))
+    feature = kjt.keys()[key_index]
+    table = next(cfg for cfg in tables if feature in cfg.feature_names)
+    raise IndexError(
+        f"feature {feature!r} (table {table.name!r}){_where(rank)}: id {int(host[first])} "
+        f"is outside [0, {table.num_embeddings}) ({int(bad.sum())} bad ids in the batch)"
     )
-    counts = bag_lengths(kjt).sum(1)  # on the device: the one host read is the verdict
-    bound = torch.repeat_interleave(rows, counts, output_size=values.numel())
-    bad = (values < 0) | (values >= bound)
-    if bool(bad.any()):
-        first = int(torch.nonzero(bad)[0])
-        key_index = int(torch.searchsorted(torch.cumsum(counts, 0), first, right=True))
-        feature = kjt.keys()[key_index]
-        table = next(cfg for cfg in tables if feature in cfg.feature_names)
-        raise IndexError(
-            f"feature {feature!r} (table {table.name!r}){_where(rank)}: id {int(values[first])} "
-            f"is outside [0, {table.num_embeddings}) ({int(bad.sum())} bad ids in the batch)"
-        )
 
 
 def bag_lengths(kjt: KeyedJaggedTensor) -> Tensor:

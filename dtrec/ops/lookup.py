@@ -38,6 +38,11 @@ class Lookup:
     offsets: Tensor
     mean: Sequence[bool]
     per_sample_weights: Tensor | None = None
+    error: Tensor | None = None
+    """A device flag (int32 ``[2]``) to record ids outside their table in instead of
+    raising, for backends whose ``Capabilities.skips_bad_ids`` is True: such an id pools
+    as a zero row, gets no gradient, and while ``error[0]`` is set their fused steps write
+    nothing (the flag stays set until its owner clears it)."""
 
     @property
     def batch(self) -> int:

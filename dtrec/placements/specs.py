@@ -145,27 +145,62 @@ class RowWise(Offloadable, TableSpec):
 
 @dataclass(frozen=True, repr=False)
 class ColumnWise(Offloadable, TableSpec):
-    """Columns split over the whole shard axis (torch chunk semantics)."""
+    """Columns split over the whole shard axis (torch chunk semantics), or over the
+    increasing shard positions ``positions`` (a TorchRec planner's column-wise table on
+    some of the ranks; their sub-mesh is ``Shard(1)``). Increasing, because torch orders a
+    sub-mesh's process group by rank: the first columns are on the lowest position."""
 
-    short = "CW"
+    positions: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # the cache fields
+        if self.positions is not None:  # hashable, and a JSON list reads back alike
+            object.__setattr__(self, "positions", tuple(self.positions))
+
+    @property
+    def short(self) -> str:  # type: ignore[override]
+        if self.positions is None:
+            return "CW"
+        return f"CW({','.join(str(p) for p in self.positions)})"
 
     def layout(self, table: EmbeddingBagConfig, axis: ShardAxis) -> TableLayout:
-        if table.embedding_dim < axis.size:
-            raise ValueError(
-                f"table {table.name!r}: ColumnWise needs embedding_dim >= shard axis size, got "
-                f"embedding_dim={table.embedding_dim} < {axis.size}; use RowWise() or TableWise()"
-            )
-        positions = list(range(axis.size))
+        if self.positions is None:
+            if table.embedding_dim < axis.size:
+                raise ValueError(
+                    f"table {table.name!r}: ColumnWise needs embedding_dim >= shard axis size, "
+                    f"got embedding_dim={table.embedding_dim} < {axis.size}; use RowWise() or "
+                    "TableWise()"
+                )
+            positions = list(range(axis.size))
+        else:
+            positions = list(self.positions)
+            valid = all(isinstance(p, int) and not isinstance(p, bool) for p in positions)
+            if (
+                not positions
+                or not valid
+                or positions != sorted(set(positions))
+                or not 0 <= positions[0] <= positions[-1] < axis.size
+            ):
+                raise ValueError(
+                    f"table {table.name!r}: ColumnWise(positions={self.positions!r}) must name "
+                    f"increasing shard positions in 0..{axis.size - 1} (torch orders a "
+                    "sub-mesh's process group by rank: the first columns sit on the lowest)"
+                )
+            if table.embedding_dim < len(positions):
+                raise ValueError(
+                    f"table {table.name!r}: ColumnWise(positions={self.positions!r}) needs "
+                    f"embedding_dim >= {len(positions)} positions, got {table.embedding_dim}"
+                )
         return self._with_cache(
             TableLayout(
                 positions=tuple(positions),
-                mesh_shape=(axis.size,),
+                mesh_shape=(len(positions),),
                 mesh_dim_names=(SHARD,),
                 placements=(Shard(1), Replicate()),
                 blocks=_blocks(
                     positions,
-                    [(0, table.num_embeddings)] * axis.size,
-                    chunk_bounds(table.embedding_dim, axis.size),
+                    [(0, table.num_embeddings)] * len(positions),
+                    chunk_bounds(table.embedding_dim, len(positions)),
                 ),
             )
         )

@@ -11,6 +11,7 @@ averaging, prefetching, and the device caches of offloaded tables (``offload/``)
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from dtrec.modules.features import check_bounds_mode
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import shard_axis, shard_position
+from dtrec.sharded.copies import deepcopy_module
 from dtrec.sharded.fused_update import FusedUpdater, TableUpdate
 from dtrec.sharded.groups import column_groups
 from dtrec.sharded.input_dist import InputDist
@@ -32,6 +34,7 @@ from dtrec.sharded.offload import OffloadedTables, offload_tables
 from dtrec.sharded.routing import Routing
 from dtrec.sharded.storage import pack_local_shards, shard_tables, state_dtensors
 from dtrec.sharded.sync_plan import GradSyncPlan
+from dtrec.sharded.tensor import like_dtensor
 
 
 def check_sync_every(sync_every: int | None) -> None:
@@ -55,6 +58,9 @@ class ShardedCollection(nn.Module):
     #: whichever sends fewer bytes), "sparse" or "dense"; see ``dtrec.sharded.grad_sync``.
     replica_sync: str = "auto"
     tables_attr: str
+    #: Its forward runs collectives on every rank, even for a batch refused before it
+    #: (``dtrec.modules.features.RefusedBatch``): the refusal travels in the input dist.
+    collective_forward: bool = True
 
     def __init__(
         self,
@@ -110,6 +116,19 @@ class ShardedCollection(nn.Module):
         if self._offload is not None:  # the host tier is the table whenever state is read
             self.register_state_dict_pre_hook(lambda module, *_: module.flush_offloaded())
             self.register_load_state_dict_pre_hook(lambda module, *_: module.flush_offloaded())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardedCollection:
+        """A copy whose tables are views of the copy of this rank's packed buffer, the
+        tensors the copied fused updater updates (a DTensor parameter's own deepcopy would
+        clone its block apart from them); communication shared (``sharded/copies.py``)."""
+        for table in self._stored().values():
+            weight = table.weight
+            with torch.no_grad():
+                local = copy.deepcopy(weight.to_local(), memo)  # storage copied once
+            memo[id(weight)] = nn.Parameter(
+                like_dtensor(local, weight), requires_grad=weight.requires_grad
+            )
+        return deepcopy_module(self, memo)
 
     def _stored(self) -> nn.ModuleDict:
         return getattr(self, self.tables_attr)
@@ -234,8 +253,40 @@ class ShardedCollection(nn.Module):
         tracked = {t: x for t, x in local.items() if t not in caches}
         return {**local, **self._sync_plan.track(tracked, self.sync_every, self.replica_sync)}
 
+    def _with_absent_grads(self, out: Any) -> Any:
+        """``out`` itself (a tensor, or a list: its first tensor carries it); without a fused
+        optimizer, its backward also gives each table this rank holds no block of (a
+        table-wise table elsewhere, an empty row shard) an empty gradient, so every
+        rank has the same parameters with a ``.grad``: what ``clip_grad_norm_`` needs to
+        stack their norms in the same order on every rank (``sharded/dtensor_handlers.py``)."""
+        if self._updater is not None or not torch.is_grad_enabled():
+            return out
+        local = set(self._routing.local_tables)
+        absent = [
+            weight
+            for t, cfg in enumerate(self._tables)
+            if t not in local and (weight := self._stored()[cfg.name].weight).requires_grad
+        ]
+        if not absent:
+            return out
+        if isinstance(out, list):  # the sequence path's rows per feature: anchor the first
+            return [_AbsentTableGrads.apply(out[0], absent), *out[1:]] if out else out
+        return _AbsentTableGrads.apply(out, absent)
+
     _start: Callable[[object], Any]
     """The input dist of one batch (what ``prefetch`` leaves in flight)."""
+
+    def _refuse_fx_trace(self, features: object) -> None:
+        """TypeError for a torch.fx Proxy: TorchRec's ``TrainPipelineSparseDist`` fx-traces
+        the model at its first ``progress`` to find TorchRec's own sharded modules (it
+        pipelines nothing else), and a traced dtrec input dist cannot branch on the batch."""
+        if isinstance(features, torch.fx.Proxy):
+            raise TypeError(
+                f"dtrec's {type(self).__name__} got a torch.fx Proxy: the model is being "
+                "fx-traced, as TorchRec's TrainPipelineSparseDist does to find TorchRec's own "
+                "sharded modules (it cannot pipeline dtrec's); use dtrec.TrainPipeline(model, "
+                "optimizer) and its progress(dataloader_iter) instead"
+            )
 
     def prefetch(self, features: object) -> None:
         """Start input-dist of a batch now; ``forward`` of that same object consumes it.
@@ -244,6 +295,7 @@ class ShardedCollection(nn.Module):
         prefetches batch i + 1 before running batch i). Collective: all ranks of the
         sharding group prefetch in the same order.
         """
+        self._refuse_fx_trace(features)
         self._prefetched.append((features, self._start(features)))
 
     def fill(self, features: object) -> None:
@@ -277,3 +329,22 @@ class ShardedCollection(nn.Module):
                 del self._prefetched[i]
                 return routed
         return self._start(features)
+
+
+class _AbsentTableGrads(torch.autograd.Function):
+    """Identity on the output; its backward sets a zero (empty here) ``.grad`` on the given
+    table parameters that have none (their local tensor is not in the graph: on ranks
+    outside a sub-mesh it is 1-D, which ``to_local``'s backward cannot turn back)."""
+
+    @staticmethod
+    def forward(ctx, out, params):  # type: ignore[override]
+        ctx.params = params
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        with torch.no_grad():
+            for p in ctx.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        return grad, None

@@ -7,15 +7,16 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtrec._torch_compat import replicate_module
 from dtrec.comm.failures import install_excepthook
 from dtrec.comm.qcomms import QCommsConfig
+from dtrec.interop.in_backward import fused_rules
 from dtrec.interop.plans import from_torchrec, is_torchrec_plan
 from dtrec.interop.qcomms import qcomms_per_collection
 from dtrec.optim import FusedOptimizer
@@ -32,6 +33,9 @@ from dtrec.planning.plan import (
 )
 from dtrec.planning.plan import plan as make_plan
 from dtrec.sharded.collection import ShardedCollection, check_sync_every
+from dtrec.sharded.copies import deepcopy_module
+from dtrec.sharded.dense import ReplicatedDense, replicate_dense
+from dtrec.sharded.dtensor_handlers import register_dtensor_handlers
 from dtrec.sharded.fused_optimizer import FusedOptimizerView
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.sequence import ShardedEmbeddingCollection
@@ -45,16 +49,23 @@ def distribute_module(
     sync_every: int | None = None,
     qcomms: QCommsConfig | Mapping[str, QCommsConfig | None] | object | None = None,
 ) -> nn.Module:
-    """Shard every ``EmbeddingBagCollection`` of ``model`` per ``plan``; DDP the rest.
+    """Shard every ``EmbeddingBagCollection`` of ``model`` per ``plan``; replicate the rest.
 
     ``plan`` maps ``"<collection fqn>.<table>"`` to a spec; tables it omits, and open
     choices like ``TableWise(rank=None)``, are planned by ``dtrec.plan``. A TorchRec
     ``ShardingPlan`` works too (``dtrec.interop.plans``). TorchRec's
     ``EmbeddingBagCollection``s are sharded like dtrec's (same weights, same
     ``is_weighted``); any other TorchRec sparse module is a TypeError naming it. Dense
-    parameters become data parallel over all W ranks (torch's ``replicate``). With
+    parameters become DTensors replicated over ``mesh``, their gradients averaged over
+    all W ranks during backward (``dtrec.sharded.dense``), so every parameter is a DTensor
+    and any torch optimizer (``foreach``, ``fused``) steps ``model.parameters()``. With
     ``optimizer`` (a ``dtrec.optim`` config) the table update is fused into backward: table
-    weights get no ``.grad`` and ``model.fused_optimizer`` holds the state.
+    weights get no ``.grad`` and ``model.fused_optimizer`` holds the state. TorchRec's recipe
+    works the same way: tables marked by ``apply_optimizer_in_backward`` (torchrec's or
+    torch's) get that optimizer fused (``dtrec.interop.in_backward``: RowWiseAdagrad, SGD,
+    Adam and their kwargs; anything else is a ValueError naming the table), and fused
+    tables carry TorchRec's ``_in_backward_optimizers`` marker, so
+    ``in_backward_optimizer_filter`` leaves them out of the dense optimizer.
     ``sync_every=k``: replicas of a sharded table stop summing gradients every step and
     instead average weights (and fused optimizer state) every k steps, like TorchRec's 2D
     ``DMPCollection``: less replicate-axis traffic, but each replica group takes its own
@@ -104,6 +115,8 @@ def distribute_module(
             "model has no dtrec.EmbeddingBagCollection (or torchrec.EmbeddingBagCollection) "
             "to distribute"
         )
+    rules = collection_rules(collections, optimizer)
+    optimizer = next(iter(rules.values()), None)
     tables = model_tables(model)
     plan = from_torchrec(plan, tables, mesh)
     check_plan_keys(dict(plan or {}), tables)
@@ -115,7 +128,7 @@ def distribute_module(
     )
     seed = torch.initial_seed() if on_meta else 0  # meta tables: every rank inits its blocks
     qcomms_of = qcomms_per_collection(qcomms, collections)
-    check_same_on_every_rank(tables, full_plan, optimizer, sync_every, seed, qcomms_of)
+    check_same_on_every_rank(tables, full_plan, rules or None, sync_every, seed, qcomms_of)
     install_excepthook()  # an uncaught exception on a rank names it in its peers' errors
 
     sharded: dict[str, ShardedCollection] = {}
@@ -125,18 +138,18 @@ def distribute_module(
         weights = {cfg.name: collection_tables(ebc)[cfg.name].weight for cfg in tables}
         if not hasattr(ebc, "embedding_bags"):  # a sequence collection (EmbeddingCollection)
             sharded[fqn] = ShardedEmbeddingCollection(
-                tables, weights, mesh, specs, optimizer, ebc.bounds_check, sync_every, seed,
+                tables, weights, mesh, specs, rules.get(fqn), ebc.bounds_check, sync_every, seed,
                 ebc.need_indices, qcomms_of[fqn],
             )  # fmt: skip
             continue
         sharded[fqn] = ShardedEmbeddingBagCollection(
-            tables, weights, mesh, specs, optimizer, ebc.bounds_check, sync_every, seed,
+            tables, weights, mesh, specs, rules.get(fqn), ebc.bounds_check, sync_every, seed,
             ebc.is_weighted, qcomms_of[fqn],
         )  # fmt: skip
     fused = FusedOptimizerView(sharded, optimizer) if optimizer is not None else None
-    state = DistributedState(full_plan, fused)
+    register_dtensor_handlers()  # uneven-shard grads, clip_grad_norm_ across meshes
     if "" in sharded:
-        return as_distributed(sharded[""], state)
+        return as_distributed(sharded[""], DistributedState(full_plan, fused))
     for fqn, module in sharded.items():
         parent_name, _, attr = fqn.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, module)
@@ -150,9 +163,37 @@ def distribute_module(
             f"parameters {dense_meta[:5]} are on the meta device: only embedding tables may "
             "be (each rank then creates its own blocks); build the dense part on cpu or cuda"
         )
-    if any(id(p) not in sharded_params for p in model.parameters()):
-        replicate_module(model, ignored_modules=sharded.values())
-    return as_distributed(model, state)
+    dense = replicate_dense(model, mesh, ignored=sharded.values())
+    return as_distributed(model, DistributedState(full_plan, fused, dense))
+
+
+def collection_rules(
+    collections: Mapping[str, nn.Module], optimizer: FusedOptimizer | None
+) -> dict[str, FusedOptimizer]:
+    """Collection FQN -> its fused rule: ``optimizer``, or the one TorchRec's recipe marked
+    its tables with (``apply_optimizer_in_backward``, ``dtrec.interop.in_backward``); {}
+    without either. ValueError when both are given and differ."""
+    marked = fused_rules(
+        {
+            fqn: {
+                table_fqn(fqn, cfg.name): collection_tables(ebc)[cfg.name].weight
+                for cfg in collection_configs(ebc)
+            }
+            for fqn, ebc in collections.items()
+        }
+    )
+    if marked is None:
+        return {} if optimizer is None else dict.fromkeys(collections, optimizer)
+    if optimizer is not None:
+        differ = {fqn: rule for fqn, rule in marked.items() if rule != optimizer}
+        if differ:
+            fqn, rule = next(iter(differ.items()))
+            raise ValueError(
+                f"distribute_module got optimizer={optimizer!r}, but the tables of {fqn!r} "
+                f"have the in-backward optimizer {rule!r} (apply_optimizer_in_backward); "
+                "give one of the two"
+            )
+    return marked
 
 
 @dataclass(frozen=True)
@@ -163,6 +204,8 @@ class DistributedState:
     """The full plan, every table's spec (the user's pins and the planner's choices)."""
     fused_optimizer: FusedOptimizerView | None
     """The fused optimizer's state per table, or None without a fused optimizer."""
+    dense: ReplicatedDense | None = None
+    """The replicated dense parameters' gradient averaging (None: no dense parameters)."""
 
 
 class DistributedModule:
@@ -186,6 +229,13 @@ class DistributedModule:
         # the original class: index 0 is the generated class, 1 this mixin.
         original = cls.__mro__[2]
         return original.__new__(original, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Module:
+        """An independent copy (own weights, optimizer state, hooks), sharing the process
+        groups and meshes (``dtrec.sharded.copies``). Collective in effect: every rank
+        copies, so that both models keep issuing the same collectives."""
+        own = getattr(type(self).__mro__[2], "__deepcopy__", None)  # a sharded collection's
+        return own(self, memo) if own is not None else deepcopy_module(self, memo)
 
     @property
     def sharding_plan(self) -> ShardingPlan:
@@ -214,7 +264,7 @@ def as_distributed(module: nn.Module, state: DistributedState) -> nn.Module:
 def check_same_on_every_rank(
     tables: Mapping[str, object],
     plan: Mapping[str, TableSpec],
-    optimizer: FusedOptimizer | None,
+    optimizer: FusedOptimizer | Mapping[str, FusedOptimizer] | None,
     sync_every: int | None,
     init_seed: int = 0,
     qcomms: Mapping[str, object] | None = None,

@@ -56,15 +56,15 @@ class FusedOptimizerView(torch.optim.Optimizer):
         optimizer: FusedOptimizer,
     ) -> None:
         self._collections = collections
-        self.optimizer = optimizer
-        """The update rule as configured (``dtrec.optim``), e.g. ``RowWiseAdagrad(lr=0.1)``;
-        the live hyperparameters are in ``param_groups``."""
+        self._optimizer = optimizer
         groups = [
             {
                 "params": [
                     (table_fqn(fqn, name), table.weight)
                     for name, table in collection_tables(ebc).items()
-                ]
+                ],
+                # a collection's own rule (TorchRec's recipe may give collections their own lr)
+                **(ebc.optimizer or optimizer).hyperparameters(),
             }
             for fqn, ebc in collections.items()
         ]
@@ -75,6 +75,32 @@ class FusedOptimizerView(torch.optim.Optimizer):
                 group["params"], ebc.fused_optimizer_state().values(), strict=True
             ):
                 self.state[weight] = state  # the live local state, torch-style
+                # TorchRec's marker of a fused table: in_backward_optimizer_filter (and
+                # torch's _get_in_backward_optimizers) keep it out of the dense optimizer
+                weight._in_backward_optimizers = [self]
+
+    @property
+    def optimizer(self) -> FusedOptimizer:
+        """The update rule as configured (``dtrec.optim``), e.g. ``RowWiseAdagrad(lr=0.1)``;
+        the live hyperparameters are in ``param_groups``. Assigning a rule of the same type
+        sets every group's hyperparameters to its values (the next update uses them);
+        another type is a TypeError (its state would differ)."""
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, rule: FusedOptimizer) -> None:
+        if type(rule) is not type(self._optimizer):
+            raise TypeError(
+                f"model.fused_optimizer.optimizer is a {type(self._optimizer).__name__}; it can "
+                f"only be replaced by another {type(self._optimizer).__name__} (new "
+                f"hyperparameters), got {type(rule).__name__}: the optimizer state is made for "
+                "the first; distribute the model again to change the optimizer type"
+            )
+        values = rule.hyperparameters()
+        for group in self.param_groups:
+            group.update(values)
+        self.defaults.update(values)
+        self._optimizer = rule
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Nothing to do: the update ran in backward. Returns ``closure()`` if given."""

@@ -324,18 +324,18 @@ class FusedLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, trigger, updater, table_ids, tables, entry_table, mean, values, offsets, psw
+        ctx, trigger, updater, table_ids, tables, entry_table, mean, values, offsets, psw, error
     ):
         ctx.updater, ctx.table_ids = updater, table_ids
-        ctx.tables, ctx.entry_table, ctx.mean = tables, entry_table, mean
+        ctx.tables, ctx.entry_table, ctx.mean, ctx.error = tables, entry_table, mean, error
         ctx.save_for_backward(values, offsets, psw)
-        return lookup_forward(Lookup(tables, entry_table, values, offsets, mean, psw))
+        return lookup_forward(Lookup(tables, entry_table, values, offsets, mean, psw, error))
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         values, offsets, psw = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        lookup = Lookup(ctx.tables, ctx.entry_table, values, offsets, ctx.mean, psw)
+        lookup = Lookup(ctx.tables, ctx.entry_table, values, offsets, ctx.mean, psw, ctx.error)
         ctx.updater.stash(ctx.table_ids, lookup, grad_out)
         grad_psw = None
         if ctx.needs_input_grad[8]:  # trained per-sample weights: w.r.t. the rows read now,
@@ -343,7 +343,7 @@ class FusedLookup(torch.autograd.Function):
             grad_psw = embedding_bag_psw_backward_op(
                 ctx.tables, ctx.entry_table, values, offsets, grad_out
             ).to(psw.dtype)
-        return (None,) * 8 + (grad_psw,)
+        return (None,) * 8 + (grad_psw, None)
 
 
 def fused_lookup(
@@ -355,15 +355,18 @@ def fused_lookup(
     values: Tensor,
     offsets: Tensor,
     psw: Tensor | None,
+    error: Tensor | None = None,
 ) -> Tensor:
     """Pooled lookup whose backward feeds ``updater`` instead of producing weight grads.
 
     A bad param group is reported here, in forward, where failing leaves no half-stashed
-    backward behind (the update reads the group again when it runs).
+    backward behind (the update reads the group again when it runs). ``error``: the
+    ``Lookup.error`` flag its ids are checked into (backends that skip bad ids), which
+    also stops its update.
     """
     if torch.is_grad_enabled():
         updater.current_rule()
     trigger = torch.empty(0, requires_grad=torch.is_grad_enabled())
     return FusedLookup.apply(
-        trigger, updater, table_ids, tables, entry_table, mean, values, offsets, psw
+        trigger, updater, table_ids, tables, entry_table, mean, values, offsets, psw, error
     )

@@ -3,7 +3,10 @@
 Per batch, inside one sharding group (the ranks sharing a "replicate" coordinate):
 
 1. header all-to-all (fixed size, ``input_dist.header``): every rank learns its
-   peers' batch size, id counts and whether their input was valid;
+   peers' batch size, id counts and whether their input was valid. Local batch sizes
+   may differ (the last batch of a ``drop_last=False`` loop), 0 included: a served
+   segment pools each source's batch (its bags padded with empty ones to the largest),
+   and the output dist returns each source its own rows;
 2. verdict all-reduce (8 bytes, ``input_dist.verdict``) over the replicas: the
    lowest rank in the world that refused its batch, so a bad batch fails on every
    rank instead of hanging a later collective;
@@ -20,7 +23,7 @@ over the world.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -56,6 +59,7 @@ class RoutedBatch:
     ``psw`` (per-sample weights that are trained, so they travel in a differentiable
     exchange of their own) may still be in flight until waited on. ``error``: why the
     batch was refused, here or on another rank (``forward`` raises it; no ids sent).
+    ``peer_batches``: each shard position's local batch size (they may differ).
     """
 
     kjt: KeyedJaggedTensor | None
@@ -65,14 +69,21 @@ class RoutedBatch:
     psw: PendingTensor | None
     error: Exception | None = None
     packed_weights: bool = False
+    peer_batches: list[int] = field(default_factory=list)
+
+    @property
+    def served_batch(self) -> int:
+        """Bags per served block: the largest batch of the group (smaller ones padded)."""
+        return max(self.peer_batches, default=0)
 
     def wait_served(
         self, num_segments: int, block_runs: list[tuple[int, int]] | None = None
     ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Wait for the ids; return (bag lengths, ids, per-sample weights or None).
 
-        Bags come in blocks of ``batch``, one per (source, served segment), numbered
-        source-major (``Routing.served`` order within a source); ``num_segments`` is the
+        Bags come in blocks of ``served_batch``, one per (source, served segment),
+        numbered source-major (``Routing.served`` order within a source); a source with a
+        smaller batch has its blocks padded with empty bags. ``num_segments`` is the
         number of segments this rank serves. ``block_runs`` (runs ``[a, b)`` of block
         numbers, none across sources) returns the blocks in that order instead, sliced
         straight out of the received buffer: one copy of the ids, one host read of the
@@ -81,10 +92,16 @@ class RoutedBatch:
         assert self.ids is not None
         received = self.ids.wait()
         psw = None if self.psw is None else self.psw.wait()
-        bags = num_segments * self.batch
+        batch = self.served_batch
         heads, id_starts, weight_starts, start = [], [], [], 0
-        for count in self.peer_counts:
-            heads.append(received[start : start + bags])
+        for count, own_batch in zip(self.peer_counts, self.peer_batches, strict=True):
+            bags = num_segments * own_batch
+            head = received[start : start + bags]
+            if own_batch < batch:  # pad every block of this source with empty bags
+                head = torch.nn.functional.pad(
+                    head.view(num_segments, own_batch), (0, batch - own_batch)
+                ).view(-1)
+            heads.append(head)
             id_starts.append(start + bags)
             start += bags + count
             if self.packed_weights:
@@ -94,7 +111,7 @@ class RoutedBatch:
         if block_runs is None:  # as received: each source's ids whole
             spans = [(p, 0, count) for p, count in enumerate(self.peer_counts)]
         else:
-            blocks = lengths.view(-1, self.batch)
+            blocks = lengths.view(len(self.peer_counts) * num_segments, batch)
             spans = _id_spans(block_runs, blocks.sum(1).tolist(), num_segments)
             lengths = torch.cat([blocks[a:b] for a, b in block_runs]).reshape(-1)
         ids = _cat_spans([received[id_starts[p] :] for p in range(len(id_starts))], spans).long()
@@ -169,23 +186,38 @@ class InputDist:
         self, features: object, bounds_check: str, weighted: bool | None = None
     ) -> RoutedBatch:
         """Validate ``features`` (``prepare_features``: ids, per-sample weights per
-        ``weighted``) and start sending its ids; a refusal is kept, not raised."""
-        rank = dist.get_rank()
-        error: Exception | None = None
+        ``weighted``) and start sending its ids; a refusal is kept, not raised.
+
+        Everything this rank computes before the header exchange (validation, bucketize)
+        runs under one ``except Exception``: whatever fails there, a bad batch or not,
+        becomes this rank's refusal in the exchange, so every rank fails the step
+        together and none is left waiting in a collective its peer never joins.
+        """
         kjt: KeyedJaggedTensor | None = None
+        local: _Bucketized | None = None
+        error: Exception | None = None
         try:
             kjt = prepare_features(
-                features, self._tables, rank, bounds_check, self._device, weighted
+                features, self._tables, dist.get_rank(), bounds_check, self._device, weighted
             )
-        except (KeyError, ValueError, IndexError, TypeError) as exc:
-            error = exc
-        if not self._routing.has_sharded:  # no header: the verdict goes over the world
-            failed = rank if error is not None else self._world_size
-            elsewhere = self._verdict(failed, world_group(self._mesh))  # every rank joins it
-            error = error or elsewhere
-            batch = kjt.stride() if kjt is not None else 0
-            return RoutedBatch(kjt, batch, [], None, None, error)
-        return self._exchange_ids(kjt, error)
+            if self._routing.has_sharded:
+                local = _Bucketized.of(self._routing, kjt)
+        except Exception as exc:  # noqa: BLE001 - refused in the exchange, raised in forward
+            error, local = exc, None
+        return self._exchange(kjt, local, error)
+
+    def _exchange(
+        self, kjt: KeyedJaggedTensor | None, local: _Bucketized | None, error: Exception | None
+    ) -> RoutedBatch:
+        """The status exchange (header or world verdict), then the ids' when all agree."""
+        if self._routing.has_sharded:
+            return self._exchange_ids(kjt, local, error)
+        # no header: the verdict goes over the world
+        failed = dist.get_rank() if error is not None else self._world_size
+        elsewhere = self._verdict(failed, world_group(self._mesh))  # every rank joins it
+        error = error or elsewhere
+        batch = kjt.stride() if kjt is not None else 0
+        return RoutedBatch(kjt, batch, [], None, None, error)
 
     def _verdict(self, failed: int, group: dist.ProcessGroup) -> Exception | None:
         """The error for a batch refused elsewhere: MIN over ``group`` of the lowest rank
@@ -210,31 +242,22 @@ class InputDist:
                 f"rank(s) {bad} of this sharding group rejected their input batch "
                 "(see the error on those ranks); no collective was run with it"
             ), min(bad)
-        sizes = [row[1] for row in header]
-        if any(b != sizes[0] for b in sizes):
-            per_rank = {self._shard_ranks[j]: b for j, b in enumerate(sizes)}
-            return ValueError(
-                f"batch size differs across the sharding group (rank -> batch size: {per_rank}); "
-                "every rank of a sharding group must feed the same local batch size"
-            ), min(self._shard_ranks)
         return None, self._world_size
 
-    def _exchange_ids(self, kjt: KeyedJaggedTensor | None, error: Exception | None) -> RoutedBatch:
+    def _exchange_ids(
+        self, kjt: KeyedJaggedTensor | None, local: _Bucketized | None, error: Exception | None
+    ) -> RoutedBatch:
         routing = self._routing
         group = self._shard_group
         shards = routing.shard_size
         batch = kjt.stride() if kjt is not None else 0
         header = torch.zeros(shards, _HEADER, dtype=torch.long)  # built on the host
         if error is None:
-            assert kjt is not None
-            weights = kjt.weights_or_none()
-            buffers, sent_weights, counts = routing.bucketize(
-                kjt.values(), bag_lengths(kjt), weights
-            )
+            assert kjt is not None and local is not None
             header[:, 0] = _STATUS_OK
             header[:, 1] = batch
-            header[:, 2] = torch.tensor(counts)
-            header[:, 3] = _weights_flag(weights)
+            header[:, 2] = torch.tensor(local.counts, dtype=torch.long)
+            header[:, 3] = local.weights_flag
         else:
             header[:, 0] = _STATUS_BAD_INPUT
         peer = all_to_all(
@@ -250,10 +273,11 @@ class InputDist:
         error = error or group_error or elsewhere
         if error is not None:
             return RoutedBatch(kjt, batch, [], None, None, error)
-        assert kjt is not None
+        assert kjt is not None and local is not None
+        buffers, sent_weights, counts = local.buffers, local.weights, local.counts
 
         device = kjt.values().device
-        n_served = len(routing.served) * batch
+        peer_batches = [row[1] for row in rows]
         peer_counts = [row[2] for row in rows]
         flags = {row[3] for row in rows}
         send_w = None
@@ -273,7 +297,10 @@ class InputDist:
         extra = (lambda count: packed_size(count, wire)) if packed else (lambda count: 0)
         ids = all_to_all_start(
             torch.cat(buffers).to(device=device, dtype=wire),
-            [n_served + c + extra(c) for c in peer_counts],
+            [
+                len(routing.served) * b + c + extra(c)
+                for b, c in zip(peer_batches, peer_counts, strict=True)
+            ],
             [b.numel() for b in buffers],
             group,
             "input_dist.ids",
@@ -285,7 +312,24 @@ class InputDist:
                 torch.cat(send_w), peer_counts, counts, group, "input_dist.weights"
             )
             psw = PendingTensor(received, None, "input_dist.weights", group)
-        return RoutedBatch(kjt, batch, peer_counts, ids, psw, packed_weights=packed)
+        return RoutedBatch(kjt, batch, peer_counts, ids, psw, None, packed, peer_batches)
+
+
+@dataclass
+class _Bucketized:
+    """This rank's batch laid out per shard position (``Routing.bucketize``), before the
+    header exchange."""
+
+    buffers: list[Tensor]
+    weights: list[Tensor | None]
+    counts: list[int]
+    weights_flag: int
+
+    @staticmethod
+    def of(routing: Routing, kjt: KeyedJaggedTensor) -> _Bucketized:
+        weights = kjt.weights_or_none()
+        buffers, sent, counts = routing.bucketize(kjt.values(), bag_lengths(kjt), weights)
+        return _Bucketized(buffers, sent, counts, _weights_flag(weights))
 
 
 def _weights_flag(weights: Tensor | None) -> int:

@@ -49,9 +49,10 @@ class LocalLookup:
 
     def served(self, routed: RoutedBatch, local: dict[int, Tensor]) -> Tensor | None:
         """``[B, S * served width]``: the partials of every source's served segments
-        (table-major columns: ``table_runs`` order, then source, then segment), or None
-        when this rank serves no segment (``[B, 0]`` when per-sample weights are trained:
-        their gradient exchange runs on every rank)."""
+        (table-major columns: ``table_runs`` order, then source, then segment; B is
+        ``routed.served_batch``, a source with a smaller batch fills only its first
+        rows), or None when this rank serves no segment (``[B, 0]`` when per-sample
+        weights are trained: their gradient exchange runs on every rank)."""
         routing = self._routing
         served = routing.served
         runs = self._block_runs if self._reorders else None
@@ -61,7 +62,7 @@ class LocalLookup:
         if not served:
             if psw is not None and psw.requires_grad:  # nothing received: an empty [B, 0]
                 # view, so the output dist's backward also runs the weights' one
-                return psw.view(routed.batch, 0)
+                return psw.view(routed.served_batch, 0)
             return None
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long, device=lengths.device)
         torch.cumsum(lengths, 0, out=offsets[1:])

@@ -38,6 +38,7 @@ from dtrec.placements import TableSpec
 from dtrec.placements.mesh import SHARD
 from dtrec.sharded.collection import ShardedCollection
 from dtrec.sharded.input_dist import RoutedBatch
+from dtrec.sharded.local_path import LocalBatch, LocalPath, serves_locally
 from dtrec.sharded.lookup import LocalLookup
 from dtrec.sharded.output_dist import OutputDist
 from dtrec.sparse import KeyedTensor
@@ -75,13 +76,22 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         self._output_dist = OutputDist(
             tables, self._routing, mesh.get_group(SHARD), self._dtype, self.qcomms
         )
+        # A shard axis of one position: no routing, no all-to-all (``local_path.py``).
+        self._local = (
+            LocalPath(tables, self._routing, self._updater, mesh)
+            if serves_locally(self._routing, self._layouts)
+            else None
+        )
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         """The table configs, in output order."""
         return list(self._tables)
 
     def forward(self, features: object) -> KeyedTensor:
+        self._refuse_fx_trace(features)
         self._begin_step()
+        if self._local is not None:
+            return self._local.forward(self._routed(features), self._local_shards())
         routed = self._routed(features)
         if routed.error is not None:
             raise routed.error
@@ -94,15 +104,18 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             own = self._lookup.data_parallel(kjt, local)
         if self._routing.has_sharded:
             served = self._lookup.served(routed, local)
-            out = self._output_dist(served, routed.batch, device)
+            out = self._output_dist(served, routed.batch, routed.peer_batches, device)
         else:
             out = self._output_dist.zeros(routed.batch, device)
         if own is not None:
             out = self._output_dist.add_data_parallel(out, own)
-        return self._output_dist.keyed(out, kjt)
+        return self._output_dist.keyed(self._with_absent_grads(out), kjt)
 
-    def input_dist(self, features: object) -> RoutedBatch:
+    def input_dist(self, features: object) -> RoutedBatch | LocalBatch:
         """Validate the batch and send each id to the shard(s) holding its row.
+
+        With one shard position (``local_path.py``) nothing is sent: the batch is only
+        validated, and its verdict (with replicas) is all-reduced in forward.
 
         One blocking header all-to-all over the sharding group (batch sizes, id
         counts, input validity) and an 8-byte verdict all-reduce over the replicas
@@ -112,10 +125,27 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         does not raise before the step in progress ends, and every rank fails the
         same step before any weight changes.
         """
+        if self._local is not None:
+            return self._local.start(features, self.bounds_check, self.is_weighted)
         return self._input_dist(features, self.bounds_check, self.is_weighted)
 
-    def _start(self, features: object) -> RoutedBatch:
+    def _start(self, features: object) -> RoutedBatch | LocalBatch:
         return self.input_dist(features)
 
     def _fill_routed(self, routed: RoutedBatch) -> None:
         self._lookup.fill(routed)
+
+    def check_pending_batches(self) -> None:
+        """Wait for the device and raise the IndexError of a batch whose ids were checked on
+        the device and not reported yet (a one-rank world with a fused optimizer reports
+        a bad batch at a later forward, see ``dtrec.sharded.local_path``; call this after
+        the last step). Does nothing elsewhere.
+
+        Example::
+
+            for batch in batches:
+                train_step(model, batch)
+            model.sparse.check_pending_batches()
+        """
+        if self._local is not None:
+            self._local.report_bad_batches(wait=True)

@@ -2,7 +2,9 @@
 
 One all-to-all over the sharding group (``output_dist``, differentiable: its
 backward sends the output's gradient columns back to the blocks) carries each
-served segment's ``[B, block cols]`` partial to the rank whose batch it pooled.
+served segment's ``[B, block cols]`` partial to the rank whose batch it pooled, B
+that rank's own batch size (they may differ in a group, 0 included: a rank with an
+empty batch still joins the exchange and gets a ``[0, total dim]`` output).
 The requester adds every received partial into its output columns: row blocks of
 one feature add up (a Partial sum), column blocks tile the row. Data-parallel
 features are added in their own columns, then mean-pooled features are scaled
@@ -69,17 +71,20 @@ class OutputDist:
         self._is_mean = torch.tensor(is_mean).unsqueeze(1) if any(is_mean) else None
         self._dims = torch.tensor([s.dim for s in routing.slots], dtype=torch.long)
 
-    def __call__(self, served: Tensor | None, batch: int, device: torch.device) -> Tensor:
-        """Exchange the partials (``LocalLookup.served``) and add the received ones into
-        a ``[B, total dim]`` output."""
+    def __call__(
+        self, served: Tensor | None, batch: int, peer_batches: list[int], device: torch.device
+    ) -> Tensor:
+        """Exchange the partials (``LocalLookup.served``: ``[max(peer_batches), ...]``) and
+        add the received ones into this rank's ``[batch, total dim]`` output.
+        ``peer_batches``: every shard position's batch size, whose rows it gets back."""
         routing = self._routing
         shards = routing.shard_size
         if served is not None:  # columns table-major -> the send buffer destination-major
-            send_back = self._destination_major(served, batch, shards)
+            send_back = self._destination_major(served, peer_batches, shards)
         else:
             send_back = torch.zeros(0, dtype=self._dtype, device=device)
         output_splits = [batch * w for w in routing.widths]
-        input_splits = [batch * routing.served_width] * shards
+        input_splits = [b * routing.served_width for b in peer_batches]
         if self._qcomms is None:
             partials = all_to_all_autograd(
                 send_back, output_splits, input_splits, self._shard_group, "output_dist"
@@ -96,20 +101,30 @@ class OutputDist:
             )
         return _AddPartials.apply(partials, batch, routing.widths, self._adds, routing.total_dim)
 
-    def _destination_major(self, served: Tensor, batch: int, shards: int) -> Tensor:
-        """The flat send buffer ``[S, B, served width]`` (segments in served order) from
-        the table-major ``[B, S * served width]`` partials: one permuted copy when every
-        table run is as wide (its backward one copy too; slices of a cat would each
-        backward into a zeroed full-size gradient), else one column gather first."""
+    def _destination_major(self, served: Tensor, peer_batches: list[int], shards: int) -> Tensor:
+        """The flat send buffer, per destination p its ``[B_p, served width]`` rows
+        (segments in served order), from the table-major ``[B, S * served width]``
+        partials (B the largest B_p): one permuted copy when every table run is as wide
+        (its backward one copy too; slices of a cat would each backward into a zeroed
+        full-size gradient), else one column gather first; with uneven batches, one row
+        gather of each destination's own rows."""
         runs = self._served_runs
+        batch, width = served.shape[0], self._routing.served_width  # explicit: B may be 0
         if not runs:  # [B, 0]: no segment served (the trained weights' empty view)
             return served.reshape(-1)
         widths = {width for _, width in runs}
         if len(widths) == 1:
-            blocks = served.view(batch, len(runs), shards, widths.pop())
-            return blocks.permute(2, 0, 1, 3).reshape(-1)
-        columns = self._gather_cols.to(served.device)
-        return served.index_select(1, columns).view(batch, shards, -1).transpose(0, 1).reshape(-1)
+            blocks = served.view(batch, len(runs), shards, widths.pop()).permute(2, 0, 1, 3)
+        else:
+            columns = self._gather_cols.to(served.device)
+            blocks = served.index_select(1, columns).view(batch, shards, width).transpose(0, 1)
+        if all(b == batch for b in peer_batches):
+            return blocks.reshape(-1)
+        rows = blocks.reshape(shards * batch, width)
+        keep = torch.cat(
+            [torch.arange(p * batch, p * batch + b) for p, b in enumerate(peer_batches)]
+        )
+        return rows.index_select(0, keep.to(served.device)).reshape(-1)
 
     def zeros(self, batch: int, device: torch.device) -> Tensor:
         """The output of a collection without routed tables, before its data-parallel part."""

@@ -155,7 +155,8 @@ def fbgemm_bucketize(
         assert weights is not None
         new_weights = torch.empty_like(weights).index_copy_(0, permute.long(), weights)
     batch = lengths.shape[1]
-    seg_lengths = new_lengths.view(-1, batch).index_select(0, maps.fbgemm_rows).long()
+    rows = maps.shard_size * lengths.shape[0]  # explicit: the batch may be empty
+    seg_lengths = new_lengths.view(rows, batch).index_select(0, maps.fbgemm_rows).long()
     return seg_lengths, local_ids.long(), new_weights
 
 

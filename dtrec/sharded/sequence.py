@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dtrec.comm.qcomms import QCommsConfig
 from dtrec.modules.embedding import EmbeddingConfig, check_fixed_batch, sequence_outputs
+from dtrec.modules.features import RefusedBatch
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import SHARD
@@ -27,11 +28,7 @@ from dtrec.sharded.sequence_dist import (
 )
 from dtrec.sparse import JaggedTensor, as_kjt
 
-_REFUSED = object()
-"""Fed to the input dist in place of a batch refused here: it fails validation there, so
-every rank of the step learns of the refusal through the input dist's own verdict."""
-
-_Routed = tuple[RoutedBatch, "tuple[list[Tensor], Tensor] | None", "Exception | None"]
+_Routed = tuple[RoutedBatch, "tuple[list[Tensor], Tensor] | None"]
 
 
 class ShardedEmbeddingCollection(ShardedCollection):
@@ -79,10 +76,11 @@ class ShardedEmbeddingCollection(ShardedCollection):
         return list(self._tables)
 
     def forward(self, features: object) -> dict[str, JaggedTensor]:
+        self._refuse_fx_trace(features)
         self._begin_step()
-        routed, sent, refusal = self._routed(features)
-        if refusal is not None or routed.error is not None:
-            raise refusal or routed.error  # type: ignore[misc]
+        routed, sent = self._routed(features)
+        if routed.error is not None:
+            raise routed.error
         kjt = routed.kjt
         assert kjt is not None
         device = kjt.values().device
@@ -92,7 +90,9 @@ class ShardedEmbeddingCollection(ShardedCollection):
         if self._routing.has_sharded:
             send, send_splits = self._lookup.served(routed, local)
         local_rows = self._lookup.data_parallel(kjt, local) if self._routing.local_features else []
-        rows = self._output_dist(send, send_splits, plan, local_rows, device)
+        rows = self._with_absent_grads(
+            self._output_dist(send, send_splits, plan, local_rows, device)
+        )
         return sequence_outputs(kjt, rows, self.need_indices)
 
     def _fill_routed(self, routed: _Routed) -> None:
@@ -101,15 +101,13 @@ class ShardedEmbeddingCollection(ShardedCollection):
     def _start(self, features: object) -> _Routed:
         """Input dist of one batch (``InputDist``), with the positions of the ids sent.
 
-        A variable-batch KJT is refused here (``check_fixed_batch``) and fed to the input
-        dist as a batch that fails validation, so peers fail the same step."""
-        refusal = None
-        try:
-            check_fixed_batch(as_kjt(features), self._tables, dist.get_rank())
-        except ValueError as exc:
-            refusal, features = exc, _REFUSED
-        except TypeError:
-            pass  # the input dist reports it
+        A variable-batch KJT (``check_fixed_batch``), or anything that fails here, is fed
+        to the input dist as a ``RefusedBatch``, so peers fail the same step."""
+        if not isinstance(features, RefusedBatch):
+            try:
+                check_fixed_batch(as_kjt(features), self._tables, dist.get_rank())
+            except Exception as exc:  # noqa: BLE001 - raised in forward, on every rank
+                features = RefusedBatch(exc)
         self._routing.take_sent()
         routed = self._input_dist(features, self.bounds_check, weighted=False)
-        return routed, self._routing.take_sent(), refusal
+        return routed, self._routing.take_sent()

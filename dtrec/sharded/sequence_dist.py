@@ -190,7 +190,7 @@ class SequenceLookup:
         The received ids come in runs, one per (source, segment), each of one table; the
         runs' counts are read once (one host read), every index is built from them."""
         routing = self._routing
-        served, batch, shards = routing.served, routed.batch, routing.shard_size
+        served, batch, shards = routing.served, routed.served_batch, routing.shard_size
         lengths, ids, _ = routed.wait_served(len(served))
         if self._offload is not None:  # offloaded tables' ids -> their cache slots
             ids = self._offload.slot_ids(routed, ids, self._run_tables(), lengths, batch)

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtrec._torch_compat import picklable_dtensor
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.ops.lookup import packed_views, shared_storage
 from dtrec.placements import TableLayout, TableSpec
@@ -33,6 +34,8 @@ class ShardedTable(nn.Module):
 
     ``load_state_dict`` takes the weight as a full tensor (e.g. from the unsharded
     model) or as a DTensor of any placements, and copies this rank's block in place.
+    ``state_dict`` values are DTensors around the live block (a view of the packed
+    buffer) that ``torch.save`` pickles (``picklable_dtensor``).
     """
 
     def __init__(
@@ -53,6 +56,12 @@ class ShardedTable(nn.Module):
 
     def extra_repr(self) -> str:
         return f"spec={self.spec!r}"
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = prefix + "weight"
+        if not keep_vars:  # a view of the packed buffer: make it pickle (torch.save)
+            destination[key] = picklable_dtensor(destination[key])
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors

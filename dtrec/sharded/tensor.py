@@ -14,12 +14,14 @@ from dtrec._torch_compat import (
     contiguous_dtensor,
     is_sharded_tensor,
     local_shape_and_offset,
+    picklable_dtensor,
     sharded_tensor_full,
 )
+from dtrec.comm.collectives import all_gather_varied
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.ops.dtensor_bridge import register_dtensor_rules
 from dtrec.placements.layout import Block, TableLayout
-from dtrec.placements.mesh import positions_mesh, shard_axis
+from dtrec.placements.mesh import mesh_device, positions_mesh, shard_axis
 from dtrec.placements.specs import TableSpec
 
 
@@ -82,7 +84,7 @@ def _init_on_ranks(
     out: Tensor | None,
 ) -> DTensor:
     from dtrec.modules.init import table_block
-    from dtrec.placements.mesh import mesh_device, shard_position
+    from dtrec.placements.mesh import shard_position
     from dtrec.sharded.offload.host import host_block
 
     rows, dim = weight.shape
@@ -142,7 +144,8 @@ def state_dtensor(state: Tensor, weight: DTensor, kind: str) -> Tensor:
         raise ValueError(f"unknown optimizer state kind {kind!r}")
     if weight.device_mesh.get_coordinate() is None:  # holds none of it: empty, right rank
         state = state.new_empty((0,) * len(shape))
-    return _wrap(state, weight.device_mesh, placements, tuple(shape))
+    # packed state views (and host-tier blocks) pickle too (torch.save)
+    return picklable_dtensor(_wrap(state, weight.device_mesh, placements, tuple(shape)))
 
 
 def load_block(target: DTensor, value: Tensor, block: Block | None, key: str) -> None:
@@ -179,13 +182,17 @@ def full_tensor(value: Tensor) -> Tensor:
     is assembled).
 
     Collective for a DTensor or ShardedTensor: call on every rank in the same order. A
-    DTensor on a sub-mesh (a table-wise table) is gathered by its members, then broadcast
-    from the first of them; a ShardedTensor is summed over its own process group.
+    DTensor's blocks (with their offsets) are all-gathered over the world with plain c10d
+    all-gathers, never DTensor's functional one, which gloo does not run on CUDA tensors
+    (so one-GPU gloo worlds can checkpoint); a ShardedTensor is summed over its own
+    process group.
     """
     if is_sharded_tensor(value):
         return sharded_tensor_full(value)
     if not isinstance(value, DTensor):
         return value.detach().cpu().clone()
+    if not any(p.is_partial() for p in value.placements):
+        return _assembled(value)
     members = sorted(value.device_mesh.mesh.flatten().tolist())
     full = value.full_tensor() if value.device_mesh.get_coordinate() is not None else None
     if len(members) < dist.get_world_size():
@@ -193,6 +200,32 @@ def full_tensor(value: Tensor) -> Tensor:
             full = value.to_local().new_empty(value.shape)
         dist.broadcast(full, src=members[0])
     return full.detach().cpu().clone()
+
+
+def _assembled(value: DTensor) -> Tensor:
+    """``value``'s blocks gathered from every rank and put at their offsets (CPU). A block
+    in host memory (an offloaded table's) travels through the mesh's device, where the
+    process group's collectives run (NCCL takes no CPU tensors)."""
+    local = value.to_local().detach()
+    if local.device.type != value.device_mesh.device_type:
+        local = local.to(mesh_device(value.device_mesh))
+    member = value.device_mesh.get_coordinate() is not None
+    shape, offset = local_shape_and_offset(value.shape, value.device_mesh, value.placements)
+    if not member or local.numel() == 0:
+        shape, offset = (0,) * value.dim(), (0,) * value.dim()
+    meta = torch.tensor([*shape, *offset], dtype=torch.long, device=local.device)
+    metas = all_gather_varied(meta if member else meta[:0], None, "full_tensor.meta")
+    data = local.reshape(-1) if member else local.new_empty(0)
+    blocks = all_gather_varied(data, None, "full_tensor")
+    full = torch.zeros(tuple(value.shape), dtype=value.dtype)
+    n = value.dim()
+    for meta_r, block in zip(metas, blocks, strict=True):
+        if not meta_r.numel() or not block.numel():
+            continue
+        shape_r, offset_r = meta_r[:n].tolist(), meta_r[n:].tolist()
+        where = tuple(slice(o, o + k) for o, k in zip(offset_r, shape_r, strict=True))
+        full[where] = block.view(shape_r).cpu()
+    return full
 
 
 def like_dtensor(local: Tensor, like: DTensor) -> DTensor:

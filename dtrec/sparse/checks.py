@@ -65,8 +65,10 @@ def prefix_sums(lengths: Sequence[int]) -> list[int]:
 
 
 def exclusive_cumsum(lengths: Tensor) -> Tensor:
+    """int64 ``[0, cumsum(lengths)...]``: two launches (a zeroed buffer, the cumsum written
+    into its tail), not three (a slice assignment copies the cumsum once more)."""
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
-    offsets[1:] = torch.cumsum(lengths, dim=0)
+    torch.cumsum(lengths, dim=0, dtype=torch.int64, out=offsets[1:])
     return offsets
 
 

@@ -8,12 +8,13 @@ reports the largest differences.
 from __future__ import annotations
 
 import copy
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import dtrec
 from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
@@ -100,7 +101,13 @@ class Result:
     max_grad: float = 0.0
     """Largest magnitudes of the unsharded pooled embeddings and gradient blocks (the
     scale of the differences above)."""
+    max_norm_diff: float = 0.0
+    """Largest |sharded - unsharded| total norm returned by ``clip_grad_norm_`` (``clip``)."""
+    max_norm: float = 0.0
     grads_sharded_like_weights: bool = True
+    shapes_match: bool = True
+    """This rank's pooled output had the unsharded one's shape every step (``(0, D)`` for an
+    empty batch); a mismatch is described in ``notes``."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -119,6 +126,9 @@ def check_numerics(
     sync_every: int | None = None,
     empty: Mapping[int, Collection[str]] | None = None,
     device: str = "cpu",
+    batch_sizes: Sequence[Sequence[int]] | None = None,
+    opt_kwargs: Mapping[str, object] | None = None,
+    clip: Mapping[str, object] | None = None,
 ) -> Result:
     """Train sharded and unsharded side by side; return the largest differences.
 
@@ -127,7 +137,16 @@ def check_numerics(
     ``dtype`` after each update: fused steps take fp32 gradient rows, which a bf16
     ``.grad`` would round); ``empty``: per rank, features its batches leave empty;
     ``device``: where both models and the batches live (the mesh's device type; the
-    batches are drawn on CPU, so every device sees the same numbers).
+    batches are drawn on CPU, so every device sees the same numbers); ``batch_sizes``:
+    per step, every rank's batch size (uneven, 0 included; default: ``batch`` on every
+    rank for ``steps`` steps). Each rank's loss is over its own batch
+    (``rank_loss``), the unsharded model's the sum of those over W. ``opt_kwargs``:
+    extra arguments of the torch optimizer (``foreach=True``, ``fused=True``), given to the
+    sharded and the unsharded model's alike; ``clip``: keyword arguments of
+    ``torch.nn.utils.clip_grad_norm_`` run on both models' parameters before each step
+    (with a fused optimizer the unsharded model clips its dense part only: the sharded
+    tables have no ``.grad``), the largest difference of the returned norms in
+    ``Result.max_norm_diff``.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     tables = tables if tables is not None else make_tables(weighted)
@@ -154,10 +173,14 @@ def check_numerics(
         if fused is not None
         else {}
     )
+    kw = dict(opt_kwargs or {})
     make_opt = {
-        "sgd": lambda ps: torch.optim.SGD(ps, lr=lr),
-        "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=lr),
-        "adam": lambda ps: torch.optim.Adam(ps, lr=lr / 10),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=lr, **kw),
+        "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=lr / 5, momentum=0.9, **kw),
+        "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=lr, **kw),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=lr / 10, **kw),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=lr / 10, weight_decay=0.1, **kw),
+        "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=lr / 50, **kw),
     }[optimizer]
     ref_opt, opt = make_opt(reference.parameters()), make_opt(sharded.parameters())
     result = Result()
@@ -174,21 +197,27 @@ def check_numerics(
 
     seen: dict[str, torch.Tensor] = {}
     sharded.sparse.register_forward_hook(lambda m, i, out: seen.update(pooled=out.values()))
-    for step in range(steps):
-        batches = [make_batch(tables, batch, weighted, gen, empty.get(r, ())) for r in range(world)]
+    if batch_sizes is None:
+        batch_sizes = [[batch] * world] * steps
+    for step, sizes in enumerate(batch_sizes):
+        batches = [
+            make_batch(tables, sizes[r], weighted, gen, empty.get(r, ())) for r in range(world)
+        ]
         if device != "cpu":
             batches = [(kjt.to(device), target.to(device)) for kjt, target in batches]
         kjt, target = batches[rank]
-        loss = ((sharded(kjt) - target) ** 2).mean()  # the root forward: dense grad sync
+        loss = rank_loss(sharded(kjt), target)  # the root forward: dense grad sync
         pooled = seen["pooled"]
         loss.backward()
 
         ref_pooled = [reference.sparse(k).values() for k, _ in batches]
-        ref_losses = [
-            ((reference.head(p) - t) ** 2).mean() for p, (_, t) in zip(ref_pooled, batches)
-        ]
+        ref_losses = [rank_loss(reference.head(p), t) for p, (_, t) in zip(ref_pooled, batches)]
         torch.stack(ref_losses).mean().backward()
         result.max_loss_diff = max(result.max_loss_diff, abs(loss.item() - ref_losses[rank].item()))
+        if pooled.shape != ref_pooled[rank].shape:
+            result.shapes_match = False
+            result.notes.append(f"step {step}: output {tuple(pooled.shape)}, want "
+                                f"{tuple(ref_pooled[rank].shape)}")  # fmt: skip
         out_diff = (
             (pooled.float() - ref_pooled[rank].float()).abs().max().item()
             if pooled.numel()
@@ -221,6 +250,13 @@ def check_numerics(
                 result.max_grad = max(
                     result.max_grad, block_of(name, want).abs().max().item() if got.numel() else 0.0
                 )
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(sharded.parameters(), **clip)
+            ref_params = reference.dense if fused is not None else reference
+            want_norm = torch.nn.utils.clip_grad_norm_(ref_params.parameters(), **clip)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            result.max_norm_diff = max(result.max_norm_diff, (norm - want_norm).abs().item())
+            result.max_norm = max(result.max_norm, want_norm.item())
         opt.step()
         opt.zero_grad()
 
@@ -246,10 +282,18 @@ def check_numerics(
         result.max_weight_diff = max(
             result.max_weight_diff, diff.max().item() if diff.numel() else 0.0
         )
-    result.max_dense_diff = (sharded.dense.weight - reference.dense.weight).abs().max().item()
+    dense = sharded.dense.weight  # a DTensor replicated over the mesh: every rank's copy
+    dense = dense.to_local() if isinstance(dense, DTensor) else dense
+    result.max_dense_diff = (dense - reference.dense.weight).abs().max().item()
     if dtype == torch.float32:
         result.max_weight_diff = max(result.max_weight_diff, result.max_dense_diff)
     return result
+
+
+def rank_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """One rank's loss over its own batch: the mean squared error, 0 for an empty batch
+    (``sum / max(B, 1)``: finite, and every parameter still gets a (zero) gradient)."""
+    return ((prediction - target) ** 2).sum() / max(target.numel(), 1)
 
 
 def spacing(x: torch.Tensor) -> torch.Tensor:
@@ -274,7 +318,8 @@ def fused_reference_update(
         weight = model.sparse.embedding_bags[cfg.name].weight
         ids = torch.cat([b[f].values() for b in batches for f in cfg.feature_names])
         rows = torch.unique(ids.long())
-        with torch.no_grad():
-            fused.update_rows(weight, state[cfg.name], rows, weight.grad[rows].float())
+        grad = torch.zeros_like(weight) if weight.grad is None else weight.grad
+        with torch.no_grad():  # also without rows (empty batches): the sharded tables step
+            fused.update_rows(weight, state[cfg.name], rows, grad[rows].float())
             weight.copy_(weight.to(dtype).float())
         weight.grad = None

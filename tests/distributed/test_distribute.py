@@ -71,16 +71,16 @@ def _comm_counts(rank: int) -> dict:
         "forward_c10d": forward,
         "forward_calls": dict(stats.calls),
         "backward_calls": dict(bstats.calls),
-        # A position with no rows of a table (t1 has 3 rows on 4 positions) gets no grad.
+        # Every table gets a grad shaped like its local shard on every rank, empty where a
+        # position has no rows (t1: 3 rows on 4 positions), so all ranks list the same
+        # .grad parameters (clip_grad_norm_ stacks their norms in one order everywhere).
         "grad_local_rows": {
             n: tuple(t.weight.grad.to_local().shape)
             for n, t in model.sparse.embedding_bags.items()
             if t.weight.grad is not None
         },
         "weight_local_rows": {
-            n: tuple(t.weight.to_local().shape)
-            for n, t in model.sparse.embedding_bags.items()
-            if t.weight.to_local().numel() > 0
+            n: tuple(t.weight.to_local().shape) for n, t in model.sparse.embedding_bags.items()
         },
         "dtype": str(torch.get_default_dtype()),
     }
@@ -135,8 +135,14 @@ def _bad_input(rank: int) -> dict:
     out["weights_unchanged"] = all(
         torch.equal(t.weight.to_local(), before[n]) for n, t in model.sparse.embedding_bags.items()
     )
-    # A rank with a different batch size.
-    out["batch_size"] = error_of(lambda: model(_batch(rank, 3 if rank != 2 else 4)))
+    # An out-of-range id on rank 1 while rank 2's batch is empty: still every rank fails.
+    empty_elsewhere = bad if rank != 2 else _batch(rank, 0)
+    out["bad_beside_empty"] = error_of(lambda: model(empty_elsewhere).sum().backward())
+    out["weights_unchanged_beside_empty"] = all(
+        torch.equal(t.weight.to_local(), before[n]) for n, t in model.sparse.embedding_bags.items()
+    )
+    # Ranks with different batch sizes, one of them empty: a normal step.
+    out["batch_size"] = error_of(lambda: model(_batch(rank, [3, 4, 0, 3][rank])).sum().backward())
     # A rank missing a feature.
     missing = good.permute([k for k in good.keys() if k != "f3"]) if rank == 3 else good
     out["missing_key"] = error_of(lambda: model(missing))
@@ -502,13 +508,15 @@ def test_bad_batch_fails_every_rank_cleanly(results) -> None:
     by_rank = [r["bad_input"] for r in results]
     assert by_rank[1]["out_of_range"].startswith("IndexError")
     assert "table 't" in by_rank[1]["out_of_range"] and "on rank 1" in by_rank[1]["out_of_range"]
+    assert by_rank[1]["bad_beside_empty"] == by_rank[1]["out_of_range"]
     for rank in (0, 2, 3):
-        assert by_rank[rank]["out_of_range"].startswith("ValueError"), by_rank[rank]
-        assert "rank(s) [1]" in by_rank[rank]["out_of_range"]
+        for case in ("out_of_range", "bad_beside_empty"):
+            assert by_rank[rank][case].startswith("ValueError"), by_rank[rank]
+            assert "rank(s) [1]" in by_rank[rank][case]
     for rank in range(4):
         assert by_rank[rank]["weights_unchanged"]
-        assert "batch size differs" in by_rank[rank]["batch_size"]
-        assert "3: 4" in by_rank[rank]["batch_size"] or "2: 4" in by_rank[rank]["batch_size"]
+        assert by_rank[rank]["weights_unchanged_beside_empty"]
+        assert by_rank[rank]["batch_size"] == "ok", by_rank[rank]  # uneven batches train
         assert by_rank[rank]["recovers"] == "ok", by_rank[rank]
     assert by_rank[3]["missing_key"].startswith("KeyError") and "'f3'" in by_rank[3]["missing_key"]
     assert "rank(s) [3]" in by_rank[0]["missing_key"]

@@ -402,7 +402,36 @@ def _run_world(rank: int, world: int) -> dict:
     out["errors"]["add_param_group"] = error_of(
         lambda: opt.add_param_group({"params": [torch.zeros(1)]})
     )
+    out["replaced"] = _replace_rule(mesh, rank)
     return out
+
+
+def _replace_rule(mesh, rank: int) -> dict:
+    """``fused.optimizer = dataclasses.replace(fused.optimizer, lr=0)`` freezes the tables
+    (it sets every group's hyperparameters); a rule of another type is a TypeError."""
+    import dataclasses
+
+    import torch
+
+    import dtrec
+    from tests.multiprocess import error_of
+
+    model = dtrec.distribute_module(_model(), mesh, _plan(), optimizer=_rule("adam"))
+    fused = model.fused_optimizer
+    kjt, target = _batches(0)[rank]
+    _loss(model, kjt, target).backward()
+    before = _weights(model)
+    fused.optimizer = dataclasses.replace(fused.optimizer, lr=0.0, betas=(0.5, 0.6))
+    for step in (1, 2):
+        kjt, target = _batches(step)[rank]
+        _loss(model, kjt, target).backward()
+    after = _weights(model)
+    return {
+        "frozen": all(torch.equal(before[k], after[k]) for k in before),
+        "groups": [(g["lr"], g["betas"]) for g in fused.param_groups],
+        "rule": fused.optimizer,
+        "other_type": error_of(lambda: setattr(fused, "optimizer", dtrec.optim.SGD(lr=0.1))),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -474,3 +503,14 @@ def test_bad_group_is_a_clear_error_at_the_next_step(results) -> None:
         assert got["unchanged"] and got["unchanged_after_backward"], got
         assert got["next_step"] is None and got["trains"], got
         assert "groups cannot be added" in got["add_param_group"]
+
+
+def test_assigning_the_rule_sets_every_group(results) -> None:
+    import dtrec
+
+    for out in results:
+        got = out["replaced"]
+        assert got["frozen"], got  # lr = 0 from the next step on: the tables did not move
+        assert got["groups"] == [(0.0, (0.5, 0.6))] * 2, got
+        assert got["rule"] == dtrec.optim.Adam(lr=0.0, betas=(0.5, 0.6)), got
+        assert got["other_type"].startswith("TypeError: model.fused_optimizer.optimizer is a Adam")

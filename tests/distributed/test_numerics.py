@@ -16,6 +16,17 @@ MESHES = {4: [(4, 2), (2, 2), (2, 4), (1, 2)], 2: [(2, 2), (1, 2)]}
 TOLERANCE = 1e-5
 # torch optimizers other than SGD, run on DTensor table parameters (mixed plan only).
 OPTIMIZERS = ("adagrad", "adam")
+# CPU and CUDA differ in defaults that decide which code runs, so the CPU suite also runs
+# CUDA's: torch optimizers default to foreach=False on CPU but foreach=True on CUDA (the
+# kernels that refused a DTensor/plain-tensor mix and that DTensor ran on the first
+# tensor's mesh only); each plan's SGD and every optimizer above run with foreach=True
+# too. Other CPU/CUDA differences that matter here and how the suites pin them:
+# TF32 matmuls / cuDNN (off by default for matmul, on for cuDNN convs; the CUDA tier sets
+# both off, tests/gpu/cuda_worlds.py), index_add_/scatter-add are nondeterministic on CUDA
+# (dtrec's backward sorts rows instead, so results are bit-stable run to run), and
+# autograd runs backward on a device thread on CUDA (so AccumulateGrad copies gradients
+# it cannot steal: new_empty_strided, see dtrec/sharded/dtensor_handlers.py).
+FOREACH = {"foreach": True}
 # Fused optimizers, on plans that exercise replicas, column shards (exact row-wise
 # Adagrad needs the row's full sum of squares) and grid (rows and columns split).
 FUSED_PLANS = ("mixed", "column_wise", "grid")
@@ -47,9 +58,13 @@ def _run_world_cases(rank: int, world: int) -> dict[str, tuple]:
             for weighted in (False, True):
                 r = check_numerics(mesh, plan, weighted)
                 out[_case(world, shards, node, plan_name, weighted)] = _summary(r)
+            r = check_numerics(mesh, plan, False, opt_kwargs=FOREACH)
+            out[_case(world, shards, node, f"{plan_name}_foreach", False)] = _summary(r)
         for optimizer in OPTIMIZERS:
             r = check_numerics(mesh, PLANS["mixed"], weighted=False, optimizer=optimizer)
             out[_case(world, shards, node, f"mixed_{optimizer}", False)] = _summary(r)
+            r = check_numerics(mesh, PLANS["mixed"], False, optimizer=optimizer, opt_kwargs=FOREACH)
+            out[_case(world, shards, node, f"mixed_{optimizer}_foreach", False)] = _summary(r)
         for fused_name, fused in FUSED.items():
             for plan_name in FUSED_PLANS:
                 r = check_numerics(mesh, PLANS[plan_name], weighted=False, fused=fused)
@@ -91,10 +106,17 @@ CASES = (
         for w in (False, True)
     ]
     + [
-        (world, _case(world, s, n, f"mixed_{o}", False))
+        (world, _case(world, s, n, f"{p}_foreach", False))
+        for world, meshes in MESHES.items()
+        for s, n in meshes
+        for p in PLANS
+    ]
+    + [
+        (world, _case(world, s, n, f"mixed_{o}{suffix}", False))
         for world, meshes in MESHES.items()
         for s, n in meshes
         for o in OPTIMIZERS
+        for suffix in ("", "_foreach")
     ]
     + [
         (world, _case(world, s, n, f"{p}_fused_{f}", False))

@@ -131,11 +131,18 @@ def _fused_rule(name: str):
     return getattr(dtrec.optim, rule)(lr=lr)
 
 
-def check_training(mesh, reference: FPModel, plan: str, fused_name: str, kjt_type=None) -> dict:
+def check_training(
+    mesh, reference: FPModel, plan: str, fused_name: str, kjt_type=None, batch_sizes=None
+) -> dict:
     """Train ``reference`` unsharded on the global batch and a sharded copy on each rank's
-    part; the largest differences of loss, table blocks, position weights and dense."""
+    part; the largest differences of loss, table blocks, position weights and dense.
+    ``batch_sizes``: per step, every rank's batch size (default: 3 everywhere, ``STEPS``
+    steps); each rank's loss is over its own batch (``rank_loss``)."""
+    from torch.distributed.tensor import DTensor
+
     import dtrec
     from dtrec.placements.mesh import shard_position
+    from tests.distributed.numerics import rank_loss
 
     rank, world = dist.get_rank(), dist.get_world_size()
     fused = _fused_rule(fused_name)
@@ -149,12 +156,12 @@ def check_training(mesh, reference: FPModel, plan: str, fused_name: str, kjt_typ
     initial = {n: p.detach().clone() for n, p in reference.named_parameters() if "position" in n}
     gen = torch.Generator().manual_seed(7)
     loss_diff = 0.0
-    for _ in range(STEPS):
-        batches = [make_batch(gen, kjt_type=kjt_type) for _ in range(world)]
+    for sizes in batch_sizes or [[3] * world] * STEPS:
+        batches = [make_batch(gen, sizes[r], kjt_type=kjt_type) for r in range(world)]
         kjt, target = batches[rank]
-        loss = ((sharded(kjt) - target) ** 2).mean()
+        loss = rank_loss(sharded(kjt), target)
         loss.backward()
-        ref_losses = [((reference(k) - t) ** 2).mean() for k, t in batches]
+        ref_losses = [rank_loss(reference(k), t) for k, t in batches]
         torch.stack(ref_losses).mean().backward()
         loss_diff = max(loss_diff, abs(loss.item() - ref_losses[rank].item()))
         opt.step()
@@ -184,10 +191,13 @@ def check_training(mesh, reference: FPModel, plan: str, fused_name: str, kjt_typ
     position_diff, position_moved = 0.0, 0.0
     for name, param in sharded.named_parameters():
         if "position_weight" in name:
+            param = param.to_local() if isinstance(param, DTensor) else param  # replicated
             position_diff = max(position_diff, (param - dense[name]).abs().max().item())
             moved = (dense[name] - initial[name]).abs().max().item()  # trained, not just kept
             position_moved = max(position_moved, moved)
-    dense_diff = (sharded.dense.weight - reference.dense.weight).abs().max().item()
+    weight = sharded.dense.weight
+    weight = weight.to_local() if isinstance(weight, DTensor) else weight
+    dense_diff = (weight - reference.dense.weight).abs().max().item()
     return {
         "loss": loss_diff,
         "tables": table_diff,

@@ -29,4 +29,6 @@ def test_torchrec_dlrm_example_trains_and_reloads_exactly() -> None:
         r"other plan\) differs by (\S+), unsharded TorchRec DLRM by (\S+)", done.stdout
     )
     assert match, done.stdout
-    assert float(match.group(1)) == 0.0 and float(match.group(2).rstrip(",")) == 0.0
+    # The reloaded distributed model is exact; the plain TorchRec DLRM pools with torch's
+    # embedding_bag, whose sums may round differently (seen: 2.4e-7 after 12 steps).
+    assert float(match.group(1)) == 0.0 and float(match.group(2).rstrip(",")) < 1e-6

@@ -132,16 +132,20 @@ def test_2d_plans_per_sharding_group_and_world() -> None:
 def test_unmappable_plans_are_errors_naming_the_table() -> None:
     sp = _helpers()
     dp = {"t1": sp.data_parallel(), "t2": sp.data_parallel(), "t3": sp.data_parallel()}
-    with pytest.raises(ValueError, match="'sparse.t0' .column_wise, ranks \\[0, 1\\]. has blocks"):
-        _mapped(4, 4, {"t0": sp.column_wise(ranks=[0, 1], compute_kernel="dense"), **dp})
+    with pytest.raises(
+        ValueError,
+        match="'sparse.t0' .column_wise, ranks \\[0, 1\\]. has blocks.*"
+        "torch.chunk widths over increasing positions.*widths \\[12, 4\\]",
+    ):
+        _mapped(4, 4, {"t0": sp.column_wise(ranks=[0, 1], size_per_rank=[12, 4]), **dp})
     with pytest.raises(ValueError, match="'sparse.t0': compute kernel 'fused_uvm'"):
         _mapped(4, 4, {"t0": sp.table_wise(rank=0, compute_kernel="fused_uvm"), **dp})
     model = _model()
     plan = _plan(model, 4, {"t0": sp.table_wise(rank=0, compute_kernel="dense"), **dp})
-    plan.plan["sparse"]["t0"].sharding_type = "table_column_wise"
+    plan.plan["sparse"]["t0"].sharding_type = "bucket_wise"
     with fake_world(0, 4):
         mesh = dtrec.init_mesh("cpu", 4)
-        with pytest.raises(ValueError, match="sharding type 'table_column_wise' has no dtrec"):
+        with pytest.raises(ValueError, match="sharding type 'bucket_wise' has no dtrec"):
             from_torchrec(plan, model_tables(model), mesh)
         plan.plan["sparse"]["t9"] = plan.plan["sparse"].pop("t0")
         with pytest.raises(KeyError, match="names table 't9' of module 'sparse'"):
@@ -189,8 +193,8 @@ def test_parameter_constraints() -> None:
         for bad, match in [
             ({"t9": ParameterConstraints()}, "ParameterConstraints for unknown table 't9'"),
             ({"t0": ParameterConstraints(compute_kernels=["key_value"])}, "'t0': TorchRec comp"),
-            ({"t0": ParameterConstraints(sharding_types=["table_column_wise"])}, "'t0': TorchRec "
-             "sharding type 'table_column_wise'"),
+            ({"t0": ParameterConstraints(sharding_types=["bucket_wise"])}, "'t0': TorchRec "
+             "sharding type 'bucket_wise'"),
             ({"t0": ParameterConstraints(sharding_types=["column_wise"], min_partition=8)},
              "allow only column_wise"),
         ]:  # fmt: skip
@@ -280,3 +284,91 @@ def test_uvm_caching_constraint_offloads_the_table() -> None:
         assert chosen["sparse.t0"].cache_fraction == 0.25
         assert chosen["sparse.t1"] == RowWise(cache_fraction=0.2)
         assert not chosen["sparse.t2"].offloaded
+
+
+def test_column_blocks_map_to_the_spec_laying_them_out() -> None:
+    """A single full column block is table-wise; blocks in chunk widths one per position
+    are ColumnWise over those positions, in column order (whole axis: ColumnWise())."""
+    sp = _helpers()
+    dp = {"t2": sp.data_parallel(), "t3": sp.data_parallel()}
+    specs = _mapped(4, 4, {
+        "t0": sp.column_wise(ranks=[2]),
+        "t1": sp.column_wise(ranks=[1, 3]),
+        **dp,
+    })  # fmt: skip
+    assert specs["sparse.t0"] == TableWise(rank=2)
+    assert specs["sparse.t1"] == ColumnWise(positions=(1, 3))
+    assert str(specs["sparse.t1"]) == "CW(1,3)"
+    # first columns on the higher rank: a sub-mesh's process group orders ranks ascending
+    with pytest.raises(ValueError, match="widths \\[8, 8\\] at positions \\[3, 1\\]"):
+        _mapped(4, 4, {"t0": sp.column_wise(ranks=[3, 1]), "t1": sp.data_parallel(), **dp})
+    model = _model()
+    plan = _plan(
+        model, 4, {"t0": sp.column_wise(ranks=[0, 1]), "t1": sp.column_wise(ranks=[1]), **dp}
+    )
+    plan.plan["sparse"]["t0"].sharding_type = "table_column_wise"
+    plan.plan["sparse"]["t1"].sharding_type = "table_column_wise"
+    with fake_world(0, 4):
+        mesh = dtrec.init_mesh("cpu", 4)
+        specs = from_torchrec(plan, model_tables(model), mesh)
+    assert specs["sparse.t0"] == ColumnWise(positions=(0, 1))
+    assert specs["sparse.t1"] == TableWise(rank=1)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind", ["column_wise", "table_column_wise"])
+def test_torchrec_planner_column_plans_are_taken_exactly(world: int, kind: str) -> None:
+    """TorchRec's EmbeddingShardingPlanner (CPU topology) cuts columns into blocks of 128
+    and puts them on some ranks: every block lands where TorchRec put it."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    from dtrec.placements.mesh import shard_axis
+
+    model = nn.Module()
+    configs = [
+        torchrec.EmbeddingBagConfig(
+            name=f"t{i}", num_embeddings=100, embedding_dim=dim, feature_names=[f"f{i}"]
+        )
+        for i, dim in enumerate([16, 64, 256, 160])
+    ]
+    model.sparse = torchrec.EmbeddingBagCollection(configs, device=torch.device("meta"))
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world, compute_device="cpu"),
+        constraints={f"t{i}": ParameterConstraints(sharding_types=[kind]) for i in range(4)},
+    )
+    plan = planner.plan(model, [EmbeddingBagCollectionSharder()])
+    tables = model_tables(model)
+    with fake_world(0, world):
+        mesh = dtrec.init_mesh("cpu", world)
+        specs = from_torchrec(plan, tables, mesh)
+        axis = shard_axis(mesh)
+    for name, sharding in plan.plan["sparse"].items():
+        theirs = sorted(
+            (rank, (s.shard_offsets[0], s.shard_offsets[0] + s.shard_sizes[0]),
+             (s.shard_offsets[1], s.shard_offsets[1] + s.shard_sizes[1]))
+            for rank, s in zip(sharding.ranks, sharding.sharding_spec.shards, strict=True)
+        )  # fmt: skip
+        layout = specs[f"sparse.{name}"].layout(tables[f"sparse.{name}"], axis)
+        assert sorted((b.position, b.rows, b.cols) for b in layout.blocks) == theirs, name
+        if len(theirs) == 1:
+            assert isinstance(specs[f"sparse.{name}"], TableWise), specs
+
+
+def test_plan_dict_is_a_plan() -> None:
+    """``ShardingPlan.plan`` (module path -> module plan) is taken like the ShardingPlan."""
+    sp = _helpers()
+    model = _model()
+    plan = _plan(model, 2, {
+        "t0": sp.row_wise(compute_kernel="dense"), "t1": sp.table_wise(rank=1),
+        "t2": sp.data_parallel(), "t3": sp.column_wise(ranks=[0, 1]),
+    })  # fmt: skip
+    with fake_world(0, 2):
+        mesh = dtrec.init_mesh("cpu", 2)
+        assert from_torchrec(plan.plan, model_tables(model), mesh) == from_torchrec(
+            plan, model_tables(model), mesh
+        )
+        assert dtrec.plan(model, mesh, constraints=plan.plan) == dtrec.plan(
+            model, mesh, constraints=plan
+        )

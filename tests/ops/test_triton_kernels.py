@@ -17,6 +17,7 @@ import torch.nn.functional as F  # noqa: E402
 from dtrec.kernels import embedding_bag as K  # noqa: E402
 from dtrec.kernels import embedding_bag_bwd as KB  # noqa: E402
 from dtrec.kernels import reference as R  # noqa: E402
+from dtrec.kernels import sorted_runs  # noqa: E402
 from dtrec.kernels import update_rows as U  # noqa: E402
 from dtrec.kernels.update_math import rowwise_adagrad_rows, sgd_rows  # noqa: E402
 
@@ -281,7 +282,7 @@ def test_bwd_rows_hot_row_split_into_chunks(monkeypatch, int32_keys):
     """chunk_size=8: row 0 (37 ids) is summed as 5 chunks + partials, row 1 (6) as one long
     segment, row 2 (2) and table 1's rows by the row-block kernel; all match the reference."""
     if not int32_keys:
-        monkeypatch.setattr(KB, "_INT32_KEYS", 0)
+        monkeypatch.setattr(sorted_runs, "_INT32_KEYS", 0)
     case = _hot_row_case(seed=16)
     grad_out = torch.randn(2, case.total_dim)
     ref = R.embedding_bag_bwd_rows_reference(*case.bwd_args(grad_out))
@@ -521,7 +522,7 @@ def test_bwd_update_matches_bwd_rows_then_update(kind, chunk_size, case_fn):
     got = KB.embedding_bag_bwd_rows(
         *dev(*case.bwd_args(grad_out)[:10]), dev(case.psw), chunk_size=chunk_size, update=update
     )
-    assert torch.equal(got.unique_keys.cpu(), grads.unique_keys) and got.grad_rows.numel() == 0
+    assert got is None  # nothing stored, nothing read back
     torch.testing.assert_close(fused_w.cpu(), w.cpu(), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(fused_state.cpu(), state.cpu(), atol=1e-7, rtol=1e-5)
     torch.testing.assert_close(fused_state2.cpu(), state2.cpu(), atol=1e-7, rtol=1e-5)
@@ -540,3 +541,61 @@ def test_bwd_update_rowwise_adagrad_rejects_wide_rows():
     with pytest.raises(ValueError, match="dims <="):
         KB.embedding_bag_bwd_rows(*dev(*case.bwd_args(torch.randn(2, case.total_dim))),
                                  update=update)  # fmt: skip
+
+
+def _dense(case, grads):
+    """Per-table dense fp32 gradients from RowGrads."""
+    dense = [torch.zeros(int(r), int(d)) for r, d in zip(case.rows, case.dims)]
+    for k in range(grads.row_table.numel()):
+        t, r, off = int(grads.row_table[k]), int(grads.row_ids[k]), int(grads.grad_offsets[k])
+        dense[t][r] = grads.grad_rows[off : off + int(case.dims[t])]
+    return dense
+
+
+@pytest.mark.parametrize("chunk_size", [None, 8], ids=["one-chunk", "split-rows"])
+def test_bwd_rows_skip_ids_outside_their_table(chunk_size):
+    """A bad id (negative, or past its table, which would be another table's row) gives no
+    row a gradient: the same dense gradient as the batch with that id weighted 0."""
+    case = _hot_row_case(seed=22)
+    grad_out = torch.randn(2, case.total_dim, generator=torch.Generator().manual_seed(23))
+    bad = {0: -1, 3: 3, 44: 40}  # entry 0 (positions 0-29) and 2 (42-56) read table 0 (3 rows)
+    zeroed = Case.__new__(Case)
+    zeroed.__dict__.update(case.__dict__)
+    zeroed.psw = case.psw.clone()
+    for pos in bad:
+        zeroed.psw[pos] = 0.0
+    want = _dense(case, R.embedding_bag_bwd_rows_reference(*zeroed.bwd_args(grad_out)))
+    case.values = case.values.clone()
+    for pos, row in bad.items():
+        case.values[pos] = row
+    got = bwd(case, grad_out, chunk_size=chunk_size)
+    assert int(got.unique_keys.max()) < int(case.rows.sum())  # no row of a bad id
+    for g, w in zip(_dense(case, got), want):
+        torch.testing.assert_close(g, w, **FP32)
+
+    every = Case.__new__(Case)  # every id bad: no row at all
+    every.__dict__.update(case.__dict__)
+    every.values = torch.full_like(case.values, -5)
+    assert bwd(every, grad_out, chunk_size=chunk_size).unique_keys.numel() == 0
+
+
+def test_bwd_update_waits_for_nothing_and_skips_while_the_error_flag_is_set():
+    from benchmarks.step_probes import StepCounter
+    from dtrec.kernels import row_updates as F_
+
+    case = _hot_row_case(seed=24)
+    grad_out = dev(torch.randn(2, case.total_dim))
+    w, error = dev(case.weights.clone()), dev(torch.tensor([1, 0], dtype=torch.int32))
+    hyper = dev(torch.tensor([0.1, 0, 0, 0, 1, 1.0]))
+    update = F_.FusedRowUpdate(F_.SGD, w, dev(case.table_offsets), hyper, w,
+                               dev(case.table_offsets), w, dev(case.dims), error)  # fmt: skip
+    args = dev(*case.bwd_args(grad_out))
+    rows = int(case.rows.sum())
+    with StepCounter(w.device) as counts:
+        KB.embedding_bag_bwd_rows(*args, max_dim=300, total_rows=rows, chunk_size=8,
+                                  update=update)  # fmt: skip
+    assert counts.total_syncs() == 0, counts.syncs
+    assert torch.equal(w.cpu(), case.weights)  # the flag was set: no row written
+    error.zero_()
+    KB.embedding_bag_bwd_rows(*args, max_dim=300, total_rows=rows, chunk_size=8, update=update)
+    assert not torch.equal(w.cpu(), case.weights)

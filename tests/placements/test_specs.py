@@ -25,6 +25,7 @@ ALL_SPECS = [
     TableWise(rank=1),
     RowWise(),
     ColumnWise(),
+    ColumnWise(positions=(1, 3)),
     TableRowWise(node=1),
     Grid(),
 ]
@@ -129,3 +130,24 @@ def test_candidates_enumerate_open_choices() -> None:
     assert TableWise().candidates(axis) == [TableWise(rank=i) for i in range(3)]
     assert TableRowWise().candidates(axis) == [TableRowWise(node=i) for i in range(3)]
     assert RowWise().candidates(axis) == [RowWise()]
+
+
+def test_column_wise_over_some_positions() -> None:
+    """``ColumnWise(positions=...)``: chunked columns on increasing positions (a sub-mesh);
+    a JSON list reads back as the same (hashable) spec."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from dtrec.planning.plan import ShardingPlan
+
+    table = dtrec.EmbeddingBagConfig("t", 10, 7, ["f"])
+    layout = ColumnWise(positions=(1, 3)).layout(table, ShardAxis(4, 2, None))
+    assert layout.positions == (1, 3) and layout.mesh_shape == (2,)
+    assert [(b.position, b.cols) for b in layout.blocks] == [(1, (0, 4)), (3, (4, 7))]
+    assert layout.placements == (Shard(1), Replicate())
+    assert ColumnWise(positions=[1, 3]) == ColumnWise(positions=(1, 3))
+    assert hash(ColumnWise(positions=[1, 3])) == hash(ColumnWise(positions=(1, 3)))
+    plan = ShardingPlan({"s.t": ColumnWise(positions=(1, 3))})
+    assert ShardingPlan.from_json(plan.to_json()) == plan
+    for bad in ((3, 1), (1, 1), (), (0, 4)):
+        with pytest.raises(ValueError, match="must name increasing shard positions in 0..3"):
+            ColumnWise(positions=bad).layout(table, ShardAxis(4, 2, None))

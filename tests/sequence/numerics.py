@@ -105,8 +105,12 @@ def check_sequence_numerics(
     seed: int = 0,
     lr: float = 0.1,
     tables: list[tuple] = TABLES,
+    batch_sizes: list[list[int]] | None = None,
 ) -> Result:
-    """Train sharded and unsharded side by side; return the largest differences."""
+    """Train sharded and unsharded side by side; return the largest differences.
+
+    ``batch_sizes``: per step, every rank's batch size (uneven, 0 included); default:
+    ``1 + 2 * step`` on every rank for ``steps`` steps."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     reference = dtrec.EmbeddingCollection(make_tables(tables), need_indices=True)
@@ -128,8 +132,10 @@ def check_sequence_numerics(
         b = blocks[name]
         return full[b.rows[0] : b.rows[1], b.cols[0] : b.cols[1]]
 
-    for step in range(steps):
-        batches = [make_batch(1 + 2 * step, gen, tables) for _ in range(world)]
+    if batch_sizes is None:
+        batch_sizes = [[1 + 2 * step] * world for step in range(steps)]
+    for sizes in batch_sizes:
+        batches = [make_batch(sizes[r], gen, tables) for r in range(world)]
         with dtrec.comm_stats() as stats:
             out = sharded(batches[rank])
         result.output_dist_calls += stats.calls.get("sequence_output_dist", 0)

@@ -142,7 +142,7 @@ def _wrong_object(rank: int) -> str:
         again = dtrec.KeyedJaggedTensor(kjt.keys(), kjt.values(), kjt.lengths())
         return seq_numerics.loss_of(m.seq(again))
 
-    pipeline = dtrec.TrainPipeline(model, None, copying)
+    pipeline = dtrec.TrainPipeline(model, None, copying, sparse_features=lambda kjt: kjt)
     return error_of(lambda: list(pipeline.run(batches)))
 
 

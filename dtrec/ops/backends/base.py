@@ -35,6 +35,9 @@ class Capabilities:
     """Sum and mean entries in one call."""
     fused_backward_update: bool
     """Whether ``backward_update`` can serve some optimizer step at all."""
+    skips_bad_ids: bool = False
+    """Whether it takes ``Lookup.error``: flags ids outside their table on the device (no
+    host read) and skips them, and changes no table while the flag is set."""
 
     def serves(self, lookup: Lookup) -> bool:
         """Whether this lookup's device, dtype and pooling are all within these capabilities."""
@@ -94,7 +97,8 @@ class Backend(Protocol):
 
     def forward(self, lookup: Lookup, check_ids: bool = False) -> Tensor:
         """Pooled output ``[B, sum D]``; with ``check_ids``, IndexError for an id outside
-        its table (offsets are checked by the caller)."""
+        its table (offsets are checked by the caller); with ``lookup.error`` (backends that
+        skip bad ids) such ids are flagged there instead."""
         ...
 
     def backward_rows(self, lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:

@@ -9,6 +9,7 @@ import triton, so they are imported here only when a method runs.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -35,22 +36,28 @@ class TritonBackend:
         mean_pooling=True,
         mixed_pooling=True,
         fused_backward_update=True,
+        skips_bad_ids=True,
     )
 
     def forward(self, lookup: Lookup, check_ids: bool = False) -> Tensor:
-        """One kernel launch for every entry; with ``check_ids`` the kernel flags bad ids
-        while it gathers (no extra pass over the ids)."""
+        """One kernel launch for every entry; with ``check_ids`` or ``lookup.error`` the
+        kernel flags bad ids while it gathers (no extra pass over the ids); only
+        ``check_ids`` reads the flag (then raises)."""
         from dtrec.kernels import embedding_bag as k
 
         weights = lookup.weights
         flat, table_offsets = pack_tables(weights)
         bounds = None
-        if check_ids:
+        if check_ids or lookup.error is not None:
             bounds = device_list([w.shape[0] for w in weights], torch.int64, flat.device)
-        result = k.embedding_bag_fwd(flat, table_offsets, bounds=bounds, **_layout(lookup))
+        result = k.embedding_bag_fwd(
+            flat, table_offsets, bounds=bounds, error=lookup.error, **_layout(lookup)
+        )
         if bounds is None:
             return result
         out, error = result
+        if not check_ids:
+            return out
         if int(error[0]):  # one small device->host read
             entry = int(error[1])
             table = lookup.entry_table[entry]
@@ -60,13 +67,21 @@ class TritonBackend:
         return out
 
     def backward_rows(self, lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Per table: (sorted unique rows, fp32 grad rows ``[U_t, D_t]``), deterministic."""
+        """Per table: (sorted unique rows, fp32 grad rows ``[U_t, D_t]``), deterministic;
+        no rows while ``lookup.error`` is set (this path reads sizes on the host anyway)."""
         from dtrec.kernels.embedding_bag_bwd import embedding_bag_bwd_rows
 
         weights = lookup.weights
-        g = embedding_bag_bwd_rows(grad_out.contiguous(), **_rows(lookup), **_layout(lookup))
-        # Rows come sorted by table, so each table's rows and grads are contiguous.
-        counts = torch.bincount(g.row_table.long(), minlength=len(weights)).tolist()
+        if lookup.error is not None and bool(lookup.error[0]):
+            none = lookup.values.new_zeros(0, dtype=torch.int64)
+            return [(none, none.new_zeros(0, w.shape[1], dtype=torch.float32)) for w in weights]
+        rows = _rows(lookup)
+        g = embedding_bag_bwd_rows(grad_out.contiguous(), **rows, **_layout(lookup))
+        # Rows come sorted by table (keys row_base[t] + row), so each table's rows and grads
+        # are contiguous; the tables' first keys split them (one host read).
+        bounds = [*torch.searchsorted(g.unique_keys, rows["row_base"]).tolist(),
+                  g.unique_keys.numel()]  # fmt: skip
+        counts = [end - first for first, end in zip(bounds, bounds[1:])]
         result, start, grad_start = [], 0, 0
         for w, n in zip(weights, counts, strict=True):
             dim = w.shape[1]
@@ -95,6 +110,8 @@ class TritonBackend:
         update = _fused_row_update(rule, list(lookup.weights), states, grad_scale)
         if update is None:
             return False
+        if lookup.error is not None:
+            update = update._replace(error=lookup.error)
         embedding_bag_bwd_rows(
             grad_out.contiguous(), update=update, **_rows(lookup), **_layout(lookup)
         )
@@ -119,7 +136,7 @@ def _layout(lookup: Lookup) -> dict:
         "offsets": lookup.offsets.long(),
         "batch_size": lookup.batch,
         "total_dim": cols[-1],
-        "mean": device_list(lookup.mean, torch.bool, device),
+        "mean": device_list(lookup.mean, torch.int8, device),
         "per_sample_weights": None
         if lookup.per_sample_weights is None
         else lookup.per_sample_weights.float(),
@@ -128,9 +145,13 @@ def _layout(lookup: Lookup) -> dict:
 
 
 def _rows(lookup: Lookup) -> dict:
-    """The backward's table sizes: rows per table (a device list) and their sum."""
+    """The backward's table sizes: rows per table, their exclusive cumsum (device lists)
+    and their sum."""
     rows = [w.shape[0] for w in lookup.weights]
-    return {"num_rows": device_list(rows, torch.int64, lookup.values.device),
+    device = lookup.values.device
+    return {"num_rows": device_list(rows, torch.int64, device),
+            "row_base": device_list(list(itertools.accumulate(rows[:-1], initial=0)),
+                                    torch.int64, device),
             "total_rows": sum(rows)}  # fmt: skip
 
 

@@ -1,0 +1,376 @@
+"""Dense parameters as DTensors replicated over the mesh, gradients averaged like DDP.
+
+Why: torch's optimizers default to their ``foreach`` kernels on CUDA (and take
+``fused=True``), and those refuse a parameter list that mixes DTensors (the tables)
+with plain tensors. So every parameter ``distribute_module`` leaves outside the sharded
+collections becomes a DTensor with ``Replicate()`` on every dim of the model's mesh
+(the mesh of the row-, column-wise and data-parallel tables: ``clip_grad_norm_`` and
+the optimizers then see one mesh in the common case), the way torch's composable APIs
+make every parameter a DTensor. State-dict keys do not change; a plain tensor loads
+into them (checkpoints from before, the unsharded model's state dict).
+
+* **Forward.** The module code keeps seeing plain tensors: before the model's forward,
+  each parameter's ``to_local()`` (a view of the same storage, differentiable) is put in
+  its module's ``__dict__``, where attribute lookup finds it before nn.Module's
+  ``_parameters``; after the forward it is removed again. A module called on its own
+  (or re-run by activation checkpointing in backward) installs views of its own
+  parameters the same way. Buffers stay plain tensors and are broadcast from rank 0
+  before every forward, as DDP does.
+* **Backward.** ``to_local``'s backward hands the gradient to the DTensor parameter as a
+  ``Replicate`` DTensor (no communication). A post-accumulate-grad hook marks it ready;
+  parameters are bucketed (DDP's 25 MiB cap, 1 MiB first bucket, reverse registration
+  order, which is roughly the order backward produces them), and a bucket whose
+  parameters are all ready starts one asynchronous all-reduce over the world, in bucket
+  order on every rank, so the exchange overlaps the rest of backward (each gradient
+  divided by W first, as DDP does). When backward ends, the remaining buckets are sent
+  and every gradient becomes the average over the W ranks. One extra value per
+  parameter counts the ranks that had a gradient: a parameter no rank used keeps
+  ``grad None`` (as in the unsharded model), one that some rank used gets the average
+  on every rank.
+
+Every rank's backward must reach at least one dense parameter (as with DDP without
+``find_unused_parameters``); the all-reduces are plain c10d ones through ``dtrec.comm``
+(``comm_stats`` kind ``dense.grad_sync``), which every backend supports on every device.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+from dtrec._torch_compat import current_backward_id, queue_backward_callback
+from dtrec.comm.collectives import PendingTensors, all_reduce_coalesced_start, broadcast_coalesced
+
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 25 << 20
+"""DDP's defaults: the first bucket small, so the first exchange starts early."""
+KIND = "dense.grad_sync"
+
+
+class _Bucket:
+    """Parameters whose gradients travel in one all-reduce."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.ready: set[int] = set()
+        self.pending: PendingTensors | None = None
+        self.missing = False  # whether this rank sent a zero for a parameter without grad
+
+
+class ReplicatedDense:
+    """The dense parameters of one distributed model: their views, hooks and buckets.
+
+    Built by :func:`replicate_dense`; kept in the model's ``DistributedState``.
+    """
+
+    def __init__(
+        self,
+        root: nn.Module,
+        mesh: DeviceMesh,
+        owners: dict[int, list[tuple[nn.Module, str]]],
+        params: list[nn.Parameter],
+        buffers: list[tuple[nn.Module, str]],
+        aliases: dict[int, list[tuple[nn.Module, Any, Any]]] | None = None,
+    ) -> None:
+        self.mesh = mesh
+        # id(param) -> [(module, container, key)]: a dict / list attribute of a module that
+        # holds the parameter too (TorchRec's PositionWeightedModuleCollection keeps
+        # position_weights_dict beside its ParameterDict); it gets the views as well
+        self._aliases = aliases or {}
+        self._root = root
+        self._owners = owners  # id(param) -> [(module, attribute)], shared params listed twice
+        self._params = params
+        self._buffers = buffers
+        self._in_root = False
+        self._backward: int | None = None
+        self._next = 0
+        self._hook_params()
+        root.register_forward_pre_hook(self._root_pre_forward, prepend=True)
+        root.register_forward_hook(self._root_post_forward, always_call=True)
+        root._register_load_state_dict_pre_hook(self._load_pre_hook, with_module=True)
+        holders = [m for places in owners.values() for m, _ in places]
+        holders += [m for places in self._aliases.values() for m, _, _ in places]
+        for module in {id(m): m for m in holders}.values():
+            if module is not root:
+                module.register_forward_pre_hook(self._module_pre_forward, prepend=True)
+                module.register_forward_hook(self._module_post_forward, always_call=True)
+
+    def _hook_params(self) -> None:
+        """Buckets of the parameters that train, and their gradient hooks."""
+        self._buckets = _buckets([p for p in self._params if p.requires_grad])
+        self._slot = {id(p): b for b, bucket in enumerate(self._buckets) for p in bucket.params}
+        for bucket in self._buckets:
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    # ------------------------------------------------------------------ forward
+
+    def _views(self, only: nn.Module | None = None) -> None:
+        """Put each parameter's local view where its module's code reads it."""
+        for p in self._params:
+            local = p.to_local()
+            for module, name in self._owners[id(p)]:
+                if only is None or module is only:
+                    module.__dict__[name] = local
+            for module, container, key in self._aliases.get(id(p), ()):
+                if only is None or module is only:
+                    container[key] = local
+
+    def _unviews(self, only: nn.Module | None = None) -> None:
+        for places in self._owners.values():
+            for module, name in places:
+                if only is None or module is only:
+                    module.__dict__.pop(name, None)
+        for p in self._params:
+            for module, container, key in self._aliases.get(id(p), ()):
+                if only is None or module is only:
+                    container[key] = p
+
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        self._sync_buffers()
+        self._views()
+        self._in_root = True
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._in_root = False
+        self._unviews()
+
+    def _module_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not self._in_root:  # called on its own, or re-run by activation checkpointing
+            self._views(module)
+
+    def _module_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._in_root:
+            self._unviews(module)
+
+    def _sync_buffers(self) -> None:
+        """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``); one broadcast."""
+        tensors = [getattr(m, n) for m, n in self._buffers]
+        tensors = [t for t in tensors if isinstance(t, Tensor)]
+        if tensors and dist.get_world_size() > 1:
+            broadcast_coalesced(tensors, 0, None, "dense.buffers")
+
+    # ------------------------------------------------------------------ backward
+
+    def _grad_ready(self, param: Tensor) -> None:
+        backward = current_backward_id()
+        if backward != self._backward:
+            self._start_backward(backward)
+        bucket_id = self._slot[id(param)]
+        bucket = self._buckets[bucket_id]
+        bucket.ready.add(id(param))
+        while self._next < len(self._buckets):
+            nxt = self._buckets[self._next]
+            if len(nxt.ready) < sum(p.requires_grad for p in nxt.params):
+                break
+            self._launch(nxt)
+            self._next += 1
+
+    def _start_backward(self, backward: int) -> None:
+        if any(b.pending is not None or b.ready for b in self._buckets):
+            warnings.warn(
+                "dtrec: a backward raised before it ended; the dense gradients of that "
+                "backward were not averaged and are dropped from the sync",
+                stacklevel=3,
+            )
+            for b in self._buckets:
+                if b.pending is not None:
+                    b.pending.wait()
+                b.pending, b.ready = None, set()
+        self._backward, self._next = backward, 0
+        queue_backward_callback(self._finish)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        world = dist.get_world_size()
+        with torch.no_grad():  # divided before the sum, as DDP does (same roundings)
+            grads = [
+                p.grad.to_local() / world if p.grad is not None else torch.zeros_like(p.to_local())
+                for p in bucket.params
+            ]
+            # device-side flags (no host copy): 1 where this rank has a gradient
+            flags = [g.new_ones(1) if p.grad is not None else g.new_zeros(1)
+                     for p, g in zip(bucket.params, grads, strict=True)]  # fmt: skip
+        bucket.missing = any(p.grad is None for p in bucket.params)
+        bucket.pending = all_reduce_coalesced_start([*grads, *flags], None, KIND)
+
+    def _finish(self) -> None:
+        """End of backward: send the buckets not yet sent, then write the averages."""
+        while self._next < len(self._buckets):
+            self._launch(self._buckets[self._next])
+            self._next += 1
+        with torch.no_grad():
+            for bucket in self._buckets:
+                assert bucket.pending is not None
+                parts = bucket.pending.wait()
+                bucket.pending, bucket.ready = None, set()
+                sums, flags = parts[: len(bucket.params)], parts[len(bucket.params) :]
+                # counts are read (a host sync) only if this rank lacked some gradient
+                counts = [f.item() for f in flags] if bucket.missing else [1.0] * len(sums)
+                for p, total, count in zip(bucket.params, sums, counts, strict=True):
+                    if count == 0:
+                        continue  # no rank used it: grad stays None everywhere
+                    mean = total.to(p.dtype)
+                    if p.grad is None:
+                        p.grad = _replicated(mean, p)
+                    else:
+                        p.grad.to_local().copy_(mean)
+        self._backward = None
+
+    # ------------------------------------------------------------------ copies
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ReplicatedDense:
+        """The copy of a model gets its own gradient hooks on its own parameters (a
+        Parameter's deepcopy carries none); its module hooks are this object's bound
+        methods, copied with the modules; the mesh is shared."""
+        new = ReplicatedDense.__new__(ReplicatedDense)
+        memo[id(self)] = new  # first: copying the modules copies their hooks, bound to new
+        new.mesh = self.mesh
+        new._root = copy.deepcopy(self._root, memo)
+        new._params = [copy.deepcopy(p, memo) for p in self._params]
+        new._owners = {
+            id(p): [(copy.deepcopy(m, memo), n) for m, n in self._owners[id(old)]]
+            for old, p in zip(self._params, new._params, strict=True)
+        }
+        new._buffers = [(copy.deepcopy(m, memo), n) for m, n in self._buffers]
+        new._aliases = {
+            id(p): [(copy.deepcopy(m, memo), copy.deepcopy(c, memo), k)
+                    for m, c, k in self._aliases.get(id(old), ())]
+            for old, p in zip(self._params, new._params, strict=True)
+        }  # fmt: skip
+        new._in_root, new._backward, new._next = False, None, 0
+        new._hook_params()
+        return new
+
+    # ------------------------------------------------------------------ loading
+
+    def _load_pre_hook(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        """A plain tensor (or a replicated DTensor of another mesh) for a dense parameter
+        is wrapped as this mesh's replicated DTensor, so the module's ``copy_`` sees one
+        mesh (DTensor refuses to copy a plain tensor into a DTensor): checkpoints from
+        before dense parameters were DTensors and the unsharded model's state dict load."""
+        dense = {id(p) for p in self._params}
+        for name, target in module.named_parameters(
+            prefix=prefix.rstrip("."), remove_duplicate=False
+        ):
+            value = state_dict.get(name)
+            if id(target) not in dense or not isinstance(value, Tensor):
+                continue
+            if isinstance(value, DTensor):
+                if not all(isinstance(p, Replicate) for p in value.placements):
+                    continue  # another layout: DTensor's copy_ redistributes it
+                value = value.to_local()
+            state_dict[name] = _as_replicated_dtensor(value.detach().to(target.device), self.mesh)
+
+
+def _buckets(params: list[nn.Parameter]) -> list[_Bucket]:
+    """Reverse registration order, DDP's caps, one dtype and device per bucket."""
+    out: list[_Bucket] = []
+    current: list[nn.Parameter] = []
+    size, cap = 0, FIRST_BUCKET_BYTES
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if current and (
+            size + nbytes > cap or (p.dtype, p.device) != (current[0].dtype, current[0].device)
+        ):
+            out.append(_Bucket(current))
+            current, size, cap = [], 0, BUCKET_BYTES
+        current.append(p)
+        size += nbytes
+    if current:
+        out.append(_Bucket(current))
+    return out
+
+
+def _replicated(local: Tensor, like: Tensor) -> DTensor:
+    return DTensor.from_local(
+        local.view(like.shape), like.device_mesh, like.placements, shape=like.shape,
+        stride=like.stride(), run_check=False,
+    )  # fmt: skip
+
+
+def _as_replicated_dtensor(value: Tensor, mesh: DeviceMesh) -> DTensor:
+    """A tensor the same on every rank as a DTensor replicated over ``mesh`` (no copy)."""
+    return DTensor.from_local(
+        value, mesh, [Replicate()] * mesh.ndim, shape=value.shape, stride=value.stride(),
+        run_check=False,
+    )  # fmt: skip
+
+
+def replicate_dense(
+    model: nn.Module, mesh: DeviceMesh, ignored: Iterable[nn.Module]
+) -> ReplicatedDense | None:
+    """Make every parameter of ``model`` outside ``ignored`` (and not already a DTensor)
+    a DTensor replicated over ``mesh``, rank 0's values on every rank; install the
+    forward views and the gradient averaging (module docstring). None when there is no
+    such parameter. Collective: every rank calls it with the same model.
+
+    Example::
+
+        dense = replicate_dense(model, mesh, ignored=sharded_collections)
+        torch.optim.Adam(model.parameters(), foreach=True)  # every parameter a DTensor
+    """
+    skip = {id(m) for root in ignored for m in root.modules()}
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    params: dict[int, nn.Parameter] = {}
+    buffers: list[tuple[nn.Module, str]] = []
+    for module in model.modules():
+        if id(module) in skip:
+            continue
+        for name, p in module._parameters.items():
+            if p is None or isinstance(p, DTensor):
+                continue
+            params.setdefault(id(p), p)
+            owners.setdefault(id(p), []).append((module, name))
+        buffers += [(module, n) for n, b in module._buffers.items() if b is not None]
+    if not params:
+        return None
+    originals = list(params.values())
+    with torch.no_grad():
+        if dist.get_world_size() > 1:  # DDP's start: every rank takes rank 0's values
+            broadcast_coalesced([p.detach() for p in originals], 0, None, "dense.init")
+            if buffers:
+                broadcast_coalesced([getattr(m, n) for m, n in buffers], 0, None, "dense.init")
+    aliases = _aliases(model, skip, params)
+    replaced = []
+    for p in originals:
+        new = nn.Parameter(_as_replicated_dtensor(p.detach(), mesh), requires_grad=p.requires_grad)
+        for module, name in owners[id(p)]:
+            module._parameters[name] = new
+        owners[id(new)] = owners.pop(id(p))
+        for _, container, key in aliases.get(id(p), ()):
+            container[key] = new
+        if id(p) in aliases:
+            aliases[id(new)] = aliases.pop(id(p))
+        replaced.append(new)
+    return ReplicatedDense(model, mesh, owners, replaced, buffers, aliases)
+
+
+def _aliases(
+    model: nn.Module, skip: set[int], params: dict[int, nn.Parameter]
+) -> dict[int, list[tuple[nn.Module, Any, Any]]]:
+    """Where a module's own dict or list attribute holds one of ``params`` too."""
+    found: dict[int, list[tuple[nn.Module, Any, Any]]] = {}
+    bookkeeping = set(vars(nn.Module()))  # _parameters, _buffers, hooks, ...
+    for module in model.modules():
+        if id(module) in skip:
+            continue
+        for name, value in vars(module).items():
+            if name in bookkeeping:
+                continue
+            items = (
+                value.items()
+                if isinstance(value, dict)
+                else (enumerate(value) if isinstance(value, list) else ())
+            )
+            for key, x in items:
+                if isinstance(x, nn.Parameter) and id(x) in params:
+                    found.setdefault(id(x), []).append((module, value, key))
+    return found
