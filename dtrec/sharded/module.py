@@ -78,7 +78,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         )
         # A shard axis of one position: no routing, no all-to-all (``local_path.py``).
         self._local = (
-            LocalPath(tables, self._routing, self._updater, mesh)
+            LocalPath(tables, self._routing, self._updater, mesh, self._offload)
             if serves_locally(self._routing, self._layouts)
             else None
         )
@@ -132,8 +132,12 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     def _start(self, features: object) -> RoutedBatch | LocalBatch:
         return self.input_dist(features)
 
-    def _fill_routed(self, routed: RoutedBatch) -> None:
-        self._lookup.fill(routed)
+    def _fill_routed(self, routed: RoutedBatch | LocalBatch) -> None:
+        if isinstance(routed, LocalBatch):
+            assert self._local is not None
+            self._local.fill(routed)
+        else:
+            self._lookup.fill(routed)
 
     def check_pending_batches(self) -> None:
         """Wait for the device and raise the IndexError of a batch whose ids were checked on

@@ -135,6 +135,15 @@ class OffloadedTables:
                 out.index_copy_(0, where, cache.slots_of(ids.index_select(0, where)))
         return out
 
+    def drop(self, key: object) -> None:
+        """Forget the fill of a batch that will not be looked up (refused at its forward
+        after ``fill``): its rows are no longer pinned."""
+        lease = self._find(key)
+        if lease is not None:
+            self._leases.remove(lease)
+            for t, slots in lease.slots.items():
+                self.caches[t].unpin(slots)
+
     def _find(self, key: object) -> _Lease | None:
         return next((lease for lease in self._leases if lease.key is key), None)
 
