@@ -6,7 +6,9 @@ came, without routing: offloaded tables must still be read through their caches.
 fused optimizer, a model whose tables live in host memory behind a 5% cache and the same
 model on the device train side by side for 30 steps, with per-rank batch sizes that vary
 and include 0 (on one rank at a time, and on every rank); weights and optimizer states
-must be bitwise equal, and the caches must have missed, hit and written back.
+must be bitwise equal, and the caches must have missed, hit and written back. Once on
+the torch backend and once on the Triton one (its kernels in Triton's interpreter: the
+one-pass fused backward + step writes the cache slots).
 
 ``TrainPipeline.progress`` (features found by the collection's forward input, the next
 batch's fill from the local path's prefetched batch): the cached model equals the device
@@ -30,7 +32,7 @@ from tests.multiprocess import run_world
 
 STEPS = 30
 OPTIMIZERS = ("sgd", "adagrad", "adam")
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "triton")
 
 
 def _size(step: int, rank: int, world: int) -> int:

@@ -33,8 +33,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dtrec.comm.collectives import all_reduce_min
+from dtrec.ops.backends.base import RowUpdate
 from dtrec.sharded.offload.host import CopyJobs
-from dtrec.sharded.offload.row_cache import RowCache
+from dtrec.sharded.offload.row_cache import FarRows, RowCache
+from dtrec.sharded.offload.staging import staged_updates
 
 _FILLED, _READ, _TRAINED, _DROPPED = "filled", "read", "trained", "dropped"
 
@@ -239,6 +241,11 @@ class OffloadedTables:
             if lease.state == _TRAINED:
                 for t, slots in lease.slots.items():
                     self.caches[t].mark_written(slots)
+
+    def staged_updates(self, far: list[FarRows]) -> list[RowUpdate]:
+        """The step of rows a synced update touches that the caches do not hold
+        (``staging.staged_updates``)."""
+        return staged_updates(far)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per local offloaded table: distinct rows looked up, misses, bytes each way."""
