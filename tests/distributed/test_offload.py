@@ -47,6 +47,7 @@ TYPES_1D = ("table_wise", "row_wise", "column_wise", "table_row_wise", "grid")
 TYPES_2D = ("table_wise", "row_wise", "column_wise")
 CONFIGS = [f"{o}/{t}/1d" for o in OPTIMIZERS for t in TYPES_1D]
 CONFIGS += [f"{o}/{t}/2d" for o in OPTIMIZERS for t in TYPES_2D]
+CONFIGS += ["adagrad/column_positions/1d"]  # ColumnWise(positions=(1, 3)): a sub-mesh
 SEQUENCE = ("table_wise", "row_wise", "column_wise")
 DEVICE = "cpu"
 """Where models and batches live: the CUDA tier (``tests/gpu/test_offload_cuda.py``) sets
@@ -78,6 +79,7 @@ def _spec(kind: str, **cache):
         "table_wise": lambda: TableWise(rank=1, **cache),
         "row_wise": lambda: RowWise(**cache),
         "column_wise": lambda: ColumnWise(**cache),
+        "column_positions": lambda: ColumnWise(positions=(1, 3), **cache),
         "table_row_wise": lambda: TableRowWise(node=1, **cache),
         "grid": lambda: Grid(**cache),
     }[kind]()

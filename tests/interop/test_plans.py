@@ -253,6 +253,17 @@ def test_uvm_caching_kernel_is_an_offloaded_spec_with_its_load_factor() -> None:
         assert specs["sparse.t1"] == RowWise(cache_fraction=0.05)
         assert specs["sparse.t2"] == ColumnWise(cache_fraction=0.2)
         assert specs["sparse.t3"] == DataParallel()
+        # a TorchRec planner's column blocks on some ranks, and a single full block
+        columns = _plan(model, 4, {
+            "t0": sp.data_parallel(),
+            "t1": sp.column_wise(ranks=[2], compute_kernel=caching),
+            "t2": sp.column_wise(ranks=[1, 3], compute_kernel=caching),
+            "t3": sp.data_parallel(),
+        })  # fmt: skip
+        specs = from_torchrec(columns, model_tables(model), mesh)
+        assert specs["sparse.t2"] == ColumnWise(positions=(1, 3), cache_fraction=0.2)
+        assert specs["sparse.t1"] == TableWise(rank=2, cache_fraction=0.2)
+        assert str(specs["sparse.t2"]) == "CW(1,3)+cache(20%)"
         plan.plan["sparse"]["t3"].compute_kernel = caching
         with pytest.raises(ValueError, match="'sparse.t3': data_parallel with compute kernel"):
             from_torchrec(plan, model_tables(model), mesh)
