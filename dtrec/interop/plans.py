@@ -381,7 +381,8 @@ def _candidates(
     axis: ShardAxis,
     cache: dict[str, float],
 ) -> list[TableSpec]:
-    """The specs that may lay out a ``cls`` entry's blocks, most specific last."""
+    """The specs (with ``cache``'s fields) that may lay out a ``cls`` entry's blocks, most
+    specific last."""
     first = shards[0][0] if shards else 0
     if cls is TableWise:
         return [TableWise(rank=first, **cache)]

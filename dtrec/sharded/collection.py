@@ -120,7 +120,10 @@ class ShardedCollection(nn.Module):
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardedCollection:
         """A copy whose tables are views of the copy of this rank's packed buffer, the
         tensors the copied fused updater updates (a DTensor parameter's own deepcopy would
-        clone its block apart from them); communication shared (``sharded/copies.py``)."""
+        clone its block apart from them); communication shared (``sharded/copies.py``).
+        Offloaded tables' row copies in flight land first (a cache is copied whole)."""
+        if self._offload is not None:
+            self._offload.join()
         for table in self._stored().values():
             weight = table.weight
             with torch.no_grad():

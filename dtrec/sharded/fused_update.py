@@ -238,7 +238,11 @@ class FusedUpdater:
         """Apply ``rule`` to the touched rows of ``tables`` (one batched call)."""
         if not tables:
             return
-        updates, staged = [], []
+        updates, far = [], []
+        # the call's widest table with rows, which the rows staged in a call of their own
+        # are tiled by as well (``RowUpdate.tile_dim``): bitwise the uncached step
+        widest = max((self.tables[t].weight.shape[1] for t in tables if merged[t][0].numel()),
+                     default=None)  # fmt: skip
         for t in tables:
             table = self.tables[t]
             if table.cache is None:
@@ -246,9 +250,14 @@ class FusedUpdater:
                     table.weight, self.state[t], *merged[t], row_sq_sums.get(t), table.full_dim
                 ))  # fmt: skip
                 continue
-            first, *rest = table.cache.row_updates(*merged[t], row_sq_sums.get(t), table.full_dim)
-            updates.append(first)
-            staged += rest  # rows not cached here: a call of their own (not packed)
+            cached, rest = table.cache.row_updates(
+                *merged[t], row_sq_sums.get(t), table.full_dim, widest
+            )
+            updates.append(cached)
+            if rest is not None:  # rows not cached here: staged, packed, a call of their own
+                far.append(rest)
+        # staged before the first call steps the per-table scalars (Adam's step) they copy
+        staged = self.offload.staged_updates(far) if far else []
         with torch.no_grad():
             rule.update_tables(updates)
             if staged:

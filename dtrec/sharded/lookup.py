@@ -58,7 +58,7 @@ class LocalLookup:
         runs = self._block_runs if self._reorders else None
         lengths, ids, psw = routed.wait_served(len(served), runs)
         if self._offload is not None:  # offloaded tables' ids -> their cache slots
-            ids = self._offload.slot_ids(routed, ids, self._entries, lengths, routed.batch)
+            ids = self._offload.slot_ids(routed, ids, self._entries, lengths, routed.served_batch)
         if not served:
             if psw is not None and psw.requires_grad:  # nothing received: an empty [B, 0]
                 # view, so the output dist's backward also runs the weights' one
@@ -73,7 +73,7 @@ class LocalLookup:
         if self._offload is not None and routed.error is None:
             runs = self._block_runs if self._reorders else None
             lengths, ids, _ = routed.wait_served(len(self._routing.served), runs)
-            self._offload.fill(routed, ids, self._entries, lengths, routed.batch)
+            self._offload.fill(routed, ids, self._entries, lengths, routed.served_batch)
 
     def data_parallel(self, kjt: KeyedJaggedTensor, local: dict[int, Tensor]) -> Tensor:
         """``[B, data-parallel dims]``: the data-parallel features of the own batch."""

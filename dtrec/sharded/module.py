@@ -79,8 +79,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         # A shard axis of one position: no routing, no all-to-all (``local_path.py``);
         # offloaded tables take the routed path, whose lookup reads through their caches.
         self._local = (
-            LocalPath(tables, self._routing, self._updater, mesh)
-            if serves_locally(self._routing, self._layouts) and self._offload is None
+            LocalPath(tables, self._routing, self._updater, mesh, self._offload)
+            if serves_locally(self._routing, self._layouts)
             else None
         )
 
@@ -133,6 +133,13 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     def _start(self, features: object) -> RoutedBatch | LocalBatch:
         return self.input_dist(features)
 
+    def _fill_routed(self, routed: RoutedBatch | LocalBatch) -> None:
+        if isinstance(routed, LocalBatch):
+            assert self._local is not None
+            self._local.fill(routed)
+        else:
+            self._lookup.fill(routed)
+
     def check_pending_batches(self) -> None:
         """Wait for the device and raise the IndexError of a batch whose ids were checked on
         the device and not reported yet (a one-rank world with a fused optimizer reports
@@ -147,6 +154,3 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         """
         if self._local is not None:
             self._local.report_bad_batches(wait=True)
-
-    def _fill_routed(self, routed: RoutedBatch) -> None:
-        self._lookup.fill(routed)

@@ -212,7 +212,7 @@ class SequenceLookup:
         """Fill offloaded tables' caches for a prefetched batch (``OffloadedTables.fill``)."""
         if self._offload is not None and routed.error is None:
             lengths, ids, _ = routed.wait_served(len(self._routing.served))
-            self._offload.fill(routed, ids, self._run_tables(), lengths, routed.batch)
+            self._offload.fill(routed, ids, self._run_tables(), lengths, routed.served_batch)
 
     def _run_tables(self) -> list[int]:
         """The table of each run of received ids (source-major, then served segment)."""

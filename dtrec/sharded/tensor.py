@@ -21,7 +21,7 @@ from dtrec.comm.collectives import all_gather_varied
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.ops.dtensor_bridge import register_dtensor_rules
 from dtrec.placements.layout import Block, TableLayout
-from dtrec.placements.mesh import positions_mesh, shard_axis
+from dtrec.placements.mesh import mesh_device, positions_mesh, shard_axis
 from dtrec.placements.specs import TableSpec
 
 
@@ -84,7 +84,7 @@ def _init_on_ranks(
     out: Tensor | None,
 ) -> DTensor:
     from dtrec.modules.init import table_block
-    from dtrec.placements.mesh import mesh_device, shard_position
+    from dtrec.placements.mesh import shard_position
     from dtrec.sharded.offload.host import host_block
 
     rows, dim = weight.shape
@@ -144,8 +144,8 @@ def state_dtensor(state: Tensor, weight: DTensor, kind: str) -> Tensor:
         raise ValueError(f"unknown optimizer state kind {kind!r}")
     if weight.device_mesh.get_coordinate() is None:  # holds none of it: empty, right rank
         state = state.new_empty((0,) * len(shape))
-    placed = _wrap(state, weight.device_mesh, placements, tuple(shape))
-    return picklable_dtensor(placed)  # packed state views pickle too (torch.save)
+    # packed state views (and host-tier blocks) pickle too (torch.save)
+    return picklable_dtensor(_wrap(state, weight.device_mesh, placements, tuple(shape)))
 
 
 def load_block(target: DTensor, value: Tensor, block: Block | None, key: str) -> None:
@@ -205,12 +205,16 @@ def full_tensor(value: Tensor) -> Tensor:
 def _assembled(value: DTensor) -> Tensor:
     """``value``'s blocks gathered from every rank and put at their offsets (CPU).
 
-    A block replicated over mesh dims comes from the rank at coordinate 0 of them only:
-    the copies should agree, and where one does not it must not win by rank order (a
+    A block in host memory (an offloaded table's) travels through the mesh's device,
+    where the process group's collectives run (NCCL takes no CPU tensors). A block
+    replicated over mesh dims comes from the rank at coordinate 0 of them only: the
+    copies should agree, and where one does not it must not win by rank order (a
     column-wise table with fewer columns than shards leaves its last ranks without a
     column block; their copy of row-wise Adagrad's replicated row sums is never updated,
     and as the last writer it zeroed every rank's full tensor; found by the soak)."""
     local = value.to_local().detach()
+    if local.device.type != value.device_mesh.device_type:
+        local = local.to(mesh_device(value.device_mesh))
     coordinate = value.device_mesh.get_coordinate()
     member = coordinate is not None
     first_copy = member and all(

@@ -58,6 +58,11 @@ class CopyStream:
         self._after: torch.cuda.Event | None = None  # the compute work a job waits for
         self._done: torch.cuda.Event | None = None  # the last job's copies
 
+    def __deepcopy__(self, memo: dict[int, object]) -> CopyStream:
+        """A copied model's copies run on a stream of their own (a CUDA stream cannot be
+        copied; the original's copies have landed: ``ShardedCollection.__deepcopy__``)."""
+        return CopyStream(self.device)
+
     def begin(self, *handed: Tensor) -> None:
         """Before a job: it will wait for the compute stream's work issued so far.
 

@@ -18,7 +18,7 @@ frequent, so it keeps them too; one step count per slot, no hashing.
 
 The fused optimizer updates cached rows in their slots; a synced update can touch rows
 this rank did not look up (rows another replica's batch touched): those are updated in
-host memory through a staging copy (``row_updates``, ``write_back_staged``).
+a staging copy of their host rows (``row_updates``, ``staging.py``, ``write_back_staged``).
 """
 
 from __future__ import annotations
@@ -64,6 +64,19 @@ class Moves:
     """Per victim: its row changed since its fill (write it back)."""
     new_rows: Tensor
     """The missing rows, one per victim."""
+
+
+@dataclass
+class FarRows:
+    """One table's rows of a step that are not cached here, with their step's inputs."""
+
+    cache: RowCache
+    rows: Tensor
+    """Sorted rows of the block (host-tier indices, on the CPU)."""
+    grads: Tensor
+    row_sq_sum: Tensor | None
+    full_dim: int
+    tile_dim: int | None
 
 
 class RowCache:
@@ -227,43 +240,49 @@ class RowCache:
         grads: Tensor,
         row_sq_sum: Tensor | None,
         full_dim: int,
-    ) -> list[RowUpdate]:
+        tile_dim: int | None = None,
+    ) -> tuple[RowUpdate, FarRows | None]:
         """The fused step of ``rows`` (sorted rows of the block): the cached ones in their
-        slots, and, when a synced update touches rows not cached here, those in a staging
-        copy of their host rows (second entry; ``write_back_staged`` after the step)."""
+        slots, and, when a synced update touches rows not cached here, those rows for a
+        staging copy (``staging.staged_updates``; ``write_back_staged`` after the step).
+        ``tile_dim``: the widest table of the step (``RowUpdate.tile_dim``)."""
         slots = self.slot_of.index_select(0, rows).long()
         cached = slots >= 0
         count = int(cached.sum())
         if count == rows.numel():
-            return [self._slot_update(slots, grads, row_sq_sum, full_dim)]
+            return self._slot_update(slots, grads, row_sq_sum, full_dim, tile_dim), None
         order = torch.argsort(cached.logical_not().to(torch.int8), stable=True)
         here, far = order[:count], order[count:]
-        update = self._slot_update(slots[here], grads[here], _pick(row_sq_sum, here), full_dim)
+        sq = _pick(row_sq_sum, here)
+        update = self._slot_update(slots[here], grads[here], sq, full_dim, tile_dim)
         far_rows = rows.index_select(0, far).cpu()
-        weight = self.copies.to_device(self.host.index_select(0, far_rows))
-        state = {k: self.copies.to_device(v.index_select(0, far_rows))
-                 for k, v in self.host_state.items()}  # fmt: skip
-        self._staged = (far_rows, weight, state)
-        scalars = {k: v.clone() for k, v in self.state.items() if k not in self.host_state}
-        n = far_rows.numel()
-        self.stats["h2d_bytes"] += n * self._row_bytes()
-        staged = RowUpdate(
-            weight,
-            {**state, **scalars},  # scalars (Adam's step) stepped alike in their own call
-            torch.arange(n, device=rows.device),
-            grads.index_select(0, far),
-            _pick(row_sq_sum, far),
-            full_dim,
+        staged = FarRows(
+            self, far_rows, grads.index_select(0, far), _pick(row_sq_sum, far), full_dim, tile_dim
         )
-        return [update, staged]
+        return update, staged
+
+    def stage(self, rows: Tensor, weight: Tensor, state: dict[str, Tensor]) -> None:
+        """Copy host rows ``rows`` (and their state) into staging buffers ``weight`` and
+        ``state`` (views of the step's packed staging buffers) for the step."""
+        weight.copy_(self.copies.to_device(self.host.index_select(0, rows)))
+        for k, v in state.items():
+            v.copy_(self.copies.to_device(self.host_state[k].index_select(0, rows)))
+        self._staged = (rows, weight, state)
+        self.stats["h2d_bytes"] += rows.numel() * self._row_bytes()
 
     def _slot_update(
-        self, slots: Tensor, grads: Tensor, row_sq_sum: Tensor | None, full_dim: int
+        self,
+        slots: Tensor,
+        grads: Tensor,
+        row_sq_sum: Tensor | None,
+        full_dim: int,
+        tile_dim: int | None,
     ) -> RowUpdate:
         slots, order = torch.sort(slots)
         self.mark_written(slots)
         sq = None if row_sq_sum is None else row_sq_sum.index_select(0, order)
-        return RowUpdate(self.weight, self.state, slots, grads.index_select(0, order), sq, full_dim)
+        grads = grads.index_select(0, order)
+        return RowUpdate(self.weight, self.state, slots, grads, sq, full_dim, tile_dim)
 
     def write_back_staged(self) -> None:
         """After the step: the staged rows back to host memory."""

@@ -33,8 +33,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dtrec.comm.collectives import all_reduce_min
+from dtrec.ops.backends.base import RowUpdate
 from dtrec.sharded.offload.host import CopyJobs
-from dtrec.sharded.offload.row_cache import RowCache
+from dtrec.sharded.offload.row_cache import FarRows, RowCache
+from dtrec.sharded.offload.staging import staged_updates
 
 _FILLED, _READ, _TRAINED, _DROPPED = "filled", "read", "trained", "dropped"
 
@@ -135,6 +137,15 @@ class OffloadedTables:
                 out.index_copy_(0, where, cache.slots_of(ids.index_select(0, where)))
         return out
 
+    def drop(self, key: object) -> None:
+        """Forget the fill of a batch that will not be looked up (refused at its forward
+        after ``fill``): its rows are no longer pinned."""
+        lease = self._find(key)
+        if lease is not None:
+            self._leases.remove(lease)
+            for t, slots in lease.slots.items():
+                self.caches[t].unpin(slots)
+
     def _find(self, key: object) -> _Lease | None:
         return next((lease for lease in self._leases if lease.key is key), None)
 
@@ -230,6 +241,11 @@ class OffloadedTables:
             if lease.state == _TRAINED:
                 for t, slots in lease.slots.items():
                     self.caches[t].mark_written(slots)
+
+    def staged_updates(self, far: list[FarRows]) -> list[RowUpdate]:
+        """The step of rows a synced update touches that the caches do not hold
+        (``staging.staged_updates``)."""
+        return staged_updates(far)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per local offloaded table: distinct rows looked up, misses, bytes each way."""
