@@ -18,9 +18,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Slow tests skip unless ``--slow``; those also marked ``always`` (a short soak that
+    keeps its harness alive in CI) run anyway, and ``-m "not slow"`` still leaves them out."""
     if config.getoption("--slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --slow")
     for item in items:
-        if "slow" in item.keywords:
+        if "slow" in item.keywords and "always" not in item.keywords:
             item.add_marker(skip)

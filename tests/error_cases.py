@@ -330,6 +330,12 @@ class ParameterSharding:
     compute_kernel: str = "dense"
     ranks: list[int] | None = None
     sharding_spec: object = None
+    cache_params: object = None
+
+
+@dataclass
+class CacheParams:
+    load_factor: float | None = None
 
 
 @dataclass
@@ -350,6 +356,7 @@ class ParameterConstraints:
     min_partition: int | None = None
     pooling_factors: list[float] = field(default_factory=lambda: [1.0])
     cache_params: object = None
+    key_value_params: object = None
 
 
 def tr_plan(mesh: DeviceMesh, **t0: object) -> object:
@@ -724,7 +731,7 @@ LOCAL: dict[str, Case] = {
     ),
     "E165": on_mesh(2, 2, lambda m: dtrec.plan(Model(), m, {"t9": ParameterConstraints()})),
     "E166": on_mesh(
-        2, 2, lambda m: dtrec.plan(Model(), m, {"t0": ParameterConstraints(cache_params=0.2)})
+        2, 2, lambda m: dtrec.plan(Model(), m, {"t0": ParameterConstraints(key_value_params=1)})
     ),
     "E167": on_mesh(
         2,
@@ -764,6 +771,65 @@ LOCAL: dict[str, Case] = {
     "E191": lambda tmp: dtrec.EmbeddingCollection([Cfg("t0", 10, 4)]),
     "E192": lambda tmp: JT(torch.zeros(2, 2, dtype=torch.long), ids(2)),
     "E193": on_mesh(2, 2, lambda m: distributed(m, model=mixed_dtype_sequence())),
+    # offloaded tables
+    "E320": lambda tmp: RowWise(cache_rows=10, cache_fraction=0.1),
+    "E321": lambda tmp: RowWise(cache_rows=0),
+    "E322": lambda tmp: TableWise(rank=0, cache_fraction=1.5),
+    "E325": on_mesh(2, 2, lambda m: distributed(m, {"sparse.t0": RowWise(cache_rows=2)})(batch())),
+    "E326": on_mesh(
+        4,
+        2,
+        lambda m: dtrec.distribute_module(
+            Model(), m, {"sparse.t0": RowWise(cache_rows=2)}, SGD(lr=0.1), sync_every=2
+        ),
+    ),
+    "E327": on_mesh(
+        2,
+        2,
+        lambda m: dtrec.plan(
+            Model(),
+            m,
+            ShardingPlanTR(
+                {
+                    "sparse": {
+                        "t0": ParameterSharding("table_wise", ranks=[0]),
+                        "t1": ParameterSharding("data_parallel", "fused_uvm_caching"),
+                    }
+                }
+            ),  # fmt: skip
+        ),
+    ),
+    "E328": on_mesh(
+        2,
+        2,
+        lambda m: tr_plan(
+            m,
+            sharding_type="table_wise",
+            ranks=[0],
+            compute_kernel="fused_uvm_caching",
+            cache_params=CacheParams(1.5),
+        ),
+    ),
+    "E329": on_mesh(
+        4,
+        4,
+        lambda m: dtrec.plan(
+            Model(),
+            m,
+            topology=dtrec.Topology.cpu(memory_per_rank=100.0, host_memory_per_rank=50.0),
+        ),
+    ),
+    "E330": lambda tmp: dtrec.Topology(host_memory_per_rank=-1.0),
+    "E331": lambda tmp: TableConstraint(cache_fraction=0),
+    "E332": on_mesh(
+        2,
+        2,
+        lambda m: dtrec.plan(
+            Model(),
+            m,
+            {"t0": ParameterConstraints(["data_parallel"], compute_kernels=["fused_uvm_caching"])},
+        ),
+    ),
     "E240": lambda tmp: KJT.from_jt_dict(
         {"f0": JT(torch.zeros(1, 4), ids(1)), "f1": JT(torch.zeros(1, 8), ids(1))}
     ),
@@ -782,6 +848,8 @@ WORLD: dict[str, tuple[int, ...]] = {
     "E044": (0,),
     "E150": (0,),
     "E077": (0, 1),
+    "E323": (1,),
+    "E324": (0,),
     "E260": (0, 1),
 }
 
@@ -828,6 +896,15 @@ def run_world_cases(rank: int, world_size: int) -> dict:
     if rank == 1:
         configs[0] = Cfg("t0", 11, 4, ["f0"])
     out["E077"] = outcome(lambda: distributed(mesh, plan, model=Model(configs)))
+    # an offloaded block's cache of 2 rows: rank 1 sends 3 distinct rows of t0's second
+    # block (rows 5..9, held by rank 1); every rank refuses the step, nothing changes
+    offloaded = distributed(mesh, {"sparse.t0": RowWise(cache_rows=2)}, optimizer=SGD(lr=0.5))
+    weights = dtrec.checkpoint.full_state_dict(offloaded)
+    too_many = batch(f0=(6, 7, 8) if rank == 1 else (1,))
+    out["E323"] = out["E324"] = outcome(lambda: offloaded(too_many).sum().backward())
+    after = dtrec.checkpoint.full_state_dict(offloaded)
+    out["offloaded_unchanged"] = all(torch.equal(weights[k], after[k]) for k in weights)
+    out["offloaded_next_step"] = outcome(lambda: offloaded(batch()).sum().backward())
     # clip_grad_norm_'s stack across meshes with different parameter lists per rank
     with torch.no_grad():
         norms = [torch.linalg.vector_norm(t.weight) for t in model.sparse.embedding_bags.values()]

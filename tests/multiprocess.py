@@ -69,11 +69,25 @@ import traceback
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
-__all__ = ["WorldError", "error_of", "free_port", "run_world"]
+__all__ = ["WorldError", "error_of", "free_port", "load_factor", "run_world"]
 
 _POLL_S = 0.1  # how long the parent blocks on the result queue between liveness checks
 _GRACE_S = 2.0  # time between SIGTERM and SIGKILL when tearing a world down
 _SETTLE_S = 1.0  # after a first failure, how long to keep collecting failures of other ranks
+
+
+def load_factor() -> float:
+    """How many times slower than idle this machine is now, at least 1: the larger of the
+    1-minute load average and the processes runnable right now, per core. The worlds'
+    timeouts are guards against hangs, not speed targets: they scale with it, so a
+    suite run while other jobs take every core does not trip them."""
+    try:
+        with open("/proc/loadavg") as f:
+            fields = f.read().split()
+        runnable = float(fields[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        runnable = 0.0
+    return max(1.0, max(os.getloadavg()[0], runnable) / (os.cpu_count() or 1))
 
 
 class WorldError(AssertionError):
@@ -197,8 +211,12 @@ def run_world(
         fn: a **module-level** function (picklable under "spawn"); its return value must be
             picklable.
         *args: extra positional arguments passed to ``fn`` on every rank (must be picklable).
-        timeout: overall wall-clock limit in seconds for the whole world, startup included.
-        collective_timeout: ``timeout`` given to ``init_process_group`` (per collective).
+        timeout: overall wall-clock limit in seconds for the whole world, startup included,
+            on an idle machine: multiplied by ``load_factor()`` at the call.
+        collective_timeout: ``timeout`` given to ``init_process_group`` (per collective),
+            also multiplied by ``load_factor()``. A test about the timeout itself sets a
+            short one on its groups once the stall it tests is in place (see
+            ``tests/distributed/test_faults.py``), never through this guard.
         env: extra environment variables for the children (applied on top of
             ``MASTER_ADDR``/``MASTER_PORT``/``OMP_NUM_THREADS=1``).
         may_die: ranks allowed to exit without reporting (fault tests kill them on
@@ -214,6 +232,8 @@ def run_world(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    factor = load_factor()
+    timeout, collective_timeout = timeout * factor, collective_timeout * factor
     child_env = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
@@ -316,7 +336,8 @@ def run_world(
                 pending = [r for r in range(world_size) if r not in results and r not in errors]
                 _teardown(procs)
                 raise fail(
-                    f"world of {world_size} timed out after {timeout:.1f}s; "
+                    f"world of {world_size} timed out after {timeout:.1f}s (load factor "
+                    f"{factor:.1f}); "
                     f"ranks not finished: {pending}"
                 )
 

@@ -91,3 +91,11 @@ def test_rejected_batch_changes_nothing_and_the_next_step_runs(world_results) ->
         assert r["unchanged"], rank
         assert r["next_step"] is None, (rank, r["next_step"])
         assert r["updated"], rank
+
+
+def test_refused_offloaded_batch_changes_nothing_and_the_next_step_runs(world_results) -> None:
+    """A batch too big for a device cache (E323 / E324) fails on every rank before any
+    weight changes; the next batch trains."""
+    for rank, r in enumerate(world_results):
+        assert r["offloaded_unchanged"], rank
+        assert r["offloaded_next_step"] is None, (rank, r["offloaded_next_step"])

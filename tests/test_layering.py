@@ -27,7 +27,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dtrec.modules",),
     ("dtrec.interop",),  # TorchRec modules and configs -> dtrec's (torchrec never imported)
     ("dtrec.placements",),
-    ("dtrec.planning.topology", "dtrec.planning.cost_model", "dtrec.planning.planner"),  # search
+    # the search (offload, offload_plan: the host tier's costs and choices)
+    (
+        "dtrec.planning.topology",
+        "dtrec.planning.offload",
+        "dtrec.planning.cost_model",
+        "dtrec.planning.offload_plan",
+        "dtrec.planning.planner",
+    ),
     ("dtrec.interop.plans",),  # TorchRec plans / constraints -> specs, TableConstraint
     ("dtrec.planning",),
     ("dtrec.sharded",),

@@ -83,26 +83,33 @@ def test_all_reduce_results_in_rank_order():
     assert "DTREC_TEST_VAR" not in os.environ  # parent environment restored
 
 
+# The waits these tests guard against are the collective timeout and the world timeout,
+# both set far above what spawning and importing torch take on a loaded machine (tens of
+# seconds with every core busy), so the bounds below hold under load and still fail if
+# the harness waited for either.
+SLOW_S = 900.0
+
+
 def test_exception_reported_and_others_killed_quickly():
     t0 = time.monotonic()
     with pytest.raises(WorldError) as excinfo:
-        run_world(2, _raise_on_rank1_worker, collective_timeout=120.0)
+        run_world(2, _raise_on_rank1_worker, collective_timeout=SLOW_S, timeout=SLOW_S)
     elapsed = time.monotonic() - t0
     msg = str(excinfo.value)
     assert "rank 1" in msg
     assert "boom" in msg
     assert "ValueError" in msg
-    assert elapsed < 20.0, f"took {elapsed:.1f}s: blocked rank was not terminated promptly"
+    assert elapsed < SLOW_S / 5, f"took {elapsed:.1f}s: blocked rank was not terminated promptly"
 
 
 def test_abnormal_exit_reported_with_exit_code():
     t0 = time.monotonic()
     with pytest.raises(WorldError) as excinfo:
-        run_world(2, _exit_on_rank1_worker, collective_timeout=120.0)
+        run_world(2, _exit_on_rank1_worker, collective_timeout=SLOW_S, timeout=SLOW_S)
     msg = str(excinfo.value)
     assert "rank 1" in msg
     assert "exit code 3" in msg
-    assert time.monotonic() - t0 < 20.0
+    assert time.monotonic() - t0 < SLOW_S / 5
 
 
 def test_timeout_kills_world():
@@ -113,7 +120,8 @@ def test_timeout_kills_world():
     msg = str(excinfo.value)
     assert "timed out" in msg
     assert "1]" in msg  # rank 1 is listed among the unfinished ranks
-    assert elapsed < 15.0, f"took {elapsed:.1f}s"
+    # the failure mode is a hang (rank 1 sleeps forever); teardown under load takes seconds
+    assert elapsed < 120.0, f"took {elapsed:.1f}s"
 
 
 def test_unpicklable_result_is_an_error():

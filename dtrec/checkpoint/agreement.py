@@ -64,11 +64,27 @@ def all_ok(error: BaseException | None, what: str) -> None:
 
 
 def on_every_rank(io: Callable[[], object], what: str, path: Path) -> None:
-    """Run DCP's ``io``; if it fails on any rank, every rank raises CheckpointError."""
+    """Run DCP's ``io``; if it fails on any rank, every rank raises CheckpointError.
+
+    DCP gathers the errors of its own steps (planning, reading, writing) into a
+    ``CheckpointException`` on every rank; those are agreed on like any other. A
+    ``RuntimeError`` that escapes DCP raw came from one of its collectives (a peer died
+    mid-save): then no agreement is attempted. The survivors are in different
+    collectives by now (one still in DCP's gather, another past it), so one more
+    collective would leave them all waiting for the process group's timeout; this rank
+    raises ``CollectiveError`` at once, and its exit frees the peers it talked to.
+    """
     error = None
     try:
         io()
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reported on every rank
+    except CheckpointException as exc:
+        error = CheckpointError(f"rank {rank()}: {what} of {path} failed: {failure_reason(exc)}")
+    except RuntimeError as exc:
+        raise CollectiveError(
+            f"rank {rank()}: checkpoint {what} of {path} failed in a collective (a peer died "
+            f"or stopped calling collectives; no rank published anything): {exc}"
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 - reported on every rank
         error = CheckpointError(f"rank {rank()}: {what} of {path} failed: {failure_reason(exc)}")
     all_ok(error, what)
 

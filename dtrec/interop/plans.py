@@ -44,9 +44,15 @@ SHARDING_TYPES: dict[str, type[TableSpec]] = {
 }
 """TorchRec ``ShardingType`` value -> the dtrec spec class that lays a table out alike."""
 
-COMPUTE_KERNELS = ("dense", "fused")
+COMPUTE_KERNELS = ("dense", "fused", "fused_uvm_caching")
 """TorchRec compute kernels dtrec has (fused or not is ``distribute_module``'s
-``optimizer``); UVM caching, key-value, quantized and virtual-table kernels it lacks."""
+``optimizer``; UVM caching is an offloaded spec, ``dtrec.placements.offload``); plain
+UVM, key-value, quantized and virtual-table kernels it lacks."""
+
+CACHING_KERNEL = "fused_uvm_caching"
+DEFAULT_CACHE_LOAD_FACTOR = 0.2
+"""TorchRec's cache load factor when neither the plan nor the sharder gives one (its
+batched embedding kernel's default)."""
 
 
 def is_torchrec_plan(obj: object) -> bool:
@@ -138,16 +144,19 @@ def from_parameter_constraints(
     ``sharding_types`` -> allowed spec classes; ``min_partition`` (narrowest column
     shard) drops ``ColumnWise`` when its columns per position would be narrower;
     ``pooling_factors`` (per feature) -> their mean; ``compute_kernels`` must include one
-    dtrec has. Cache, key-value and virtual-table settings are a ValueError; the other
-    fields (batch sizes, bounds check mode, ...) are hints dtrec's planner does not use.
+    dtrec has; only ``fused_uvm_caching`` -> the table offloaded behind a cache of
+    ``cache_params.load_factor`` of its rows (TorchRec's default 0.2 without one;
+    ``TableConstraint.cache_fraction``). Key-value and virtual-table settings are a
+    ValueError; the other fields (batch sizes, bounds check mode, and cache parameters
+    when other kernels are allowed too) are hints dtrec's planner does not use.
     """
     name = table.name
-    for field_name in ("cache_params", "key_value_params", "use_virtual_table"):
+    for field_name in ("key_value_params", "use_virtual_table"):
         if getattr(constraints, field_name, None) not in (None, False):
             raise ValueError(
                 f"table {name!r}: TorchRec constraint {field_name} is not supported by dtrec "
-                "(its tables live in device or host memory, without caches, key-value "
-                "stores or virtual tables); drop it"
+                "(its tables live in device memory, or in host memory behind a device cache, "
+                "without key-value stores or virtual tables); drop it"
             )
     kernels = getattr(constraints, "compute_kernels", None)
     if kernels is not None and not any(_value(k) in COMPUTE_KERNELS for k in kernels):
@@ -155,6 +164,10 @@ def from_parameter_constraints(
             f"table {name!r}: TorchRec compute_kernels {[_value(k) for k in kernels]} has none "
             f"dtrec runs ({list(COMPUTE_KERNELS)})"
         )
+    cache_fraction = None
+    if kernels and all(_value(k) == CACHING_KERNEL for k in kernels):
+        params = getattr(constraints, "cache_params", None)
+        cache_fraction = _load_factor(f"table {name!r}", getattr(params, "load_factor", None))
     sharding_types = getattr(constraints, "sharding_types", None)
     types = list(SHARDING_TYPES.values())
     if sharding_types is not None:
@@ -171,9 +184,18 @@ def from_parameter_constraints(
                     f"gives columns of {min(widths)} < min_partition {min_partition}"
                 )
     factors = getattr(constraints, "pooling_factors", None)
+    if cache_fraction is not None:
+        types = [t for t in types if t is not DataParallel]
+        if not types:
+            raise ValueError(
+                f"table {name!r}: TorchRec constraints allow only data_parallel with compute "
+                f"kernel {CACHING_KERNEL!r}; a replicated table cannot be offloaded"
+            )
+    restricted = sharding_types is not None or min_partition is not None
     return TableConstraint(
-        types=tuple(types) if sharding_types is not None or min_partition is not None else None,
+        types=tuple(types) if restricted or cache_fraction is not None else None,
         pooling_factor=float(fmean(factors)) if factors else None,
+        cache_fraction=cache_fraction,
     )
 
 
@@ -231,12 +253,36 @@ def from_torchrec_plan(
                 f"({list(COMPUTE_KERNELS)}; pass a dtrec.optim optimizer for fused updates)"
             )
         cls = _spec_class(kind, key)
+        cache = _cache_of(key, kind, kernel, sharding)
         if cls is DataParallel:
             specs[key] = DataParallel()
             continue
         shards = _shards(key, tables[key], sharding, world_ranks, position_of)
-        specs[key] = _spec_for(key, tables[key], cls, sharding, shards, axis)
+        specs[key] = _spec_for(key, tables[key], cls, sharding, shards, axis, cache)
     return specs
+
+
+def _cache_of(key: str, kind: object, kernel: object, sharding: object) -> dict[str, float]:
+    """The spec's cache fields for a plan entry: ``cache_fraction`` = its cache load factor
+    under the UVM caching kernel (TorchRec's default 0.2 when it gives none), else none."""
+    if kernel != CACHING_KERNEL:
+        return {}
+    if kind == "data_parallel":
+        raise ValueError(
+            f"TorchRec plan entry {key!r}: data_parallel with compute kernel {kernel!r}; a "
+            "replicated table cannot be offloaded (dtrec offloads sharded tables only)"
+        )
+    params = getattr(sharding, "cache_params", None)
+    factor = _load_factor(f"TorchRec plan entry {key!r}", getattr(params, "load_factor", None))
+    return {"cache_fraction": factor}
+
+
+def _load_factor(what: str, factor: object) -> float:
+    """A cache load factor as a cache fraction (TorchRec's default when None)."""
+    factor = DEFAULT_CACHE_LOAD_FACTOR if factor is None else factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ValueError(f"{what}: cache load factor must be in (0, 1], got {factor!r}")
+    return float(factor)
 
 
 def _shards(
@@ -287,11 +333,13 @@ def _spec_for(
     sharding: object,
     shards: list[tuple[int, tuple[int, int], tuple[int, int]]],
     axis: ShardAxis,
+    cache: dict[str, float],
 ) -> TableSpec:
-    """A spec whose blocks on this mesh are exactly ``shards``: of class ``cls``, or one
-    laying out the same blocks (a column-wise entry of a single full block is table-wise)."""
+    """A spec (with ``cache``'s fields) whose blocks on this mesh are exactly ``shards``: of
+    class ``cls``, or one laying out the same blocks (a column-wise entry of a single full
+    block is table-wise)."""
     kind = _value(getattr(sharding, "sharding_type", None))
-    candidates = _candidates(key, table, cls, shards, axis)
+    candidates = _candidates(key, table, cls, shards, axis, cache)
     last: tuple[TableSpec, list] | None = None
     for spec in candidates:
         try:
@@ -331,21 +379,23 @@ def _candidates(
     cls: type[TableSpec],
     shards: list[tuple[int, tuple[int, int], tuple[int, int]]],
     axis: ShardAxis,
+    cache: dict[str, float],
 ) -> list[TableSpec]:
-    """The specs that may lay out a ``cls`` entry's blocks, most specific last."""
+    """The specs (with ``cache``'s fields) that may lay out a ``cls`` entry's blocks, most
+    specific last."""
     first = shards[0][0] if shards else 0
     if cls is TableWise:
-        return [TableWise(rank=first)]
+        return [TableWise(rank=first, **cache)]
     if cls is TableRowWise:
         if axis.per_node is None:
             raise ValueError(
                 f"TorchRec plan entry {key!r}: table_row_wise needs a node-aware mesh; build "
                 "it with dtrec.init_mesh(..., node_size=N)"
             )
-        return [TableRowWise(node=first // axis.per_node)]
+        return [TableRowWise(node=first // axis.per_node, **cache)]
     if cls is ColumnWise:  # column_wise and table_column_wise, as TorchRec's planner cuts them
         whole = [(first, (0, table.num_embeddings), (0, table.embedding_dim))]
-        single = [TableWise(rank=first)] if shards == whole else []
+        single = [TableWise(rank=first, **cache)] if shards == whole else []
         by_columns = tuple(p for p, _, _ in sorted(shards, key=lambda s: s[2]))
-        return [*single, ColumnWise(), ColumnWise(positions=by_columns)]
-    return [cls()]
+        return [*single, ColumnWise(**cache), ColumnWise(positions=by_columns, **cache)]
+    return [cls(**cache)]  # type: ignore[call-arg]

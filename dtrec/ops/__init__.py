@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from dtrec.ops.backends.registry import get_backend, set_backend
 from dtrec.ops.dtensor_bridge import register_dtensor_rules as register_dtensor_rules
@@ -68,10 +69,22 @@ def embedding_bag(
     mean = pooling_flags(pooling, len(weights))
     tables, entry_table = distinct_tables(weights)
     batch = check_embedding_bag_args(tables, entry_table, values, offsets, mean, per_sample_weights)
+    if batch == 0 and entry_table and _connects(weights):
+        # an empty batch's (0, sum D) output still hangs off the tables, so a loss over it
+        # can call backward() (zero gradients), as torch's own embedding_bag allows
+        return torch.cat([w[:0] for w in weights], dim=1)
     if not entry_table or batch == 0:
         width = sum(w.shape[1] for w in weights)
         dtype = weights[0].dtype if weights else torch.float32
         return values.new_zeros((batch, width), dtype=dtype)
     return EmbeddingBagFunction.apply(
         entry_table, mean, bounds_check == "on", values, offsets, per_sample_weights, *tables
+    )
+
+
+def _connects(weights: Sequence[Tensor]) -> bool:
+    """Whether an output must be connected to ``weights`` in autograd (plain tensors; a
+    DTensor's empty batch goes through its sharding rule)."""
+    return torch.is_grad_enabled() and any(
+        w.requires_grad and not isinstance(w, DTensor) for w in weights
     )

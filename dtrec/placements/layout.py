@@ -64,6 +64,22 @@ class TableLayout:
     """Data parallel: every rank looks up its own batch in its own full copy, so ids are
     not routed and gradients are summed over the whole world instead of the "replicate"
     axis. Set by the spec; the sharded engine reads it once (``Routing.data_parallel_tables``)."""
+    cache_rows: tuple[int, ...] = ()
+    """Offloaded tables (``dtrec.placements.offload``): per block (``blocks`` order), the
+    rows of its device cache; the blocks themselves live in host memory. Empty: every
+    block lives on the device."""
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the blocks live in host memory behind device caches."""
+        return bool(self.cache_rows)
+
+    def cache_rows_at(self, position: int) -> int | None:
+        """Device cache rows of the block at ``position`` (None: on the device, or no block)."""
+        for block, rows in zip(self.blocks, self.cache_rows, strict=False):
+            if block.position == position:
+                return rows
+        return None
 
     def block_at(self, position: int) -> Block | None:
         """The block stored at ``position`` (specs put at most one per position)."""

@@ -14,6 +14,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements.layout import Block, TableLayout, chunk_bounds
 from dtrec.placements.mesh import SHARD, SHARD_LOCAL, SHARD_NODE, ShardAxis
+from dtrec.placements.offload import Offloadable
 
 
 class TableSpec(ABC):
@@ -74,8 +75,8 @@ class DataParallel(TableSpec):
         )
 
 
-@dataclass(frozen=True)
-class TableWise(TableSpec):
+@dataclass(frozen=True, repr=False)
+class TableWise(Offloadable, TableSpec):
     """Whole table on shard position ``rank`` (0..S-1, same in every replica group)."""
 
     rank: int | None = None
@@ -106,38 +107,44 @@ class TableWise(TableSpec):
                 f"table {table.name!r}: TableWise(rank={self.rank!r}) is not a position on the "
                 f"shard axis (expected 0..{axis.size - 1})"
             )
-        return TableLayout(
-            positions=(self.rank,),
-            mesh_shape=(1,),
-            mesh_dim_names=(SHARD,),
-            placements=(Replicate(), Replicate()),
-            blocks=_blocks([self.rank], [(0, table.num_embeddings)], [(0, table.embedding_dim)]),
+        return self._with_cache(
+            TableLayout(
+                positions=(self.rank,),
+                mesh_shape=(1,),
+                mesh_dim_names=(SHARD,),
+                placements=(Replicate(), Replicate()),
+                blocks=_blocks(
+                    [self.rank], [(0, table.num_embeddings)], [(0, table.embedding_dim)]
+                ),
+            )
         )
 
 
-@dataclass(frozen=True)
-class RowWise(TableSpec):
+@dataclass(frozen=True, repr=False)
+class RowWise(Offloadable, TableSpec):
     """Rows split over the whole shard axis (torch chunk semantics; empty shards allowed)."""
 
     short = "RW"
 
     def layout(self, table: EmbeddingBagConfig, axis: ShardAxis) -> TableLayout:
         positions = list(range(axis.size))
-        return TableLayout(
-            positions=tuple(positions),
-            mesh_shape=(axis.size,),
-            mesh_dim_names=(SHARD,),
-            placements=(Shard(0), Replicate()),
-            blocks=_blocks(
-                positions,
-                chunk_bounds(table.num_embeddings, axis.size),
-                [(0, table.embedding_dim)] * axis.size,
-            ),
+        return self._with_cache(
+            TableLayout(
+                positions=tuple(positions),
+                mesh_shape=(axis.size,),
+                mesh_dim_names=(SHARD,),
+                placements=(Shard(0), Replicate()),
+                blocks=_blocks(
+                    positions,
+                    chunk_bounds(table.num_embeddings, axis.size),
+                    [(0, table.embedding_dim)] * axis.size,
+                ),
+            )
         )
 
 
-@dataclass(frozen=True)
-class ColumnWise(TableSpec):
+@dataclass(frozen=True, repr=False)
+class ColumnWise(Offloadable, TableSpec):
     """Columns split over the whole shard axis (torch chunk semantics), or over the
     increasing shard positions ``positions`` (a TorchRec planner's column-wise table on
     some of the ranks; their sub-mesh is ``Shard(1)``). Increasing, because torch orders a
@@ -146,6 +153,7 @@ class ColumnWise(TableSpec):
     positions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the cache fields
         if self.positions is not None:  # hashable, and a JSON list reads back alike
             object.__setattr__(self, "positions", tuple(self.positions))
 
@@ -183,21 +191,23 @@ class ColumnWise(TableSpec):
                     f"table {table.name!r}: ColumnWise(positions={self.positions!r}) needs "
                     f"embedding_dim >= {len(positions)} positions, got {table.embedding_dim}"
                 )
-        return TableLayout(
-            positions=tuple(positions),
-            mesh_shape=(len(positions),),
-            mesh_dim_names=(SHARD,),
-            placements=(Shard(1), Replicate()),
-            blocks=_blocks(
-                positions,
-                [(0, table.num_embeddings)] * len(positions),
-                chunk_bounds(table.embedding_dim, len(positions)),
-            ),
+        return self._with_cache(
+            TableLayout(
+                positions=tuple(positions),
+                mesh_shape=(len(positions),),
+                mesh_dim_names=(SHARD,),
+                placements=(Shard(1), Replicate()),
+                blocks=_blocks(
+                    positions,
+                    [(0, table.num_embeddings)] * len(positions),
+                    chunk_bounds(table.embedding_dim, len(positions)),
+                ),
+            )
         )
 
 
-@dataclass(frozen=True)
-class TableRowWise(TableSpec):
+@dataclass(frozen=True, repr=False)
+class TableRowWise(Offloadable, TableSpec):
     """Table on one node (``node``), rows split over that node's shard positions."""
 
     node: int | None = None
@@ -234,21 +244,23 @@ class TableRowWise(TableSpec):
         per_node = axis.per_node
         assert per_node is not None
         positions = [self.node * per_node + i for i in range(per_node)]
-        return TableLayout(
-            positions=tuple(positions),
-            mesh_shape=(per_node,),
-            mesh_dim_names=(SHARD_LOCAL,),
-            placements=(Shard(0), Replicate()),
-            blocks=_blocks(
-                positions,
-                chunk_bounds(table.num_embeddings, per_node),
-                [(0, table.embedding_dim)] * per_node,
-            ),
+        return self._with_cache(
+            TableLayout(
+                positions=tuple(positions),
+                mesh_shape=(per_node,),
+                mesh_dim_names=(SHARD_LOCAL,),
+                placements=(Shard(0), Replicate()),
+                blocks=_blocks(
+                    positions,
+                    chunk_bounds(table.num_embeddings, per_node),
+                    [(0, table.embedding_dim)] * per_node,
+                ),
+            )
         )
 
 
-@dataclass(frozen=True)
-class Grid(TableSpec):
+@dataclass(frozen=True, repr=False)
+class Grid(Offloadable, TableSpec):
     """Columns split across nodes, rows split across the shard positions inside a node."""
 
     short = "GRID"
@@ -266,14 +278,16 @@ class Grid(TableSpec):
         row_chunks = chunk_bounds(table.num_embeddings, per_node)
         positions = list(range(axis.size))
         placements: tuple[Placement, ...] = (Shard(1), Shard(0), Replicate())
-        return TableLayout(
-            positions=tuple(positions),
-            mesh_shape=(nodes, per_node),
-            mesh_dim_names=(SHARD_NODE, SHARD_LOCAL),
-            placements=placements,
-            blocks=_blocks(
-                positions,
-                [row_chunks[p % per_node] for p in positions],
-                [col_chunks[p // per_node] for p in positions],
-            ),
+        return self._with_cache(
+            TableLayout(
+                positions=tuple(positions),
+                mesh_shape=(nodes, per_node),
+                mesh_dim_names=(SHARD_NODE, SHARD_LOCAL),
+                placements=placements,
+                blocks=_blocks(
+                    positions,
+                    [row_chunks[p % per_node] for p in positions],
+                    [col_chunks[p // per_node] for p in positions],
+                ),
+            )
         )

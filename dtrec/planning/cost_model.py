@@ -17,9 +17,12 @@ routes by), for a batch of ``B`` samples per rank and ``L`` ids per bag on avera
 * replicate-axis traffic: the per-step gradient sync of the block's touched rows
   (sparse all-gather or dense all-reduce, whichever is smaller, as ``dtrec.sharded``'s
   ``grad_sync`` chooses), in ``Topology.qcomms.replica_sync_precision``; over the world
-  (always fp32) for data-parallel tables.
+  (always fp32) for data-parallel tables;
+* an offloaded block (``dtrec.planning.offload``): device memory for its cache only, host
+  memory for the block, and host <-> device bytes for its expected cache misses.
 
-Time per position = HBM bytes / HBM bandwidth + max(sent, received) to shard-axis peers
+Time per position = HBM bytes / HBM bandwidth + host link bytes / host bandwidth +
+max(sent, received) to shard-axis peers
 on its node / the intra-node bandwidth + the same for peers on other nodes / the
 inter-node bandwidth + replicate-axis (or world) bytes / the bandwidth of that group's
 link: intra-node when all its ranks sit on one node (``Topology.node_size``; replica
@@ -40,6 +43,14 @@ from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.embedding import EmbeddingConfig
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import ShardAxis
+from dtrec.planning.offload import (
+    MAP_BYTES,
+    SLOT_BYTES,
+    ZipfIds,
+    block_ids_per_step,
+    expected_misses,
+    row_buckets,
+)
 from dtrec.planning.topology import OPTIMIZER_STATE, Topology
 
 
@@ -79,12 +90,16 @@ ARRAYS = (
     "received_inter",
     "replica_bytes",
     "world_bytes",
+    "host_memory",
+    "host_link_bytes",
 )
 """The per-position quantities, rows of a ``[len(ARRAYS), S]`` stack (sums are one numpy
 op): memory bytes, HBM bytes moved, shard-axis bytes sent / received to positions on the
 same node and on other nodes, bytes sent over the replicate axis (sync of sharded
-blocks) and over the world (data-parallel tables)."""
+blocks) and over the world (data-parallel tables), host memory (offloaded blocks) and
+bytes copied between host memory and the device (their cache misses, the larger way)."""
 MEMORY, HBM, SENT_INTRA, RECEIVED_INTRA, SENT_INTER, RECEIVED_INTER, REPLICA, WORLD = range(8)
+HOST_MEMORY, HOST_LINK = 8, 9
 
 
 class PerPosition:
@@ -99,6 +114,8 @@ class PerPosition:
     hbm_bytes = property(lambda self: self.stack[HBM])
     replica_bytes = property(lambda self: self.stack[REPLICA])
     world_bytes = property(lambda self: self.stack[WORLD])
+    host_memory = property(lambda self: self.stack[HOST_MEMORY])
+    host_link_bytes = property(lambda self: self.stack[HOST_LINK])
 
     @property
     def shard_sent(self) -> np.ndarray:
@@ -145,7 +162,7 @@ def table_cost(
     ``with_comm``: also record bytes per collective kind (``TableCost.comm``).
     """
     layout = spec.layout(cfg, axis)
-    ids = ids if ids is not None else UniformIds(cfg.num_embeddings)
+    ids = ids if ids is not None else table_ids(cfg, topology)
     s_size, world = axis.size, axis.size * axis.replicas
     batch, pooling = topology.batch_size_per_rank, topology.pooling(cfg)
     features = len(cfg.feature_names)
@@ -163,7 +180,7 @@ def table_cost(
     # its output bytes grow with the ids a block serves, not with the batch.
     sequence = isinstance(cfg, EmbeddingConfig)
     out_kind = "sequence_output_dist" if sequence else "output_dist"
-    for block in layout.blocks:
+    for i, block in enumerate(layout.blocks):
         p, rows, cols = block.position, block.num_rows, block.num_cols
         mass = 1.0 if layout.batch_local else ids.mass(*block.rows)
         out_rows = batch * pooling * mass if sequence else batch * features
@@ -201,7 +218,17 @@ def table_cost(
                 cost.add("optim.row_sq_sum", p, norms)
         sources = 1 if layout.batch_local else s_size
         buffers = n_ids * 8 + 2 * sources * out_rows * cols * 4  # ids, outputs, grads
-        cost.memory[p] += rows * cols * elt + state + buffers
+        if layout.offloaded:  # the block in host memory, a cache of it on the device
+            cache = layout.cache_rows[i]
+            row = cols * elt + state / rows
+            cost.memory[p] += cache * (row + SLOT_BYTES) + (rows + 1) * MAP_BYTES + buffers
+            cost.host_memory[p] += rows * cols * elt + state
+            per_step = block_ids_per_step(cfg, axis, topology)
+            _, misses = expected_misses(*row_buckets(ids, *block.rows), per_step, cache)
+            cost.host_link_bytes[p] += misses * row  # in, and as many written back out
+            cost.add("offload.host_to_device", p, misses * row)
+        else:
+            cost.memory[p] += rows * cols * elt + state + buffers
         cost.hbm_bytes[p] += n_ids * cols * elt  # forward gather
         backward = n_ids * cols * 4 + touched * 2 * (cols * elt + state / rows)
         one_pass = not layout.batch_local and axis.replicas == 1 and peers[block.rows] == 1
@@ -213,6 +240,14 @@ def table_cost(
             cost.add(f"{sync_kind}.{path}", p, sent)
             cost.add(f"{sync_kind}.counts", p, (sync_group - 1) * 8)
     return cost
+
+
+def table_ids(cfg: EmbeddingBagConfig, topology: Topology) -> IdDistribution:
+    """The ids' distribution the planner assumes for ``cfg``: uniform, or Zipf
+    (``Topology.zipf_exponent``, hot rows scattered over the table)."""
+    if topology.zipf_exponent > 0:
+        return ZipfIds(cfg.num_embeddings, topology.zipf_exponent)
+    return UniformIds(cfg.num_embeddings)
 
 
 def gradient_sum_bytes(
@@ -284,6 +319,7 @@ def step_time(stack: np.ndarray, axis: ShardAxis, topology: Topology) -> np.ndar
 
     return (
         row(HBM) / topology.hbm_bandwidth
+        + row(HOST_LINK) / topology.host_bandwidth
         + np.maximum(row(SENT_INTRA), row(RECEIVED_INTRA)) / topology.intra_node_bandwidth
         + np.maximum(row(SENT_INTER), row(RECEIVED_INTER)) / topology.inter_node_bandwidth
         + row(REPLICA) / link_bandwidth(replicas, topology)

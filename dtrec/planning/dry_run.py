@@ -151,6 +151,7 @@ def dry_run(
         "plan": ShardingPlan({k: c.spec for k, c in choices.items()}),
         "blocks": blocks,
         "memory": sums.memory,
+        "host_memory": sums.host_memory,
         "time": time_per_position,
         "shard_bytes": np.maximum(sums.shard_sent, sums.shard_received),
         "replicate_bytes": sums.replica_bytes,
@@ -184,6 +185,10 @@ def print_dry_run(result: dict) -> None:
           f"planning: {result['plan_seconds']:.2f} s")  # fmt: skip
     print(f"exchanges: {describe_qcomms(result['qcomms'])}")
     print(f"memory per rank:  {_stats(result['memory'], 2**30, 'GiB')}")
+    if result["host_memory"].any():
+        offloaded = sorted(k for k, spec in plan.items() if getattr(spec, "offloaded", False))
+        print(f"host memory per rank (offloaded tables {offloaded}): "
+              f"{_stats(result['host_memory'], 2**30, 'GiB')}")  # fmt: skip
     print(f"comm per rank per step, shard dim:     {_stats(result['shard_bytes'], 2**20, 'MiB')}")
     print(
         f"comm per rank per step, replicate dim: {_stats(result['replicate_bytes'], 2**20, 'MiB')}"
@@ -237,6 +242,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--node-size", type=int, default=None)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--memory-per-rank-gb", type=float, default=None)
+    parser.add_argument(
+        "--host-memory-per-rank-gb",
+        type=float,
+        default=None,
+        help="host memory a rank may fill with offloaded tables (the second tier): tables "
+        "that do not fit the device budget are offloaded behind device caches",
+    )
+    parser.add_argument(
+        "--zipf-exponent",
+        type=float,
+        default=None,
+        help="id skew assumed for offloaded tables' cache hit rates (default 0: uniform)",
+    )
     parser.add_argument("--plan-json", help="write the plan here")
     parser.add_argument(
         "--explain",
@@ -253,6 +271,10 @@ def main(argv: list[str] | None = None) -> None:
         overrides["node_size"] = args.node_size
     if args.memory_per_rank_gb is not None:
         overrides["memory_per_rank"] = args.memory_per_rank_gb * 1e9
+    if args.host_memory_per_rank_gb is not None:
+        overrides["host_memory_per_rank"] = args.host_memory_per_rank_gb * 1e9
+    if args.zipf_exponent is not None:
+        overrides["zipf_exponent"] = args.zipf_exponent
     topology = base(**overrides)
     result = dry_run(
         tables, args.world_size, args.shard_group_size, args.node_size, topology, args.explain

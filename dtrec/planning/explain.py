@@ -6,7 +6,8 @@ sample and feature, however many ids a bag has; sequence: one per id, so a seque
 table's output-dist bytes grow with its ids, not only with the batch); the chosen spec's
 bytes per collective kind and its slowest position's time split into HBM, shard-axis
 and replicate-axis parts; for a sequence table, what the same table pooled would send;
-and the candidates it beat.
+and the candidates it beat. An offloaded table also gets its cache: rows, expected hit
+rate (and the id distribution assumed), host <-> device bytes, and why it was offloaded.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dtrec.modules.embedding import EmbeddingConfig
 from dtrec.placements.mesh import ShardAxis
 from dtrec.planning.cost_model import (
     HBM,
+    HOST_LINK,
     RECEIVED_INTER,
     RECEIVED_INTRA,
     REPLICA,
@@ -30,13 +32,16 @@ from dtrec.planning.cost_model import (
     Topology,
     step_time,
     table_cost,
+    table_ids,
 )
+from dtrec.planning.offload import block_ids_per_step, expected_misses, row_buckets
 from dtrec.planning.planner import Choice, collection_of
 
 TIME_PARTS = {
     "HBM": (HBM,),
     "shard axis": (SENT_INTRA, RECEIVED_INTRA, SENT_INTER, RECEIVED_INTER),
     "replicate axis": (REPLICA, WORLD),
+    "host link": (HOST_LINK,),
 }
 """The step time's terms, by the ``cost_model`` rows they read."""
 
@@ -112,6 +117,11 @@ def explain_table(
         f"= {split} ms; memory {_mib(cost.memory)} on the fullest",
         f"  bytes sent per step (each kind at its busiest position): {sent or 'none'}",
     ]
+    layout = choice.spec.layout(cfg, axis)
+    if layout.offloaded:
+        lines.append(offload_line(cfg, layout, axis, topology, cost.host_memory))
+    if choice.why:
+        lines.append(f"  why: {choice.why}")
     if sequence:
         pooled = EmbeddingBagConfig(
             cfg.name, cfg.num_embeddings, cfg.embedding_dim, list(cfg.feature_names)
@@ -139,6 +149,37 @@ def explain_table(
         + (f", +{more} more" if more > 0 else "")
     )
     return lines
+
+
+def offload_line(
+    cfg: EmbeddingBagConfig | EmbeddingConfig,
+    layout: object,
+    axis: ShardAxis,
+    topology: Topology,
+    host_memory: np.ndarray,
+) -> str:
+    """An offloaded table's cache: its size, expected hit rate and the assumption behind it."""
+    ids = table_ids(cfg, topology)
+    per_step = block_ids_per_step(cfg, axis, topology)
+    read = missed = 0.0
+    for block, rows in zip(layout.blocks, layout.cache_rows, strict=True):  # type: ignore[attr-defined]
+        r, m = expected_misses(*row_buckets(ids, *block.rows), per_step, rows)
+        read, missed = read + r, missed + m
+    blocks = layout.blocks  # type: ignore[attr-defined]
+    share = max(c / b.num_rows for c, b in zip(layout.cache_rows, blocks, strict=True))  # type: ignore[attr-defined]
+    assumed = (
+        f"Zipf({topology.zipf_exponent:g}) ids, hot rows scattered over the blocks"
+        if topology.zipf_exponent > 0
+        else "uniform ids"
+    )
+    hit = 1.0 - missed / read if read else 1.0
+    return (
+        f"  offloaded: blocks in host memory ({_mib(host_memory)} on the fullest rank), device "
+        f"caches of {max(layout.cache_rows)} rows (up to {100 * share:.2f}% of a block); "  # type: ignore[attr-defined]
+        f"expected hit rate {100 * hit:.1f}% of the distinct rows a step reads (LRU, Che's "
+        f"approximation, {assumed}): {missed:.0f} rows copied in (and out) per step over all "
+        "blocks"
+    )
 
 
 def explain(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,7 +24,10 @@ from dtrec.planning.planner import TableConstraint, collection_of, plan_tables
 
 
 def spec_to_dict(spec: TableSpec) -> dict:
-    return {"type": type(spec).__name__, **{f.name: getattr(spec, f.name) for f in fields(spec)}}
+    """``{"type": "RowWise", <its fields>}``; the cache fields only when set (offloaded)."""
+    values = {f.name: getattr(spec, f.name) for f in fields(spec)}
+    unset = [k for k in ("cache_rows", "cache_fraction") if values.get(k, 0) is None]
+    return {"type": type(spec).__name__, **{k: v for k, v in values.items() if k not in unset}}
 
 
 def spec_from_dict(data: Mapping, key: str = "?") -> TableSpec:
@@ -61,6 +64,10 @@ class PlanReport:
     time: list[float]
     """Estimated seconds per step per shard position."""
     topology: Topology
+    host_memory: list[float] = field(default_factory=list)
+    """Host-memory bytes per shard position (offloaded tables' blocks)."""
+    why: dict[str, str] = field(default_factory=dict)
+    """Table -> why it is where it is, where the costs alone do not say (offloaded)."""
 
     @property
     def imbalance(self) -> float:
@@ -75,9 +82,13 @@ class PlanReport:
             shown = ", ".join(f"{s} {m:.1f} MiB {t:.3f} ms" for s, m, t in ranked[:4])
             more = f", +{len(ranked) - 4} more" if len(ranked) > 4 else ""
             lines.append(f"  {key}: {spec}  ({shown}{more})")
-        lines.append("per shard position: MiB / est. ms per step")
+            if key in self.why:
+                lines.append(f"    {self.why[key]}")
+        host = any(self.host_memory)
+        lines.append(f"per shard position: MiB{' (+ host MiB)' if host else ''} / est. ms per step")
         for p, (m, t) in enumerate(zip(self.memory, self.time, strict=True)):
-            lines.append(f"  {p}: {m / 2**20:.1f} MiB  {1e3 * t:.3f} ms")
+            extra = f" + {self.host_memory[p] / 2**20:.1f} host" if host else ""
+            lines.append(f"  {p}: {m / 2**20:.1f} MiB{extra}  {1e3 * t:.3f} ms")
         lines.append(
             f"slowest {1e3 * max(self.time):.3f} ms, imbalance (max / mean) {self.imbalance:.2f}"
             f"; budget {self.topology.memory_budget / 2**20:.0f} MiB per rank"
@@ -232,7 +243,10 @@ def plan(
             )
         rows.append((key, choice.spec, options))
     time = sums.time(axis, topology)
-    result.report = PlanReport(rows, sums.memory.tolist(), time.tolist(), topology)
+    why = {key: choice.why for key, choice in choices.items() if choice.why}
+    result.report = PlanReport(
+        rows, sums.memory.tolist(), time.tolist(), topology, sums.host_memory.tolist(), why
+    )
     return result
 
 

@@ -13,7 +13,12 @@ search, deterministic so every rank computes the same plan:
 3. local search: revisit every table, move it to a better candidate while the plan's
    slowest position gets faster; stops when a full pass changes nothing.
 
-A table no candidate fits raises ValueError naming it and the bytes missing.
+A table no candidate fits raises ValueError naming it and the bytes missing, unless
+``Topology.host_memory_per_rank`` offers a second tier: then the device keeps what fits
+and the rest is offloaded (``offload_tables``): the tables with the fewest ids per byte
+first, as few as needed, behind device caches of one fraction of their rows, the largest
+fraction that still fits (cache misses priced by ``dtrec.planning.offload``). A world
+whose tables fit neither way raises ValueError before anything is allocated.
 ``dtrec.planning.dry_run`` runs this search at scale in one process (``python -m
 dtrec.planner``).
 """
@@ -37,7 +42,17 @@ from dtrec.placements import (
     TableWise,
 )
 from dtrec.placements.mesh import ShardAxis
-from dtrec.planning.cost_model import PositionTotals, TableCost, Topology, step_time, table_cost
+from dtrec.planning.cost_model import (
+    HOST_MEMORY,
+    PositionTotals,
+    TableCost,
+    Topology,
+    step_time,
+    table_cost,
+    table_ids,
+)
+from dtrec.planning.offload import ids_per_byte, offloaded_spec
+from dtrec.planning.offload_plan import DeviceFull, offload_tables
 
 MAX_PASSES = 8
 
@@ -59,6 +74,9 @@ class TableConstraint:
     max_shards: int | None = None
     pooling_factor: float | None = None
     """Ids per bag of the table's features, overriding ``Topology.pooling_factors``."""
+    cache_fraction: float | None = None
+    """Offload the table: its blocks in host memory behind device caches of this fraction
+    of their rows (TorchRec's ``cache_load_factor``). None: the planner decides."""
 
     def __post_init__(self) -> None:
         if self.types is not None and (
@@ -88,6 +106,15 @@ class TableConstraint:
                 f"TableConstraint.pooling_factor must be a number >= 0 or None, got "
                 f"{self.pooling_factor!r}"
             )
+        if self.cache_fraction is not None and not (
+            isinstance(self.cache_fraction, (int, float))
+            and not isinstance(self.cache_fraction, bool)
+            and 0 < self.cache_fraction <= 1
+        ):
+            raise ValueError(
+                f"TableConstraint.cache_fraction must be a number in (0, 1] or None, got "
+                f"{self.cache_fraction!r}"
+            )
 
     def __str__(self) -> str:
         """Like the repr, with class names for types and defaults left out (for errors)."""
@@ -97,6 +124,7 @@ class TableConstraint:
             "min_shards": self.min_shards if self.min_shards != 1 else None,
             "max_shards": self.max_shards,
             "pooling_factor": self.pooling_factor,
+            "cache_fraction": self.cache_fraction,
         }
         args = ", ".join(f"{k}={v}" for k, v in shown.items() if v is not None)
         return f"TableConstraint({args})"
@@ -136,6 +164,13 @@ def candidates(
             continue  # e.g. column-wise with a dim smaller than the shard axis
         if constraint is None or constraint.allows(spec, cfg, axis):
             out.append(spec)
+    if isinstance(constraint, TableConstraint) and constraint.cache_fraction is not None:
+        cached = [
+            replace(spec, cache_fraction=constraint.cache_fraction)  # type: ignore[type-var]
+            for spec in out
+            if not isinstance(spec, DataParallel)
+        ]
+        return cached
     return out
 
 
@@ -145,6 +180,8 @@ class Choice:
 
     spec: TableSpec
     costs: list[tuple[TableSpec, TableCost]]
+    why: str = ""
+    """Why the table is where it is, when the search alone does not say (offloaded)."""
 
     @property
     def cost(self) -> TableCost:
@@ -169,6 +206,7 @@ class Search:
         self.axis, self.topology = axis, topology
         self.totals = PositionTotals.zeros(axis.size)
         self.budget = topology.memory_budget
+        self.host_budget = topology.host_budget or math.inf  # 0: not planned, not checked
         self.remaining = 0.0  # least work of the tables not placed yet
         self._stacked: dict[int, np.ndarray] = {}  # id(candidate list) -> their stacks
 
@@ -189,7 +227,8 @@ class Search:
         total = time.sum(1)
         bound = np.maximum(time.max(1), (total + self.remaining) / self.axis.size)
         memory = trial[:, 0].max(1)
-        fits = np.flatnonzero(memory <= self.budget)
+        host = trial[:, HOST_MEMORY].max(1)
+        fits = np.flatnonzero((memory <= self.budget) & (host <= self.host_budget))
         if not fits.size:
             return None
         # Lowest (bound, total, memory), then the first candidate: as min() over tuples.
@@ -233,7 +272,8 @@ def _uniform_seed(
             return None
         totals.add(match[0][1])
         chosen[key] = Choice(match[0][0], costs)
-    return chosen if np.all(totals.memory <= search.budget) else None
+    fits = np.all(totals.memory <= search.budget)
+    return chosen if fits and np.all(totals.host_memory <= search.host_budget) else None
 
 
 def _costs(
@@ -270,10 +310,37 @@ def plan_tables(
 
     Starts from the greedy plan or, when one scores better, from a plan of one type
     for every table (all row-wise, all column-wise, all data-parallel), then improves
-    it by local search.
+    it by local search. When tables do not fit the device budget and the topology has
+    host memory, offloads some (``offload_tables``).
     """
     topology = topology or Topology()
     constraints = dict(constraints or {})
+    try:
+        return search_plan(tables, axis, constraints, topology)
+    except DeviceFull as exc:
+        if topology.host_budget <= 0:
+            raise ValueError(str(exc)) from None
+    order = offload_order(tables, constraints, topology)
+    return offload_tables(
+        tables,
+        axis,
+        topology,
+        order,
+        lambda offloaded: search_plan(tables, axis, constraints, topology, offloaded),
+    )
+
+
+def search_plan(
+    tables: Mapping[str, EmbeddingBagConfig],
+    axis: ShardAxis,
+    constraints: Mapping[str, TableSpec | TableConstraint],
+    topology: Topology,
+    offloaded: Mapping[str, float] | None = None,
+) -> tuple[dict[str, Choice], PositionTotals]:
+    """The search of ``plan_tables`` with the tables in ``offloaded`` behind caches of
+    that fraction of their rows (their candidates: each sharding type, offloaded);
+    DeviceFull when a table fits no candidate."""
+    offloaded = offloaded or {}
     search = Search(axis, topology)
     options: dict[str, list[tuple[TableSpec, TableCost]]] = {}
     least: dict[str, float] = {}
@@ -288,6 +355,10 @@ def plan_tables(
         own = topology.for_collection(collection_of(key, cfg))
         if isinstance(constraint, TableConstraint):
             own = constraint.topology(cfg, own)
+        if key in offloaded:
+            ids = table_ids(cfg, own)
+            moved = (offloaded_spec(s, cfg, axis, own, offloaded[key], ids) for s in specs)
+            specs = [s for s in moved if s is not None]
         options[key] = _costs(cfg, specs, axis, own)
         least[key] = min(work(c, axis, topology) for _, c in options[key])
     order = sorted(tables, key=lambda k: (-tables[k].num_embeddings * tables[k].embedding_dim, k))
@@ -298,11 +369,23 @@ def plan_tables(
         picked = search.best(options[key])
         if picked is None:
             amount, spec = search.missing(options[key])
-            raise ValueError(
+            if amount > 0 or math.isinf(search.host_budget):
+                raise DeviceFull(
+                    f"table {key!r} ({tables[key].num_embeddings} x "
+                    f"{tables[key].embedding_dim}) does not fit: even as {spec} it needs "
+                    f"{amount / 2**20:.1f} MiB more on its fullest rank than the budget of "
+                    f"{search.budget / 2**20:.1f} MiB per rank (Topology.memory_per_rank minus "
+                    "headroom)"
+                )
+            over = min(
+                float(np.max(search.totals.host_memory + c.host_memory - search.host_budget))
+                for _, c in options[key]
+            )
+            raise DeviceFull(
                 f"table {key!r} ({tables[key].num_embeddings} x {tables[key].embedding_dim}) "
-                f"does not fit: even as {spec} it needs {amount / 2**20:.1f} MiB more on its "
-                f"fullest rank than the budget of {search.budget / 2**20:.1f} MiB per rank "
-                "(Topology.memory_per_rank minus headroom)"
+                f"does not fit in host memory: it needs {over / 2**20:.1f} MiB more on its "
+                f"fullest rank than the {search.host_budget / 2**20:.1f} MiB per rank of "
+                "Topology.host_memory_per_rank"
             )
         search.totals.add(picked[1])
         chosen[key] = Choice(picked[0], options[key])
@@ -319,3 +402,24 @@ def plan_tables(
             chosen, search, best_score = seed, trial, trial.score()
     search.improve(chosen, order)
     return {key: chosen[key] for key in tables}, search.totals
+
+
+def offload_order(
+    tables: Mapping[str, EmbeddingBagConfig],
+    constraints: Mapping[str, TableSpec | TableConstraint],
+    topology: Topology,
+) -> list[str]:
+    """The tables the planner may offload, coldest first (fewest ids per step per byte
+    held: they lose the least to cache misses for the device memory they free). A table
+    pinned to a spec, or constrained to data parallel, stays where it is."""
+    movable = []
+    for key in tables:
+        constraint = constraints.get(key)
+        if isinstance(constraint, TableSpec):
+            continue
+        if isinstance(constraint, TableConstraint) and (
+            constraint.types == (DataParallel,) or constraint.cache_fraction is not None
+        ):
+            continue
+        movable.append(key)
+    return sorted(movable, key=lambda k: (ids_per_byte(tables[k], topology), k))

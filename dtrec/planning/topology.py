@@ -50,6 +50,17 @@ class Topology:
     path fbgemm's C++ (4.5x measured: 13.7 vs 3.0 ms for 8 tables, 82k ids, one rank)."""
     memory_headroom: float = 0.1
     """Fraction of ``memory_per_rank`` left for activations and the dense model."""
+    host_memory_per_rank: float = 0.0
+    """Bytes of host memory a rank may hold for offloaded tables (pinned, on CUDA): the
+    second tier. 0 (the default): the planner never offloads; > 0: tables that do not fit
+    the device budget live there behind device caches (``RowWise(cache_rows=...)``)."""
+    host_bandwidth: float = 50e9
+    """Bytes/s a rank copies between host memory and its device, each way (PCIe Gen5 x16):
+    what an offloaded table's cache misses and write-backs cost."""
+    zipf_exponent: float = 0.0
+    """The id skew the planner assumes for an offloaded table's cache hit rate: ids
+    Zipf(s) over the table's rows, hot rows scattered over its blocks (hashed ids). 0: uniform
+    (a cache of a fraction f of the rows hits a fraction f: the pessimistic default)."""
     bytes_per_element: int = 4
     qcomms: QCommsConfig | Mapping[str, QCommsConfig | None] | None = None
     """Precisions of the collections' exchanges, as ``distribute_module(qcomms=)`` takes
@@ -87,6 +98,8 @@ class Topology:
         for feature, factor in self.pooling_factors.items():
             _check_number(f"Topology.pooling_factors[{feature!r}]", factor)
         _check_number("Topology.memory_headroom", self.memory_headroom)
+        _check_number("Topology.host_memory_per_rank", self.host_memory_per_rank)
+        _check_number("Topology.zipf_exponent", self.zipf_exponent)
         if self.memory_headroom >= 1:
             raise ValueError(
                 f"Topology.memory_headroom is a fraction in [0, 1), got {self.memory_headroom}"
@@ -114,6 +127,7 @@ class Topology:
             "inter_node_bandwidth": 2e9,
             "node_size": 1 << 20,
             "synced_update_factor": 4.5,
+            "host_bandwidth": 10e9,
         }
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
@@ -121,6 +135,11 @@ class Topology:
     @property
     def memory_budget(self) -> float:
         return self.memory_per_rank * (1.0 - self.memory_headroom)
+
+    @property
+    def host_budget(self) -> float:
+        """Host memory a rank may fill with offloaded blocks (no headroom: it holds only them)."""
+        return self.host_memory_per_rank
 
     def for_collection(self, fqn: str) -> Topology:
         """The topology a table of collection ``fqn`` is priced with: ``qcomms`` given per
@@ -163,6 +182,7 @@ _POSITIVE_NUMBERS = (
     "intra_node_bandwidth",
     "inter_node_bandwidth",
     "synced_update_factor",
+    "host_bandwidth",
 )
 
 

@@ -6,7 +6,7 @@
 the table blocks (``storage.py``), who sends which ids where (a ``Routing``), the
 replica-axis gradient sync (``GradSyncPlan``), the fused optimizer (``FusedUpdater``,
 column peers for exact row-wise Adagrad), the input dist, ``sync_every`` weight
-averaging and prefetching.
+averaging, prefetching, and the device caches of offloaded tables (``offload/``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from dtrec.sharded.copies import deepcopy_module
 from dtrec.sharded.fused_update import FusedUpdater, TableUpdate
 from dtrec.sharded.groups import column_groups
 from dtrec.sharded.input_dist import InputDist
+from dtrec.sharded.offload import OffloadedTables, offload_tables
 from dtrec.sharded.routing import Routing
 from dtrec.sharded.storage import pack_local_shards, shard_tables, state_dtensors
 from dtrec.sharded.sync_plan import GradSyncPlan
@@ -107,11 +108,22 @@ class ShardedCollection(nn.Module):
         )
         self._input_dist = InputDist(tables, self._routing, mesh)
         self._prefetched: list[tuple[object, Any]] = []
+        self._offload: OffloadedTables | None = offload_tables(
+            names, self._layouts, stored, self._routing.local_tables, self._updater, mesh,
+            sync_every,
+        )  # fmt: skip
+        """Offloaded tables' caches (None: every table is on the device)."""
+        if self._offload is not None:  # the host tier is the table whenever state is read
+            self.register_state_dict_pre_hook(lambda module, *_: module.flush_offloaded())
+            self.register_load_state_dict_pre_hook(lambda module, *_: module.flush_offloaded())
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardedCollection:
         """A copy whose tables are views of the copy of this rank's packed buffer, the
         tensors the copied fused updater updates (a DTensor parameter's own deepcopy would
-        clone its block apart from them); communication shared (``sharded/copies.py``)."""
+        clone its block apart from them); communication shared (``sharded/copies.py``).
+        Offloaded tables' row copies in flight land first (a cache is copied whole)."""
+        if self._offload is not None:
+            self._offload.join()
         for table in self._stored().values():
             weight = table.weight
             with torch.no_grad():
@@ -138,7 +150,7 @@ class ShardedCollection(nn.Module):
             if t not in self._routing.data_parallel_tables
         }
         columns = column_groups(mesh, routed, position) if optimizer.needs_row_sq_sum else {}
-        shards = [self._stored()[cfg.name].weight.to_local() for cfg in self._tables]
+        shards = [self._stored()[cfg.name].device_rows() for cfg in self._tables]
         local = self._routing.local_tables
         updates = {}
         for t in local:
@@ -157,7 +169,28 @@ class ShardedCollection(nn.Module):
         """Table name -> its fused optimizer state (local tensors, shaped like the shard)."""
         if self._updater is None:
             return {}
-        return {cfg.name: self._updater.state[t] for t, cfg in enumerate(self._tables)}
+        self.flush_offloaded()
+        caches = {} if self._offload is None else self._offload.caches
+        return {
+            cfg.name: self._updater.state[t]
+            if t not in caches
+            else {k: caches[t].host_state.get(k, v) for k, v in self._updater.state[t].items()}
+            for t, cfg in enumerate(self._tables)
+        }
+
+    def flush_offloaded(self) -> None:
+        """Write offloaded tables' changed cached rows (and optimizer state) back to host
+        memory, so their parameters (and ``fused_optimizer_state``) hold every row's current
+        value, and empty their caches, so what is then written there (a checkpoint load) is
+        what the next batch reads. ``state_dict`` and ``load_state_dict`` call it; call it
+        before reading an offloaded table's ``weight`` directly."""
+        if self._offload is not None:
+            self._offload.flush()
+
+    def cache_stats(self) -> dict[str, dict[str, int]]:
+        """Per offloaded table with a block here: distinct rows looked up, cache misses,
+        bytes copied host -> device and back, since construction."""
+        return {} if self._offload is None else self._offload.stats()
 
     def fused_optimizer_dtensors(self) -> dict[str, dict[str, Tensor]]:
         """Table name -> its fused optimizer state as DTensors placed like the table.
@@ -183,10 +216,14 @@ class ShardedCollection(nn.Module):
         What ``sync_every=k`` runs every k training steps (TorchRec's
         ``DMPCollection.sync()``); call it yourself before saving or evaluating. One
         all-reduce over the "replicate" dim for all local tables. State of a torch
-        optimizer (non-fused training) is the caller's to average.
+        optimizer (non-fused training) is the caller's to average. Offloaded tables are
+        skipped: they only train with the per-step sync, which keeps replicas equal.
         """
+        offloaded = {} if self._offload is None else self._offload.caches
 
         def weight_and_state(t: int) -> list[Tensor]:
+            if t in offloaded:
+                return []
             tensors = [self._stored()[self._tables[t].name].weight.to_local()]
             if self._updater is not None:
                 tensors += [v for v in self._updater.state[t].values() if v.dim() > 0]
@@ -203,17 +240,21 @@ class ShardedCollection(nn.Module):
             self._steps += 1
         if self._updater is not None:
             self._updater.replica_sync = self.replica_sync
+        if self._offload is not None:
+            self._offload.begin_forward(torch.is_grad_enabled(), self.training)
 
     def _local_shards(self) -> dict[int, Tensor]:
         """This rank's blocks as plain tensors; without a fused optimizer (which updates
         them in place), their backward sums gradients per ``GradSyncPlan``."""
         local = {
-            t: self._stored()[self._tables[t].name].weight.to_local()
+            t: self._stored()[self._tables[t].name].device_rows()
             for t in self._routing.local_tables
         }
         if self._updater is not None:
             return local
-        return self._sync_plan.track(local, self.sync_every, self.replica_sync)
+        caches = {} if self._offload is None else self._offload.caches  # not trained here
+        tracked = {t: x for t, x in local.items() if t not in caches}
+        return {**local, **self._sync_plan.track(tracked, self.sync_every, self.replica_sync)}
 
     def _with_absent_grads(self, out: Any) -> Any:
         """``out`` itself (a tensor, or a list: its first tensor carries it); without a fused
@@ -259,6 +300,26 @@ class ShardedCollection(nn.Module):
         """
         self._refuse_fx_trace(features)
         self._prefetched.append((features, self._start(features)))
+
+    def fill(self, features: object) -> None:
+        """Start filling offloaded tables' caches for a prefetched batch (no-op without
+        offloaded tables or when ``prefetch(features)`` did not run).
+
+        Waits for the batch's ids, plans its fill (missing rows get slots, evictions
+        chosen; every rank agrees the batch fits, one 8-byte all-reduce) and leaves the
+        row copies running on a worker thread and their own stream; the batch's forward
+        waits for them. ``dtrec.TrainPipeline`` calls it for batch i + 1 between batch i's
+        forward and backward. Collective: every rank fills the same batches in order.
+        """
+        if self._offload is None:
+            return
+        for prefetched, routed in self._prefetched:
+            if prefetched is features:
+                self._fill_routed(routed)
+                return
+
+    _fill_routed: Callable[[Any], None]
+    """Fill the caches for one prefetched input dist (what ``_start`` returned)."""
 
     def is_prefetched(self, features: object) -> bool:
         """Whether ``prefetch(features)`` ran and no forward has consumed it yet."""

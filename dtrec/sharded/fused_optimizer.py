@@ -79,6 +79,15 @@ class FusedOptimizerView(torch.optim.Optimizer):
                 # torch's _get_in_backward_optimizers) keep it out of the dense optimizer
                 weight._in_backward_optimizers = [self]
 
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's ``Optimizer.__getstate__`` keeps only defaults, state and param groups:
+        also keep the collections and the rule, so that ``copy.deepcopy`` of a distributed
+        model gives its copy a working view over the copied collections (the memo links
+        each copied updater to the copied param group it reads)."""
+        state = super().__getstate__()
+        state.update(_collections=self._collections, _optimizer=self._optimizer)
+        return state
+
     @property
     def optimizer(self) -> FusedOptimizer:
         """The update rule as configured (``dtrec.optim``), e.g. ``RowWiseAdagrad(lr=0.1)``;

@@ -77,6 +77,15 @@ class TableUpdate:
         self.column_group = column_group
         self.full_dim = full_dim
         self.grad_scale = grad_scale  # 1 / number of ranks whose batches the gradient sums
+        self.cache: Any = None
+        """An offloaded table's ``dtrec.sharded.offload.RowCache`` (``weight`` is then its
+        device cache, lookups read slots): row grads go to block rows before any sync,
+        and the update goes to the rows' slots (or to host memory for rows not cached)."""
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the shard (of the block in host memory, for an offloaded table)."""
+        return self.weight.shape[0] if self.cache is None else self.cache.num_rows
 
 
 class FusedUpdater:
@@ -95,6 +104,10 @@ class FusedUpdater:
         self.param_group: dict[str, Any] | None = None
         """The live torch param group (``FusedOptimizerView`` sets it) read at every update."""
         self._pending: list[tuple[list[int], Lookup, Tensor]] = []
+        self.offload: Any = None
+        """The collection's ``dtrec.sharded.offload.OffloadedTables`` (None without one):
+        its copies in flight land before an update, its training batches' rows are
+        released after it."""
 
     #: How replicas sum their row grads (set from the collection's ``replica_sync``).
     replica_sync: str = "auto"
@@ -138,6 +151,8 @@ class FusedUpdater:
         synced in table order, then updated all at once.
         """
         pending, self._pending = self._pending, []
+        if self.offload is not None:
+            self.offload.join()
         uses = Counter(t for table_ids, _, _ in pending for t in table_ids)
         parts: dict[int, list[tuple[Tensor, Tensor]]] = {}
         for table_ids, lookup, grad_out in pending:
@@ -150,8 +165,11 @@ class FusedUpdater:
                 continue
             rows = lookup_backward_rows(lookup, grad_out)
             for t, part in zip(table_ids, rows, strict=True):
-                parts.setdefault(t, []).append(part)
+                cache = self.tables[t].cache
+                parts.setdefault(t, []).append(part if cache is None else cache.to_rows(*part))
         self._sync_and_update(rule, parts)
+        if self.offload is not None:
+            self.offload.after_update()
 
     def _sync_and_update(
         self, rule: FusedOptimizer, parts: dict[int, list[tuple[Tensor, Tensor]]]
@@ -173,7 +191,10 @@ class FusedUpdater:
         row_sq_sums = self._start_row_sq_sums(merged, unsynced)
         for tables, group in _by_group(merged, lambda t: self.tables[t].replica_group):
             synced = sync_rows(
-                [TableRows(*merged[t], self.tables[t].weight.shape[0]) for t in tables],
+                [
+                    TableRows(*merged[t], self.tables[t].num_rows, self.tables[t].cache is None)
+                    for t in tables
+                ],
                 group,
                 self.tables[tables[0]].sync_kind,
                 self.replica_sync,
@@ -217,18 +238,33 @@ class FusedUpdater:
         """Apply ``rule`` to the touched rows of ``tables`` (one batched call)."""
         if not tables:
             return
-        updates = [
-            RowUpdate(
-                self.tables[t].weight,
-                self.state[t],
-                *merged[t],
-                row_sq_sums.get(t),
-                self.tables[t].full_dim,
-            )  # fmt: skip
-            for t in tables
-        ]
+        updates, far = [], []
+        # the call's widest table with rows, which the rows staged in a call of their own
+        # are tiled by as well (``RowUpdate.tile_dim``): bitwise the uncached step
+        widest = max((self.tables[t].weight.shape[1] for t in tables if merged[t][0].numel()),
+                     default=None)  # fmt: skip
+        for t in tables:
+            table = self.tables[t]
+            if table.cache is None:
+                updates.append(RowUpdate(
+                    table.weight, self.state[t], *merged[t], row_sq_sums.get(t), table.full_dim
+                ))  # fmt: skip
+                continue
+            cached, rest = table.cache.row_updates(
+                *merged[t], row_sq_sums.get(t), table.full_dim, widest
+            )
+            updates.append(cached)
+            if rest is not None:  # rows not cached here: staged, packed, a call of their own
+                far.append(rest)
+        # staged before the first call steps the per-table scalars (Adam's step) they copy
+        staged = self.offload.staged_updates(far) if far else []
         with torch.no_grad():
             rule.update_tables(updates)
+            if staged:
+                rule.update_tables(staged)
+        for t in tables:
+            if self.tables[t].cache is not None:
+                self.tables[t].cache.write_back_staged()
 
 
 @dataclass

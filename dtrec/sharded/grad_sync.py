@@ -47,6 +47,7 @@ class TableRows:
     rows: Tensor
     grads: Tensor  # [len(rows), dim]
     num_rows: int  # rows of the local shard (size of the dense alternative)
+    dense_ok: bool = True  # False: always sparse (an offloaded table: no shard-sized buffer)
 
 
 def sum_by_row(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
@@ -83,7 +84,9 @@ def sync_rows(
     dense = []
     for t, m in zip(tables, most, strict=True):
         sparse_bytes, dense_bytes = sync_bytes(size, m, t.grads.shape[1], t.num_rows)
-        dense.append(mode == "dense" or (mode == "auto" and dense_bytes < sparse_bytes))
+        dense.append(
+            t.dense_ok and (mode == "dense" or (mode == "auto" and dense_bytes < sparse_bytes))
+        )
     result: dict[int, tuple[Tensor, Tensor]] = {}
     sparse_ids = [i for i, d in enumerate(dense) if not d]
     if sparse_ids:

@@ -24,6 +24,12 @@ The bad-batch contract (a bad batch fails on every rank before any weight change
   optimizer, the caller's, has stepped once on its output;
 * otherwise (no fused optimizer, or a backend that reads ids on the host anyway) ids are
   checked on the host in forward, as in the routed path.
+
+Offloaded tables (``dtrec.sharded.offload``) are read through their device caches here
+too: before the op call the batch is filled (or was, by ``fill`` for a prefetched batch)
+and their ids become cache slots. The fill reads ids on the host, so their batches' ids
+are checked on the host, and with replicas the batch verdict is all-reduced before the
+lookup (a refused batch fills nothing; the fill's own verdict follows on every rank).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from dtrec.placements import TableLayout
 from dtrec.placements.mesh import mesh_device
 from dtrec.sharded.fused_update import FusedUpdater, fused_lookup
 from dtrec.sharded.groups import world_group
+from dtrec.sharded.offload import OffloadedTables
 from dtrec.sharded.routing import Routing
 from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -77,9 +84,11 @@ class LocalPath:
         routing: Routing,
         updater: FusedUpdater | None,
         mesh: DeviceMesh,
+        offload: OffloadedTables | None = None,
     ) -> None:
         self._tables = tables
         self._updater = updater
+        self._offload = offload
         self._mesh = mesh
         self._world_size = mesh.size()
         self._device = mesh_device(mesh)
@@ -90,6 +99,7 @@ class LocalPath:
         self._mean = [tables[slot.table].pooling == "mean" for slot in slots]
         self._keys = feature_order(tables)
         self._dims = [slot.dim for slot in slots]
+        self._run_tables = [slot.table for slot in slots]  # each feature's ids: one run
         self._flag: HostFlag | None = None
         self._calls = 0
 
@@ -98,7 +108,9 @@ class LocalPath:
         rank = dist.get_rank()
         try:
             kjt = prepare_features(features, self._tables, rank, "off", self._device, weighted)
-            device_check = bounds_check == "on" and self._checks_on_device(kjt)
+            device_check = (
+                bounds_check == "on" and self._offload is None and self._checks_on_device(kjt)
+            )
             if bounds_check == "on" and not device_check:
                 check_id_range(kjt, self._tables, rank)
         except (KeyError, ValueError, IndexError, TypeError) as exc:
@@ -119,13 +131,20 @@ class LocalPath:
         self.report_bad_batches()
         if batch.error is not None and self._world_size == 1:
             raise batch.error
+        agreed_first = self._offload is not None and self._world_size > 1
+        if agreed_first:  # before the fill's collective (module docstring)
+            try:
+                self._verdict(batch, None)
+            except (IndexError, ValueError):
+                self._offload.drop(batch)  # a prefetched fill of the refused batch
+                raise
         out, flag = None, None
         if batch.kjt is not None:
             kjt = batch.kjt
             if batch.device_check:
                 flag = self._host_flag(kjt.values().device)
-            out = self.lookup(kjt, local, None if flag is None else flag.flag)
-        if self._world_size > 1:
+            out = self.lookup(kjt, local, None if flag is None else flag.flag, batch)
+        if self._world_size > 1 and not agreed_first:
             self._verdict(batch, flag)
         elif flag is not None:
             flag.snapshot((batch.kjt, self._calls))
@@ -133,12 +152,21 @@ class LocalPath:
         return KeyedTensor(self._keys, self._dims, out)
 
     def lookup(
-        self, kjt: KeyedJaggedTensor, local: dict[int, Tensor], error: Tensor | None
+        self,
+        kjt: KeyedJaggedTensor,
+        local: dict[int, Tensor],
+        error: Tensor | None,
+        key: object = None,
     ) -> Tensor:
         """``[B, total dim]``: every feature of the batch pooled by one op call (fused: its
-        backward feeds the updater), ids checked into ``error`` when given."""
+        backward feeds the updater), ids checked into ``error`` when given; offloaded
+        tables' ids read their cache slots (the fill of ``key``, the batch, or one now)."""
         tables = [local[t] for t in self._table_ids]
         values, offsets, psw = kjt.values(), kjt.offsets(), kjt.weights_or_none()
+        if self._offload is not None:
+            values = self._offload.slot_ids(
+                kjt if key is None else key, values, self._run_tables, kjt.lengths(), kjt.stride()
+            )
         if self._updater is not None:
             return fused_lookup(
                 self._updater, self._table_ids, tables, self._entry_table, self._mean, values,
@@ -147,6 +175,19 @@ class LocalPath:
         return EmbeddingBagFunction.apply(
             self._entry_table, self._mean, False, values, offsets, psw, *tables
         )
+
+    def fill(self, batch: LocalBatch) -> None:
+        """Fill offloaded tables' caches for a prefetched batch (``OffloadedTables.fill``).
+        A batch refused here joins the fill's verdict with no ids (its peers' batches may
+        be good; every rank raises at its forward, which drops the fill)."""
+        if self._offload is None or (batch.kjt is None and self._world_size == 1):
+            return
+        if batch.kjt is None:
+            none = torch.zeros(0, dtype=torch.long, device=self._device)
+            self._offload.fill(batch, none, self._run_tables, none, 0)
+            return
+        kjt = batch.kjt
+        self._offload.fill(batch, kjt.values(), self._run_tables, kjt.lengths(), kjt.stride())
 
     def _host_flag(self, device: torch.device) -> HostFlag:
         if self._flag is None or self._flag.device != device:

@@ -16,6 +16,8 @@ the ids inside a bag, so no float sum changes order.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -29,9 +31,10 @@ from dtrec.sparse import KeyedJaggedTensor
 class LocalLookup:
     """Pooled lookups on local shards, plain (autograd grads) or fused (``updater``)."""
 
-    def __init__(self, routing: Routing, updater: FusedUpdater | None) -> None:
+    def __init__(self, routing: Routing, updater: FusedUpdater | None, offload: Any = None) -> None:
         self._routing = routing
         self._updater = updater
+        self._offload = offload  # offloaded tables' caches (``OffloadedTables``), or None
         served, shards = routing.served, routing.shard_size
         # The received (source, segment) blocks in table-major order, as runs of
         # consecutive received blocks (one per table and source).
@@ -54,6 +57,8 @@ class LocalLookup:
         served = routing.served
         runs = self._block_runs if self._reorders else None
         lengths, ids, psw = routed.wait_served(len(served), runs)
+        if self._offload is not None:  # offloaded tables' ids -> their cache slots
+            ids = self._offload.slot_ids(routed, ids, self._entries, lengths, routed.served_batch)
         if not served:
             if psw is not None and psw.requires_grad:  # nothing received: an empty [B, 0]
                 # view, so the output dist's backward also runs the weights' one
@@ -62,6 +67,13 @@ class LocalLookup:
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long, device=lengths.device)
         torch.cumsum(lengths, 0, out=offsets[1:])
         return self._pooled(self._entries, local, ids, offsets, psw)
+
+    def fill(self, routed: RoutedBatch) -> None:
+        """Fill offloaded tables' caches for a prefetched batch (``OffloadedTables.fill``)."""
+        if self._offload is not None and routed.error is None:
+            runs = self._block_runs if self._reorders else None
+            lengths, ids, _ = routed.wait_served(len(self._routing.served), runs)
+            self._offload.fill(routed, ids, self._entries, lengths, routed.served_batch)
 
     def data_parallel(self, kjt: KeyedJaggedTensor, local: dict[int, Tensor]) -> Tensor:
         """``[B, data-parallel dims]``: the data-parallel features of the own batch."""

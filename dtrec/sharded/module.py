@@ -72,13 +72,14 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             tables, weights, mesh, specs, optimizer, bounds_check, sync_every, init_seed, qcomms
         )
         self.is_weighted = is_weighted
-        self._lookup = LocalLookup(self._routing, self._updater)
+        self._lookup = LocalLookup(self._routing, self._updater, self._offload)
         self._output_dist = OutputDist(
             tables, self._routing, mesh.get_group(SHARD), self._dtype, self.qcomms
         )
-        # A shard axis of one position: no routing, no all-to-all (``local_path.py``).
+        # A shard axis of one position: no routing, no all-to-all (``local_path.py``);
+        # offloaded tables take the routed path, whose lookup reads through their caches.
         self._local = (
-            LocalPath(tables, self._routing, self._updater, mesh)
+            LocalPath(tables, self._routing, self._updater, mesh, self._offload)
             if serves_locally(self._routing, self._layouts)
             else None
         )
@@ -131,6 +132,13 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     def _start(self, features: object) -> RoutedBatch | LocalBatch:
         return self.input_dist(features)
+
+    def _fill_routed(self, routed: RoutedBatch | LocalBatch) -> None:
+        if isinstance(routed, LocalBatch):
+            assert self._local is not None
+            self._local.fill(routed)
+        else:
+            self._lookup.fill(routed)
 
     def check_pending_batches(self) -> None:
         """Wait for the device and raise the IndexError of a batch whose ids were checked on

@@ -15,6 +15,11 @@ the same places. The first step's own input-dist runs in its forward (nothing to
 overlap it with yet); batch 2's is started right after that forward, during backward.
 ``sparse_features`` (a function of the batch) names them instead.
 
+Offloaded tables (``RowWise(cache_rows=...)``): after batch i's forward and before its
+backward, batch i + 1's cache fill starts (its missing rows gathered from host memory
+and copied to the device cache, evicted rows written back), so those copies run while
+batch i's backward computes; batch i's rows and batch i + 1's stay pinned in the cache.
+
 Example::
 
     pipeline = dtrec.TrainPipeline(model, opt)     # model(batch) -> (loss, output), TorchRec's
@@ -202,6 +207,10 @@ class TrainPipeline:
                     f"loss_fn did not pass the prefetched features to collection(s) {stale}: "
                     "it must give the model the very object sparse_features(batch) returns"
                 )
+        for following in self._fetched:  # its cache fill copies rows while this backward runs
+            if id(following) in self._prefetched:
+                for name, kjt in (self._features(following) or {}).items():
+                    self.collections[name].fill(kjt)
         loss.sum().backward()
         if self.optimizer is not None:
             self.optimizer.step()

@@ -66,7 +66,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
             qcomms, SequenceRouting,
         )  # fmt: skip
         self.need_indices = bool(need_indices)
-        self._lookup = SequenceLookup(self._routing, self._updater)
+        self._lookup = SequenceLookup(self._routing, self._updater, self._offload)
         self._output_dist = SequenceOutputDist(
             self._routing, mesh.get_group(SHARD), self._dtype, self.qcomms
         )
@@ -94,6 +94,9 @@ class ShardedEmbeddingCollection(ShardedCollection):
             self._output_dist(send, send_splits, plan, local_rows, device)
         )
         return sequence_outputs(kjt, rows, self.need_indices)
+
+    def _fill_routed(self, routed: _Routed) -> None:
+        self._lookup.fill(routed[0])
 
     def _start(self, features: object) -> _Routed:
         """Input dist of one batch (``InputDist``), with the positions of the ids sent.

@@ -29,6 +29,7 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -174,9 +175,10 @@ class ReturnPlan:
 class SequenceLookup:
     """Row gathers on local shards: every table's ids in one call (``lookup_rows``)."""
 
-    def __init__(self, routing: Routing, updater: FusedUpdater | None) -> None:
+    def __init__(self, routing: Routing, updater: FusedUpdater | None, offload: Any = None) -> None:
         self._routing = routing
         self._updater = updater
+        self._offload = offload  # offloaded tables' caches (``OffloadedTables``), or None
         self._tables = sorted({s.table for s in routing.served})
         self._table_of = {t: u for u, t in enumerate(self._tables)}
 
@@ -190,8 +192,10 @@ class SequenceLookup:
         The received ids come in runs, one per (source, segment), each of one table; the
         runs' counts came in the input dist's header, every index is built from them."""
         routing = self._routing
-        served, shards = routing.served, routing.shard_size
-        _, ids, _ = routed.wait_served(len(served))
+        served, batch, shards = routing.served, routed.served_batch, routing.shard_size
+        lengths, ids, _ = routed.wait_served(len(served))
+        if self._offload is not None:  # offloaded tables' ids -> their cache slots
+            ids = self._offload.slot_ids(routed, ids, self._run_tables(), lengths, batch)
         if not served:
             return None, [0] * shards
         counts = [c for source in routed.peer_segment_counts for c in source]  # header's
@@ -205,6 +209,16 @@ class SequenceLookup:
         )
         weights = [local[t] for t in self._tables]
         return lookup_rows(self._updater, self._tables, weights, runs), send_splits
+
+    def fill(self, routed: RoutedBatch) -> None:
+        """Fill offloaded tables' caches for a prefetched batch (``OffloadedTables.fill``)."""
+        if self._offload is not None and routed.error is None:
+            lengths, ids, _ = routed.wait_served(len(self._routing.served))
+            self._offload.fill(routed, ids, self._run_tables(), lengths, routed.served_batch)
+
+    def _run_tables(self) -> list[int]:
+        """The table of each run of received ids (source-major, then served segment)."""
+        return [s.table for s in self._routing.served] * self._routing.shard_size
 
     def data_parallel(self, kjt: KeyedJaggedTensor, local: dict[int, Tensor]) -> list[Tensor]:
         """Rows of the data-parallel features of the own batch, one ``[ids, D]`` each, in

@@ -6,6 +6,10 @@ live in one flat buffer, each weight a view of it, so a lookup reads every
 local table with one kernel launch and in-place updates write through the views.
 Fused optimizer state is kept alongside (``FusedUpdater.state``) and shown to
 checkpoints as DTensors placed like its table.
+
+An offloaded table (``dtrec.placements.offload``) keeps its block in host memory (its
+DTensor's local tensor); what the flat device buffer holds for it is its device cache
+(``ShardedTable.cache``, managed by ``dtrec.sharded.offload``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,13 @@ class ShardedTable(nn.Module):
         self.spec = spec
         self.layout = layout
         self.block = block  # this rank's block (None: the table has none here)
+        self.cache: Tensor | None = None
+        """Offloaded (``layout.offloaded``): the device cache of this rank's block, whose
+        rows all live in ``weight`` in host memory. None: the block is on the device."""
+
+    def device_rows(self) -> Tensor:
+        """What lookups read on the device: the local block, or an offloaded one's cache."""
+        return self.cache if self.cache is not None else self.weight.to_local()
 
     def extra_repr(self) -> str:
         return f"spec={self.spec!r}"
@@ -79,8 +90,9 @@ def shard_tables(
     into = _packed_meta_blocks(tables, weights, layouts, position, mesh)
     out = nn.ModuleDict()
     for cfg, layout in zip(tables, layouts, strict=True):
+        target = None if layout.offloaded else into.get(cfg.name)  # offloaded: a host block
         dtensor = distribute_tensor(
-            weights[cfg.name], mesh, specs[cfg.name], cfg.name, init_seed, into.get(cfg.name)
+            weights[cfg.name], mesh, specs[cfg.name], cfg.name, init_seed, target
         )
         block = layout.block_at(position)
         if block is not None and tuple(dtensor.to_local().shape) != (
@@ -94,6 +106,13 @@ def shard_tables(
         out[cfg.name] = ShardedTable(
             nn.Parameter(dtensor, requires_grad=requires_grad), specs[cfg.name], layout, block
         )
+        cache_rows = layout.cache_rows_at(position)
+        if block is not None and cache_rows is not None:  # its cache: packed with the blocks
+            out[cfg.name].cache = into.get(cfg.name, None)
+            if out[cfg.name].cache is None:
+                out[cfg.name].cache = torch.zeros(
+                    cache_rows, block.num_cols, dtype=dtensor.dtype, device=mesh_device(mesh)
+                )
     return out
 
 
@@ -104,13 +123,14 @@ def _packed_meta_blocks(
     position: int,
     mesh: DeviceMesh,
 ) -> dict[str, Tensor]:
-    """For meta-device tables: this rank's blocks as views of one new flat buffer, to
-    be initialised in place (already packed: no second copy of the shards)."""
+    """For meta-device tables: this rank's blocks (an offloaded table's: its device cache)
+    as views of one new flat buffer, to be initialised in place (already packed: no second
+    copy of the shards)."""
     if not tables or not all(weights[cfg.name].is_meta for cfg in tables):
         return {}
     dtype = weights[tables[0].name].dtype
     shapes = {
-        cfg.name: (block.num_rows, block.num_cols)
+        cfg.name: (layout.cache_rows_at(position) or block.num_rows, block.num_cols)
         for cfg, layout in zip(tables, layouts, strict=True)
         if (block := layout.block_at(position)) is not None
     }
@@ -123,9 +143,10 @@ def pack_local_shards(tables: list[ShardedTable]) -> None:
 
     Lookup kernels then read every local table in place with one launch
     (no per-call packing copy); in-place optimizer updates and
-    ``load_state_dict`` keep writing through the views.
+    ``load_state_dict`` keep writing through the views. An offloaded table's device
+    cache is packed in its place (its block stays in host memory).
     """
-    locals_ = [table.weight.to_local() for table in tables]
+    locals_ = [table.device_rows() for table in tables]
     if len(locals_) < 2:
         return
     shared = shared_storage(locals_)
@@ -137,6 +158,9 @@ def pack_local_shards(tables: list[ShardedTable]) -> None:
     for table, local, view in zip(tables, locals_, views, strict=True):
         with torch.no_grad():  # the views become new leaf parameters below
             view.copy_(local)
+        if table.cache is not None:
+            table.cache = view
+            continue
         old = table.weight
         table.weight = nn.Parameter(like_dtensor(view, old), requires_grad=old.requires_grad)
 

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import distribute_tensor as _torch_distribute_tensor
 
 from dtrec._torch_compat import (
+    contiguous_dtensor,
     is_sharded_tensor,
     local_shape_and_offset,
     picklable_dtensor,
@@ -20,7 +21,7 @@ from dtrec.comm.collectives import all_gather_varied
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.ops.dtensor_bridge import register_dtensor_rules
 from dtrec.placements.layout import Block, TableLayout
-from dtrec.placements.mesh import positions_mesh, shard_axis
+from dtrec.placements.mesh import mesh_device, positions_mesh, shard_axis
 from dtrec.placements.specs import TableSpec
 
 
@@ -45,7 +46,9 @@ def distribute_tensor(
     ``distribute_tensor``). A ``weight`` on the meta device is not copied: every rank
     creates its own block with ``dtrec.modules.init.table_block`` (default init from ``seed``,
     the same values under any plan), in ``out`` when given (this rank's block shape).
-    Collective: call on every rank in the same order.
+    An offloaded spec (``RowWise(cache_rows=...)``) puts this rank's block in host memory
+    (pinned on CUDA), copied from this rank's own ``weight`` (no communication, so the
+    table never passes through the device). Collective: call on every rank in the same order.
 
     Example::
 
@@ -65,8 +68,8 @@ def distribute_tensor(
         raise ValueError(f"table {name!r}: has no rows")
     sub = table_mesh(mesh, layout)
     register_dtensor_rules()  # so dtrec's ops run on the result through DTensor dispatch
-    if weight.is_meta:  # each rank makes its own block: no full table anywhere
-        return _init_on_ranks(name, weight, mesh, layout, sub, seed, out)
+    if weight.is_meta or layout.offloaded:  # each rank makes its own block: no full table
+        return _init_on_ranks(name, weight, mesh, layout, sub, seed, out)  # anywhere
     with torch.no_grad():
         return _torch_distribute_tensor(weight.detach(), sub, list(layout.placements))
 
@@ -81,21 +84,45 @@ def _init_on_ranks(
     out: Tensor | None,
 ) -> DTensor:
     from dtrec.modules.init import table_block
-    from dtrec.placements.mesh import mesh_device, shard_position
+    from dtrec.placements.mesh import shard_position
+    from dtrec.sharded.offload.host import host_block
 
     rows, dim = weight.shape
     device = mesh_device(mesh)
     position = shard_position(mesh)
     block = None if position is None else layout.block_at(position)
-    if block is None:
-        local = torch.empty(0, dim, dtype=weight.dtype, device=device)
+    if block is None:  # no rows here, or an empty block (a column chunk past the last
+        shape = (0, dim)  # column): this rank's share of the table, empty
+        if sub.get_coordinate() is not None:
+            shape = local_shape_and_offset((rows, dim), sub, layout.placements)[0]
+        local = torch.empty(shape, dtype=weight.dtype, device=device)
     else:
-        local = table_block(
-            name, rows, dim, block.rows, block.cols, seed, weight.dtype, device, out=out
+        if layout.offloaded:  # the block in host memory, never on the device
+            out = host_block((block.num_rows, block.num_cols), weight.dtype, device)
+        if weight.is_meta:
+            local = table_block(
+                name, rows, dim, block.rows, block.cols, seed, weight.dtype, device, out=out
+            )
+        else:
+            assert out is not None
+            local = out
+            with torch.no_grad():
+                local.copy_(
+                    weight.detach()[block.rows[0] : block.rows[1], block.cols[0] : block.cols[1]]
+                )
+    return _wrap(local, sub, layout.placements, (rows, dim))
+
+
+def _wrap(local: Tensor, mesh: DeviceMesh, placements, shape: tuple[int, ...]) -> DTensor:
+    """``local`` as this rank's part of a contiguous DTensor of ``shape``, kept where it is:
+    ``DTensor.from_local`` would move a host-memory block (an offloaded table's) to the
+    mesh's device."""
+    if local.device.type == mesh.device_type or local.is_meta:
+        stride = tuple(torch.Size(shape[i + 1 :]).numel() for i in range(len(shape)))
+        return DTensor.from_local(
+            local, mesh, list(placements), shape=shape, stride=stride, run_check=False
         )
-    return DTensor.from_local(
-        local, sub, list(layout.placements), shape=(rows, dim), stride=(dim, 1), run_check=False
-    )
+    return contiguous_dtensor(local, mesh, placements, shape)
 
 
 def state_dtensor(state: Tensor, weight: DTensor, kind: str) -> Tensor:
@@ -117,11 +144,8 @@ def state_dtensor(state: Tensor, weight: DTensor, kind: str) -> Tensor:
         raise ValueError(f"unknown optimizer state kind {kind!r}")
     if weight.device_mesh.get_coordinate() is None:  # holds none of it: empty, right rank
         state = state.new_empty((0,) * len(shape))
-    stride = tuple(torch.Size(shape[i + 1 :]).numel() for i in range(len(shape)))  # contiguous
-    placed = DTensor.from_local(
-        state, weight.device_mesh, placements, shape=shape, stride=stride, run_check=False
-    )
-    return picklable_dtensor(placed)  # packed state views pickle too (torch.save)
+    # packed state views (and host-tier blocks) pickle too (torch.save)
+    return picklable_dtensor(_wrap(state, weight.device_mesh, placements, tuple(shape)))
 
 
 def load_block(target: DTensor, value: Tensor, block: Block | None, key: str) -> None:
@@ -179,15 +203,29 @@ def full_tensor(value: Tensor) -> Tensor:
 
 
 def _assembled(value: DTensor) -> Tensor:
-    """``value``'s blocks gathered from every rank and put at their offsets (CPU)."""
+    """``value``'s blocks gathered from every rank and put at their offsets (CPU).
+
+    A block in host memory (an offloaded table's) travels through the mesh's device,
+    where the process group's collectives run (NCCL takes no CPU tensors). A block
+    replicated over mesh dims comes from the rank at coordinate 0 of them only: the
+    copies should agree, and where one does not it must not win by rank order (a
+    column-wise table with fewer columns than shards leaves its last ranks without a
+    column block; their copy of row-wise Adagrad's replicated row sums is never updated,
+    and as the last writer it zeroed every rank's full tensor; found by the soak)."""
     local = value.to_local().detach()
-    member = value.device_mesh.get_coordinate() is not None
+    if local.device.type != value.device_mesh.device_type:
+        local = local.to(mesh_device(value.device_mesh))
+    coordinate = value.device_mesh.get_coordinate()
+    member = coordinate is not None
+    first_copy = member and all(
+        c == 0 for c, p in zip(coordinate, value.placements, strict=True) if p.is_replicate()
+    )
     shape, offset = local_shape_and_offset(value.shape, value.device_mesh, value.placements)
-    if not member or local.numel() == 0:
+    if not first_copy or local.numel() == 0:
         shape, offset = (0,) * value.dim(), (0,) * value.dim()
     meta = torch.tensor([*shape, *offset], dtype=torch.long, device=local.device)
     metas = all_gather_varied(meta if member else meta[:0], None, "full_tensor.meta")
-    data = local.reshape(-1) if member else local.new_empty(0)
+    data = local.reshape(-1) if first_copy else local.new_empty(0)
     blocks = all_gather_varied(data, None, "full_tensor")
     full = torch.zeros(tuple(value.shape), dtype=value.dtype)
     n = value.dim()
@@ -202,6 +240,8 @@ def _assembled(value: DTensor) -> Tensor:
 
 def like_dtensor(local: Tensor, like: DTensor) -> DTensor:
     """``local`` as this rank's part of a DTensor placed and shaped like ``like`` (no copy)."""
+    if local.device.type != like.device_mesh.device_type:  # a host block stays in host memory
+        return _wrap(local, like.device_mesh, like.placements, tuple(like.shape))
     return DTensor.from_local(
         local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(),
         run_check=False,

@@ -292,8 +292,10 @@ def worlds(tmp_path_factory) -> dict:
     w2 = run_world(2, _world2, w4[0]["w2_source"], timeout=300)
     w1 = run_world(1, _world1, w4[0]["w2_source"], timeout=300)
     kill_root = base / "kill"
+    # the survivor raises at the dead link (a wait on the 900 s timeout would time the world
+    # out): a short timeout here only made the world's setup fail on a loaded machine
     killed = run_world(
-        2, _kill_while_writing, str(kill_root), timeout=300, collective_timeout=5, may_die=[1]
+        2, _kill_while_writing, str(kill_root), timeout=300, collective_timeout=900, may_die=[1]
     )
     return {"w4": w4, "w2": w2, "w1": w1[0], "killed": killed[0], "kill_root": kill_root}
 

@@ -17,6 +17,7 @@ def _run(rank: int, world: int) -> dict[str, dict]:
     import torch
 
     import dtrec
+    from dtrec.checkpoint import full_state_dict, full_tensor
     from tests.distributed.numerics import PLANS, TinyModel, make_batch, make_tables
 
     tables = make_tables(False)
@@ -67,6 +68,25 @@ def _run(rank: int, world: int) -> dict[str, dict]:
             "copy_moved": max((b[k] - v).abs().max().item() for k, v in before.items()),
             "same_training": max((a[k] - b[k]).abs().max().item() for k in a),
         }  # fmt: skip
+        if fused is not None:  # the copy's fused optimizer: its own state and param groups
+            mine, theirs = model.fused_optimizer, twin.fused_optimizer
+            states = mine.state_dict()["state"], theirs.state_dict()["state"]
+            out[case]["fused_state_same"] = max(
+                (full_tensor(v) - full_tensor(states[1][t][k])).abs().max().item()
+                for t, entries in states[0].items()
+                for k, v in entries.items()
+            )
+            for group in theirs.param_groups:  # lr 0 on the copy only: its tables freeze
+                group["lr"] = 0.0
+            step(model, opt, batches[0])
+            step(twin, opt_twin, batches[0])
+            a2, b2 = full_state_dict(model), full_state_dict(twin)
+            out[case]["copy_lr_frozen"] = max(
+                (b2[k] - b[k]).abs().max().item() for k in b if "embedding_bags" in k
+            )
+            out[case]["original_lr_moved"] = max(
+                (a2[k] - a[k]).abs().max().item() for k in a if "embedding_bags" in k
+            )
     return out
 
 
@@ -82,3 +102,6 @@ def test_deepcopy_trains_independently_and_equally(results, case: str) -> None:
         assert got["original_unchanged"] == 0.0, (rank, got)
         assert got["copy_moved"] > 1e-3, (rank, got)
         assert got["same_training"] == 0.0, (rank, got)
+        if case.startswith("fused"):
+            assert got["fused_state_same"] == 0.0, (rank, got)
+            assert got["copy_lr_frozen"] == 0.0 and got["original_lr_moved"] > 0, (rank, got)

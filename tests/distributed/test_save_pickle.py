@@ -31,6 +31,8 @@ CASES = [
     )
     for fused in ("none", "rowwise_adagrad")
 ] + [(4, 2, "mixed", "adam"), (2, None, "mixed", "rowwise_adagrad"), (2, None, "mixed", "none")]
+# offloaded tables (host-memory blocks behind device caches; state_dict flushes the caches)
+CASES += [(4, 2, "offloaded", "rowwise_adagrad"), (2, None, "offloaded", "adam")]
 SEQUENCE_CASES = [("row_wise", "none"), ("column_wise", "rowwise_adagrad"), ("mixed", "adam")]
 
 
@@ -60,6 +62,18 @@ def _full_fused(fused) -> dict:
         for table, entries in fused.state_dict()["state"].items()
         for name, value in entries.items()
         if value.dim()  # Adam's per-table step count: a plain scalar, compared below
+    }
+
+
+def _offloaded() -> dict:
+    """Every sharded table in host memory behind a cache (large enough for one batch)."""
+    from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
+
+    return {
+        "t0": RowWise(cache_fraction=1.0),
+        "t1": TableWise(rank=1, cache_rows=3),
+        "t2": ColumnWise(cache_fraction=0.5),
+        "t3": DataParallel(),
     }
 
 
@@ -104,7 +118,8 @@ def _pooled_case(shards: int, node: int | None, plan_name: str, fused: str, path
     from tests.distributed.numerics import PLANS, TinyModel, make_batch, make_tables
 
     mesh = dtrec.init_mesh("cpu", shards, node_size=node)
-    plan = {f"sparse.{k}": v for k, v in PLANS[plan_name].items()}
+    plans = {**PLANS, "offloaded": _offloaded()}
+    plan = {f"sparse.{k}": v for k, v in plans[plan_name].items()}
     tables = make_tables(False)
 
     def build(seed: int):

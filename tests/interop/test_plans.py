@@ -138,8 +138,8 @@ def test_unmappable_plans_are_errors_naming_the_table() -> None:
         "torch.chunk widths over increasing positions.*widths \\[12, 4\\]",
     ):
         _mapped(4, 4, {"t0": sp.column_wise(ranks=[0, 1], size_per_rank=[12, 4]), **dp})
-    with pytest.raises(ValueError, match="'sparse.t0': compute kernel 'fused_uvm_caching'"):
-        _mapped(4, 4, {"t0": sp.table_wise(rank=0, compute_kernel="fused_uvm_caching"), **dp})
+    with pytest.raises(ValueError, match="'sparse.t0': compute kernel 'fused_uvm'"):
+        _mapped(4, 4, {"t0": sp.table_wise(rank=0, compute_kernel="fused_uvm"), **dp})
     model = _model()
     plan = _plan(model, 4, {"t0": sp.table_wise(rank=0, compute_kernel="dense"), **dp})
     plan.plan["sparse"]["t0"].sharding_type = "bucket_wise"
@@ -229,6 +229,72 @@ def test_plan_of_a_feature_processed_collection_names_its_inner_tables() -> None
         f"{inner}.t0": RowWise(), f"{inner}.t1": TableWise(rank=1),
         f"{inner}.t2": DataParallel(), f"{inner}.t3": ColumnWise(),
     }  # fmt: skip
+
+
+def test_uvm_caching_kernel_is_an_offloaded_spec_with_its_load_factor() -> None:
+    """TorchRec's FUSED_UVM_CACHING kernel: the table in host memory behind a device cache
+    of ``cache_params.load_factor`` of its rows (TorchRec's default 0.2 without one)."""
+    from torchrec.distributed.types import CacheParams
+
+    sp = _helpers()
+    model = _model()
+    caching = "fused_uvm_caching"
+    plan = _plan(model, 4, {
+        "t0": sp.table_wise(rank=2, compute_kernel=caching),
+        "t1": sp.row_wise(compute_kernel=caching),
+        "t2": sp.column_wise(ranks=[0, 1, 2, 3], compute_kernel=caching),
+        "t3": sp.data_parallel(),
+    })  # fmt: skip
+    plan.plan["sparse"]["t1"].cache_params = CacheParams(load_factor=0.05)
+    with fake_world(0, 4):
+        mesh = dtrec.init_mesh("cpu", 4)
+        specs = from_torchrec(plan, model_tables(model), mesh)
+        assert specs["sparse.t0"] == TableWise(rank=2, cache_fraction=0.2)
+        assert specs["sparse.t1"] == RowWise(cache_fraction=0.05)
+        assert specs["sparse.t2"] == ColumnWise(cache_fraction=0.2)
+        assert specs["sparse.t3"] == DataParallel()
+        # a TorchRec planner's column blocks on some ranks, and a single full block
+        columns = _plan(model, 4, {
+            "t0": sp.data_parallel(),
+            "t1": sp.column_wise(ranks=[2], compute_kernel=caching),
+            "t2": sp.column_wise(ranks=[1, 3], compute_kernel=caching),
+            "t3": sp.data_parallel(),
+        })  # fmt: skip
+        specs = from_torchrec(columns, model_tables(model), mesh)
+        assert specs["sparse.t2"] == ColumnWise(positions=(1, 3), cache_fraction=0.2)
+        assert specs["sparse.t1"] == TableWise(rank=2, cache_fraction=0.2)
+        assert str(specs["sparse.t2"]) == "CW(1,3)+cache(20%)"
+        plan.plan["sparse"]["t3"].compute_kernel = caching
+        with pytest.raises(ValueError, match="'sparse.t3': data_parallel with compute kernel"):
+            from_torchrec(plan, model_tables(model), mesh)
+
+
+def test_uvm_caching_constraint_offloads_the_table() -> None:
+    """``ParameterConstraints`` allowing only FUSED_UVM_CACHING: the table is offloaded
+    behind a cache of its load factor (TorchRec's 0.2 without one), never data parallel."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import CacheParams
+
+    model = _model()
+    caching, quarter = ["fused_uvm_caching"], CacheParams(load_factor=0.25)
+    constraints = {
+        "t0": ParameterConstraints(compute_kernels=caching, cache_params=quarter),
+        "t1": ParameterConstraints(compute_kernels=caching, sharding_types=["row_wise"]),
+        "t2": ParameterConstraints(compute_kernels=["fused", *caching]),  # dtrec's choice
+    }
+    with fake_world(0, 4):
+        mesh = dtrec.init_mesh("cpu", 4)
+        mapped = from_torchrec(constraints, model_tables(model), mesh)
+        assert mapped["sparse.t0"].cache_fraction == 0.25
+        assert DataParallel not in mapped["sparse.t0"].types
+        assert mapped["sparse.t1"] == TableConstraint(
+            types=(RowWise,), pooling_factor=1.0, cache_fraction=0.2
+        )
+        assert mapped["sparse.t2"].cache_fraction is None
+        chosen = dtrec.plan(model, mesh, constraints=constraints)
+        assert chosen["sparse.t0"].cache_fraction == 0.25
+        assert chosen["sparse.t1"] == RowWise(cache_fraction=0.2)
+        assert not chosen["sparse.t2"].offloaded
 
 
 def test_column_blocks_map_to_the_spec_laying_them_out() -> None:

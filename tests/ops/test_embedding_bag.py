@@ -215,3 +215,23 @@ def test_zero_width_table_shard(device) -> None:
     assert out.shape == (2, 3)
     out.sum().backward()
     assert z.grad.shape == (4, 0) and w.grad[1:3].abs().sum() > 0
+
+
+def test_empty_batch_output_is_connected_to_the_tables() -> None:
+    """A batch of 0 bags gives a (0, sum D) output that backward() goes through (zero
+    gradients), as torch's embedding_bag does: an unsharded model's empty last batch of a
+    drop_last=False loop can train its step (it raised 'does not require grad' before)."""
+    a = torch.randn(5, 3, requires_grad=True)
+    b = torch.randn(7, 2, requires_grad=True)
+    none = torch.empty(0, dtype=torch.long)
+    out = dtrec.ops.embedding_bag([a, b], none, torch.zeros(1, dtype=torch.long), ["sum", "mean"])
+    assert out.shape == (0, 5) and out.requires_grad
+    out.sum().backward()
+    assert torch.equal(a.grad, torch.zeros_like(a)) and torch.equal(b.grad, torch.zeros_like(b))
+    ebc = dtrec.EmbeddingBagCollection([dtrec.EmbeddingBagConfig("t", 10, 4, ["f"])])
+    kjt = dtrec.KeyedJaggedTensor(keys=["f"], values=none, lengths=none)
+    ebc(kjt).values().sum().backward()
+    assert torch.equal(ebc.embedding_bags["t"].weight.grad, torch.zeros(10, 4))
+    with torch.no_grad():
+        empty = dtrec.ops.embedding_bag([a], none, torch.zeros(1, dtype=torch.long))
+    assert not empty.requires_grad

@@ -86,6 +86,11 @@ class RowUpdate:
     """Per row, the sum of squared gradients over the FULL row (column shards all-reduce it)."""
     full_dim: int | None = None
     """The table's full embedding dim (the shard's cols when None)."""
+    tile_dim: int | None = None
+    """The widest table of the step this update is part of, when the step's rows are
+    updated in more than one call (an offloaded table's cached rows and, in a call of
+    their own, its rows staged from host memory): kernels whose column tiles follow the
+    widest table of a call tile by it, so every row rounds as in one call."""
 
 
 class Backend(Protocol):

@@ -252,7 +252,7 @@ def _packed_rows(updates: Sequence[RowUpdate]) -> dict | None:
         "row_ids": torch.cat([u.rows for u in updates]),
         "grad_rows": grad_flat,
         "grad_offsets": grad_offsets,
-        "max_dim": max(dims),
+        "max_dim": max(dims + [u.tile_dim for u in updates if u.tile_dim is not None]),
     }
 
 
