@@ -465,15 +465,22 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = parse(argv)
-    device = torch.device(args.device)
+def bench_device(name: str) -> torch.device:
+    """The benchmark's device; on CUDA made current (with an index) and TF32 matmuls on,
+    as a training job would run its dense part."""
+    device = torch.device(name)
     if device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
+    return device
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    device = bench_device(args.device)
     w = Workload(tuple(max(1, int(min(r, args.max_rows) * args.row_scale)) for r in MLPERF_ROWS),
                  args.dim)  # fmt: skip
     sizes = [int(s) for s in args.batches.split(",")]

@@ -56,6 +56,7 @@ from benchmarks.gpu_step import (
     DenseArch,
     Library,
     Workload,
+    bench_device,
     sync,
 )
 from dtrec.planning.cost_model import UniformIds
@@ -311,12 +312,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
+    device = bench_device(args.device)
     rows = tuple(max(1, int(min(r, args.max_rows))) for r in MLPERF_ROWS)
     w = Workload(rows, args.dim)
     dist.init_process_group(

@@ -58,6 +58,7 @@ fall out of step in later collectives.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -121,6 +122,7 @@ def _worker(
     its process group down: gloo may abort (SIGABRT) tearing down pairs to a dead peer.
     """
     dist = None
+    faulthandler.enable()  # a native abort (e.g. at teardown) prints every thread's stack
     try:
         os.environ.update(env)
         from datetime import timedelta
