@@ -104,9 +104,7 @@ def with_fbgemm() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def without_fbgemm() -> list[dict]:
-    return run_world(
-        4, _run, ROW_SPLIT_PLANS, timeout=900, env={"DTREC_DISABLE_FBGEMM": "1"}
-    )
+    return run_world(4, _run, ROW_SPLIT_PLANS, timeout=900, env={"DTREC_DISABLE_FBGEMM": "1"})
 
 
 def _check_pooled(results: list[dict], name: str) -> None:

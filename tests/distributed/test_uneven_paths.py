@@ -82,6 +82,7 @@ def _pipeline(mesh, fused_name: str | None, sequence: bool) -> dict:
 
     plain = dtrec.distribute_module(copy.deepcopy(model), mesh, plan, optimizer=fused)
     piped = dtrec.distribute_module(copy.deepcopy(model), mesh, plan, optimizer=fused)
+
     def optimizer(model):  # None when a fused optimizer trains every parameter
         params = [p for p in model.parameters() if p.requires_grad]
         return torch.optim.SGD(params, lr=0.5) if params else None
@@ -381,12 +382,21 @@ def results() -> list[dict]:
 def _cases(prefix: str) -> list[str]:
     names = {
         "pipeline": [f"{k}-{f}" for k in ("pooled", "sequence") for f in (None, "rowwise_adagrad")],
-        "vbe": [f"{s}-{f}" for s in ("RowWise", "ColumnWise", "TableWise", "DataParallel")
-                for f in (False, True)],  # fmt: skip
-        "qcomms": [f"{k}-{s}" for k in ("table_wise", "row_wise", "column_wise")
-                   for s in ("pooled", "sequence")],  # fmt: skip
-        "position_weighted": ["mixed-modules-none", "row_wise-collection-none",
-                              "mixed-modules-rowwise_adagrad"],  # fmt: skip
+        "vbe": [
+            f"{s}-{f}"
+            for s in ("RowWise", "ColumnWise", "TableWise", "DataParallel")
+            for f in (False, True)
+        ],  # fmt: skip
+        "qcomms": [
+            f"{k}-{s}"
+            for k in ("table_wise", "row_wise", "column_wise")
+            for s in ("pooled", "sequence")
+        ],  # fmt: skip
+        "position_weighted": [
+            "mixed-modules-none",
+            "row_wise-collection-none",
+            "mixed-modules-rowwise_adagrad",
+        ],  # fmt: skip
     }[prefix]
     return [f"{prefix}-{m}-{n}" for m in MESHES for n in names]
 

@@ -118,6 +118,7 @@ def _train(rank: int, world: int, optimizer: str, kinds: tuple[str, ...], train:
         {f"ebc.t{i}": specs[kind] for i, kind in enumerate(kinds)},
         optimizer=fused,
     )
+
     def rows(out) -> torch.Tensor:  # TorchRec's sharded output groups keys by sharding type
         return torch.cat([out.to_dict()[key] for key in keys], dim=1)
 
