@@ -180,18 +180,25 @@ class Library:
             self.optimizers[1].zero_grad(set_to_none=True)
 
 
-def build_dtrec(w: Workload, device: torch.device, plan: str, watch: FullTableWatch | None):
+def dtrec_dlrm(w: Workload, device: torch.device) -> tuple[list, DLRM]:
+    """The workload's tables (``t<i>``, feature ``f<i>``, sum) and the unsharded DLRM over
+    them: tables on meta, the dense arch on ``device``, from seed 0."""
     tables = [
         dtrec.EmbeddingBagConfig(f"t{i}", r, w.dim, [f"f{i}"], "sum") for i, r in enumerate(w.rows)
     ]
-    spec = {"table_wise": dtrec.placements.TableWise(rank=0),
-            "row_wise": dtrec.placements.RowWise(),
-            "data_parallel": dtrec.placements.DataParallel()}[plan]  # fmt: skip
     torch.manual_seed(0)
     model = DLRM(
         dtrec.EmbeddingBagCollection(tables, device="meta"),
         DenseArch(len(tables) * w.dim, w.dim).to(device),
     )
+    return tables, model
+
+
+def build_dtrec(w: Workload, device: torch.device, plan: str, watch: FullTableWatch | None):
+    spec = {"table_wise": dtrec.placements.TableWise(rank=0),
+            "row_wise": dtrec.placements.RowWise(),
+            "data_parallel": dtrec.placements.DataParallel()}[plan]  # fmt: skip
+    tables, model = dtrec_dlrm(w, device)
     mesh = dtrec.init_mesh(device.type, 1)
     fused = dtrec.optim.RowWiseAdagrad(lr=LR)
     plan_map = {f"sparse.{t.name}": spec for t in tables}

@@ -48,15 +48,14 @@ import torch.distributed as dist
 import dtrec
 from benchmarks.distributed import dtrec_source, write_report, zipf_ids
 from benchmarks.gpu_step import (
-    DLRM,
     LR,
     MLPERF_ROWS,
     NUM_DENSE,
     Batch,
-    DenseArch,
     Library,
     Workload,
     bench_device,
+    dtrec_dlrm,
     sync,
 )
 from dtrec.planning.cost_model import UniformIds
@@ -109,14 +108,7 @@ def cache_plan(w: Workload, share: float | None, most: list[int]) -> dict[str, o
 
 
 def build(w: Workload, device: torch.device, specs: dict) -> Library:
-    tables = [
-        dtrec.EmbeddingBagConfig(f"t{i}", r, w.dim, [f"f{i}"], "sum") for i, r in enumerate(w.rows)
-    ]
-    torch.manual_seed(0)
-    model = DLRM(
-        dtrec.EmbeddingBagCollection(tables, device="meta"),
-        DenseArch(len(tables) * w.dim, w.dim).to(device),
-    )
+    _, model = dtrec_dlrm(w, device)
     mesh = dtrec.init_mesh(device.type, 1)
     fused = dtrec.optim.RowWiseAdagrad(lr=LR)
     model = dtrec.distribute_module(model, mesh, specs, optimizer=fused)

@@ -67,6 +67,23 @@ def torchrec_ebc(rows: Sequence[int], dim: int) -> EmbeddingBagCollection:
     )
 
 
+class UniformEBCModel(nn.Module):
+    """``torchrec_ebc(rows, dim)`` on CPU, weights uniform in +-0.2 from seed 0: the model
+    the TorchRec comparison tests shard with both libraries (forward returns the pooled
+    ``KeyedTensor``)."""
+
+    def __init__(self, rows: Sequence[int], dim: int) -> None:
+        super().__init__()
+        self.ebc = torchrec_ebc(rows, dim).to_empty(device="cpu")
+        gen = torch.Generator().manual_seed(0)
+        for table in self.ebc.embedding_bags.values():
+            with torch.no_grad():
+                table.weight.uniform_(-0.2, 0.2, generator=gen)
+
+    def forward(self, kjt: KeyedJaggedTensor):
+        return self.ebc(kjt)
+
+
 def _generator(kind: str, shard_group_size: int) -> Callable:
     """TorchRec plan helper for one of benchmarks/distributed.py's table kinds ("tw:3", "rw")."""
     name, _, arg = kind.partition(":")

@@ -43,7 +43,6 @@ def _train(rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torch import nn
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.fbgemm_qcomm_codec import (
@@ -60,22 +59,10 @@ def _train(rank: int, world: int) -> dict:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TorchrecKJT
 
     import dtrec
-    from benchmarks.torchrec_baseline import torchrec_ebc
-
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ebc = torchrec_ebc(ROWS, DIM).to_empty(device="cpu")
-            gen = torch.Generator().manual_seed(0)
-            for table in self.ebc.embedding_bags.values():
-                with torch.no_grad():
-                    table.weight.uniform_(-0.2, 0.2, generator=gen)
-
-        def forward(self, kjt):
-            return self.ebc(kjt)
+    from benchmarks.torchrec_baseline import UniformEBCModel
 
     config = QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.FP16)
-    reference = Model()
+    reference = UniformEBCModel(ROWS, DIM)
     initial = {n: t.weight.detach().clone() for n, t in reference.ebc.embedding_bags.items()}
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR},

@@ -53,7 +53,6 @@ def _train(rank: int, world: int, optimizer: str, kinds: tuple[str, ...], train:
     import torch
     import torch.distributed as dist
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torch import nn
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.sharding_plan import (
@@ -66,23 +65,11 @@ def _train(rank: int, world: int, optimizer: str, kinds: tuple[str, ...], train:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TorchrecKJT
 
     import dtrec
-    from benchmarks.torchrec_baseline import torchrec_ebc
+    from benchmarks.torchrec_baseline import UniformEBCModel
     from dtrec.placements import ColumnWise, RowWise, TableWise
 
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ebc = torchrec_ebc(ROWS, DIM).to_empty(device="cpu")
-            gen = torch.Generator().manual_seed(0)
-            for table in self.ebc.embedding_bags.values():
-                with torch.no_grad():
-                    table.weight.uniform_(-0.2, 0.2, generator=gen)
-
-        def forward(self, kjt):
-            return self.ebc(kjt)
-
     lr = OPTIMIZERS[optimizer]
-    reference = Model()
+    reference = UniformEBCModel(ROWS, DIM)
     rule = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": rule[optimizer], "learning_rate": lr, "eps": 1e-8}
