@@ -291,6 +291,8 @@ _NO_LAUNCH = {
     "aten.narrow", "aten.resize_", "aten.view_as", "aten.unflatten", "aten.chunk",
     "aten.scalar_tensor", "aten.record_stream", "aten.is_pinned", "aten.sym_size",
     "aten.sym_stride", "aten.sym_numel", "aten.sym_storage_offset",
+    "aten.lift_fresh",  # wraps a tensor made on the host from Python data (torch.tensor)
+    "profiler._record_function_enter_new", "profiler._record_function_exit",
 }  # fmt: skip
 
 
@@ -310,6 +312,10 @@ class StepCounter(TorchDispatchMode):
     ``dtrec.ops.host_flags.HostFlag``'s reads of its host copies: on CUDA they read pinned
     host memory whose copy an event reported done (no wait; ``sync_debug_sites`` checks).
 
+    ``host_tensors``: tensors that stay on the host on a GPU too (torch optimizers keep
+    their ``step`` counts there unless ``capturable``): ops on them are neither launches
+    nor syncs.
+
     Example::
 
         with StepCounter(torch.device("cpu")) as counts:
@@ -317,12 +323,15 @@ class StepCounter(TorchDispatchMode):
         counts.total_launches(), counts.total_syncs()
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, host_tensors: Sequence[Tensor] = ()) -> None:
         super().__init__()
         self.device = device
         self.launches: Counter[str] = Counter()
         self.syncs: Counter[str] = Counter()
         self._in_kernel = 0
+        # tensors that live on the host even on a GPU (torch optimizers' ``step`` counts):
+        # ops on them alone (and 0-dim host scalars) launch nothing and wait for nothing
+        self._host = {id(t) for t in host_tensors}
         self._restore: list[tuple[object, str, object]] = []
 
     def total_launches(self) -> int:
@@ -337,11 +346,20 @@ class StepCounter(TorchDispatchMode):
         if self._in_kernel:  # the interpreter's own tensor ops inside a Triton kernel
             return out
         name = str(func.overloadpacket)
+        if self._host and self._on_host(args, kwargs):
+            return out
         if name not in _NO_LAUNCH and _on_device(self.device, args, kwargs):
             self.launches[name] += 1
         if host_sync(func, args, kwargs, out, self.device):
             self.syncs[f"{func} at {call_site()}"] += 1
         return out
+
+    def _on_host(self, args, kwargs) -> bool:
+        """Whether an op reads only ``host_tensors`` (at least one) and 0-dim scalars."""
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        return any(id(t) in self._host for t in tensors) and all(
+            id(t) in self._host or t.dim() == 0 for t in tensors
+        )
 
     def __enter__(self):
         self._patch_triton()

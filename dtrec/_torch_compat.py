@@ -136,6 +136,46 @@ def dtensor_with_layout(
     return DTensor(local, spec, requires_grad=False)
 
 
+def local_block(value: DTensor) -> Tensor:
+    """This rank's block of ``value``, without ``to_local``'s autograd node and Python
+    dispatch (``DTensor._local_tensor``): for gradient bookkeeping under ``no_grad`` and
+    for op handlers, which run below autograd. Checked: torch 2.11, 2.13."""
+    return value._local_tensor
+
+
+def grad_hook_count(t: Tensor) -> int:
+    """Hooks on ``t``'s gradient: ``register_hook`` ones and post-accumulate-grad ones
+    (``Tensor._backward_hooks``, ``Tensor._post_accumulate_grad_hooks``). Checked: torch
+    2.11, 2.13."""
+    return len(t._backward_hooks or ()) + len(t._post_accumulate_grad_hooks or ())
+
+
+def dtensor_like(local: Tensor, like: DTensor) -> DTensor:
+    """``local`` as a DTensor sharing ``like``'s spec object (mesh, placements, global shape
+    and stride): for a gradient or a state with its parameter's layout, where ``local``
+    has the shape and strides of ``like``'s block. The cheapest wrapper there is (no new
+    spec), and layout checks see the very same spec. Checked: torch 2.11, 2.13."""
+    block = like._local_tensor
+    if local.shape != block.shape or local.stride() != block.stride():
+        raise ValueError(
+            f"a block of shape {tuple(local.shape)} and strides {local.stride()} cannot take "
+            f"the layout of one of shape {tuple(block.shape)} and strides {block.stride()}"
+        )
+    return DTensor(local, like._spec, requires_grad=False)
+
+
+def same_dtensor_layout(a: DTensor, b: DTensor) -> bool:
+    """Whether ``a`` and ``b`` have one mesh, one placement per mesh dim and one global
+    shape, so their blocks line up element by element (``DTensor._spec``). Checked: torch
+    2.13."""
+    sa, sb = a._spec, b._spec
+    return sa is sb or (
+        (sa.mesh is sb.mesh or sa.mesh == sb.mesh)
+        and sa.placements == sb.placements
+        and a.shape == b.shape
+    )
+
+
 def picklable_dtensor(value: DTensor) -> DTensor:
     """``value`` (same local tensor, same spec, no copy) in a wrapper that ``torch.save``
     can pickle.
@@ -230,3 +270,9 @@ def foreach_mul_(tensors: Sequence[Tensor], scalar: Tensor) -> None:
     """Every tensor times one 0-dim ``scalar``, in place, one multi-tensor kernel
     (``torch._foreach_mul_``). Checked: torch 2.11, 2.13."""
     torch._foreach_mul_(list(tensors), scalar)
+
+
+def foreach_copy_(into: Sequence[Tensor], values: Sequence[Tensor]) -> None:
+    """``into[i].copy_(values[i])`` for every i, one multi-tensor kernel where the device
+    has one (``torch._foreach_copy_``). Checked: torch 2.11, 2.13."""
+    torch._foreach_copy_(list(into), list(values))

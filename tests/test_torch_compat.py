@@ -253,3 +253,28 @@ def test_foreach_norm_and_mul() -> None:
     assert [n.item() for n in compat.foreach_norm([a, b], 2.0, None)] == [5.0, 1.0]
     compat.foreach_mul_([a, b], torch.tensor(2.0))
     assert a.tolist() == [6.0, 8.0] and b.tolist() == [2.0]
+    compat.foreach_copy_([a, b], [torch.tensor([1.0, 2.0]), torch.tensor([3.0])])
+    assert a.tolist() == [1.0, 2.0] and b.tolist() == [3.0]
+
+
+def test_local_block_and_same_layout() -> None:
+    with gloo_world_of_one() as mesh:
+        local = torch.arange(6.0).view(2, 3)
+        a = compat.dtensor_with_layout(local, mesh, [Replicate()], (2, 3), (3, 1))
+        b = compat.dtensor_with_layout(local.clone(), mesh, [Replicate()], (2, 3), (3, 1))
+        c = compat.dtensor_with_layout(local.clone(), mesh, [Shard(0)], (2, 3), (3, 1))
+        assert compat.local_block(a) is local
+        assert compat.same_dtensor_layout(a, b) and not compat.same_dtensor_layout(a, c)
+        assert not compat.same_dtensor_layout(
+            a, compat.contiguous_dtensor(local, mesh, [Replicate()], (3, 2))
+        )
+
+
+def test_dtensor_like_shares_the_spec() -> None:
+    with gloo_world_of_one() as mesh:
+        param = compat.contiguous_dtensor(torch.zeros(2, 3), mesh, [Replicate()], (2, 3))
+        grad = compat.dtensor_like(torch.ones(2, 3), param)
+        assert grad._spec is param._spec and compat.same_dtensor_layout(grad, param)
+        assert grad.to_local().tolist() == [[1.0] * 3] * 2
+        with pytest.raises(ValueError, match="cannot take the layout"):
+            compat.dtensor_like(torch.ones(3, 2).t(), param)

@@ -172,6 +172,16 @@ class PendingTensors:
         return [part.view(shape) for part, shape in zip(parts, self._shapes, strict=True)]
 
 
+def all_reduce_start(flat: Tensor, group: ProcessGroup | None, kind: str) -> PendingTensor:
+    """Start the sum of ``flat`` over ``group`` in place; return at once (``wait()`` gives
+    ``flat`` once summed), so local work overlaps the exchange."""
+    size = dist.get_world_size(group)
+    sent = 2 * (size - 1) * flat.numel() * flat.element_size() // size
+    with collective(kind, sent, group):
+        work = dist.all_reduce(flat, group=group, async_op=True)
+    return PendingTensor(flat, work, kind, group)
+
+
 def all_reduce_coalesced_start(
     tensors: Sequence[Tensor], group: ProcessGroup, kind: str
 ) -> PendingTensors:

@@ -10,23 +10,33 @@ make every parameter a DTensor. State-dict keys do not change; a plain tensor lo
 into them (checkpoints from before, the unsharded model's state dict).
 
 * **Forward.** The module code keeps seeing plain tensors: before the model's forward,
-  each parameter's ``to_local()`` (a view of the same storage, differentiable) is put in
-  its module's ``__dict__``, where attribute lookup finds it before nn.Module's
-  ``_parameters``; after the forward it is removed again. A module called on its own
+  each parameter's *leaf* is put in its module's ``__dict__``, where attribute lookup
+  finds it before nn.Module's ``_parameters``; after the forward it is removed again. A
+  leaf is a plain tensor that requires grad and shares the parameter's local storage, so
+  backward accumulates a plain gradient into it with no DTensor in the way (DTensor's
+  ``to_local`` backward and gradient accumulation cost more host time than the dense
+  math of a DLRM step, issue 30); one hook before the accumulation hands it the
+  parameter's current ``.grad`` (so ``zero_grad`` and gradient accumulation behave as
+  on the parameter), one after wraps the sum as the parameter's ``.grad`` (a DTensor with
+  the parameter's layout, no copy). A parameter with hooks of its own on its gradient
+  (``register_hook``, ``register_post_accumulate_grad_hook``, torch's in-backward
+  optimizers) is read through its differentiable ``to_local()`` instead, so those hooks
+  run. A module called on its own
   (or re-run by activation checkpointing in backward) installs views of its own
   parameters the same way. Buffers stay plain tensors and are broadcast from rank 0
   before every forward, as DDP does.
-* **Backward.** ``to_local``'s backward hands the gradient to the DTensor parameter as a
-  ``Replicate`` DTensor (no communication). A post-accumulate-grad hook marks it ready;
+* **Backward.** Once a parameter's gradient is accumulated, a hook marks it ready;
   parameters are bucketed (DDP's 25 MiB cap, 1 MiB first bucket, reverse registration
   order, which is roughly the order backward produces them), and a bucket whose
   parameters are all ready starts one asynchronous all-reduce over the world, in bucket
-  order on every rank, so the exchange overlaps the rest of backward (each gradient
-  divided by W first, as DDP does). When backward ends, the remaining buckets are sent
-  and every gradient becomes the average over the W ranks. One extra value per
-  parameter counts the ranks that had a gradient: a parameter no rank used keeps
-  ``grad None`` (as in the unsharded model), one that some rank used gets the average
-  on every rank.
+  order on every rank, so the exchange overlaps the rest of backward. A bucket is one
+  flat buffer: its gradients concatenated, divided by W once (as DDP divides before the
+  sum), and one count per parameter of the ranks that had a gradient; when backward
+  ends, the remaining buckets are sent and one foreach copy per bucket writes the
+  averages back (a handful of launches per bucket, not a few per parameter). A
+  parameter no rank used keeps ``grad None`` (as in the unsharded model), one that some
+  rank used gets the average on every rank. In a world of one rank there is nothing to
+  average: no hook, no bucket, no collective.
 
 Every rank's backward must reach at least one dense parameter (as with DDP without
 ``find_unused_parameters``); the all-reduces are plain c10d ones through ``dtrec.comm``
@@ -36,6 +46,7 @@ Every rank's backward must reach at least one dense parameter (as with DDP witho
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -46,8 +57,16 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from dtrec._torch_compat import current_backward_id, queue_backward_callback
-from dtrec.comm.collectives import PendingTensors, all_reduce_coalesced_start, broadcast_coalesced
+from dtrec._torch_compat import (
+    current_backward_id,
+    dtensor_like,
+    dtensor_with_layout,
+    foreach_copy_,
+    grad_hook_count,
+    local_block,
+    queue_backward_callback,
+)
+from dtrec.comm.collectives import PendingTensor, all_reduce_start, broadcast_coalesced
 
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
@@ -60,9 +79,33 @@ class _Bucket:
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
+        self.sizes = [p.numel() for p in params]
+        self.numel = sum(self.sizes)
         self.ready: set[int] = set()
-        self.pending: PendingTensors | None = None
+        self.pending: PendingTensor | None = None
         self.missing = False  # whether this rank sent a zero for a parameter without grad
+        self._counts: Tensor | None = None  # ones, one per parameter (made once)
+
+    def flat_gradients(self, world: int) -> Tensor:
+        """This rank's gradients divided by ``world``, then one 1 per parameter (0 where it
+        has no gradient), as one fp32 buffer: what the all-reduce sums."""
+        grads = [local_block(p.grad) if p.grad is not None else None for p in self.params]
+        self.missing = any(g is None for g in grads)
+        like = next((g for g in grads if g is not None), None)
+        if like is None:
+            like = local_block(self.params[0])
+        if self._counts is None or self._counts.device != like.device:
+            self._counts = torch.ones(len(self.params), dtype=torch.float32, device=like.device)
+        counts = self._counts
+        if self.missing:
+            counts = torch.tensor([float(g is not None) for g in grads], device=like.device)
+        parts = [
+            (g if g is not None else like.new_zeros(n)).reshape(-1).float()
+            for g, n in zip(grads, self.sizes, strict=True)
+        ]
+        flat = torch.cat([*parts, counts])
+        flat[: self.numel].div_(world)
+        return flat
 
 
 class ReplicatedDense:
@@ -104,19 +147,52 @@ class ReplicatedDense:
                 module.register_forward_hook(self._module_post_forward, always_call=True)
 
     def _hook_params(self) -> None:
-        """Buckets of the parameters that train, and their gradient hooks."""
-        self._buckets = _buckets([p for p in self._params if p.requires_grad])
+        """Buckets of the parameters that train (none in a world of one rank: its gradients
+        are the averages); leaves and their hooks are made at the first forward."""
+        trained = [p for p in self._params if p.requires_grad]
+        self._buckets = _buckets(trained) if dist.get_world_size() > 1 else []
         self._slot = {id(p): b for b, bucket in enumerate(self._buckets) for p in bucket.params}
-        for bucket in self._buckets:
-            for p in bucket.params:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
+        self._leaves: dict[int, Tensor] = {}  # id(param) -> its plain leaf
+        self._own_hooks: dict[int, int] = {}  # id(param) -> dtrec's hooks on the param itself
 
     # ------------------------------------------------------------------ forward
 
+    def _input(self, p: nn.Parameter) -> Tensor:
+        """What the module code reads for ``p``: its plain leaf, or ``to_local()`` when the
+        parameter has gradient hooks of its own."""
+        if grad_hook_count(p) > self._own_hooks.get(id(p), 0):
+            if self._slot and id(p) not in self._own_hooks:  # its gradient arrives on p
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+                self._own_hooks[id(p)] = 1
+            return p.to_local()
+        local = local_block(p)
+        leaf = self._leaves.get(id(p))
+        if (
+            leaf is None
+            or leaf.data_ptr() != local.data_ptr()
+            or leaf.shape != local.shape
+            or leaf.dtype != local.dtype
+            or leaf.requires_grad != p.requires_grad
+        ):  # first forward, or the parameter's storage was replaced
+            leaf = local.detach().requires_grad_(p.requires_grad)
+            if p.requires_grad:
+                leaf.register_hook(functools.partial(_take_param_grad, p, leaf))
+                leaf.register_post_accumulate_grad_hook(functools.partial(self._leaf_ready, p))
+            self._leaves[id(p)] = leaf
+        return leaf
+
+    def _leaf_ready(self, p: nn.Parameter, leaf: Tensor) -> None:
+        """A leaf's gradient is accumulated: it becomes ``p.grad`` (no copy)."""
+        grad = leaf.grad
+        if grad is not None and (p.grad is None or local_block(p.grad) is not grad):
+            p.grad = _grad_like(grad, p)
+        if self._slot:
+            self._grad_ready(p)
+
     def _views(self, only: nn.Module | None = None) -> None:
-        """Put each parameter's local view where its module's code reads it."""
+        """Put each parameter's plain input where its module's code reads it."""
         for p in self._params:
-            local = p.to_local()
+            local = self._input(p)
             for module, name in self._owners[id(p)]:
                 if only is None or module is only:
                     module.__dict__[name] = local
@@ -189,17 +265,9 @@ class ReplicatedDense:
         queue_backward_callback(self._finish)
 
     def _launch(self, bucket: _Bucket) -> None:
-        world = dist.get_world_size()
-        with torch.no_grad():  # divided before the sum, as DDP does (same roundings)
-            grads = [
-                p.grad.to_local() / world if p.grad is not None else torch.zeros_like(p.to_local())
-                for p in bucket.params
-            ]
-            # device-side flags (no host copy): 1 where this rank has a gradient
-            flags = [g.new_ones(1) if p.grad is not None else g.new_zeros(1)
-                     for p, g in zip(bucket.params, grads, strict=True)]  # fmt: skip
-        bucket.missing = any(p.grad is None for p in bucket.params)
-        bucket.pending = all_reduce_coalesced_start([*grads, *flags], None, KIND)
+        with torch.no_grad():
+            flat = bucket.flat_gradients(dist.get_world_size())
+        bucket.pending = all_reduce_start(flat, None, KIND)
 
     def _finish(self) -> None:
         """End of backward: send the buckets not yet sent, then write the averages."""
@@ -209,19 +277,21 @@ class ReplicatedDense:
         with torch.no_grad():
             for bucket in self._buckets:
                 assert bucket.pending is not None
-                parts = bucket.pending.wait()
+                flat = bucket.pending.wait()
                 bucket.pending, bucket.ready = None, set()
-                sums, flags = parts[: len(bucket.params)], parts[len(bucket.params) :]
+                means = flat[: bucket.numel].split(bucket.sizes)
                 # counts are read (a host sync) only if this rank lacked some gradient
-                counts = [f.item() for f in flags] if bucket.missing else [1.0] * len(sums)
-                for p, total, count in zip(bucket.params, sums, counts, strict=True):
-                    if count == 0:
-                        continue  # no rank used it: grad stays None everywhere
-                    mean = total.to(p.dtype)
-                    if p.grad is None:
-                        p.grad = _replicated(mean, p)
-                    else:
-                        p.grad.to_local().copy_(mean)
+                counts = flat[bucket.numel :].tolist() if bucket.missing else None
+                into, values = [], []
+                for i, (p, mean) in enumerate(zip(bucket.params, means, strict=True)):
+                    if p.grad is not None:
+                        into.append(local_block(p.grad))
+                        values.append(mean.view(p.shape))
+                    elif counts is not None and counts[i] > 0:  # used elsewhere: the average
+                        p.grad = _grad_like(mean.to(p.dtype), p)
+                    # else no rank used it: grad stays None everywhere
+                if into:
+                    foreach_copy_(into, values)
         self._backward = None
 
     # ------------------------------------------------------------------ copies
@@ -289,11 +359,22 @@ def _buckets(params: list[nn.Parameter]) -> list[_Bucket]:
     return out
 
 
-def _replicated(local: Tensor, like: Tensor) -> DTensor:
-    return DTensor.from_local(
-        local.view(like.shape), like.device_mesh, like.placements, shape=like.shape,
-        stride=like.stride(), run_check=False,
-    )  # fmt: skip
+def _grad_like(local: Tensor, like: DTensor) -> DTensor:
+    """``local`` (this rank's whole gradient of the replicated ``like``) as a DTensor with
+    ``like``'s layout, no copy and no autograd node."""
+    local = local.view(like.shape)
+    if local.stride() == local_block(like).stride():
+        return dtensor_like(local, like)
+    return dtensor_with_layout(local, like.device_mesh, like.placements, like.shape, local.stride())
+
+
+def _take_param_grad(p: nn.Parameter, leaf: Tensor, grad: Tensor) -> None:
+    """Before a leaf's gradient is accumulated: the leaf holds ``p.grad``'s block (None
+    after ``zero_grad()``, the running sum when gradients accumulate over backward calls,
+    whatever a user put there)."""
+    current = local_block(p.grad) if p.grad is not None else None
+    if leaf.grad is not current:
+        leaf.grad = current
 
 
 def _as_replicated_dtensor(value: Tensor, mesh: DeviceMesh) -> DTensor:

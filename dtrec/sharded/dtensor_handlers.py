@@ -15,6 +15,11 @@ wrong or refuses on dtrec's tables. Installed by ``distribute_module`` (idempote
   updates nothing at all, the dense parameters included (silently). Here the lists are
   rotated so that a tensor on one of this rank's meshes comes first; a rank holds an
   empty block of every other tensor, where the op does nothing.
+  When every DTensor of the op shares one layout (the common case: a dense parameter
+  group, its gradients and its state, all replicated on the model's mesh) and the op is
+  elementwise, the op runs once on the local blocks (``_foreach_on_blocks``), without
+  DTensor's sharding propagation: an optimizer step then costs what it costs on plain
+  tensors (the host time of a step is the bottleneck on a GPU, issue 30).
 * ``_foreach_norm`` of DTensors on several meshes: DTensor computes them all on the first
   tensor's mesh, so a rank outside it gets zeros for every tensor (silently wrong
   norms). Here: per (mesh, placements) group, DTensor's own rule on the first tensor
@@ -50,10 +55,14 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dtrec._torch_compat import (
+    contiguous_dtensor,
+    dtensor_like,
     dtensor_op_handlers,
     dtensor_with_layout,
     foreach_mul_,
     foreach_norm,
+    local_block,
+    same_dtensor_layout,
 )
 from dtrec.comm.collectives import all_reduce
 
@@ -125,9 +134,69 @@ def _default_dispatch(op: Any) -> Iterator[None]:
                 handlers[op] = handler
 
 
+_REDUCTIONS = frozenset({"_foreach_norm", "_foreach_max"})
+"""Foreach ops that are not elementwise: DTensor's rules (or the handlers below) decide."""
+
+
+def _foreach_on_blocks(op_call: Any, args: tuple, kwargs: dict) -> Any:
+    """``op_call`` on this rank's blocks, or ``NotImplemented`` where that would not be the
+    op on the global tensors. It is when the op is elementwise and every tensor argument
+    sits in a list of DTensors, the i-th tensors of all lists of one layout (mesh,
+    placements, global shape: their blocks line up element by element), none partial
+    (``sqrt`` of a partial sum is not the sum of square roots), all contiguous. A rank
+    outside a tensor's mesh holds an empty block of it, where the op does nothing, as
+    DTensor's own rule does nothing there."""
+    if op_call._opname in _REDUCTIONS or any(isinstance(v, Tensor) for v in kwargs.values()):
+        return NotImplemented
+    layouts: list[DTensor] | None = None  # the first tensor list: outputs take its layouts
+    blocks: list[Any] = []
+    for a in args:
+        if isinstance(a, Tensor):
+            return NotImplemented  # a tensor scalar (``_foreach_mul_.Tensor``): DTensor's rule
+        if not isinstance(a, (list, tuple)) or not a or not isinstance(a[0], Tensor):
+            blocks.append(a)
+            continue
+        if layouts is None:
+            if not all(
+                isinstance(t, DTensor)
+                and t.is_contiguous()
+                and all(isinstance(p, (Shard, Replicate)) for p in t.placements)
+                for t in a
+            ):
+                return NotImplemented
+            layouts = list(a)
+        elif len(a) != len(layouts) or not all(
+            isinstance(t, DTensor) and same_dtensor_layout(t, like)
+            for t, like in zip(a, layouts, strict=True)
+        ):
+            return NotImplemented
+        blocks.append([local_block(t) for t in a])
+    if layouts is None:
+        return NotImplemented
+    out = op_call(*blocks, **kwargs)
+    if out is None:  # in place (``_foreach_add_``: returns nothing)
+        return None
+    return [_block_as(o, t) for o, t in zip(out, layouts, strict=True)]
+
+
+def _block_as(out: Tensor, like: DTensor) -> DTensor:
+    """An elementwise op's output block as a DTensor laid out like its input ``like``
+    (``like``'s very spec when dtype and strides agree: no new spec)."""
+    block = local_block(like)
+    if out.shape != block.shape:
+        raise AssertionError(f"an elementwise op changed a block's shape {block.shape}")
+    if out.dtype == block.dtype and out.stride() == block.stride():
+        return dtensor_like(out, like)
+    return contiguous_dtensor(out.contiguous(), like.device_mesh, like.placements, like.shape)
+
+
 def _foreach_on_own_mesh(op_call: Any, args: tuple, kwargs: dict) -> Any:
-    """A foreach op with the tensors' order rotated so that the first DTensor is on a mesh
-    this rank belongs to; results in the caller's order."""
+    """A foreach op on the local blocks where that is the op (``_foreach_on_blocks``); else
+    with the tensors' order rotated so that the first DTensor is on a mesh this rank
+    belongs to; results in the caller's order."""
+    out = _foreach_on_blocks(op_call, args, kwargs)
+    if out is not NotImplemented:
+        return out
     tensors = next(a for a in args if isinstance(a, (list, tuple)) and a)
     n = len(tensors)
     shift = next(
@@ -163,7 +232,7 @@ def _fused_step_locally(op_call: Any, args: tuple, kwargs: dict) -> Any:
     def local(a: Any) -> Any:
         if isinstance(a, (list, tuple)):
             return [local(x) for x in a]
-        return a.to_local() if isinstance(a, DTensor) else a
+        return local_block(a) if isinstance(a, DTensor) else a
 
     return op_call(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
 

@@ -51,7 +51,7 @@ def _run(rank: int, world: int) -> dict:
     ref.scale = torch.tensor(2.0)
     local = copy.deepcopy(ref)
     local.scale = torch.tensor(2.0 + rank)  # rank 0's buffer must win
-    model = dtrec.distribute_module(local, dtrec.init_mesh("cpu", 2), {"sparse.t": RowWise()})
+    model = dtrec.distribute_module(local, dtrec.init_mesh("cpu", world), {"sparse.t": RowWise()})
 
     def batch(r: int, s: int):
         gen = torch.Generator().manual_seed(10 * s + r)
@@ -84,9 +84,75 @@ def _run(rank: int, world: int) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict]:
-    return run_world(2, _run, timeout=300)
+def _hooks_and_zeroing(rank: int, world: int) -> dict:
+    """A user's hook on a dense parameter runs (its gradient then arrives through the
+    parameter's own ``to_local``) with the same gradients; ``zero_grad(set_to_none=False)``
+    zeroes in place and the next backward starts from zero; a gradient a user replaced
+    is accumulated into."""
+    import copy
+
+    import torch
+
+    import dtrec
+    from dtrec.placements import RowWise
+
+    torch.manual_seed(0)
+    ref = Net()
+    ref.scale = torch.tensor(2.0)
+    model = dtrec.distribute_module(
+        copy.deepcopy(ref), dtrec.init_mesh("cpu", world), {"sparse.t": RowWise()}
+    )
+    params, ref_params = dict(model.named_parameters()), dict(ref.named_parameters())
+    seen: list[tuple[int, ...]] = []
+    params["head.weight"].register_hook(lambda g: seen.append(tuple(g.shape)))
+    dense = [n for n in ref_params if not n.startswith(("sparse.", "unused.", "only_rank0."))]
+
+    def step(s: int) -> None:
+        gen = torch.Generator().manual_seed(s)
+        lengths = torch.randint(1, 3, (3 * world,), generator=gen)
+        values = torch.randint(0, 10, (int(lengths.sum()),), generator=gen)
+        y = torch.randn(3 * world, generator=gen)
+        mine = slice(3 * rank, 3 * rank + 3)
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        kjt = dtrec.KeyedJaggedTensor(["f"], values[starts[3 * rank] : starts[3 * rank + 3]],
+                                      lengths[mine])  # fmt: skip
+        ((model(kjt, 1) - y[mine]) ** 2).mean().backward()
+        full = dtrec.KeyedJaggedTensor(["f"], values, lengths)
+        ((ref(full, 1) - y) ** 2).mean().backward()
+
+    def worst() -> float:
+        return max(
+            (dtrec.checkpoint.full_tensor(params[n].grad) - ref_params[n].grad).abs().max().item()
+            for n in dense
+        )
+
+    out = {}
+    step(0)
+    out["hooked"] = (worst(), len(seen))
+    for m in (model, ref):
+        for p in m.parameters():
+            if p.grad is not None:
+                p.grad.zero_()  # zero_grad(set_to_none=False)
+    step(1)
+    out["zeroed in place"] = worst()
+    for n in dense:  # a user-set gradient (same values, new tensors) is accumulated into
+        params[n].grad = params[n].grad.clone()
+    step(2)
+    out["replaced then accumulated"] = worst()
+    return out
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["W1", "W2"])
+def results(request) -> list[dict]:
+    return run_world(request.param, _run, timeout=300)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_hooks_zeroing_and_replaced_gradients(world: int) -> None:
+    for rank, r in enumerate(run_world(world, _hooks_and_zeroing, timeout=300)):
+        assert r["hooked"][0] < 1e-6 and r["hooked"][1] == 1, (rank, r)
+        assert r["zeroed in place"] < 1e-6, (rank, r)
+        assert r["replaced then accumulated"] < 1e-6, (rank, r)
 
 
 def test_dense_gradients_like_the_unsharded_model(results) -> None:
