@@ -1,4 +1,5 @@
-"""Run Triton kernels in Triton's CPU interpreter when there is no GPU (must precede triton)."""
+"""Run Triton kernels in Triton's CPU interpreter when there is no GPU (must precede triton);
+pin the CPU fused row-wise Adagrad's implementation."""
 
 import os
 
@@ -7,6 +8,17 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The CPU fused row-wise Adagrad is chosen by timing when a model is distributed
+# (dtrec/optim/cpu_choice.py): pinned here so that every test run takes the same code,
+# whatever the machine's load (fbgemm's where it loads, the faster one on the CI machine's
+# processor; torch's path is tested through set_backend("torch") and test_cpu_choice.py).
+try:
+    from dtrec.ops.backends.fbgemm_loader import fbgemm_ops
+
+    os.environ.setdefault("DTREC_CPU_ROWWISE_ADAGRAD", "fbgemm" if fbgemm_ops() else "torch")
+except ImportError:  # pragma: no cover - dtrec not importable: its tests fail on their own
+    pass
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

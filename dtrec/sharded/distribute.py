@@ -14,12 +14,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtrec.comm.collectives import broadcast_coalesced
 from dtrec.comm.failures import install_excepthook
 from dtrec.comm.qcomms import QCommsConfig
 from dtrec.interop.in_backward import fused_rules
 from dtrec.interop.plans import from_torchrec, is_torchrec_plan
 from dtrec.interop.qcomms import qcomms_per_collection
 from dtrec.optim import FusedOptimizer
+from dtrec.optim.cpu_choice import (
+    CHOICES,
+    preferred_cpu_rowwise_adagrad,
+    use_cpu_rowwise_adagrad,
+)
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import shard_axis
 from dtrec.planning.plan import (
@@ -129,6 +135,10 @@ def distribute_module(
     seed = torch.initial_seed() if on_meta else 0  # meta tables: every rank inits its blocks
     qcomms_of = qcomms_per_collection(qcomms, collections)
     check_same_on_every_rank(tables, full_plan, rules or None, sync_every, seed, qcomms_of)
+    if mesh.device_type == "cpu" and any(
+        r.step_rule().kind == "rowwise_adagrad" for r in rules.values()
+    ):
+        choose_cpu_rowwise_adagrad()
     install_excepthook()  # an uncaught exception on a rank names it in its peers' errors
 
     sharded: dict[str, ShardedCollection] = {}
@@ -165,6 +175,24 @@ def distribute_module(
         )
     dense = replicate_dense(model, mesh, ignored=sharded.values())
     return as_distributed(model, DistributedState(full_plan, fused, dense))
+
+
+_CPU_CHOICE_MADE = False
+
+
+def choose_cpu_rowwise_adagrad() -> None:
+    """Rank 0's choice of the CPU fused row-wise Adagrad (``dtrec.ops.backends.cpu_choice``:
+    timed once per process) on every rank: replicas must step rows with the same code.
+    Collective (one small broadcast), the first time only."""
+    global _CPU_CHOICE_MADE
+    if _CPU_CHOICE_MADE:
+        return
+    choice = preferred_cpu_rowwise_adagrad() if dist.get_rank() == 0 else CHOICES[0]
+    code = torch.tensor([CHOICES.index(choice)], dtype=torch.int64)
+    if dist.get_world_size() > 1:
+        broadcast_coalesced([code], 0, None, "setup.cpu_choice")
+    use_cpu_rowwise_adagrad(CHOICES[int(code)])
+    _CPU_CHOICE_MADE = True
 
 
 def collection_rules(

@@ -23,8 +23,18 @@ _REGISTRY: dict[str, Backend] = {
 }
 _backend = os.environ.get("DTREC_BACKEND", "auto")
 # "auto" without Triton: torch's lookups, fbgemm's fused CPU backward + SGD step where it
-# serves (its row-wise Adagrad is slower than torch's row grads + in-place step: fbgemm.py).
-_AUTO_FALLBACK: Backend = FbgemmBackend(name="torch", lookups=False, fused_rules=("sgd",))
+# serves; its row-wise Adagrad where it is the faster one on this processor (cpu_choice.py).
+_AUTO_FALLBACK = FbgemmBackend(name="torch", lookups=False, fused_rules=("sgd",))
+
+
+def cpu_fused_rules() -> tuple[str, ...]:
+    """The step rules whose fused CPU backward fbgemm runs under ``"auto"``."""
+    return _AUTO_FALLBACK.fused_rules
+
+
+def set_cpu_fused_rules(rules: tuple[str, ...]) -> None:
+    """Set them (``cpu_choice.use_cpu_rowwise_adagrad`` decides row-wise Adagrad's)."""
+    _AUTO_FALLBACK.fused_rules = tuple(rules)
 
 
 def register_backend(backend: Backend) -> None:

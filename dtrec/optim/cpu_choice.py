@@ -1,0 +1,118 @@
+"""Which CPU code runs the fused row-wise Adagrad backward under ``"auto"``: measured.
+
+Two exact implementations exist: fbgemm's C++ backward + step (``FbgemmBackend``, one
+pass over the ids) and torch's row grads + an in-place step (``TorchBackend``). Their
+order is not the same on every processor, on the same workload (2 tables of 1e5 and
+3.7e5 rows, D=64, 82k Zipf ids, one thread): fbgemm 5.1 ms vs torch 14.5 ms on an
+AVX-512 AMD EPYC (this project's CI machine, 2026-11-27), but 12.5 vs 6.8 ms on the
+machine of commit 0aa61ed. The same dtrec step measured 0.69x TorchRec on one machine
+and 1.41x on the other (issue 30). So the choice is made by timing both, once per
+process, on a small lookup shaped like that workload (tens of ms), when
+``distribute_module`` builds a CPU model with row-wise Adagrad: rank 0 times, every rank
+takes its answer (replicas must apply bitwise the same update).
+``DTREC_CPU_ROWWISE_ADAGRAD=fbgemm`` or ``=torch`` skips the timing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from dtrec.ops.backends.fbgemm import FbgemmBackend
+from dtrec.ops.backends.registry import cpu_fused_rules, set_cpu_fused_rules
+from dtrec.ops.backends.torch import TorchBackend
+from dtrec.ops.lookup import Lookup, packed_views
+from dtrec.optim.rules import RowWiseAdagrad
+
+ENV = "DTREC_CPU_ROWWISE_ADAGRAD"
+CHOICES = ("fbgemm", "torch")
+MARGIN = 1.25
+"""fbgemm is chosen only when at least this much faster: a near tie keeps torch's path,
+whose speed depends less on how busy the cores are (fbgemm's OpenMP threads slow down
+badly on oversubscribed cores: measured 91 ms vs torch's 19 on 2 busy cores, 1.6 vs 5.4
+ms on one thread)."""
+
+
+def cpu_rowwise_adagrad() -> str:
+    """The implementation ``"auto"`` uses now on CPU: ``"fbgemm"`` or ``"torch"``."""
+    return "fbgemm" if "rowwise_adagrad" in cpu_fused_rules() else "torch"
+
+
+def use_cpu_rowwise_adagrad(choice: str) -> None:
+    """Make ``"auto"`` run the CPU fused row-wise Adagrad with ``choice``.
+
+    Example::
+
+        use_cpu_rowwise_adagrad("fbgemm")
+    """
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV}: expected one of {CHOICES}, got {choice!r}")
+    rules = tuple(r for r in cpu_fused_rules() if r != "rowwise_adagrad")
+    set_cpu_fused_rules(rules + (("rowwise_adagrad",) if choice == "fbgemm" else ()))
+
+
+def preferred_cpu_rowwise_adagrad() -> str:
+    """``$DTREC_CPU_ROWWISE_ADAGRAD`` if set, else the faster implementation on this
+    processor (``"torch"`` when fbgemm does not load)."""
+    chosen = os.environ.get(ENV)
+    if chosen:
+        if chosen not in CHOICES:
+            raise ValueError(f"{ENV}: expected one of {CHOICES}, got {chosen!r}")
+        return chosen
+    times = _time_both()
+    if times is None:  # fbgemm does not load (or does not serve the lookup)
+        return "torch"
+    return "fbgemm" if times["fbgemm"] * MARGIN < times["torch"] else "torch"
+
+
+class _NotServed(Exception):
+    """fbgemm's backward declined the timing lookup (fbgemm_gpu does not load)."""
+
+
+def _time_both(repeats: int = 3) -> dict[str, float] | None:
+    """Best-of-``repeats`` seconds of each implementation (None if fbgemm does not serve
+    it) on a synthetic lookup: 2 tables (2e4 and 6e4 rows, D=64), 1024 bags of 20 ids
+    skewed toward low rows, with the process's threads as they are."""
+    gen = torch.Generator().manual_seed(0)
+    rows, dim, bags, per_bag = (20_000, 60_000), 64, 1024, 20
+    ids = [(torch.rand(bags * per_bag, generator=gen) ** 3 * r).long() for r in rows]
+    values = torch.cat(ids)
+    offsets = torch.arange(0, values.numel() + 1, per_bag)
+    weights = packed_views([(r, dim) for r in rows], torch.float32, torch.device("cpu"))
+    for w in weights:
+        w.uniform_(-0.01, 0.01, generator=gen)
+    sums = packed_views([(r,) for r in rows], torch.float32, torch.device("cpu"), zero=True)
+    states = [{"sum": s} for s in sums]
+    lookup = Lookup(weights, [0, 1], values, offsets, [False, False])
+    grad = torch.randn(bags, len(rows) * dim, generator=gen)
+    rule = RowWiseAdagrad(lr=1e-3)
+    fbgemm = FbgemmBackend(name="fbgemm", lookups=False, fused_rules=("rowwise_adagrad",))
+
+    def run_fbgemm() -> None:
+        if not fbgemm.backward_update(lookup, grad, rule.step_rule(), states):
+            raise _NotServed
+
+    def run_torch() -> None:
+        rows = TorchBackend().backward_rows(lookup, grad)
+        for w, st, (ids, g) in zip(weights, states, rows, strict=True):
+            rule.update_rows(w, st, ids, g)
+
+    out = {}
+    with torch.no_grad():
+        for name, fn in (("fbgemm", run_fbgemm), ("torch", run_torch)):
+            try:
+                fn()  # warm-up
+            except _NotServed:
+                return None
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - start)
+            out[name] = best
+    return out
+
+
+__all__ = ["cpu_rowwise_adagrad", "preferred_cpu_rowwise_adagrad", "use_cpu_rowwise_adagrad"]
