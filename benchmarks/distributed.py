@@ -44,6 +44,7 @@ from a clone of a given commit measures that commit, see ``meta.dtrec`` in the J
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -72,6 +73,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtrec
 from benchmarks.distributed_pipeline import pipeline_run, print_pipeline_table
+from benchmarks.machine import processor, processor_line
 from benchmarks.stages import (
     ExclusiveStageTimer,
     HostReads,
@@ -497,11 +499,16 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
         with census, reads.counting():
             train_step(*batches[s])
     nbytes = counter.per_step(steps)
+    profile = _profile_steps(train_step, batches[warmup:], opts.get("profile", 0), rank)
     piped = None
     if opts.get("pipeline"):  # the library's own pipeline, same model and batches
         timed_batches = batches[: warmup + steps]
         piped = pipeline_run(lib, model, optimizers, timed_batches, warmup)
+    from dtrec.optim.cpu_choice import cpu_rowwise_adagrad
+
     return {
+        "cpu_rowwise_adagrad": cpu_rowwise_adagrad() if lib == "dtrec" else None,
+        "profile": profile,
         "pipeline": piped,
         "rank": rank,
         "kinds": kinds,
@@ -526,6 +533,27 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
         "rss_mb": {"start": rss_start, "after_setup": rss_built, "end": _rss_mb()},
         "peak_rss_mb": _peak_rss_mb(),
     }
+
+
+def _profile_steps(train_step, batches: list, steps: int, rank: int) -> str | None:
+    """Rank 0's CPU profile of ``steps`` more steps (every rank runs them): the ops by self
+    CPU time, then by total CPU time, as torch's profiler tables; None when ``steps`` is 0."""
+    if steps <= 0:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    profiler = profile(activities=[ProfilerActivity.CPU]) if rank == 0 else contextlib.nullcontext()
+    with profiler as prof:
+        for s in range(steps):
+            dist.barrier()
+            train_step(*batches[s % len(batches)])
+    if rank != 0:
+        return None
+    averages = prof.key_averages()
+    return "\n".join(
+        [f"{steps} steps of rank 0", averages.table(sort_by="self_cpu_time_total", row_limit=45),
+         averages.table(sort_by="cpu_time_total", row_limit=30)]
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- driver
@@ -696,6 +724,25 @@ def print_table(results: dict[str, dict[str, dict]]) -> None:
                     + ", ".join(f"{k} {v:.1f}" for k, v in comm_ms.items() if v >= 0.05)
                     + ")"
                 )
+
+
+def check_targets(results: dict[str, dict[str, dict]], target: float) -> dict[str, dict]:
+    """Per config, dtrec's step time over TorchRec's against ``target`` (issue 30: <= 0.75
+    for every type and for 2D vs DMPCollection), and its bytes over TorchRec's (must not
+    exceed 1): a ratio measured side by side in this run, never an absolute time."""
+    out = {}
+    for config, runs in results.items():
+        d, t = runs.get("dtrec"), runs.get("torchrec")
+        if not (d and t and d["status"] == "ok" and t["status"] == "ok"):
+            continue
+        ratio = d["median"]["step_ms"] / t["median"]["step_ms"]
+        nbytes = d["median"]["total_bytes_per_step"] / max(t["median"]["total_bytes_per_step"], 1)
+        out[config] = {"step_ratio": ratio, "bytes_ratio": nbytes,
+                       "meets": ratio <= target and nbytes <= 1.0}  # fmt: skip
+        verdict = "meets" if out[config]["meets"] else "MISSES"
+        print(f"  target {config}: step {ratio:.2f}x TorchRec, bytes {nbytes:.2f}x: {verdict} "
+              f"(step <= {target}x, bytes <= 1x)")  # fmt: skip
+    return out
 
 
 def _num(x: float | None) -> str:
@@ -879,6 +926,7 @@ def _meta(argv: list[str], w: Workload) -> dict:
         "fbgemm_gpu": fbgemm_gpu.__version__,
         "python": platform.python_version(),
         "cpu_cores": os.cpu_count(),
+        "processor": processor(),
         "platform": platform.platform(),
         "dtrec": dtrec_source(),
         "workload": asdict(w),
@@ -887,6 +935,17 @@ def _meta(argv: list[str], w: Workload) -> dict:
         "bytes": "per rank per step: wrapped torch.distributed collectives during the timed "
         "steps + dense_ddp_estimate = 2 (W-1)/W x bytes of DDP-reduced params",
     }
+
+
+def write_profiles(path: str, results: dict[str, dict[str, dict]]) -> None:
+    """Every run's rank-0 profile (``--profile``) into one text file, run by run."""
+    with open(path, "w") as f:
+        f.write(f"processor: {processor_line()}\n")
+        for config, libs in results.items():
+            for lib, run in libs.items():
+                table = run.get("ranks", [{}])[0].get("profile") if run["status"] == "ok" else None
+                f.write(f"\n##### {config} {lib}\n{table or run.get('error', 'no profile')}\n")
+    print(f"profiles in {path}")
 
 
 def write_report(path: str, report: dict) -> None:
@@ -917,6 +976,17 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also time dtrec.TrainPipeline / TorchRec's TrainPipelineSparseDist",
     )
+    parser.add_argument("--target", type=float, default=0.75,
+                        help="dtrec / TorchRec step time each config should meet")  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="profile STEPS more steps on rank 0 of each run; tables in --profile-out",
+    )
+    parser.add_argument("--profile-out", default="distributed_profile.txt",
+                        help="where --profile writes its tables")  # fmt: skip
     parser.add_argument(
         "--malloc-default", action="store_true", help=f"leave glibc malloc as is (not {MALLOC_ENV})"
     )
@@ -930,7 +1000,8 @@ def main(argv: list[str] | None = None) -> None:
         unknown = sorted(set(configs) - set(CONFIGS))
         if unknown:
             parser.error(f"unknown configs {unknown}; choose from {CONFIGS}")
-        names = ("steps", "warmup", "census_steps", "timeout", "dtrec_backend", "pipeline")
+        names = ("steps", "warmup", "census_steps", "timeout", "dtrec_backend", "pipeline",
+                 "profile")  # fmt: skip
         opts = {**{k: getattr(args, k) for k in names}, "env": env}
         libs = ["dtrec"] if args.no_torchrec else ["dtrec", "torchrec"]
         results: dict[str, dict[str, dict]] = {}
@@ -942,10 +1013,16 @@ def main(argv: list[str] | None = None) -> None:
                 state = run["status"]
                 ms = f"{run['median']['step_ms']:.1f} ms/step" if state == "ok" else ""
                 load = "load {:.1f} -> {:.1f}".format(*run["load_avg"])
-                print(f"[{config} {lib}] {state} {ms} ({run['wall_s']:.0f} s, {load})", flush=True)
+                update = run.get("ranks", [{}])[0].get("cpu_rowwise_adagrad")
+                update = f", row-wise Adagrad on {update}" if update else ""
+                print(f"[{config} {lib}] {state} {ms} ({run['wall_s']:.0f} s, {load}{update})",
+                      flush=True)  # fmt: skip
         report["results"] = results
+        if args.profile:
+            write_profiles(args.profile_out, results)
         print()
         print_table(results)
+        report["targets"] = check_targets(results, args.target)
         print_stage_table(results)
         print_stage_table(results, "stage_cpu_ms")
         if args.pipeline:
@@ -955,6 +1032,7 @@ def main(argv: list[str] | None = None) -> None:
             report["meta"]["dtrec_at_end"] = after  # worlds started later ran the new code
             print("WARNING: dtrec's sources changed during the run (see meta.dtrec_at_end)")
     print_cost_model(cost_table)
+    print(f"processor: {processor_line(report['meta']['processor'])}")
     if args.json:
         write_report(args.json, report)
 

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 import dtrec
 from benchmarks.distributed import dtrec_source, write_report
 from benchmarks.kernels import copy_bandwidth, make_ids
+from benchmarks.machine import processor
 from benchmarks.step_probes import (
     FullTableWatch,
     StageTimer,
@@ -440,6 +441,7 @@ def meta(args, device: torch.device, copy_gbps: float, argv: list[str]) -> dict:
         "cuda": torch.version.cuda,
         "triton": triton_version,
         "python": platform.python_version(),
+        "processor": processor(),
         "dtrec": dtrec_source(),
         "dtrec_backend": dtrec.ops.get_backend(),
         "copy_GBps": copy_gbps,

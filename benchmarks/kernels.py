@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import dtrec
+from benchmarks.machine import processor
 from dtrec.ops.lookup import Lookup
 from dtrec.ops.op import lookup_forward
 
@@ -303,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
             "device": torch.cuda.get_device_name()
             if device.type == "cuda"
             else platform.processor(),
+            "processor": processor(),
             "torch": torch.__version__,
             "triton": triton.__version__,
             "dtype": args.dtype,

@@ -58,6 +58,7 @@ from benchmarks.gpu_step import (
     dtrec_dlrm,
     sync,
 )
+from benchmarks.machine import processor
 from dtrec.planning.cost_model import UniformIds
 from dtrec.planning.offload import BATCHES_IN_FLIGHT, ZipfIds, expected_misses, row_buckets
 
@@ -320,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "processor": processor(),
         "dtrec": dtrec_source(),
         "command": " ".join(["python benchmarks/offload.py", *argv]),
         "args": {k: v for k, v in vars(args).items()},

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from benchmarks.distributed import (
+    check_targets,
     config_shards,
     cost_model,
     cost_model_table,
@@ -29,7 +30,7 @@ from benchmarks.stages import STAGES
 
 CONFIGS = ("mixed", "2d_row_wise")
 TINY = workload(scale=0.01, batch=32)
-OPTS = {"steps": 2, "warmup": 1, "census_steps": 1, "timeout": 120.0}
+OPTS = {"steps": 2, "warmup": 1, "census_steps": 1, "timeout": 120.0, "profile": 1}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,9 @@ def test_runs_and_counts(runs, config):
         assert r["bytes_per_step"] == pytest.approx(stats, rel=1e-9)
         assert r["peak_rss_mb"] > 0
         assert r["stages_not_timed"] == []  # every stage's method exists in dtrec
+    assert "1 steps of rank 0" in run["ranks"][0]["profile"]  # --profile: rank 0's tables
+    assert all(r["profile"] is None for r in run["ranks"][1:])
+    assert {r["cpu_rowwise_adagrad"] for r in run["ranks"]} in ({"fbgemm"}, {"torch"})
     m = run["median"]
     assert m["step_ms"] > 0
     # The exclusive stages add up to (almost) the step; data-parallel lookups, the fused
@@ -156,3 +160,30 @@ def test_cost_model_table_is_finite_and_beats_dense_all_reduce():
 def test_config_shards():
     assert config_shards("row_wise", 4) == 4 and config_shards("2d_mixed", 4) == 2
     assert table_kinds("mixed", 2) == ["dp", "dp", "tw:0", "tw:1", "cw", "cw", "rw", "rw"]
+
+
+def test_targets_are_ratios_of_one_run(capsys):
+    def run(ms: float, nbytes: float) -> dict:
+        return {"status": "ok", "median": {"step_ms": ms, "total_bytes_per_step": nbytes}}
+
+    results = {
+        "table_wise": {"dtrec": run(7.0, 90.0), "torchrec": run(10.0, 100.0)},
+        "row_wise": {"dtrec": run(8.0, 90.0), "torchrec": run(10.0, 100.0)},
+        "column_wise": {"dtrec": run(7.0, 110.0), "torchrec": run(10.0, 100.0)},
+        "data_parallel": {"dtrec": run(7.0, 90.0)},  # no TorchRec run: no verdict
+    }
+    out = check_targets(results, 0.75)
+    assert {k: v["meets"] for k, v in out.items()} == {
+        "table_wise": True, "row_wise": False, "column_wise": False,
+    }  # fmt: skip
+    assert out["row_wise"]["step_ratio"] == pytest.approx(0.8)
+    assert "MISSES" in capsys.readouterr().out
+
+
+def test_processor_is_recorded():
+    from benchmarks.machine import FLAGS_THAT_MATTER, processor, processor_line
+
+    info = processor()
+    assert info["model"] and info["aten"] and info["cores"] >= 1
+    assert set(info["flags"]) <= set(FLAGS_THAT_MATTER)
+    assert info["model"] in processor_line(info)
