@@ -183,3 +183,61 @@ def test_fbgemm_fused_cpu_step_declines_what_it_cannot_serve() -> None:
     assert not fbgemm.backward_update(lookup, grad, adam.step_rule(), adam.init_states(packed))
     assert all(torch.equal(a, b) for a, b in zip(packed, before))
     assert fbgemm.backward_update(lookup, grad, sgd, states)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize("full_row_sums", [False, True], ids=["own-sums", "given-sums"])
+def test_packed_tables_of_one_width_update_as_one(optimizer, full_row_sums) -> None:
+    """The torch step merges packed tables of one width into one update (one set of ops,
+    ``merged_row_updates``), bitwise the per-table step; tables of other widths, or with
+    a per-table scalar state (Adam's step), are left apart."""
+    from dtrec.ops.lookup import packed_views
+    from dtrec.optim.base import merged_row_updates
+
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(7, 4), (5, 4), (9, 4)]
+    weights = packed_views(shapes, torch.float32, torch.device("cpu"))
+    for w in weights:
+        w.copy_(torch.randn(w.shape, generator=gen))
+    reference = [w.clone() for w in weights]
+    states = optimizer.init_states(weights)
+    ref_states = [{k: v.clone() for k, v in st.items()} for st in states]
+
+    def updates(ws, sts):
+        out = []
+        for i, (w, st) in enumerate(zip(ws, sts)):
+            g = torch.Generator().manual_seed(10 + i)
+            rows = torch.unique(torch.randint(0, w.shape[0], (4,), generator=g))
+            grads = torch.randn(rows.numel(), 4, generator=g)
+            sums = grads.square().sum(1) * 3 if full_row_sums else None  # "other shards"
+            out.append(RowUpdate(w, st, rows, grads, sums, 12 if full_row_sums else None))
+        return out
+
+    merged = merged_row_updates(updates(weights, states))
+    scalar_state = isinstance(optimizer, dtrec.optim.Adam)
+    assert len(merged) == (3 if scalar_state else 1)
+    dtrec.ops.set_backend("torch")
+    try:
+        for _ in range(2):
+            optimizer.update_tables(updates(weights, states))
+            if scalar_state:
+                for st in ref_states:
+                    st["step"] += 1
+            for u in updates(reference, ref_states):
+                optimizer._update_torch(u)
+    finally:
+        dtrec.ops.set_backend("auto")
+    for w, rw in zip(weights, reference):
+        assert torch.equal(w, rw)
+    for st, rst in zip(states, ref_states):
+        assert all(torch.equal(st[k], rst[k]) for k in st)
+    mixed = packed_views([(7, 3), (5, 8), (9, 3)], torch.float32, torch.device("cpu"))
+    mixed_states = optimizer.init_states(mixed)
+    assert len(merged_row_updates(updates_of_width(mixed, mixed_states))) == 3
+
+
+def updates_of_width(weights, states) -> list[RowUpdate]:
+    return [
+        RowUpdate(w, st, torch.tensor([0, 2]), torch.ones(2, w.shape[1]))
+        for w, st in zip(weights, states)
+    ]
