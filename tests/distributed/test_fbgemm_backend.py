@@ -2,8 +2,9 @@
 
 Row- and table-wise tables with no replicas take ``FusedOptimizer.backward_update``; on
 CPU it runs fbgemm's C++ backward + SGD / row-wise Adagrad when fbgemm loads: under the
-``"fbgemm"`` backend for both rules, under ``"auto"`` for SGD only (torch's row-wise
-Adagrad is faster). A
+``"fbgemm"`` backend for both rules, under ``"auto"`` for SGD and for row-wise Adagrad
+where it is the faster one on this processor (``dtrec.optim.cpu_choice``; the tests pin
+it, ``tests/conftest.py``). A
 table-wise table read by both ranks arrives as two entries per table (segment-major),
 which the fbgemm path regroups. Same numerics contract as the torch path.
 """
@@ -48,6 +49,9 @@ def _run(rank: int, world: int) -> dict:
         r = check_numerics(mesh, PLANS[plan], weighted=weighted, steps=3, fused=optimizers[fused])
         key = (backend, fused, plan, weighted)
         out[key] = (r.max_weight_diff, r.max_loss_diff, list(calls))
+    from dtrec.optim.cpu_choice import cpu_rowwise_adagrad
+
+    out["auto_rowwise"] = cpu_rowwise_adagrad()
     return out
 
 
@@ -66,5 +70,11 @@ def test_fbgemm_fused_step_matches_unsharded(
     for rank, r in enumerate(results):
         weight_diff, loss_diff, calls = r[(backend, fused, plan, weighted)]
         assert weight_diff < 1e-5 and loss_diff < 1e-5, (rank, weight_diff, loss_diff)
-        in_fbgemm = backend == "fbgemm" or fused == "sgd"
+        in_fbgemm = backend == "fbgemm" or fused == "sgd" or r["auto_rowwise"] == "fbgemm"
         assert calls == [in_fbgemm] * 3, (rank, calls)  # every step's update, or none
+
+
+def test_auto_takes_the_pinned_row_wise_adagrad(results) -> None:
+    import os
+
+    assert {r["auto_rowwise"] for r in results} == {os.environ["DTREC_CPU_ROWWISE_ADAGRAD"]}
