@@ -179,8 +179,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.device = "cpu" if "--device" not in argv else args.device
-        args.batch, args.max_rows, args.dim = 64, 2e4, 16
-        args.warmup, args.steps, args.profile_steps, args.top = 1, 2, 1, 10
+        args.batch, args.max_rows, args.dim = 32, 2e3, 8
+        args.warmup, args.steps, args.profile_steps, args.top = 1, 1, 1, 10
     return args
 
 
