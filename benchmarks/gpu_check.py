@@ -135,8 +135,8 @@ def run(cmd: list[str], log: Path, timeout: float | None = None,
     killed and the exit code is ``TIMED_OUT``."""
     env = {**os.environ, **(env_extra or {}), "PYTHONPATH": os.pathsep.join(filter(None, [
         ".", os.environ.get("PYTHONPATH")]))}  # fmt: skip
-    shown_env = " ".join(f"{k}={v}" for k, v in (env_extra or {}).items())
-    print(f"gpu-check: $ {shown_env} PYTHONPATH=. " + " ".join(cmd), flush=True)
+    assigned = [f"{k}={v}" for k, v in (env_extra or {}).items()] + ["PYTHONPATH=."]
+    print("gpu-check: $ " + " ".join(assigned + [shlex.quote(c) for c in cmd]), flush=True)
     expired = threading.Event()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -203,7 +203,7 @@ def run_part(name: str, runs: list[Run], budget: Budget) -> dict:
     started = time.monotonic()
     for r in runs:
         left = budget.left()
-        record = {"label": r.label, "command": " ".join(r.cmd), "env": r.env,
+        record = {"label": r.label, "command": shlex.join(r.cmd), "env": r.env,
                   "timeout_s": r.timeout_s, "log": shown(r.log)}  # fmt: skip
         if left < MIN_START_S:
             record.update(exit_code=None, skipped=f"out of the time budget ({left:.0f} s left)")

@@ -176,14 +176,15 @@ def test_smoke_on_cpu_writes_every_part_report(tmp_path) -> None:
 
 
 def test_smoke_tier_part_folds_outcomes_into_the_days_report(tmp_path) -> None:
-    """The tier on CPU gloo worlds, one case; added to a report an earlier half wrote."""
+    """The tier on CPU gloo worlds, its smoke selection (the 1-rank checkpoint round trips);
+    added to the report an earlier half wrote that day."""
     date = time.strftime("%Y-%m-%d", time.gmtime())
     earlier = {"meta": {"device": "cpu"}, "gpu_step": {"ok": True, "commands": []}}
     (tmp_path / f"gpu_check_cpu_smoke_{date}.json").write_text(json.dumps(earlier))
-    _, report = _smoke(tmp_path, "--skip-step", "--skip", "soak",
-                       "--tier-args=-k 'W1 and table_wise and sum_mean'")  # fmt: skip
+    _, report = _smoke(tmp_path, "--skip-step", "--skip", "soak")
     assert report["gpu_step"] == earlier["gpu_step"]  # the earlier half's part kept
     [command] = report["cuda_tier"]["commands"]
-    assert command["counts"] == {"passed": 1}, command
+    assert command["counts"] == {"passed": 4}, command
+    assert all("round_trip" in test and "W1" in test for test in command["tests"])
     assert all(outcome == "passed" for outcome in command["tests"].values())
     assert not list(tmp_path.glob("*junit.xml"))  # folded into the report
