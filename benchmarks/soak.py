@@ -400,13 +400,14 @@ def _meta(argv: list[str] | None, cfg: SoakConfig, clean: int) -> dict:
     }  # fmt: skip
 
 
-def backend_for(device: str, world: int) -> str:
+def backend_for(device: str, world: int, gpus: int | None = None) -> str:
     """The ranks' process-group backend: gloo on CPU; on CUDA, NCCL when each rank has a
     GPU of its own (gloo beside it for the harness's CPU tensors), else gloo on shared
-    GPUs (``tests/gpu/cuda_worlds.py``'s choice)."""
+    GPUs (``tests/gpu/cuda_worlds.py``'s choice). ``gpus``: default, torch's count."""
     if device != "cuda":
         return "gloo"
-    return "cpu:gloo,cuda:nccl" if world <= torch.cuda.device_count() else "gloo"
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    return "cpu:gloo,cuda:nccl" if world <= gpus else "gloo"
 
 
 def _checker_env() -> dict[str, str]:

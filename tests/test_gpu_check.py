@@ -29,6 +29,7 @@ from benchmarks.gpu_check import (
     tier_outcomes,
 )
 from benchmarks.gpu_check_parts import PARTS, TIMEOUT_S, Run, plan_parts
+from benchmarks.soak import backend_for
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -107,6 +108,14 @@ def test_halves_split_the_parts_and_fit_ten_minutes_each() -> None:
     assert offload[offload.index("--device") + 1] == "cuda"
     assert all(str(p).startswith(str(RESULTS)) for runs in plans.values() for r in runs
                for p in r.reports)  # fmt: skip
+
+
+def test_soak_backends_on_one_gpu_are_the_tiers() -> None:
+    """W=1: NCCL (gloo beside it for the harness's CPU tensors); W=4: gloo ranks sharing it."""
+    assert backend_for("cuda", 1, gpus=1) == "cpu:gloo,cuda:nccl"
+    assert backend_for("cuda", 4, gpus=1) == "gloo"
+    assert backend_for("cuda", 4, gpus=8) == "cpu:gloo,cuda:nccl"
+    assert backend_for("cpu", 1) == backend_for("cpu", 4) == "gloo"
 
 
 def test_a_command_past_its_timeout_is_killed(tmp_path) -> None:
