@@ -52,10 +52,15 @@ bench-deps-install:
 		$(PIP) install tensordict pyre-extensions iopath matplotlib '$(TORCH_SPEC)' || \
 		echo "warning: TorchRec (bench extra) failed to install; TorchRec comparison tests skip"
 
-# The CUDA test tier (pytest -m gpu tests/gpu) and the GPU step benchmark, JSON into
-# benchmarks/results/ (see benchmarks/results/gpu_README.md). Uses $(VENV) when it exists,
-# else $(PYTHON) as it is: a GPU image with torch + Triton needs no install (pip only if
-# they do not import). No CUDA device: exits 2 with one line saying so.
+# Every GPU measure in one command (docs/gpu_check.md): the CUDA test tier (pytest -m gpu
+# tests/gpu), gpu_step.py, the kernel-level step profile (gpu_profile.py), a short CUDA
+# soak (W=1 NCCL, W=4 gloo on the one GPU), kernels.py and offload.py at GPU sizes; each
+# command under its own timeout, the whole under 570 s; every report into
+# benchmarks/results/, merged into gpu_check_<card>_<date>.json. Halves:
+# GPU_CHECK_ARGS=--skip-step (tier + soak), GPU_CHECK_ARGS=--skip-tests (the benchmarks).
+# Uses $(VENV) when it exists, else $(PYTHON) as it is: a GPU image with torch + Triton
+# needs no install (pip only if they do not import). No CUDA device: exits 2 with one line
+# saying so. Without a GPU: DTREC_CUDA_TIER_DEVICE=cpu ... --smoke (tiny, on CPU).
 GPU_CHECK_ARGS ?=
 gpu-check:
 	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) benchmarks/gpu_check.py \

@@ -1,9 +1,17 @@
-"""A long run under faults loses nothing: train a DLRM-shaped model on 4 gloo ranks while
+"""A long run under faults loses nothing: train a DLRM-shaped model on 4 ranks while
 bad batches, odd batches, checkpoint saves, killed saves, restores into other plans and
 killed ranks happen on a seeded schedule; end equal to an unsharded reference.
 
     python -m benchmarks.soak                       # ~20 minutes on a 2-core machine
     python -m benchmarks.soak --steps 300 --json out.json --plot out.png
+    python -m benchmarks.soak --device cuda --world 1 --steps 60      # NCCL on one GPU
+    python -m benchmarks.soak --device cuda --world 4 --steps 60      # gloo, ranks share it
+
+``--device cuda`` puts each rank on GPU ``rank % device_count`` (tables, batches,
+collectives); a world uses NCCL when each rank has a GPU of its own (with gloo beside it
+for the harness's small CPU all-gathers: backend ``cpu:gloo,cuda:nccl``), else gloo on
+shared GPUs, as the CUDA test tier picks (``tests/gpu/cuda_worlds.py``). ``--world 1``
+runs plans of its own (``soak_model.PLANS_W1``); the reference always trains on CPU.
 
 What runs (``benchmarks/soak_model.py``): a pooled, a weighted and a sequence
 collection with every sharding type in one plan (data-parallel, table-wise, row-wise,
@@ -50,7 +58,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.soak_launch import launch, read_logs
-from benchmarks.soak_model import BATCH, PLANS, WORLD, BatchSpec, make_batch
+from benchmarks.soak_model import BATCH, WORLD, BatchSpec, make_batch, plans_for
 from benchmarks.soak_reference import Reference
 from benchmarks.soak_worker import Event, SoakConfig, attempt, final_path, log_path
 
@@ -65,10 +73,16 @@ UNEVEN = ("small", "empty")  # an uneven event's variant: half a batch, or no sa
 
 
 def schedule(
-    steps: int, clean: int, counts: dict[str, int], seed: int, uneven: tuple[str, ...] = UNEVEN
+    steps: int,
+    clean: int,
+    counts: dict[str, int],
+    seed: int,
+    uneven: tuple[str, ...] = UNEVEN,
+    world: int = WORLD,
 ) -> list[Event]:
     """The faults, each at its own step in ``[clean, steps)``: a seeded draw of steps,
-    ranks and variants; the first checkpoint at ``clean`` so restarts have one."""
+    ranks (of ``world``) and variants; the first checkpoint at ``clean`` so restarts have
+    one."""
     rng = random.Random(seed)
     kinds = [k for k in FAULTS for _ in range(counts.get(k, 0))]
     free = list(range(clean + 1, steps))
@@ -76,10 +90,10 @@ def schedule(
         raise ValueError(f"{len(kinds)} faults do not fit in steps {clean}..{steps}")
     at = sorted(rng.sample(free, len(kinds)))
     rng.shuffle(kinds)
-    plans = list(PLANS)
+    plans = list(plans_for(world))
     events, reshards = [Event(0, clean, "checkpoint_save")], 0
     for i, (step, kind) in enumerate(zip(at, kinds), start=1):
-        rank, variant, plan = rng.randrange(WORLD), rng.randrange(6), ""
+        rank, variant, plan = rng.randrange(world), rng.randrange(6), ""
         if kind == "reshard":
             reshards += 1
             plan = plans[reshards % len(plans)]
@@ -94,7 +108,7 @@ def schedule(
 
 
 def supervise(cfg: SoakConfig, timeout: float, grace: float, env: dict[str, str],
-              log=print) -> dict:  # fmt: skip
+              log=print, backend: str = "gloo") -> dict:  # fmt: skip
     """Run attempts until the steps are done; relaunch after each death (planned or not).
 
     An attempt that ends without its planned kill is "unexpected"; the event being
@@ -107,9 +121,9 @@ def supervise(cfg: SoakConfig, timeout: float, grace: float, env: dict[str, str]
         nxt = next((e for e in restarts if e.id not in fired), None)
         cfg.fired, cfg.attempt = frozenset(fired), len(attempts)
         t = time.time() - cfg.t0
-        ran = launch(WORLD, attempt, cfg, timeout=timeout, grace=grace,
-                     collective_timeout=max(120.0, grace), env=env)  # fmt: skip
-        paths = [log_path(cfg.root, cfg.attempt, r) for r in range(WORLD)]
+        ran = launch(cfg.world, attempt, cfg, timeout=timeout, grace=grace,
+                     collective_timeout=max(120.0, grace), env=env, backend=backend)  # fmt: skip
+        paths = [log_path(cfg.root, cfg.attempt, r) for r in range(cfg.world)]
         timeline, ends = read_logs(paths)
         a = {"start": timeline[0] if timeline and timeline[0]["kind"] == "start" else None,
              "timeline": timeline[1:], "ends": {r: e["end"] for r, e in ends.items()},
@@ -119,7 +133,9 @@ def supervise(cfg: SoakConfig, timeout: float, grace: float, env: dict[str, str]
         a["killed"] = died
         attempts.append(a)
         fired.update(e["id"] for e in a["timeline"] if e["kind"] == "fault")
-        done = bool(ends) and all(e["end"] == "done" for e in ends.values()) and len(ends) == WORLD
+        done = (
+            bool(ends) and all(e["end"] == "done" for e in ends.values()) and len(ends) == cfg.world
+        )
         steps = sum(e["kind"] == "step" for e in a["timeline"])
         what = "done" if done else f"ended: {sorted(set(a['ends'].values()))[:2]}"[:300]
         log(f"attempt {cfg.attempt}: from {a['start'] and a['start']['checkpoint']}, "
@@ -249,6 +265,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="what a smaller / empty batch on one rank must do (train: dtrec supports them)",
     )
     parser.add_argument("--vbe-every", type=int, default=3)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where the ranks train (cuda: GPU rank %% device_count)",
+    )
+    parser.add_argument("--world", type=int, default=WORLD, choices=(1, WORLD), help="ranks")
     parser.add_argument("--ckpt-dir", help="checkpoint root (default: a temporary directory)")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--plot", help="write the PNG plot here")
@@ -284,25 +307,29 @@ def _run(args: argparse.Namespace, argv: list[str] | None, sizes: tuple[str, ...
     faults = args.faults if args.faults is not None else max(1, steps // 400)
     counts = {k: faults for k in FAULTS}
     counts["uneven"] = len(sizes) * faults
-    counts["reshard"] = max(faults, len(PLANS) - 1)  # visit every plan
+    plans = plans_for(args.world)
+    counts["reshard"] = max(faults, len(plans) - 1)  # visit every plan
     counts["killed_save"] = max(faults, 2)  # a torn data file, and a marker not published
     root = Path(args.ckpt_dir or tempfile.mkdtemp(prefix="dtrec-soak-"))
     if root.exists() and any(root.iterdir()):
         raise SystemExit(f"--ckpt-dir {root} is not empty")
-    events = schedule(steps, clean, counts, args.seed, sizes)
+    events = schedule(steps, clean, counts, args.seed, sizes, args.world)
     cfg = SoakConfig(
         steps=steps, seed=args.seed, root=str(root), events=events, warmup=max(steps // 20, 1),
         foreach=args.foreach == "on", uneven=args.uneven, vbe_every=args.vbe_every, t0=time.time(),
+        device=args.device, world=args.world,
     )  # fmt: skip
     env = _checker_env()
-    print(f"soak: {steps} steps on {WORLD} ranks, {len(cfg.events)} events, checkpoints in {root}")
+    backend = backend_for(args.device, args.world)
+    print(f"soak: {steps} steps on {args.world} ranks ({args.device}, {backend}), "
+          f"{len(cfg.events)} events, checkpoints in {root}")  # fmt: skip
     try:
-        run = supervise(cfg, args.timeout, args.grace, env)
+        run = supervise(cfg, args.timeout, args.grace, env, backend=backend)
     finally:
         if not args.ckpt_dir:
             shutil.rmtree(root, ignore_errors=True)
     attempts = run["attempts"]
-    report: dict = {"meta": _meta(argv, cfg, clean)}
+    report: dict = {"meta": {**_meta(argv, cfg, clean), "backend": backend}}
     report["faults"] = tally(cfg, run)
     report["unexpected"] = run["unexpected"]
     done = bool(attempts) and "final" in attempts[-1]
@@ -366,10 +393,21 @@ def _meta(argv: list[str] | None, cfg: SoakConfig, clean: int) -> dict:
         "date": datetime.date.today().isoformat(),
         "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
         "load_avg_start": os.getloadavg(), "steps": cfg.steps, "clean_steps": clean,
-        "batch_per_rank": BATCH, "world": WORLD, "plans": list(PLANS), "seed": cfg.seed,
+        "batch_per_rank": BATCH, "world": cfg.world, "plans": list(plans_for(cfg.world)),
+        "device": cfg.device, "seed": cfg.seed,
         "foreach": cfg.foreach, "uneven": cfg.uneven, "events": [asdict(e) for e in cfg.events],
         "env": _checker_env(),
     }  # fmt: skip
+
+
+def backend_for(device: str, world: int, gpus: int | None = None) -> str:
+    """The ranks' process-group backend: gloo on CPU; on CUDA, NCCL when each rank has a
+    GPU of its own (gloo beside it for the harness's CPU tensors), else gloo on shared
+    GPUs (``tests/gpu/cuda_worlds.py``'s choice). ``gpus``: default, torch's count."""
+    if device != "cuda":
+        return "gloo"
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    return "cpu:gloo,cuda:nccl" if world <= gpus else "gloo"
 
 
 def _checker_env() -> dict[str, str]:

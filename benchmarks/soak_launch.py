@@ -1,4 +1,4 @@
-"""The soak's launcher: start a world of gloo ranks, and when one dies, stop the rest.
+"""The soak's launcher: start a world of ranks, and when one dies, stop the rest.
 
 What torchrun's elastic agent does for a job: it watches its workers, and when one
 exits abnormally it stops the others and restarts the group. Here a rank killed on
@@ -27,10 +27,11 @@ from tests.multiprocess import free_port
 _POLL_S = 0.05
 
 
-def _entry(rank: int, world: int, env: dict[str, str], timeout_s: float,
+def _entry(rank: int, world: int, env: dict[str, str], timeout_s: float, backend: str,
            fn: Callable[..., Any], args: tuple) -> None:  # fmt: skip
-    """Child: init gloo, run ``fn(rank, world, *args)``, exit without tearing the group
-    down (gloo may abort tearing down pairs to a dead peer): 0 if ``fn`` returned."""
+    """Child: init the process group (``backend``), run ``fn(rank, world, *args)``, exit
+    without tearing the group down (gloo may abort tearing down pairs to a dead peer): 0
+    if ``fn`` returned."""
     code = 0
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks before a kill
     try:
@@ -40,7 +41,7 @@ def _entry(rank: int, world: int, env: dict[str, str], timeout_s: float,
         import torch.distributed as dist
 
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+            backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
         )
         fn(rank, world, *args)
     except BaseException:  # noqa: B036 - report anything, then exit non-zero
@@ -70,10 +71,11 @@ def launch(
     grace: float,
     collective_timeout: float,
     env: dict[str, str] | None = None,
+    backend: str = "gloo",
 ) -> dict[str, Any]:
-    """Run ``fn`` on ``world`` spawned ranks; returns ``{"exitcodes", "stopped",
-    "timed_out", "seconds"}``. ``stopped``: ranks this launcher killed, ``grace`` seconds
-    after the first rank exited abnormally (or at ``timeout``)."""
+    """Run ``fn`` on ``world`` spawned ranks (process group ``backend``); returns
+    ``{"exitcodes", "stopped", "timed_out", "seconds"}``. ``stopped``: ranks this launcher
+    killed, ``grace`` seconds after the first rank exited abnormally (or at ``timeout``)."""
     child_env = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
@@ -87,8 +89,8 @@ def launch(
     start = time.monotonic()
     try:
         for rank in range(world):
-            p = ctx.Process(target=_entry, args=(rank, world, child_env, collective_timeout,
-                                                 fn, args), name=f"soak-rank{rank}")  # fmt: skip
+            p = ctx.Process(target=_entry, name=f"soak-rank{rank}", args=(
+                rank, world, child_env, collective_timeout, backend, fn, args))  # fmt: skip
             p.start()
             procs.append(p)
     finally:

@@ -52,7 +52,7 @@ ROWS = {f: rows for _, rows, _, fs, *_ in POOLED + WEIGHTED + SEQUENCE for f in 
 
 @dataclass(frozen=True)
 class PlanSpec:
-    """A plan and the mesh it runs on (``dtrec.init_mesh("cpu", shard_group_size,
+    """A plan and the mesh it runs on (``dtrec.init_mesh(device, shard_group_size,
     node_size)``)."""
 
     shard_group_size: int
@@ -91,6 +91,32 @@ PLANS = {
         {"s_rw": ColumnWise(), "s_cw": TableWise(rank=1), "s_tw": RowWise()},
     )),
 }  # fmt: skip
+
+# A world of one rank (``--world 1``: NCCL on one GPU): every type degenerates to the whole
+# table on the rank, but each still runs its own input dist, lookup and output dist.
+PLANS_W1 = {
+    "single_mixed": PlanSpec(1, 1, _plan(
+        {"dp": DataParallel(), "tw": TableWise(rank=0), "rw": RowWise(), "cw": ColumnWise(),
+         "trw": TableRowWise(node=0), "grid": Grid(), "tiny": RowWise()},
+        {"w_rw": RowWise(), "w_tw": TableWise(rank=0)},
+        {"s_rw": RowWise(), "s_cw": ColumnWise(), "s_tw": TableWise(rank=0)},
+    )),
+    "single_rotated": PlanSpec(1, 1, _plan(
+        {"dp": RowWise(), "tw": Grid(), "rw": ColumnWise(), "cw": TableRowWise(node=0),
+         "trw": DataParallel(), "grid": TableWise(rank=0), "tiny": TableWise(rank=0)},
+        {"w_rw": ColumnWise(), "w_tw": RowWise()},
+        {"s_rw": TableWise(rank=0), "s_cw": RowWise(), "s_tw": ColumnWise()},
+    )),
+}  # fmt: skip
+WORLDS = {WORLD: PLANS, 1: PLANS_W1}
+"""The plans of each world size the soak runs (the first plan is the one it starts with)."""
+
+
+def plans_for(world: int) -> dict[str, PlanSpec]:
+    """The soak's plans for a world of ``world`` ranks (1 or 4)."""
+    if world not in WORLDS:
+        raise ValueError(f"the soak runs worlds of {sorted(WORLDS)} ranks, not {world}")
+    return WORLDS[world]
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:
@@ -250,6 +276,11 @@ def make_batch(seed: int, spec: BatchSpec) -> dict[str, object]:
     return out
 
 
+def to_device(batch: Mapping[str, object], device: torch.device | str) -> dict[str, object]:
+    """``batch`` (``make_batch``'s or ``bad_batch``'s) with every tensor on ``device``."""
+    return {k: v.to(device) for k, v in batch.items()}
+
+
 def _cover(gen: torch.Generator, bags: int, batch: int) -> Tensor:
     """Inverse indices ``[batch]`` into ``bags`` bags that use every bag at least once."""
     picks = torch.cat([torch.arange(bags), torch.randint(0, bags, (batch - bags,), generator=gen)])
@@ -289,6 +320,14 @@ class RawBatch:
 
     def weights_or_none(self) -> None:
         return None
+
+    def to(self, device: torch.device | str) -> RawBatch:
+        moved = RawBatch.__new__(RawBatch)
+        moved.__dict__.update(self.__dict__)
+        moved._values, moved._lengths = self._values.to(device), self._lengths.to(device)
+        if self._inverse is not None:
+            moved._inverse = (self._inverse[0], self._inverse[1].to(device))
+        return moved
 
 
 BAD_BATCHES = ("bad_ids", "negative_lengths", "missing_feature")

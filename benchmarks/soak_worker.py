@@ -29,7 +29,7 @@ from torch import nn
 import dtrec
 from benchmarks.soak_model import (
     BAD_BATCHES,
-    PLANS,
+    WORLD,
     BatchSpec,
     Schedule,
     SoakModel,
@@ -37,7 +37,9 @@ from benchmarks.soak_model import (
     dense_optimizer,
     fused_rule,
     make_batch,
+    plans_for,
     rank_loss,
+    to_device,
 )
 from dtrec.checkpoint import full_tensor
 
@@ -70,6 +72,8 @@ class SoakConfig:
     t0: float = 0.0  # the supervisor's start (time.time()), for the timeline
     fired: frozenset[int] = field(default_factory=frozenset)
     attempt: int = 0
+    device: str = "cpu"  # "cuda": each rank on GPU rank % device_count, batches moved there
+    world: int = WORLD  # ranks (1 or 4: soak_model.plans_for)
 
 
 def log_path(root: str | Path, attempt: int, rank: int) -> Path:
@@ -91,8 +95,8 @@ class Trainer:
 
 
 def build(cfg: SoakConfig, plan: str) -> Trainer:
-    spec = PLANS[plan]
-    mesh = dtrec.init_mesh("cpu", spec.shard_group_size, spec.node_size)
+    spec = plans_for(cfg.world)[plan]
+    mesh = dtrec.init_mesh(cfg.device, spec.shard_group_size, spec.node_size)
     torch.manual_seed(0)
     model = dtrec.distribute_module(SoakModel(), mesh, dict(spec.specs), optimizer=fused_rule())
     dense = dense_optimizer(model, cfg.foreach)
@@ -103,7 +107,7 @@ def build(cfg: SoakConfig, plan: str) -> Trainer:
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+    return t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
 def _walk(prefix: str, value: Any, out: dict[str, Any]) -> None:
@@ -260,7 +264,7 @@ class Run:
     def batch(self, step: int, salt: int = 0, size: int | None = None) -> tuple[BatchSpec, dict]:
         vbe = self.cfg.vbe_every > 0 and step % self.cfg.vbe_every == 1
         spec = BatchSpec(step, self.rank, size if size is not None else BatchSpec.size, vbe, salt)
-        return spec, make_batch(self.cfg.seed, spec)
+        return spec, to_device(make_batch(self.cfg.seed, spec), self.cfg.device)
 
     def train(self, tr: Trainer, batch: dict, kill: bool = False) -> float:
         loss = rank_loss(tr.model, batch)
@@ -321,7 +325,8 @@ class Run:
         if ev.kind in BAD_BATCHES:
             spec, batch = self.batch(ev.step, salt=1000 + ev.id)
             if self.rank == ev.rank:
-                batch = bad_batch(self.cfg.seed, spec, ev.kind, ev.variant)
+                batch = to_device(bad_batch(self.cfg.seed, spec, ev.kind, ev.variant),
+                                  self.cfg.device)  # fmt: skip
             outcome, everyone = self.try_step(tr, spec, batch)
             self.fault(ev, outcome == "refused", everyone)
         elif ev.kind == "uneven":
@@ -400,6 +405,10 @@ def attempt(rank: int, world: int, cfg: SoakConfig) -> None:
     faults, an "end" entry (how it ended, the event being injected if one broke it);
     rank 0 writes the final full weights (``final_path``) when the run is done."""
     torch.set_num_threads(1)
+    if cfg.device == "cuda":  # exact fp32 matmuls: the reference trains on CPU
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     torch.sparse.check_sparse_tensor_invariants.enable()  # any sparse tensor built is checked
     run = Run(rank, cfg)
     found = [newest_restorable(run.root) if rank == 0 else None]
@@ -412,7 +421,7 @@ def attempt(rank: int, world: int, cfg: SoakConfig) -> None:
         start = {"checkpoint": path.name, "step": step, "digest_ok": not bad,
                  "differing": bad[:20]}  # fmt: skip
     else:
-        tr, step = build(cfg, next(iter(PLANS))), 0
+        tr, step = build(cfg, next(iter(plans_for(cfg.world)))), 0
         start = {"checkpoint": None, "step": 0, "digest_ok": True}
     run.add({"kind": "start", **start, "plan": tr.plan, "t": run.now(),
              "seconds": time.perf_counter() - started})  # fmt: skip
