@@ -2,7 +2,7 @@
 
 A collection of table-wise tables, every one offloaded to host memory behind a device
 cache of a quarter of its rows, trains at W=1 (the local path) with the fused row-wise
-Adagrad on the Triton backend, its kernels in Triton's interpreter. After two warm-up
+Adagrad on the Triton backend, its kernels in Triton's interpreter. After four warm-up
 steps (the caches are full: the counted step misses, evicts and writes back),
 ``benchmarks.step_probes.StepCounter`` counts one step: the Triton launches plus the ATen
 ops that would launch device work on CUDA, and the ops that would make the host wait.
@@ -17,8 +17,12 @@ the written-back rows in ``RowCache.move`` (and their ``.cpu()``, a device-to-ho
 CUDA that the CPU count cannot see), about 60 small ops of the fill, ``topk`` for LRU
 victims; per step: the run sizes' ``tolist`` in ``tables._spans``, the host id check
 (``check_id_range``: offloaded tables turn off the kernel's own) and the fill's verdict
-all-reduce read even in a world of one rank. Until the grouped cache lands the two
-budget tests are strict xfails (they must fail on this code).
+all-reduce read even in a world of one rank. With the grouped cache
+(``dtrec/sharded/offload/group.py``): 227 launches for 8 tables and for 200, no host sync.
+
+Without a host read, a batch whose rows do not fit a cache is refused late, as a bad id
+is in a world of one rank: its lookup flags it, nothing changes, and the next forward
+raises the cache's ValueError naming the table (``test_a_batch_too_large_...``).
 """
 
 from __future__ import annotations
@@ -77,6 +81,43 @@ def _count_step(rank: int, world: int, num_tables: int) -> dict:
     }
 
 
+def _too_large(rank: int, world: int) -> dict:
+    """A batch with more distinct rows of t1 than its cache holds, between good ones."""
+    import torch
+
+    import dtrec
+    from dtrec.placements import TableWise
+
+    dtrec.ops.set_backend("triton")
+    tables = [dtrec.EmbeddingBagConfig(f"t{t}", 64, DIM, [f"f{t}"], "sum") for t in range(3)]
+    torch.manual_seed(0)
+    ebc = dtrec.EmbeddingBagCollection(tables, device="meta")
+    plan = {t.name: TableWise(rank=0, cache_rows=6) for t in tables}
+    mesh = dtrec.init_mesh("cpu", world)
+    model = dtrec.distribute_module(ebc, mesh, plan, optimizer=dtrec.optim.RowWiseAdagrad(lr=0.1))
+
+    def step(t1_ids: list[int]) -> None:
+        lengths = torch.tensor([1, 1, len(t1_ids), 0, 1, 1])  # 3 features x 2 bags
+        values = torch.tensor([1, 2, *t1_ids, 3, 4])
+        kjt = dtrec.KeyedJaggedTensor(["f0", "f1", "f2"], values, lengths)
+        model(kjt).values().sum().backward()
+
+    step([5])
+    before = dtrec.checkpoint.full_state_dict(model)
+    step(list(range(10, 20)))  # 10 distinct rows of t1, a cache of 6: flagged, no change
+    after = dtrec.checkpoint.full_state_dict(model)
+    out = {"unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+    try:
+        step([5])
+        out["error"] = None
+    except ValueError as exc:
+        out["error"] = str(exc)
+    step([5])  # the next steps train
+    trained = dtrec.checkpoint.full_state_dict(model)
+    out["trained"] = not all(torch.equal(after[k], trained[k]) for k in after)
+    return out
+
+
 def _count_all(rank: int, world: int) -> dict:
     return {n: _count_step(rank, world, n) for n in TABLE_COUNTS}
 
@@ -95,19 +136,20 @@ def test_offloaded_step_misses(one_rank) -> None:
         assert one_rank[n]["misses"] > 0, n
 
 
-_BEFORE_GROUPED = pytest.mark.xfail(
-    strict=True, reason="issue 31: per-table fills with host sizing (module docstring)"
-)
-
-
-@_BEFORE_GROUPED
 def test_offloaded_step_launches_do_not_grow_with_tables(one_rank) -> None:
     few, many = (one_rank[n] for n in TABLE_COUNTS)
     assert few["launches"] == many["launches"], (few["launch_kinds"], many["launch_kinds"])
 
 
-@_BEFORE_GROUPED
 @pytest.mark.parametrize("num_tables", TABLE_COUNTS)
 def test_offloaded_step_never_waits_for_the_device(one_rank, num_tables: int) -> None:
     counts = one_rank[num_tables]
     assert counts["syncs"] == 0, counts["sync_sites"]
+
+
+def test_a_batch_too_large_for_a_cache_is_refused_at_the_next_forward() -> None:
+    got = run_world(1, _too_large, timeout=600, env=_ENV)[0]
+    assert got["unchanged"], "the refused batch changed weights or state"
+    assert got["error"] is not None and "table 't1'" in got["error"], got["error"]
+    assert "10 distinct rows" in got["error"], got["error"]
+    assert got["trained"]
