@@ -284,14 +284,11 @@ def _tier(caches: list, pick, device: torch.device) -> Tier:
 
 def _elements(at: Tensor, width: Tensor, widest: int, k: Tensor, row: Tensor, flat: Tensor):
     """``[N, widest]`` element indices of row ``row[i]`` of table ``k[i]`` in ``flat`` (a
-    narrower row repeats its last element), on ``flat``'s device, clamped into it."""
+    narrower row repeats its last element), clamped into it (on ``k``'s device)."""
     w = width.index_select(0, k).unsqueeze(1)
     cols = torch.minimum(torch.arange(widest, device=k.device).unsqueeze(0), w - 1)
     out = at.index_select(0, k).unsqueeze(1) + row.unsqueeze(1) * w + cols
-    out = out.clamp_(0, max(flat.numel() - 1, 0))
-    # to a CUDA device: asynchronous; to the host (CUDA's host tier without device-mapped
-    # memory): a blocking copy, so the host gather reads finished indices
-    return out.to(flat.device, non_blocking=flat.device.type == "cuda")
+    return out.clamp_(0, max(flat.numel() - 1, 0))
 
 
 def _copy_rows(dst: Tensor, dst_at: Tensor, src: Tensor, src_at: Tensor, valid: Tensor) -> None:
@@ -303,9 +300,17 @@ def _copy_rows(dst: Tensor, dst_at: Tensor, src: Tensor, src_at: Tensor, valid: 
     first = torch.argmax(valid.to(torch.int8))
     any_valid = valid.index_select(0, first.view(1))
     keep = valid.unsqueeze(1)
-    dst_at = torch.where(keep, dst_at, dst_at.index_select(0, first.view(1)))
-    src_at = torch.where(keep, src_at, src_at.index_select(0, first.view(1)))
-    source = src.index_select(0, src_at.reshape(-1).to(src.device)).to(dst.device)
-    own = dst.index_select(0, dst_at.reshape(-1))
-    values = torch.where(any_valid.to(dst.device), source, own)
-    dst.index_copy_(0, dst_at.reshape(-1), values)
+    dst_at = torch.where(keep, dst_at, dst_at.index_select(0, first.view(1))).reshape(-1)
+    src_at = torch.where(keep, src_at, src_at.index_select(0, first.view(1))).reshape(-1)
+    dst_at, src_at = _on(dst_at, dst.device), _on(src_at, src.device)
+    source = _on(src.index_select(0, src_at), dst.device)
+    own = dst.index_select(0, dst_at)
+    values = torch.where(_on(any_valid, dst.device), source, own)
+    dst.index_copy_(0, dst_at, values)
+
+
+def _on(tensor: Tensor, device: torch.device) -> Tensor:
+    """``tensor`` on ``device``: to a CUDA device asynchronously; to the host (a CUDA host
+    tier without device-mapped memory, ``host.py``) a blocking copy, so host gathers and
+    scatters read finished values (a wait on the copy stream, not the compute stream)."""
+    return tensor.to(device, non_blocking=device.type == "cuda")
