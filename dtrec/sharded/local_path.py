@@ -27,9 +27,13 @@ The bad-batch contract (a bad batch fails on every rank before any weight change
 
 Offloaded tables (``dtrec.sharded.offload``) are read through their device caches here
 too: before the op call the batch is filled (or was, by ``fill`` for a prefetched batch)
-and their ids become cache slots. The fill reads ids on the host, so their batches' ids
-are checked on the host, and with replicas the batch verdict is all-reduced before the
-lookup (a refused batch fills nothing; the fill's own verdict follows on every rank).
+and their ids become cache slots. In a world of one rank whose lookup kernel checks ids,
+the fill reads nothing on the host either: an id outside its table, or a batch whose rows
+do not fit a cache, reads an out-of-range slot, the kernel flags the batch as above, and
+a later forward reports it (an IndexError, or the cache's ValueError naming the table).
+Otherwise ids are checked on the host, and with replicas the batch verdict is all-reduced
+before the lookup (a refused batch fills nothing; the fill's own verdict follows on every
+rank).
 """
 
 from __future__ import annotations
@@ -109,7 +113,9 @@ class LocalPath:
         try:
             kjt = prepare_features(features, self._tables, rank, "off", self._device, weighted)
             device_check = (
-                bounds_check == "on" and self._offload is None and self._checks_on_device(kjt)
+                bounds_check == "on"
+                and (self._offload is None or self._world_size == 1)
+                and self._checks_on_device(kjt)
             )
             if bounds_check == "on" and not device_check:
                 check_id_range(kjt, self._tables, rank)
@@ -165,8 +171,9 @@ class LocalPath:
         values, offsets, psw = kjt.values(), kjt.offsets(), kjt.weights_or_none()
         if self._offload is not None:
             values = self._offload.slot_ids(
-                kjt if key is None else key, values, self._run_tables, kjt.lengths(), kjt.stride()
-            )
+                kjt if key is None else key, values, self._run_tables, kjt.lengths(),
+                kjt.stride(), error is not None,
+            )  # fmt: skip
         if self._updater is not None:
             return fused_lookup(
                 self._updater, self._table_ids, tables, self._entry_table, self._mean, values,
@@ -187,7 +194,24 @@ class LocalPath:
             self._offload.fill(batch, none, self._run_tables, none, 0)
             return
         kjt = batch.kjt
-        self._offload.fill(batch, kjt.values(), self._run_tables, kjt.lengths(), kjt.stride())
+        self._offload.fill(
+            batch, kjt.values(), self._run_tables, kjt.lengths(), kjt.stride(),
+            batch.device_check,
+        )  # fmt: skip
+
+    def _overflow_report(self, kjt: KeyedJaggedTensor, call: int) -> str:
+        """The late refusal of a batch whose rows did not fit an offloaded table's cache
+        (a deferred fill: ``dtrec.sharded.offload.tables``)."""
+        assert self._offload is not None
+        detail = self._offload.overflow_detail(
+            kjt.values(), self._run_tables, kjt.lengths(), kjt.stride()
+        )
+        return (
+            f"{detail}, in the batch of forward call {call} of this collection: a one-rank "
+            "world fills offloaded tables' caches without waiting for the device and reports "
+            f"a batch that does not fit at a later forward (this is call {self._calls}); no "
+            "table or fused optimizer state has changed since that batch"
+        )
 
     def _host_flag(self, device: torch.device) -> HostFlag:
         if self._flag is None or self._flag.device != device:
@@ -233,6 +257,9 @@ class LocalPath:
                 detail = "an id outside its table"
             except IndexError as exc:
                 detail = str(exc)
+            else:
+                if self._offload is not None:  # its ids fit their tables: its rows did not
+                    raise ValueError(self._overflow_report(kjt, call))
             raise IndexError(
                 f"{detail}, in the batch of forward call {call} of this collection: a "
                 "one-rank world checks ids on the device and reports a bad batch at a later "

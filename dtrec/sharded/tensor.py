@@ -3,6 +3,8 @@ the one place tables meet DeviceMesh."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -202,19 +204,25 @@ def full_tensor(value: Tensor) -> Tensor:
     return full.detach().cpu().clone()
 
 
+_STREAM_BYTES = 64 << 20
+"""Most bytes of rows one rank sends per round of ``_assembled`` (a larger tensor is
+gathered in rounds of rows: a huge offloaded table never lands whole on the device)."""
+
+
 def _assembled(value: DTensor) -> Tensor:
     """``value``'s blocks gathered from every rank and put at their offsets (CPU).
 
     A block in host memory (an offloaded table's) travels through the mesh's device,
-    where the process group's collectives run (NCCL takes no CPU tensors). A block
+    where the process group's collectives run (NCCL takes no CPU tensors), by rounds of
+    at most ``_STREAM_BYTES`` of rows per rank, so the device never holds a whole huge
+    block (nor the world's blocks of one round more than once). A block
     replicated over mesh dims comes from the rank at coordinate 0 of them only: the
     copies should agree, and where one does not it must not win by rank order (a
     column-wise table with fewer columns than shards leaves its last ranks without a
     column block; their copy of row-wise Adagrad's replicated row sums is never updated,
     and as the last writer it zeroed every rank's full tensor; found by the soak)."""
     local = value.to_local().detach()
-    if local.device.type != value.device_mesh.device_type:
-        local = local.to(mesh_device(value.device_mesh))
+    device = mesh_device(value.device_mesh)
     coordinate = value.device_mesh.get_coordinate()
     member = coordinate is not None
     first_copy = member and all(
@@ -223,18 +231,27 @@ def _assembled(value: DTensor) -> Tensor:
     shape, offset = local_shape_and_offset(value.shape, value.device_mesh, value.placements)
     if not first_copy or local.numel() == 0:
         shape, offset = (0,) * value.dim(), (0,) * value.dim()
-    meta = torch.tensor([*shape, *offset], dtype=torch.long, device=local.device)
+    meta = torch.tensor([*shape, *offset], dtype=torch.long, device=device)
     metas = all_gather_varied(meta if member else meta[:0], None, "full_tensor.meta")
-    data = local.reshape(-1) if first_copy else local.new_empty(0)
-    blocks = all_gather_varied(data, None, "full_tensor")
     full = torch.zeros(tuple(value.shape), dtype=value.dtype)
     n = value.dim()
-    for meta_r, block in zip(metas, blocks, strict=True):
-        if not meta_r.numel() or not block.numel():
-            continue
-        shape_r, offset_r = meta_r[:n].tolist(), meta_r[n:].tolist()
-        where = tuple(slice(o, o + k) for o, k in zip(offset_r, shape_r, strict=True))
-        full[where] = block.view(shape_r).cpu()
+    placed = [(m[:n].tolist(), m[n:].tolist()) if m.numel() else None for m in metas]
+    row = max(1, math.prod(value.shape[1:])) * value.element_size()
+    step = max(1, _STREAM_BYTES // row) if n else 1
+    rounds = max([math.ceil(p[0][0] / step) for p in placed if p is not None and n] or [1])
+    for i in range(max(rounds, 1)):
+        part = local[i * step : (i + 1) * step] if n else local
+        data = part.reshape(-1).to(device) if first_copy else local.new_empty(0, device=device)
+        blocks = all_gather_varied(data, None, "full_tensor")
+        for where_r, block in zip(placed, blocks, strict=True):
+            if where_r is None or not block.numel():
+                continue
+            shape_r, offset_r = where_r
+            rows = block.numel() // max(1, math.prod(shape_r[1:]))
+            start = [offset_r[0] + i * step, *offset_r[1:]] if n else []
+            size = [rows, *shape_r[1:]] if n else []
+            where = tuple(slice(o, o + k) for o, k in zip(start, size, strict=True))
+            full[where] = block.view(size).cpu()
     return full
 
 

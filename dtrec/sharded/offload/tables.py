@@ -14,19 +14,24 @@ a fused optimizer (train or eval mode), as *trained* (until the fused update of 
 backward has run, which reads and writes the same slots; its rows are written back on
 eviction). So the current batch's and the prefetched batch's rows are never evicted.
 
-A batch whose rows (plus the rows pinned by other batches in flight) exceed a cache is
-refused before anything changes. One rank's refusal must stop every rank at the same
-step (its peers would otherwise wait in the output dist), so every fill ends with an
-8-byte all-reduce over the mesh (``offload.verdict``), skipped when every cache of the
-collection holds its whole block (nothing can overflow). The error is raised by the
-batch's forward on every rank, before any weight changes.
+Every fill covers all offloaded tables at once (``group.CacheGroup``: a fixed set of
+ops, no host read). A batch whose rows (plus the rows pinned by other batches in flight)
+exceed a cache is refused before anything changes. One rank's refusal must stop every
+rank at the same step (its peers would otherwise wait in the output dist), so with
+several ranks every fill ends with a host read of its verdict and an 8-byte all-reduce
+over the mesh (``offload.verdict``), skipped when every cache of the collection holds
+its whole block (nothing can overflow). The error is raised by the batch's forward on
+every rank, before any weight changes. A *deferred* fill (a world of one rank whose
+lookup kernel checks ids on the device, ``LocalPath``) reads nothing: a batch that does
+not fit changes nothing, its missing ids read out-of-range slots, so the lookup kernel
+flags the batch like one with a bad id (no weight changes), and the local path reports
+it at a later forward (``overflow_detail`` names the table).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,6 +39,7 @@ from torch import Tensor
 
 from dtrec.comm.collectives import all_reduce_min
 from dtrec.ops.backends.base import RowUpdate
+from dtrec.sharded.offload.group import CacheGroup, Fill, Plan
 from dtrec.sharded.offload.host import CopyJobs
 from dtrec.sharded.offload.row_cache import FarRows, RowCache
 from dtrec.sharded.offload.staging import staged_updates
@@ -43,12 +49,11 @@ _FILLED, _READ, _TRAINED, _DROPPED = "filled", "read", "trained", "dropped"
 
 @dataclass
 class _Lease:
-    """One batch's fill: its key (the batch's input dist), where each offloaded table's
-    ids sit in the received ids, and the slots it pins."""
+    """One batch's fill: its key (the batch's input dist) and its fill (slot ids, the
+    slots it pins), or its refusal."""
 
     key: object
-    spans: dict[int, slice | Tensor] = field(default_factory=dict)
-    slots: dict[int, Tensor] = field(default_factory=dict)
+    fill: Fill | None = None
     error: Exception | None = None
     state: str = _FILLED
 
@@ -70,6 +75,7 @@ class OffloadedTables:
         device: torch.device,
         fused: bool,
         offloaded: Sequence[str],
+        num_tables: int,
     ) -> None:
         self.caches = caches
         self._jobs = jobs
@@ -77,6 +83,8 @@ class OffloadedTables:
         self._device = device
         self._fused = fused
         self._offloaded = list(offloaded)
+        self.cache_group = CacheGroup(caches, num_tables, device) if caches else None
+        """Every local cache's bookkeeping and fills (None on a rank with no offloaded block)."""
         self._leases: list[_Lease] = []
         self._training = False
 
@@ -97,19 +105,33 @@ class OffloadedTables:
         self._release(_READ)
 
     def fill(
-        self, key: object, ids: Tensor, run_tables: Sequence[int], lengths: Tensor, batch: int
+        self,
+        key: object,
+        ids: Tensor,
+        run_tables: Sequence[int],
+        lengths: Tensor,
+        batch: int,
+        deferred: bool = False,
     ) -> None:
         """Fill the caches for a prefetched batch; its copies run in the background.
 
         ``ids``: the ids this rank serves, in runs of one table each (``run_tables``,
         collection table indices), each run ``batch`` bags long (``lengths``).
         Collective (the verdict): every rank fills the same batches in the same order.
+        ``deferred``: a batch that does not fit is flagged by the lookup (module doc).
         """
         if self._find(key) is None:
-            self._leases.append(self._fill(key, ids, run_tables, lengths, batch, True, True))
+            lease = self._fill(key, ids, run_tables, lengths, batch, True, True, deferred)
+            self._leases.append(lease)
 
     def slot_ids(
-        self, key: object, ids: Tensor, run_tables: Sequence[int], lengths: Tensor, batch: int
+        self,
+        key: object,
+        ids: Tensor,
+        run_tables: Sequence[int],
+        lengths: Tensor,
+        batch: int,
+        deferred: bool = False,
     ) -> Tensor:
         """``ids`` with every offloaded table's ids replaced by their cache slots, the
         batch filled first unless ``fill`` did (arguments as ``fill``'s). Raises the
@@ -119,23 +141,18 @@ class OffloadedTables:
             verdict = lease is None  # its pins then, so it fits now; no verdict (a flush
             if lease is not None:  # may have run on this rank only)
                 self._leases.remove(lease)
-            lease = self._fill(key, ids, run_tables, lengths, batch, verdict, False)
+            lease = self._fill(key, ids, run_tables, lengths, batch, verdict, False, deferred)
             self._leases.append(lease)
         if lease.error is not None:
             self._leases.remove(lease)
             raise lease.error
         self._jobs.wait()
         lease.state = _TRAINED if self._training else _READ
-        out = ids.clone() if lease.spans else ids
-        for t, where in lease.spans.items():
-            cache = self.caches[t]
-            if lease.state == _TRAINED:
-                cache.mark_written(lease.slots[t])
-            if isinstance(where, slice):
-                out[where] = cache.slots_of(ids[where])
-            else:
-                out.index_copy_(0, where, cache.slots_of(ids.index_select(0, where)))
-        return out
+        if lease.fill is None:
+            return ids
+        if lease.state == _TRAINED:
+            self._cache_group().mark_written(lease.fill.touched)
+        return lease.fill.slot_ids
 
     def drop(self, key: object) -> None:
         """Forget the fill of a batch that will not be looked up (refused at its forward
@@ -143,11 +160,18 @@ class OffloadedTables:
         lease = self._find(key)
         if lease is not None:
             self._leases.remove(lease)
-            for t, slots in lease.slots.items():
-                self.caches[t].unpin(slots)
+            self._unpin(lease)
 
     def _find(self, key: object) -> _Lease | None:
         return next((lease for lease in self._leases if lease.key is key), None)
+
+    def _cache_group(self) -> CacheGroup:
+        assert self.cache_group is not None, "a rank without offloaded blocks fills nothing"
+        return self.cache_group
+
+    def _unpin(self, lease: _Lease) -> None:
+        if lease.fill is not None:
+            self._cache_group().unpin(lease.fill.touched)
 
     def _fill(
         self,
@@ -158,39 +182,54 @@ class OffloadedTables:
         batch: int,
         verdict: bool,
         background: bool,
+        deferred: bool,
     ) -> _Lease:
         self._jobs.wait()  # the previous fill's copies land before slots are planned again
-        lease = _Lease(key, _spans(self.caches, ids, run_tables, lengths, batch))
-        plans = {}
-        for t, where in lease.spans.items():
-            table_ids = ids[where] if isinstance(where, slice) else ids.index_select(0, where)
-            plans[t] = self.caches[t].plan(table_ids)
-        over = [t for t, p in plans.items() if p.needed > self.caches[t].capacity]
-        error = None
-        if over:
-            error = self.caches[over[0]].overflow(plans[over[0]], f"rank {dist.get_rank()}")
-        if verdict:
-            error = self._verdict(error)
-        elif error is not None:
-            raise AssertionError(f"a refill after a flush overflowed: {error}")
-        if error is not None:
-            lease.error, lease.spans = error, {}
+        lease = _Lease(key)
+        group = self.cache_group
+        served = group is not None and bool(run_tables) and batch > 0 and ids.numel() > 0
+        plan = group.plan(ids, tuple(run_tables), lengths, batch) if served else None
+        fits = None
+        alone = self._group is None or dist.get_world_size(self._group) == 1
+        if self._group is not None and deferred and alone:
+            if plan is not None:  # read by no one: the lookup kernel flags the batch
+                fits = plan.over.any().logical_not()
+        elif self._group is not None:
+            error = None if plan is None else self._overflow(plan)
+            if verdict:
+                error = self._verdict(error)
+            elif error is not None:
+                raise AssertionError(f"a refill after a flush overflowed: {error}")
+            if error is not None:
+                lease.error = error
+                return lease
+        if plan is None:
             return lease
-        moves = []
-        for t, plan in plans.items():
-            lease.slots[t], move = self.caches[t].start(plan)
-            if move is not None:
-                moves.append((self.caches[t], move))
-        if moves:
-            self._jobs.copies.begin(
-                *(x for _, m in moves for x in (m.victims, m.old_rows, m.written, m.new_rows))
-            )
-            self._jobs.start(lambda: [cache.move(m) for cache, m in moves], background)
+        assert group is not None
+        lease.fill = group.apply(plan, fits)
+        moves = lease.fill.moves
+        assert moves is not None
+        self._jobs.copies.begin(*moves)
+        first = self.caches[group.tables[0]]  # the group's copies, through one block's move
+        self._jobs.start(lambda: first.move(moves), background)
         return lease
+
+    def _overflow(self, plan: Plan) -> Exception | None:
+        """This rank's refusal of ``plan`` (one host read), or None."""
+        group = self._cache_group()
+        over, need, avail, distinct = torch.stack(
+            [plan.over.long(), plan.need, plan.avail, plan.distinct]
+        )[:, :-1].tolist()
+        if not any(over):
+            return None
+        k = over.index(1)
+        cache = self.caches[group.tables[k]]
+        pinned = cache.capacity - avail[k] - (distinct[k] - need[k])
+        return cache.overflow(distinct[k], pinned, f"rank {dist.get_rank()}")
 
     def _verdict(self, error: Exception | None) -> Exception | None:
         """``error``, or the refusal of the lowest rank that refused this batch elsewhere."""
-        if self._group is None:
+        if self._group is None or dist.get_world_size(self._group) == 1:
             return error
         world = dist.get_world_size()
         failed = torch.tensor([dist.get_rank() if error else world], device=self._device)
@@ -205,8 +244,7 @@ class OffloadedTables:
 
     def _release(self, state: str) -> None:
         for lease in [x for x in self._leases if x.state == state]:
-            for t, slots in lease.slots.items():
-                self.caches[t].unpin(slots)
+            self._unpin(lease)
             self._leases.remove(lease)
 
     # ------------------------------------------------------------------ updates, state
@@ -228,51 +266,46 @@ class OffloadedTables:
         kept = []
         for lease in self._leases:
             if lease.state in (_FILLED, _READ) and lease.error is None:
-                for t, slots in lease.slots.items():
-                    self.caches[t].unpin(slots)
+                self._unpin(lease)
                 if lease.state == _READ:
                     continue
-                lease.slots, lease.state = {}, _DROPPED
+                lease.fill, lease.state = None, _DROPPED
             kept.append(lease)
         self._leases = kept
         for cache in self.caches.values():
             cache.flush()
         for lease in self._leases:  # their update is still to come: written back on eviction
-            if lease.state == _TRAINED:
-                for t, slots in lease.slots.items():
-                    self.caches[t].mark_written(slots)
+            if lease.state == _TRAINED and lease.fill is not None:
+                self._cache_group().mark_written(lease.fill.touched)
 
     def staged_updates(self, far: list[FarRows]) -> list[RowUpdate]:
         """The step of rows a synced update touches that the caches do not hold
         (``staging.staged_updates``)."""
         return staged_updates(far)
 
+    def overflow_detail(
+        self, ids: Tensor, run_tables: Sequence[int], lengths: Tensor, batch: int
+    ) -> str:
+        """Why a deferred fill of a batch (``fill``'s arguments) did not fit, for its late
+        report: the first table whose distinct rows alone exceed its cache, or the rows
+        pinned by the batch in flight then. Host reads: not for the step."""
+        counts = lengths.view(len(run_tables), batch).sum(1).tolist() if batch else []
+        parts: dict[int, list[Tensor]] = {}
+        start = 0
+        for t, n in zip(run_tables, counts, strict=False):
+            parts.setdefault(t, []).append(ids[start : start + n])
+            start += n
+        for t, chunks in parts.items():
+            if t in self.caches:
+                distinct = torch.unique(torch.cat(chunks)).numel()
+                if distinct > self.caches[t].capacity:
+                    return str(self.caches[t].overflow(distinct, 0, f"rank {dist.get_rank()}"))
+        return (
+            f"the rows of a batch of tables {self._offloaded} and those another batch in "
+            "flight pinned did not fit an offloaded table's device cache; give the tables "
+            "larger caches (cache_rows / cache_fraction) or feed smaller batches"
+        )
+
     def stats(self) -> dict[str, dict[str, int]]:
         """Per local offloaded table: distinct rows looked up, misses, bytes each way."""
         return {cache.name: dict(cache.stats) for cache in self.caches.values()}
-
-
-def _spans(
-    caches: dict[int, RowCache],
-    ids: Tensor,
-    run_tables: Sequence[int],
-    lengths: Tensor,
-    batch: int,
-) -> dict[int, slice | Tensor]:
-    """Per offloaded table with ids here: where its ids are (a slice when one run of
-    runs, else their positions). One host read of the run sizes."""
-    if not caches or not run_tables or not batch:
-        return {}
-    counts = lengths.view(len(run_tables), batch).sum(1).tolist()
-    starts = list(itertools.accumulate(counts, initial=0))
-    out: dict[int, slice | Tensor] = {}
-    for t in caches:
-        runs = [(starts[i], starts[i + 1]) for i, u in enumerate(run_tables) if u == t]
-        runs = [(a, b) for a, b in runs if b > a]
-        if not runs:
-            continue
-        if all(b == c for (_, b), (c, _) in zip(runs, runs[1:], strict=False)):
-            out[t] = slice(runs[0][0], runs[-1][1])
-        else:
-            out[t] = torch.cat([torch.arange(a, b, device=ids.device) for a, b in runs])
-    return out
