@@ -417,3 +417,24 @@ def _reading_host_copy() -> bool:
     """Whether ``dtrec.ops.host_flags`` is reading a host copy (not the device)."""
     module = sys.modules.get("dtrec.ops.host_flags")
     return module is not None and module.reading_host_copy()
+
+
+def count_steady_step(
+    step: Callable[[object], None],
+    batch: Callable[[], object],
+    warmup: int,
+    device: torch.device | None = None,
+) -> dict:
+    """Launches and host syncs of one steady-state ``step(batch())`` after ``warmup`` steps:
+    totals and by kernel/op and by sync site (what the budget tests assert on)."""  # fmt: skip
+    for _ in range(warmup):
+        step(batch())
+    inputs = batch()
+    with StepCounter(device or torch.device("cpu")) as counts:
+        step(inputs)
+    return {
+        "launches": counts.total_launches(),
+        "syncs": counts.total_syncs(),
+        "launch_kinds": dict(counts.launches),
+        "sync_sites": dict(counts.syncs),
+    }

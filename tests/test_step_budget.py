@@ -43,7 +43,7 @@ def _count_step(rank: int, world: int, num_tables: int, plan_kind: str = "table_
 
     import dtrec
     from benchmarks.gpu_step import MLPERF_HOTNESS, MLPERF_ROWS
-    from benchmarks.step_probes import StepCounter
+    from benchmarks.step_probes import count_steady_step
 
     dtrec.ops.set_backend("triton")
     rows = [min(MLPERF_ROWS[t % 26], 2000) for t in range(num_tables)]
@@ -73,17 +73,7 @@ def _count_step(rank: int, world: int, num_tables: int, plan_kind: str = "table_
     def step(kjt: dtrec.KeyedJaggedTensor) -> None:
         model(kjt).values().backward(grad)
 
-    for _ in range(2):
-        step(batch())
-    kjt = batch()
-    with StepCounter(torch.device("cpu")) as counts:
-        step(kjt)
-    return {
-        "launches": counts.total_launches(),
-        "syncs": counts.total_syncs(),
-        "launch_kinds": dict(counts.launches),
-        "sync_sites": dict(counts.syncs),
-    }
+    return count_steady_step(step, batch, warmup=2)
 
 
 def _count_all(rank: int, world: int) -> dict:

@@ -42,7 +42,7 @@ def _count_step(rank: int, world: int, num_tables: int) -> dict:
     import torch
 
     import dtrec
-    from benchmarks.step_probes import StepCounter
+    from benchmarks.step_probes import count_steady_step
     from dtrec.placements import TableWise
 
     dtrec.ops.set_backend("triton")
@@ -66,19 +66,8 @@ def _count_step(rank: int, world: int, num_tables: int) -> dict:
     def step(kjt: dtrec.KeyedJaggedTensor) -> None:
         model(kjt).values().backward(grad)
 
-    for _ in range(4):
-        step(batch())
-    kjt = batch()
-    with StepCounter(torch.device("cpu")) as counts:
-        step(kjt)
-    stats = model.cache_stats().values()
-    return {
-        "launches": counts.total_launches(),
-        "syncs": counts.total_syncs(),
-        "launch_kinds": dict(counts.launches),
-        "sync_sites": dict(counts.syncs),
-        "misses": sum(s["misses"] for s in stats),
-    }
+    counts = count_steady_step(step, batch, warmup=4)
+    return {**counts, "misses": sum(s["misses"] for s in model.cache_stats().values())}
 
 
 def _too_large(rank: int, world: int) -> dict:
