@@ -137,78 +137,8 @@ class FusedOptimizer(ABC):
         backend = resolve_backend(updates[0].weight.device)
         if backend.update_rows(self.step_rule(), updates):
             return
-        for u in merged_row_updates(updates):
+        for u in updates:
             self._update_torch(u)
-
-
-def merged_row_updates(updates: list[RowUpdate]) -> list[RowUpdate]:
-    """``updates`` with those of tables packed in one buffer merged into one update each,
-    so that the pure-torch step runs its ops once for all of them, not once per table
-    (the CPU step of 8 column shards: 8x fewer index ops). Tables merge when their
-    weights share one storage, dtype, device, column count and full dim, their state
-    entries are row- or weight-shaped (no per-table scalar: Adam's step count keeps its
-    tables apart) and packed in the same table order, and no tiling is asked for. The
-    merged update addresses rows of one view over the packed buffer (each table's rows
-    shifted by its first row there): rows stay unique, so the in-place adds stay exact,
-    and every row's math is the per-table math, element for element."""
-    groups: dict[tuple, list[RowUpdate]] = {}
-    out: list[RowUpdate] = []
-    for u in updates:
-        key = _merge_key(u)
-        if key is None:
-            out.append(u)
-        else:
-            groups.setdefault(key, []).append(u)
-    for group in groups.values():
-        merged = _merged(group) if len(group) > 1 else None
-        out.extend(group if merged is None else [merged])
-    return out
-
-
-def _merge_key(u: RowUpdate) -> tuple | None:
-    w = u.weight
-    if w.dim() != 2 or not w.is_contiguous() or u.tile_dim is not None:
-        return None
-    if any(v.dim() == 0 or not v.is_contiguous() for v in u.state.values()):
-        return None
-    states = tuple(
-        sorted((k, v.untyped_storage().data_ptr(), v.dim(), v.dtype) for k, v in u.state.items())
-    )
-    return (w.untyped_storage().data_ptr(), w.device, w.dtype, w.shape[1], u.full_dim,
-            u.row_sq_sum is None, states)  # fmt: skip
-
-
-def _merged(group: list[RowUpdate]) -> RowUpdate | None:
-    """One update over a view of the packed buffer, or None where the tables do not sit
-    in it as whole rows of one width, their states alike."""
-    cols = group[0].weight.shape[1]
-    if cols == 0:
-        return None
-    base = min(u.weight.storage_offset() for u in group)
-    shifts = []
-    for u in group:
-        gap = u.weight.storage_offset() - base
-        if gap % cols:
-            return None
-        shifts.append(gap // cols)
-    num_rows = max(s + u.weight.shape[0] for s, u in zip(shifts, group, strict=True))
-    weight = group[0].weight.as_strided((num_rows, cols), (cols, 1), base)
-    state: dict[str, Tensor] = {}
-    for key, first in group[0].state.items():
-        per_row = cols if first.dim() == 2 else 1
-        start = first.storage_offset() - shifts[0] * per_row
-        if start < 0 or any(
-            u.state[key].storage_offset() != start + s * per_row
-            for s, u in zip(shifts, group, strict=True)
-        ):
-            return None
-        shape = (num_rows, cols) if first.dim() == 2 else (num_rows,)
-        stride = (cols, 1) if first.dim() == 2 else (1,)
-        state[key] = first.as_strided(shape, stride, start)
-    rows = torch.cat([u.rows + s for s, u in zip(shifts, group, strict=True)])
-    sq = None if group[0].row_sq_sum is None else torch.cat([u.row_sq_sum for u in group])
-    grads = torch.cat([u.grad_rows for u in group])
-    return RowUpdate(weight, state, rows, grads, sq, group[0].full_dim)
 
 
 def check_hyper(name: str, attr: str, value: object, positive: bool = False) -> None:
@@ -219,4 +149,4 @@ def check_hyper(name: str, attr: str, value: object, positive: bool = False) -> 
         raise ValueError(f"{name}: {attr} must be a finite number {want}, got {value!r}")
 
 
-__all__ = ["FusedOptimizer", "RowUpdate", "check_hyper", "merged_row_updates"]
+__all__ = ["FusedOptimizer", "RowUpdate", "check_hyper"]
