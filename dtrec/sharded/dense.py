@@ -153,17 +153,17 @@ class ReplicatedDense:
         self._buckets = _buckets(trained) if dist.get_world_size() > 1 else []
         self._slot = {id(p): b for b, bucket in enumerate(self._buckets) for p in bucket.params}
         self._leaves: dict[int, Tensor] = {}  # id(param) -> its plain leaf
-        self._own_hooks: dict[int, int] = {}  # id(param) -> dtrec's hooks on the param itself
+        self._hooked: set[int] = set()  # id(param) of those dtrec put its one hook on
 
     # ------------------------------------------------------------------ forward
 
     def _input(self, p: nn.Parameter) -> Tensor:
         """What the module code reads for ``p``: its plain leaf, or ``to_local()`` when the
         parameter has gradient hooks of its own."""
-        if grad_hook_count(p) > self._own_hooks.get(id(p), 0):
-            if self._slot and id(p) not in self._own_hooks:  # its gradient arrives on p
+        if grad_hook_count(p) > (id(p) in self._hooked):
+            if self._slot and id(p) not in self._hooked:  # its gradient arrives on p
                 p.register_post_accumulate_grad_hook(self._grad_ready)
-                self._own_hooks[id(p)] = 1
+                self._hooked.add(id(p))
             return p.to_local()
         local = local_block(p)
         leaf = self._leaves.get(id(p))
