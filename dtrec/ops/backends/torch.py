@@ -130,22 +130,20 @@ def pooled_lookup(lookup: Lookup) -> Tensor:
 def occurrence_scale(
     offsets: Tensor, mean: Sequence[bool], per_sample_weights: Tensor | None, num_values: int
 ) -> tuple[Tensor, Tensor | None]:
-    """Per id: its bag index (global, e*B+b) and the factor its row is pooled with
-    (None when every factor is 1: sum pooling, no per-sample weights)."""
+    """Per bag (global, e*B+b) its length, and per id the factor its row is pooled with
+    (None when every factor is 1: sum pooling, no per-sample weights). No per-id bag
+    index is built: callers that need one per id repeat their per-bag values instead."""
     lengths = torch.diff(offsets.long())
-    bag = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=num_values
-    )
     if not any(mean):
-        return bag, None if per_sample_weights is None else per_sample_weights.float()
+        return lengths, None if per_sample_weights is None else per_sample_weights.float()
     num_entries = len(mean)
     batch = lengths.numel() // num_entries
     mean_t = torch.tensor(list(mean), device=offsets.device).repeat_interleave(batch)
     inv_len = torch.where(mean_t, 1.0 / lengths.clamp(min=1).float(), torch.ones(()))
-    scale = inv_len[bag]
+    scale = torch.repeat_interleave(inv_len, lengths, output_size=num_values)
     if per_sample_weights is not None:
         scale = scale * per_sample_weights.float()
-    return bag, scale
+    return lengths, scale
 
 
 def sum_rows_by_key(
@@ -191,13 +189,14 @@ def row_grads(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
         lookup.offsets,
     )
     num_entries, batch, device = len(entry_table), lookup.batch, values.device
-    bag, scale = occurrence_scale(offsets, lookup.mean, lookup.per_sample_weights, values.numel())
+    num_values = values.numel()
+    lengths, scale = occurrence_scale(offsets, lookup.mean, lookup.per_sample_weights, num_values)
     per_entry = offsets[::batch].diff() if batch else offsets.new_zeros(num_entries)
     rows = [w.shape[0] for w in weights]
     bounds = [0, *itertools.accumulate(rows)]
     row_base = torch.tensor(bounds, device=device)
     entry_base = row_base[:-1].index_select(0, torch.tensor(list(entry_table), device=device))
-    keys = torch.repeat_interleave(entry_base, per_entry, output_size=values.numel()) + values
+    keys = torch.repeat_interleave(entry_base, per_entry, output_size=num_values) + values
     grad_out = grad_out.float()
     entry_cols = lookup.columns()
     result: list[tuple[Tensor, Tensor] | None] = [None] * len(weights)
@@ -205,22 +204,28 @@ def row_grads(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     for t, w in enumerate(weights):
         if w.shape[1] == 0:  # an empty column shard has no gradient
             result[t] = (empty_ids, grad_out.new_zeros(0, 0))
+    bag = entry = None
     for dim in sorted({w.shape[1] for w in weights} - {0}):
         dim_entries = [e for e, t in enumerate(entry_table) if weights[t].shape[1] == dim]
         if len(dim_entries) == num_entries:  # one dim: every occurrence, grad_out as is
             blocks = grad_out.reshape(-1, dim)  # bag e * B + b is row b * E + e
             row_of_bag = torch.arange(batch * num_entries, device=device)
             row_of_bag = row_of_bag.view(batch, num_entries).t().reshape(-1)
-            s_bag, s_keys, s_scale = row_of_bag.index_select(0, bag), keys, scale
+            s_bag = torch.repeat_interleave(row_of_bag, lengths, output_size=num_values)
+            s_keys, s_scale = keys, scale
         else:  # this dim's entries' blocks, in order: entry e's bags move to slot[e]
             blocks = torch.stack(
                 [grad_out[:, entry_cols[e] : entry_cols[e] + dim] for e in dim_entries]
             )
             slot = torch.full((num_entries,), -1, dtype=torch.long, device=device)
             slot[dim_entries] = torch.arange(len(dim_entries), device=device)
-            entry = torch.repeat_interleave(
-                torch.arange(num_entries, device=device), per_entry, output_size=values.numel()
-            )
+            if bag is None:  # every id's bag and entry, built once for all dims
+                bag = torch.repeat_interleave(
+                    torch.arange(lengths.numel(), device=device), lengths, output_size=num_values
+                )
+                entry = torch.repeat_interleave(
+                    torch.arange(num_entries, device=device), per_entry, output_size=num_values
+                )
             sel = torch.nonzero(slot.index_select(0, entry) >= 0).squeeze(1)
             s_entry = entry.index_select(0, sel)
             s_bag = bag.index_select(0, sel) + (slot.index_select(0, s_entry) - s_entry) * batch
