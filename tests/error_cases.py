@@ -99,6 +99,9 @@ def on_mesh(size: int, shards: int, fn: Callable[[DeviceMesh], object], nodes=No
     return fake(size, lambda: fn(dtrec.init_mesh("cpu", shards, nodes)))
 
 
+_DIMS = ("shard", "replicate")
+
+
 def distributed(mesh, plan=None, optimizer=None, model: nn.Module | None = None) -> nn.Module:
     torch.manual_seed(0)
     return dtrec.distribute_module(model or Model(), mesh, plan, optimizer)
@@ -828,6 +831,36 @@ LOCAL: dict[str, Case] = {
             Model(),
             m,
             {"t0": ParameterConstraints(["data_parallel"], compute_kernels=["fused_uvm_caching"])},
+        ),
+    ),
+    "E333": fake(24, lambda: dtrec.init_mesh("cpu", 4, node_size=6, replicas_within_node=False)),
+    "E334": fake(4, lambda: dtrec.init_mesh("cpu", 2, replicas_within_node="no")),
+    "E335": on_mesh(4, 2, lambda m: dtrec.distribute_module(Model(), m, meshes={"nope": m})),
+    "E336": on_mesh(4, 2, lambda m: dtrec.distribute_module(Model(), m, meshes={"sparse": "m"})),
+    "E337": on_mesh(
+        4,
+        2,
+        lambda m: dtrec.distribute_module(
+            Model(), m, meshes={"sparse": DeviceMesh("cpu", [[0, 1]], mesh_dim_names=_DIMS)}
+        ),
+    ),
+    "E338": on_mesh(
+        4,
+        2,
+        lambda m: dtrec.distribute_module(
+            Model(),
+            m,
+            meshes={"sparse": DeviceMesh("cpu", [[0, 1, 2, 3]], mesh_dim_names=("a", "b"))},
+        ),
+    ),
+    "E339": on_mesh(
+        4,
+        4,
+        lambda m: dtrec.distribute_module(
+            Model(),
+            m,
+            {"sparse.t0": TableWise(rank=2)},
+            meshes={"sparse": dtrec.init_mesh("cpu", 2)},
         ),
     ),
     "E240": lambda tmp: KJT.from_jt_dict(

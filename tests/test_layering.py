@@ -35,7 +35,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dtrec.planning.offload_plan",
         "dtrec.planning.planner",
     ),
-    ("dtrec.interop.plans",),  # TorchRec plans / constraints -> specs, TableConstraint
+    # TorchRec plans / constraints -> specs, TableConstraint; DMPCollectionConfigs -> meshes
+    ("dtrec.interop.plans", "dtrec.interop.dmp_collection"),
     ("dtrec.planning",),
     ("dtrec.sharded",),
     ("dtrec.checkpoint",),

@@ -21,11 +21,20 @@ SHARD_NODE = "shard_node"
 SHARD_LOCAL = "shard_local"
 
 
-def init_mesh(device_type: str, shard_group_size: int, node_size: int | None = None) -> DeviceMesh:
+def init_mesh(
+    device_type: str,
+    shard_group_size: int,
+    node_size: int | None = None,
+    replicas_within_node: bool = True,
+) -> DeviceMesh:
     """Build the (S, R) mesh ``arange(W).reshape(S, R)`` with dims ("shard", "replicate").
 
     Replica groups are contiguous ranks (their gradient all-reduce stays on a
-    node's fast links); sharding groups are strided. With ``node_size`` the mesh
+    node's fast links); sharding groups are strided. ``replicas_within_node=False``
+    turns that around (TorchRec's ``use_inter_host_allreduce``): the mesh is
+    ``arange(W).reshape(R, S).T``, sharding groups are contiguous ranks (their
+    all-to-alls stay inside a node) and replica groups strided across nodes, for
+    models whose lookups move more bytes than their replica syncs. With ``node_size`` the mesh
     itself carries which shard positions share a node: it is a view of a root mesh
     ``arange(W).reshape(S // P, P, R)`` with dims ("shard_node", "shard_local",
     "replicate") whose first two dims are flattened into "shard" (P shard
@@ -36,6 +45,8 @@ def init_mesh(device_type: str, shard_group_size: int, node_size: int | None = N
 
         mesh = dtrec.init_mesh("cuda", shard_group_size=4)
         # sharding groups [0,2,4,6], [1,3,5,7]; replica groups [0,1], [2,3], [4,5], [6,7]
+        mesh = dtrec.init_mesh("cuda", shard_group_size=4, replicas_within_node=False)
+        # sharding groups [0,1,2,3], [4,5,6,7]; replica groups [0,4], [1,5], [2,6], [3,7]
     """
     if not dist.is_initialized():
         raise RuntimeError("init_mesh needs torch.distributed initialised (e.g. under torchrun)")
@@ -48,25 +59,30 @@ def init_mesh(device_type: str, shard_group_size: int, node_size: int | None = N
         raise ValueError(
             f"world size {world} is not divisible by shard_group_size {shard_group_size}"
         )
+    if not isinstance(replicas_within_node, bool):
+        raise TypeError(f"replicas_within_node must be a bool, got {replicas_within_node!r}")
     shards, replicas = shard_group_size, world // shard_group_size
+    if replicas_within_node:
+        ranks = torch.arange(world).reshape(shards, replicas)
+    else:
+        ranks = torch.arange(world).reshape(replicas, shards).t().contiguous()
     if node_size is None:
-        return DeviceMesh(
-            device_type,
-            torch.arange(world).reshape(shards, replicas),
-            mesh_dim_names=(SHARD, REPLICATE),
-        )
-    per_node = positions_per_node(world, shards, node_size)
+        return DeviceMesh(device_type, ranks, mesh_dim_names=(SHARD, REPLICATE))
+    per_node = positions_per_node(world, shards, node_size, replicas_within_node)
     root = DeviceMesh(
         device_type,
-        torch.arange(world).reshape(shards // per_node, per_node, replicas),
+        ranks.reshape(shards // per_node, per_node, replicas),
         mesh_dim_names=(SHARD_NODE, SHARD_LOCAL, REPLICATE),
     )
     shard = flatten_mesh_dims(root[SHARD_NODE, SHARD_LOCAL], SHARD)
     return concatenate_meshes([shard, root[REPLICATE]])
 
 
-def positions_per_node(world: int, shards: int, node_size: int) -> int:
-    """How many shard-axis positions one node holds (1 when a replica group spans nodes)."""
+def positions_per_node(
+    world: int, shards: int, node_size: int, replicas_within_node: bool = True
+) -> int:
+    """How many shard-axis positions one node holds (1 when a replica group spans nodes;
+    with replicas across nodes, the positions of one sharding group a node holds)."""
     replicas = world // shards
     if isinstance(node_size, bool) or not isinstance(node_size, int):
         raise TypeError(f"node_size must be an int or None, got {node_size!r}")
@@ -74,6 +90,16 @@ def positions_per_node(world: int, shards: int, node_size: int) -> int:
         raise ValueError(f"node_size must be >= 1, got {node_size}")
     if world % node_size != 0:
         raise ValueError(f"world size {world} is not divisible by node_size {node_size}")
+    if not replicas_within_node:  # sharding groups are contiguous ranks
+        if shards % node_size == 0:
+            return node_size
+        if node_size % shards == 0:
+            return shards
+        raise ValueError(
+            f"node_size {node_size} and shard_group_size {shards} must divide one another "
+            "(with replicas across nodes, a sharding group either fits in a node or spans "
+            "whole nodes)"
+        )
     if node_size % replicas == 0:
         return node_size // replicas
     if replicas % node_size == 0:
@@ -94,6 +120,20 @@ class ShardAxis:
     """R: positions on the "replicate" axis."""
     per_node: int | None
     """Shard positions per node, or None if the mesh was built without node_size."""
+    replica_stride: int = 1
+    """Rank distance between neighbouring replicas: 1 (replicas within a node, the default
+    mesh) or S (``init_mesh(..., replicas_within_node=False)``)."""
+
+    @property
+    def replica_span(self) -> int:
+        """Consecutive ranks one replica group spans (what decides its links' bandwidth)."""
+        return (self.replicas - 1) * self.replica_stride + 1
+
+    def rank_of(self, position: int, replica: int = 0) -> int:
+        """The world rank at (position, replica) of an ``init_mesh`` mesh."""
+        if self.replica_stride == 1:
+            return position * self.replicas + replica
+        return replica * self.size + position
 
     @property
     def nodes(self) -> int | None:
@@ -111,7 +151,11 @@ def shard_axis(mesh: DeviceMesh) -> ShardAxis:
             f"got dims {names}"
         )
     root = node_split_mesh(mesh)
-    return ShardAxis(mesh.size(0), mesh.size(1), None if root is None else root.size(1))
+    ranks = mesh.mesh
+    stride = int(ranks[0, 1] - ranks[0, 0]) if ranks.shape[1] > 1 else 1
+    return ShardAxis(
+        mesh.size(0), mesh.size(1), None if root is None else root.size(1), max(stride, 1)
+    )
 
 
 def node_split_mesh(mesh: DeviceMesh) -> DeviceMesh | None:

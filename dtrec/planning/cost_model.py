@@ -26,8 +26,10 @@ max(sent, received) to shard-axis peers
 on its node / the intra-node bandwidth + the same for peers on other nodes / the
 inter-node bandwidth + replicate-axis (or world) bytes / the bandwidth of that group's
 link: intra-node when all its ranks sit on one node (``Topology.node_size``; replica
-groups are contiguous ranks), else inter-node. A model for ranking plans, not a
-simulator: it ignores overlap, latency and the dense part of the model.
+groups are contiguous ranks, or strided by S with ``init_mesh(...,
+replicas_within_node=False)``: ``ShardAxis.replica_span``), else inter-node. A model
+for ranking plans, not a simulator: it ignores overlap, latency and the dense part of
+the model.
 """
 
 from __future__ import annotations
@@ -127,10 +129,13 @@ class PerPosition:
 
 
 def node_of_positions(axis: ShardAxis, topology: Topology) -> np.ndarray:
-    """Which node each shard position's ranks sit on (position p: ranks p R .. p R + R - 1);
-    positions spanning several nodes get a node each (no peer shares it)."""
+    """Which node each shard position's ranks sit on (position p: ranks p R .. p R + R - 1,
+    or p, p + S, ... with replicas across nodes, where the sharding group of replica 0
+    tells); positions spanning several nodes get a node each (no peer shares it)."""
     if axis.per_node is not None:
         per_node = axis.per_node
+    elif axis.replica_stride > 1:
+        per_node = topology.node_size  # a sharding group is contiguous ranks
     else:
         per_node = max(1, topology.node_size // axis.replicas)
     return np.arange(axis.size) // per_node
@@ -312,7 +317,7 @@ class PositionTotals(PerPosition):
 
 def step_time(stack: np.ndarray, axis: ShardAxis, topology: Topology) -> np.ndarray:
     """Seconds per step per position of a ``[..., len(ARRAYS), S]`` stack (module doc)."""
-    replicas, world = axis.replicas, axis.size * axis.replicas
+    world = axis.size * axis.replicas
 
     def row(i: int) -> np.ndarray:
         return stack[..., i, :]
@@ -322,7 +327,7 @@ def step_time(stack: np.ndarray, axis: ShardAxis, topology: Topology) -> np.ndar
         + row(HOST_LINK) / topology.host_bandwidth
         + np.maximum(row(SENT_INTRA), row(RECEIVED_INTRA)) / topology.intra_node_bandwidth
         + np.maximum(row(SENT_INTER), row(RECEIVED_INTER)) / topology.inter_node_bandwidth
-        + row(REPLICA) / link_bandwidth(replicas, topology)
+        + row(REPLICA) / link_bandwidth(axis.replica_span, topology)
         + row(WORLD) / link_bandwidth(world, topology)
     )
 

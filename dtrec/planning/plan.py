@@ -14,11 +14,11 @@ from dataclasses import dataclass, field, fields
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtrec.interop.plans import from_torchrec
+from dtrec.interop.plans import from_torchrec, is_torchrec_plan, is_torchrec_plan_dict
 from dtrec.interop.qcomms import qcomms_per_collection
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import SPEC_TYPES, TableSpec
-from dtrec.placements.mesh import shard_axis
+from dtrec.placements.mesh import ShardAxis, shard_axis
 from dtrec.planning.cost_model import Topology, totals
 from dtrec.planning.planner import TableConstraint, collection_of, plan_tables
 
@@ -108,10 +108,15 @@ class ShardingPlan(dict[str, TableSpec]):
     """
 
     report: PlanReport | None = None
+    reports: dict[str, PlanReport] | None = None
+    """With collections on meshes of their own (``plan(..., meshes=)``): one report per
+    mesh, keyed by what it holds (``"sparse.ebc on mesh 2 x 2"``); ``report`` is then None."""
 
     def __str__(self) -> str:
         width = max((len(k) for k in self), default=0)
         text = "\n".join(f"{k:<{width}}  {spec}" for k, spec in self.items())
+        if self.reports:
+            return "\n".join([text, *(f"== {name}\n{r}" for name, r in self.reports.items())])
         return text if self.report is None else f"{text}\n{self.report}"
 
     def to_json(self) -> str:
@@ -196,6 +201,7 @@ def plan(
     mesh: DeviceMesh,
     constraints: Mapping[str, object] | None = None,
     topology: Topology | None = None,
+    meshes: Mapping[str, DeviceMesh] | None = None,
 ) -> ShardingPlan:
     """A complete plan for every table of ``model`` on ``mesh``, from the cost model.
 
@@ -209,29 +215,75 @@ def plan(
     ``Topology.cpu()`` otherwise; its ``qcomms`` may name collections, like
     ``distribute_module``'s (a name the model lacks is a KeyError). Deterministic, so
     every rank computes the same plan.
+    ``meshes``: collection FQN -> the mesh its tables are sharded on
+    (``distribute_module(..., meshes=)``); each mesh's collections are planned on it
+    apart, with the whole per-rank budget each, and get a report of their own
+    (``ShardingPlan.reports``).
     ``print(plan)`` explains it.
 
     Example::
 
         p = dtrec.plan(model, mesh, constraints={"sparse.big": RowWise()})
     """
-    axis = shard_axis(mesh)
     tables = model_tables(model)
-    constraints = from_torchrec(constraints, tables, mesh)
-    if constraints is not None and not isinstance(constraints, Mapping):
-        raise TypeError(
-            f"constraints must be a mapping {{table fqn: spec or TableConstraint}}, a TorchRec "
-            f"ShardingPlan or None, got {type(constraints).__name__}"
-        )
-    constraints = dict(constraints or {})
-    check_plan_keys(constraints, tables)
+    groups = mesh_groups(tables, mesh, meshes)
     if topology is not None and not isinstance(topology, Topology):
         raise TypeError(f"topology must be a dtrec.Topology or None, got {topology!r}")
     if topology is None:
         topology = Topology.h100() if mesh.device_type == "cuda" else Topology.cpu()
     if isinstance(topology.qcomms, Mapping):  # a collection the model lacks: KeyError
         qcomms_per_collection(topology.qcomms, {collection_of(k, c) for k, c in tables.items()})
-    choices, sums = plan_tables(tables, axis, constraints, topology)
+    plans = []
+    for group_mesh, keys in groups:
+        group_tables = {k: tables[k] for k in keys}
+        given = from_torchrec(_for_group(constraints, group_tables, tables), tables, group_mesh)
+        if given is not None and not isinstance(given, Mapping):
+            raise TypeError(
+                f"constraints must be a mapping {{table fqn: spec or TableConstraint}}, a "
+                f"TorchRec ShardingPlan or None, got {type(given).__name__}"
+            )
+        given = dict(given or {})
+        check_plan_keys(given, tables)
+        given = {k: v for k, v in given.items() if k in group_tables}
+        plans.append(_plan_on(group_tables, shard_axis(group_mesh), given, topology))
+    if len(plans) == 1:
+        return plans[0]
+    result = ShardingPlan({key: spec for p in plans for key, spec in p.items()})
+    result = ShardingPlan({key: result[key] for key in tables})  # the model's table order
+    result.reports = {}
+    for (group_mesh, keys), p in zip(groups, plans, strict=True):
+        holds = sorted({collection_of(k, tables[k]) for k in keys})
+        shape = " x ".join(str(n) for n in group_mesh.mesh.shape)
+        result.reports[f"{', '.join(holds)} on mesh {shape}"] = p.report  # type: ignore[assignment]
+    return result
+
+
+def _for_group(
+    constraints: object,
+    group: Mapping[str, EmbeddingBagConfig],
+    tables: Mapping[str, EmbeddingBagConfig],
+) -> object:
+    """The part of a TorchRec ``ShardingPlan`` that plans ``group``'s collections (each
+    mesh's tables are mapped onto that mesh); other constraints are returned whole."""
+    plan = constraints.plan if is_torchrec_plan(constraints) else constraints  # type: ignore[attr-defined]
+    if len(group) == len(tables) or not is_torchrec_plan_dict(plan):
+        return constraints
+    assert isinstance(plan, Mapping)
+    return {
+        path: module_plan
+        for path, module_plan in plan.items()
+        if any(key == path or key.startswith(f"{path}.") or not path for key in group)
+    }
+
+
+def _plan_on(
+    tables: Mapping[str, EmbeddingBagConfig],
+    axis: ShardAxis,
+    constraints: Mapping[str, object],
+    topology: Topology,
+) -> ShardingPlan:
+    """``tables`` planned on one mesh's axis, with the report of why."""
+    choices, sums = plan_tables(tables, axis, constraints, topology)  # type: ignore[arg-type]
     result = ShardingPlan({key: choices[key].spec for key in tables})
     rows = []
     for key, choice in choices.items():
@@ -248,6 +300,50 @@ def plan(
         rows, sums.memory.tolist(), time.tolist(), topology, sums.host_memory.tolist(), why
     )
     return result
+
+
+def mesh_groups(
+    tables: Mapping[str, EmbeddingBagConfig],
+    mesh: DeviceMesh,
+    meshes: Mapping[str, DeviceMesh] | None,
+) -> list[tuple[DeviceMesh, list[str]]]:
+    """The meshes tables are sharded on, each with its tables' keys (in table order):
+    ``meshes[collection]``, else ``mesh``. Checks ``meshes``: its keys name collections
+    of the model, its values are ``dtrec.init_mesh`` meshes over the whole world of
+    ``mesh``, on its device type."""
+    shard_axis(mesh)
+    meshes = dict(meshes or {})
+    collections = {collection_of(k, c) for k, c in tables.items()}
+    unknown = sorted(set(meshes) - collections)
+    if unknown:
+        raise KeyError(
+            f"meshes names unknown collection(s) {unknown}; the model's collections are "
+            f"{sorted(collections)}"
+        )
+    for fqn, own in meshes.items():
+        if not isinstance(own, DeviceMesh):
+            raise TypeError(
+                f"meshes[{fqn!r}] must be a DeviceMesh from dtrec.init_mesh, got "
+                f"{type(own).__name__}"
+            )
+        try:
+            shard_axis(own)
+        except ValueError as exc:
+            raise ValueError(f"meshes[{fqn!r}]: {exc}") from None
+        if own.device_type != mesh.device_type or sorted(own.mesh.flatten().tolist()) != sorted(
+            mesh.mesh.flatten().tolist()
+        ):
+            raise ValueError(
+                f"meshes[{fqn!r}] covers ranks {sorted(own.mesh.flatten().tolist())} on "
+                f"{own.device_type!r}, but the model's mesh covers "
+                f"{sorted(mesh.mesh.flatten().tolist())} on {mesh.device_type!r}: every "
+                "collection's mesh must come from dtrec.init_mesh over the same world"
+            )
+    groups: dict[int, tuple[DeviceMesh, list[str]]] = {}
+    for key, cfg in tables.items():
+        own = meshes.get(collection_of(key, cfg), mesh)
+        groups.setdefault(id(own), (own, []))[1].append(key)
+    return list(groups.values())
 
 
 def check_plan_keys(plan: Mapping[str, object], tables: Mapping[str, EmbeddingBagConfig]) -> None:

@@ -33,7 +33,7 @@ from dtrec.sharded.input_dist import InputDist
 from dtrec.sharded.offload import OffloadedTables, offload_tables
 from dtrec.sharded.routing import Routing
 from dtrec.sharded.storage import pack_local_shards, shard_tables, state_dtensors
-from dtrec.sharded.sync_plan import GradSyncPlan
+from dtrec.sharded.sync_plan import GradSyncPlan, PendingAverage
 from dtrec.sharded.tensor import like_dtensor
 
 
@@ -57,6 +57,13 @@ class ShardedCollection(nn.Module):
     #: How replicas sum gradients (fused or not): "auto" (sparse or dense per table,
     #: whichever sends fewer bytes), "sparse" or "dense"; see ``dtrec.sharded.grad_sync``.
     replica_sync: str = "auto"
+    #: With ``sync_every=k``: start the k-th step's replica average early and finish it
+    #: right before the tables are read again (bit for bit the blocking average), so it
+    #: overlaps what lies between: with a fused optimizer it starts at the end of the
+    #: k-th backward (overlapping the dense optimizer step and the next input dist),
+    #: without one at the next forward (overlapping its input dist). False: blocking,
+    #: at the start of the next forward.
+    overlap_replica_sync: bool = True
     tables_attr: str
     #: Its forward runs collectives on every rank, even for a batch refused before it
     #: (``dtrec.modules.features.RefusedBatch``): the refusal travels in the input dist.
@@ -84,7 +91,12 @@ class ShardedCollection(nn.Module):
             if missing:
                 raise KeyError(f"{what} has no entry for table(s) {missing}; tables: {names}")
         self.sync_every = sync_every
+        self.mesh = mesh
+        """The ("shard", "replicate") mesh its tables are sharded on (its own with
+        ``distribute_module(..., meshes=)``)."""
         self._steps = 0
+        self._averaged_at = 0  # the step count whose replica average last started
+        self._averaging: PendingAverage | None = None  # a replica average in flight
         axis = shard_axis(mesh)
         position = shard_position(mesh)
         if position is None:
@@ -113,15 +125,19 @@ class ShardedCollection(nn.Module):
             sync_every,
         )  # fmt: skip
         """Offloaded tables' caches (None: every table is on the device)."""
-        if self._offload is not None:  # the host tier is the table whenever state is read
-            self.register_state_dict_pre_hook(lambda module, *_: module.flush_offloaded())
-            self.register_load_state_dict_pre_hook(lambda module, *_: module.flush_offloaded())
+        if self._updater is not None:
+            self._updater.after_update = self._after_fused_update
+        # whenever state is read or written: a replica average in flight lands first, and
+        # the host tier of offloaded tables is the table
+        self.register_state_dict_pre_hook(lambda module, *_: module._settle())
+        self.register_load_state_dict_pre_hook(lambda module, *_: module._settle())
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardedCollection:
         """A copy whose tables are views of the copy of this rank's packed buffer, the
         tensors the copied fused updater updates (a DTensor parameter's own deepcopy would
         clone its block apart from them); communication shared (``sharded/copies.py``).
         Offloaded tables' row copies in flight land first (a cache is copied whole)."""
+        self._finish_replica_average()
         if self._offload is not None:
             self._offload.join()
         for table in self._stored().values():
@@ -169,7 +185,7 @@ class ShardedCollection(nn.Module):
         """Table name -> its fused optimizer state (local tensors, shaped like the shard)."""
         if self._updater is None:
             return {}
-        self.flush_offloaded()
+        self._settle()
         caches = {} if self._offload is None else self._offload.caches
         return {
             cfg.name: self._updater.state[t]
@@ -177,6 +193,12 @@ class ShardedCollection(nn.Module):
             else {k: caches[t].host_state.get(k, v) for k, v in self._updater.state[t].items()}
             for t, cfg in enumerate(self._tables)
         }
+
+    def _settle(self) -> None:
+        """Tables and state as they are between steps: a replica average in flight finished,
+        offloaded tables' rows written back (``flush_offloaded``)."""
+        self._finish_replica_average()
+        self.flush_offloaded()
 
     def flush_offloaded(self) -> None:
         """Write offloaded tables' changed cached rows (and optimizer state) back to host
@@ -218,25 +240,56 @@ class ShardedCollection(nn.Module):
         all-reduce over the "replicate" dim for all local tables. State of a torch
         optimizer (non-fused training) is the caller's to average. Offloaded tables are
         skipped: they only train with the per-step sync, which keeps replicas equal.
+        An average already in flight (``overlap_replica_sync``) is finished instead: no
+        table changed since it started.
         """
-        offloaded = {} if self._offload is None else self._offload.caches
+        if self._averaging is not None:
+            self._finish_replica_average()
+            return
+        self._sync_plan.average_replicas(self._replica_tensors)
 
-        def weight_and_state(t: int) -> list[Tensor]:
-            if t in offloaded:
-                return []
-            tensors = [self._stored()[self._tables[t].name].weight.to_local()]
-            if self._updater is not None:
-                tensors += [v for v in self._updater.state[t].values() if v.dim() > 0]
-            return tensors
+    def _replica_tensors(self, t: int) -> list[Tensor]:
+        """What replicas of local table t average: its block and non-scalar fused state."""
+        if self._offload is not None and t in self._offload.caches:
+            return []
+        tensors = [self._stored()[self._tables[t].name].weight.to_local()]
+        if self._updater is not None:
+            tensors += [v for v in self._updater.state[t].values() if v.dim() > 0]
+        return tensors
 
-        self._sync_plan.average_replicas(weight_and_state)
+    def _averaging_due(self) -> bool:
+        """Whether the step just counted is a k-th one whose replica average has not started."""
+        return (
+            self.sync_every is not None
+            and self._steps > 0
+            and self._steps % self.sync_every == 0
+            and self._averaged_at != self._steps
+        )
+
+    def _start_replica_average(self) -> None:
+        self._averaged_at = self._steps
+        self._averaging = self._sync_plan.start_average(self._replica_tensors)
+
+    def _finish_replica_average(self) -> None:
+        """Land the replica average in flight (no-op without one)."""
+        averaging, self._averaging = self._averaging, None
+        if averaging is not None:
+            averaging.finish()
+
+    def _after_fused_update(self) -> None:
+        """End of a backward's fused update: a k-th step starts its replica average now."""
+        if self.overlap_replica_sync and self._averaging_due():
+            self._start_replica_average()
 
     def _begin_step(self) -> None:
         """Before a forward: ``sync_every`` weight averaging after every k-th training
-        step (before the next one reads), and this step's replica-sync mode."""
+        step (started here unless its backward started it; finished before the tables
+        are read, ``_local_shards``), and this step's replica-sync mode."""
         if self.sync_every is not None and self.training and torch.is_grad_enabled():
-            if self._steps and self._steps % self.sync_every == 0:
-                self.sync_replicas()
+            if self._averaging_due():
+                self._start_replica_average()
+                if not self.overlap_replica_sync:
+                    self._finish_replica_average()
             self._steps += 1
         if self._updater is not None:
             self._updater.replica_sync = self.replica_sync
@@ -245,7 +298,9 @@ class ShardedCollection(nn.Module):
 
     def _local_shards(self) -> dict[int, Tensor]:
         """This rank's blocks as plain tensors; without a fused optimizer (which updates
-        them in place), their backward sums gradients per ``GradSyncPlan``."""
+        them in place), their backward sums gradients per ``GradSyncPlan``. A replica
+        average in flight lands first: this is where a forward reads the tables."""
+        self._finish_replica_average()
         local = {
             t: self._stored()[self._tables[t].name].device_rows()
             for t in self._routing.local_tables

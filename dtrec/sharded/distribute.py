@@ -34,6 +34,7 @@ from dtrec.planning.plan import (
     collection_configs,
     collection_tables,
     find_collections,
+    mesh_groups,
     model_tables,
     table_fqn,
 )
@@ -54,6 +55,7 @@ def distribute_module(
     optimizer: FusedOptimizer | None = None,
     sync_every: int | None = None,
     qcomms: QCommsConfig | Mapping[str, QCommsConfig | None] | object | None = None,
+    meshes: Mapping[str, DeviceMesh] | None = None,
 ) -> nn.Module:
     """Shard every ``EmbeddingBagCollection`` of ``model`` per ``plan``; replicate the rest.
 
@@ -88,10 +90,21 @@ def distribute_module(
     sums in fp16 / bf16, added up in fp32 (error bound in ``QCommsConfig``'s doc); None
     (the default) sends everything in fp32, as before.
 
+    ``meshes``: collection FQN -> the mesh its tables are sharded on, each collection
+    with a replication factor of its own (TorchRec's Dynamic 2D, ``DMPCollectionConfig``
+    per module; ``dtrec.interop.dmp_collection.dmp_collection_meshes`` maps those). Every
+    mesh comes from ``dtrec.init_mesh`` over the same world as ``mesh``, which shards the
+    collections not named and replicates the dense part over the whole world. Each
+    collection syncs its replicas over its own replicate dim; the plan is made per mesh
+    (``model.sharding_plan.reports``).
+
     Example::
 
         mesh = dtrec.init_mesh("cpu", shard_group_size=2)
         model = dtrec.distribute_module(model, mesh, {"sparse.t0": RowWise()})
+        # W=8: the pooled collection 4 x 2, the sequence one 8 x 1
+        model = dtrec.distribute_module(model, dtrec.init_mesh("cuda", 4), meshes={
+            "sparse.ec": dtrec.init_mesh("cuda", 8)})
     """
     shard_axis(mesh)
     if plan is not None and not isinstance(plan, Mapping) and not is_torchrec_plan(plan):
@@ -124,9 +137,12 @@ def distribute_module(
     rules = collection_rules(collections, optimizer)
     optimizer = next(iter(rules.values()), None)
     tables = model_tables(model)
-    plan = from_torchrec(plan, tables, mesh)
-    check_plan_keys(dict(plan or {}), tables)
-    full_plan = make_plan(model, mesh, constraints=plan)
+    mesh_groups(tables, mesh, meshes)  # bad meshes: an error before any collective
+    mesh_of = {fqn: (meshes or {}).get(fqn, mesh) for fqn in collections}
+    if not meshes:  # per-collection meshes: each mesh's part is mapped onto it by plan()
+        plan = from_torchrec(plan, tables, mesh)
+        check_plan_keys(dict(plan or {}), tables)
+    full_plan = make_plan(model, mesh, constraints=plan, meshes=meshes)
     on_meta = any(
         collection_tables(ebc)[cfg.name].weight.is_meta
         for ebc in collections.values()
@@ -134,7 +150,10 @@ def distribute_module(
     )
     seed = torch.initial_seed() if on_meta else 0  # meta tables: every rank inits its blocks
     qcomms_of = qcomms_per_collection(qcomms, collections)
-    check_same_on_every_rank(tables, full_plan, rules or None, sync_every, seed, qcomms_of)
+    check_same_on_every_rank(
+        tables, full_plan, rules or None, sync_every, seed, qcomms_of,
+        {fqn: own.mesh.tolist() for fqn, own in mesh_of.items()},
+    )  # fmt: skip
     if mesh.device_type == "cpu" and any(
         r.step_rule().kind == "rowwise_adagrad" for r in rules.values()
     ):
@@ -148,13 +167,13 @@ def distribute_module(
         weights = {cfg.name: collection_tables(ebc)[cfg.name].weight for cfg in tables}
         if not hasattr(ebc, "embedding_bags"):  # a sequence collection (EmbeddingCollection)
             sharded[fqn] = ShardedEmbeddingCollection(
-                tables, weights, mesh, specs, rules.get(fqn), ebc.bounds_check, sync_every, seed,
-                ebc.need_indices, qcomms_of[fqn],
+                tables, weights, mesh_of[fqn], specs, rules.get(fqn), ebc.bounds_check,
+                sync_every, seed, ebc.need_indices, qcomms_of[fqn],
             )  # fmt: skip
             continue
         sharded[fqn] = ShardedEmbeddingBagCollection(
-            tables, weights, mesh, specs, rules.get(fqn), ebc.bounds_check, sync_every, seed,
-            ebc.is_weighted, qcomms_of[fqn],
+            tables, weights, mesh_of[fqn], specs, rules.get(fqn), ebc.bounds_check,
+            sync_every, seed, ebc.is_weighted, qcomms_of[fqn],
         )  # fmt: skip
     fused = FusedOptimizerView(sharded, optimizer) if optimizer is not None else None
     register_dtensor_handlers()  # uneven-shard grads, clip_grad_norm_ across meshes
@@ -296,9 +315,10 @@ def check_same_on_every_rank(
     sync_every: int | None,
     init_seed: int = 0,
     qcomms: Mapping[str, object] | None = None,
+    meshes: Mapping[str, object] | None = None,
 ) -> None:
     """ValueError on every rank if ranks disagree on the tables, the plan, the optimizer,
-    (meta-device tables) the init seed or the collections' ``qcomms``.
+    (meta-device tables) the init seed, the collections' ``qcomms`` or their meshes' ranks.
 
     Ranks that shard different models would otherwise exchange mismatched buffers (or
     hang) at the first step. One small all-gather of a digest; the full descriptions
@@ -311,6 +331,7 @@ def check_same_on_every_rank(
         "sync_every": repr(sync_every),
         "meta-device init seed (torch.initial_seed(); seed every rank alike)": repr(init_seed),
         "qcomms": {k: repr(v) for k, v in sorted((qcomms or {}).items())},
+        "meshes": {k: repr(v) for k, v in sorted((meshes or {}).items())},
     }
     text = json.dumps(described, sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()

@@ -108,6 +108,9 @@ class FusedUpdater:
         """The collection's ``dtrec.sharded.offload.OffloadedTables`` (None without one):
         its copies in flight land before an update, its training batches' rows are
         released after it."""
+        self.after_update: Callable[[], None] | None = None
+        """Called once this updater's tables are updated (the collection starts a due
+        ``sync_every`` replica average there)."""
 
     #: How replicas sum their row grads (set from the collection's ``replica_sync``).
     replica_sync: str = "auto"
@@ -170,6 +173,8 @@ class FusedUpdater:
         self._sync_and_update(rule, parts)
         if self.offload is not None:
             self.offload.after_update()
+        if self.after_update is not None:
+            self.after_update()
 
     def _sync_and_update(
         self, rule: FusedOptimizer, parts: dict[int, list[tuple[Tensor, Tensor]]]

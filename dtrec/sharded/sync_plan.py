@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtrec.comm.collectives import all_reduce_coalesced
+from dtrec.comm.collectives import PendingTensors, all_reduce_coalesced_start
 from dtrec.comm.quantized import Codec
 from dtrec.placements.mesh import REPLICATE
 from dtrec.sharded.grad_sync import sync_grads
@@ -106,9 +106,16 @@ class GradSyncPlan:
         One coalesced all-reduce (``replica_sync.weights``); data-parallel tables are
         skipped: their gradients are summed over the world every step.
         """
+        pending = self.start_average(tensors_of)
+        if pending is not None:
+            pending.finish()
+
+    def start_average(self, tensors_of: Callable[[int], list[Tensor]]) -> PendingAverage | None:
+        """``average_replicas`` started, not finished: the sums travel in a buffer of their
+        own, the tensors keep their values until ``finish()`` (None: nothing to average)."""
         size = dist.get_world_size(self._replicate_group)
         if size == 1:
-            return
+            return None
         routing = self._routing
         tensors = [
             x
@@ -117,8 +124,21 @@ class GradSyncPlan:
             for x in tensors_of(t)
         ]
         if not tensors:
-            return
+            return None
         with torch.no_grad():
-            sums = all_reduce_coalesced(tensors, self._replicate_group, "replica_sync.weights")
-            for x, total in zip(tensors, sums, strict=True):
-                x.copy_(total / size)
+            group = self._replicate_group
+            sums = all_reduce_coalesced_start(tensors, group, "replica_sync.weights")
+        return PendingAverage(tensors, sums, size)
+
+
+class PendingAverage:
+    """A replica average in flight; ``finish()`` writes the averages into the tensors
+    (the same values, bit for bit, as averaging at once: the same sums, divided alike)."""
+
+    def __init__(self, tensors: list[Tensor], sums: PendingTensors, size: int) -> None:
+        self._tensors, self._sums, self._size = tensors, sums, size
+
+    def finish(self) -> None:
+        with torch.no_grad():
+            for x, total in zip(self._tensors, self._sums.wait(), strict=True):
+                x.copy_(total / self._size)

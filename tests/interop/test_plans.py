@@ -383,3 +383,54 @@ def test_plan_dict_is_a_plan() -> None:
         assert dtrec.plan(model, mesh, constraints=plan.plan) == dtrec.plan(
             model, mesh, constraints=plan
         )
+
+
+def test_dmp_collection_configs_give_each_module_type_its_mesh_and_plan() -> None:
+    """TorchRec's Dynamic 2D: a ``DMPCollectionConfig`` per module type (its sharding group
+    size, plan and replica layout) -> a mesh per collection and one plan on them."""
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+    from torchrec.distributed.types import DMPCollectionConfig, ShardingPlan
+
+    from dtrec.interop.dmp_collection import dmp_collection_meshes
+
+    sp = _helpers()
+    model = _model()
+    model.seq = torchrec.EmbeddingCollection(
+        [torchrec.EmbeddingConfig(name="s0", num_embeddings=30, embedding_dim=8,
+                                  feature_names=["h0"])],
+        device=torch.device("meta"),
+    )  # fmt: skip
+    pooled_plan = _plan(model, 2, {
+        "t0": sp.row_wise(compute_kernel="dense"),
+        "t1": sp.table_wise(rank=1, compute_kernel="dense"),
+        "t2": sp.column_wise(ranks=[0, 1], compute_kernel="dense"),
+        "t3": sp.data_parallel(),
+    })  # fmt: skip
+    seq_plan = ShardingPlan({"seq": construct_module_sharding_plan(
+        model.seq, {"s0": sp.table_wise(rank=3, compute_kernel="dense")}, world_size=4,
+        local_size=4, device_type="cpu",
+    )})  # fmt: skip
+    configs = [
+        DMPCollectionConfig(torchrec.EmbeddingBagCollection, pooled_plan, sharding_group_size=2),
+        DMPCollectionConfig(
+            torchrec.EmbeddingCollection, seq_plan, sharding_group_size=4,
+            use_inter_host_allreduce=True,
+        ),
+    ]  # fmt: skip
+    with fake_world(5, 8):
+        meshes, plan = dmp_collection_meshes(model, configs, "cpu")
+        assert sorted(meshes) == ["seq", "sparse"]
+        # replicas within a node (the default): contiguous replica groups
+        assert meshes["sparse"].mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        # use_inter_host_allreduce: contiguous sharding groups, strided replicas
+        assert meshes["seq"].mesh.tolist() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+        specs = dtrec.plan(model, dtrec.init_mesh("cpu", 8), plan, meshes=meshes)
+    assert dict(specs) == {
+        "sparse.t0": RowWise(), "sparse.t1": TableWise(rank=1),
+        "sparse.t2": ColumnWise(), "sparse.t3": DataParallel(), "seq.s0": TableWise(rank=3),
+    }  # fmt: skip
+    assert sorted(specs.reports) == ["seq on mesh 4 x 2", "sparse on mesh 2 x 4"]
+    with fake_world(0, 8), pytest.raises(ValueError, match="does not have"):
+        dmp_collection_meshes(
+            model, [DMPCollectionConfig(nn.Linear, pooled_plan, sharding_group_size=2)], "cpu"
+        )

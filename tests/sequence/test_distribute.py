@@ -75,11 +75,13 @@ def _tables(model: nn.Module) -> dict[str, tuple[torch.Tensor, list[str]]]:
     return out
 
 
-def _train_side_by_side(mesh, plan: dict, fused, seed: int = 0, sync_every=None) -> dict:
+def _train_side_by_side(
+    mesh, plan: dict, fused, seed: int = 0, sync_every=None, meshes=None
+) -> dict:
     """Sharded vs unsharded (global batch, mean of per-rank losses); largest differences.
 
     ``sync_every=1`` with SGD: replicas average weights after every step instead of
-    summing gradients, which for SGD is the same step."""
+    summing gradients, which for SGD is the same step. ``meshes``: per-collection meshes."""
     import torch.distributed as dist
 
     import dtrec
@@ -89,8 +91,9 @@ def _train_side_by_side(mesh, plan: dict, fused, seed: int = 0, sync_every=None)
     torch.manual_seed(seed)
     reference = SeqModel()
     sharded = dtrec.distribute_module(
-        copy.deepcopy(reference), mesh, plan, optimizer=fused, sync_every=sync_every
-    )
+        copy.deepcopy(reference), mesh, plan, optimizer=fused, sync_every=sync_every,
+        meshes=meshes,
+    )  # fmt: skip
     keys_kept = list(sharded.state_dict()) == list(reference.state_dict())
     dense = [p for n, p in sharded.named_parameters() if n.startswith("dense")]
     opt = torch.optim.SGD(dense if fused is not None else sharded.parameters(), lr=0.1)
@@ -131,22 +134,31 @@ def _train_side_by_side(mesh, plan: dict, fused, seed: int = 0, sync_every=None)
         "keys_kept": keys_kept,
         "fused_tables": fused_tables,
         "plan": {k: str(v) for k, v in sharded.sharding_plan.items()},
+        "reports": sorted(sharded.sharding_plan.reports or {}),
+        "explained": str(sharded.sharding_plan),
+        "mesh_shapes": {
+            name: tuple(getattr(sharded, name).mesh.mesh.shape) for name in ("pooled", "seq")
+        },
     }
 
 
-def _checkpoint_reshard(tmp: str) -> dict:
+def _checkpoint_reshard(tmp: str, meshes_first: dict | None = None) -> dict:
     """Train on S=2 x R=2 with fused Adam, save; load into another plan on S=4 (other
-    seed): weights and fused state must equal the saved ones, then both train alike."""
+    seed): weights and fused state must equal the saved ones, then both train alike.
+    ``meshes_first``: collection -> shard group size of its own mesh in the saved model."""
     import torch.distributed as dist
 
     import dtrec
     from dtrec.checkpoint import full_state_dict, full_tensor, load, save
     from dtrec.placements import ColumnWise, RowWise, TableWise
 
-    def build(shards: int, plan: dict, seed: int):
+    def build(shards: int, plan: dict, seed: int, own: dict | None = None):
         torch.manual_seed(seed)
         mesh = dtrec.init_mesh("cpu", shards)
-        return dtrec.distribute_module(SeqModel(), mesh, plan, optimizer=dtrec.optim.Adam(lr=0.05))
+        meshes = {fqn: dtrec.init_mesh("cpu", s) for fqn, s in (own or {}).items()}
+        return dtrec.distribute_module(
+            SeqModel(), mesh, plan, optimizer=dtrec.optim.Adam(lr=0.05), meshes=meshes
+        )
 
     def fused_state(model) -> dict:
         return {
@@ -163,7 +175,7 @@ def _checkpoint_reshard(tmp: str) -> dict:
         loss.backward()
         return loss.item()
 
-    first = build(2, {"seq.s0": RowWise(), "seq.s1": ColumnWise()}, seed=0)
+    first = build(2, {"seq.s0": RowWise(), "seq.s1": ColumnWise()}, seed=0, own=meshes_first)
     gen = torch.Generator().manual_seed(5)
     for _ in range(2):
         step(first, gen)
@@ -225,6 +237,16 @@ def _run_all(rank: int, world: int, tmp: str) -> dict:
     )
     out["2d_sync_every"] = _train_side_by_side(mesh, pins, dtrec.optim.SGD(lr=0.1), sync_every=1)
     out["checkpoint"] = _checkpoint_reshard(tmp)
+    # a replication factor per collection (TorchRec's Dynamic 2D)
+    mesh4, mesh1 = dtrec.init_mesh("cpu", 4), dtrec.init_mesh("cpu", 1)
+    out["meshes_fused"] = _train_side_by_side(
+        mesh, {}, dtrec.optim.RowWiseAdagrad(lr=0.1), meshes={"seq": mesh4}
+    )
+    out["meshes_plain"] = _train_side_by_side(mesh4, pins, None, meshes={"pooled": mesh1})
+    out["meshes_sync_every"] = _train_side_by_side(
+        mesh, pins, dtrec.optim.SGD(lr=0.1), sync_every=1, meshes={"pooled": mesh4}
+    )
+    out["checkpoint_meshes"] = _checkpoint_reshard(f"{tmp}/meshes", {"seq": 4, "pooled": 1})
     if torchrec is not None:
         out["torchrec"] = _torchrec_collection()
     return out
@@ -235,7 +257,15 @@ def results(tmp_path_factory):
     return run_world(4, _run_all, str(tmp_path_factory.mktemp("ckpt")))
 
 
-@pytest.mark.parametrize("case", ["2d_plain", "2d_fused", "1d_fused", "2d_sync_every"])
+CASES = ["2d_plain", "2d_fused", "1d_fused", "2d_sync_every"]
+MESH_CASES = {  # per-collection meshes: (pooled, seq) shapes
+    "meshes_fused": {"pooled": (2, 2), "seq": (4, 1)},
+    "meshes_plain": {"pooled": (1, 4), "seq": (4, 1)},
+    "meshes_sync_every": {"pooled": (4, 1), "seq": (2, 2)},
+}
+
+
+@pytest.mark.parametrize("case", CASES + list(MESH_CASES))
 def test_distribute_module_trains_like_unsharded(results, case: str) -> None:
     for rank, per_rank in enumerate(results):
         r = per_rank[case]
@@ -243,13 +273,25 @@ def test_distribute_module_trains_like_unsharded(results, case: str) -> None:
         assert r["loss_diff"] <= TOL and r["weight_diff"] <= TOL, (rank, r)
     r = results[0][case]
     assert {"seq.s0", "seq.s1", "pooled.b0"} <= set(r["plan"])
-    if case != "2d_plain":
+    if case not in ("2d_plain", "meshes_plain"):
         assert r["fused_tables"] == ["pooled.b0", "seq.s0", "seq.s1"]
+    if case in MESH_CASES:  # each collection on its own mesh, planned and explained apart
+        assert r["mesh_shapes"] == MESH_CASES[case], r["mesh_shapes"]
+        shapes = MESH_CASES[case]
+        assert r["reports"] == sorted(
+            f"{fqn} on mesh {shape[0]} x {shape[1]}" for fqn, shape in shapes.items()
+        ), r["reports"]
+        assert all(f"== {name}" in r["explained"] for name in r["reports"])
+    else:
+        assert r["reports"] == []
 
 
-def test_checkpoint_reshards_sequence_tables(results) -> None:
+@pytest.mark.parametrize("case", ["checkpoint", "checkpoint_meshes"])
+def test_checkpoint_reshards_sequence_tables(results, case: str) -> None:
+    """Across plans and meshes; ``checkpoint_meshes`` saves from per-collection meshes
+    (pooled 1 x 4, sequence 4 x 1) and loads into one 4 x 1 mesh."""
     for per_rank in results:
-        r = per_rank["checkpoint"]
+        r = per_rank[case]
         assert r["weights"] == 0.0 and r["states"] == 0.0, r
         assert {k.rsplit(".", 1)[0] for k in r["seq_state_keys"]} == {"seq.s0", "seq.s1"}, r
         first, second = r["loss_after"]
