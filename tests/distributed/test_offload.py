@@ -176,6 +176,34 @@ def _side_by_side(mesh, kind: str, optimizer: str, steps: int, sequence: bool = 
     }
 
 
+def _full_cache(mesh, steps: int) -> dict:
+    """A cache with a slot for every row is filled whole before its first batch and again
+    after a flush (``state_dict()`` here, halfway): no lookup misses, and the model still
+    equals the device one bitwise."""
+    import torch.distributed as dist
+
+    plain = _build(mesh, "row_wise", "adagrad", {})
+    cached = _build(mesh, "row_wise", "adagrad", {"cache_fraction": 1.0})
+    gen = torch.Generator().manual_seed(17)
+    for step in range(steps):
+        kjt, target = _batches(gen)[dist.get_rank()]
+        _step(*plain, kjt, target, False)
+        _step(*cached, kjt, target, False)
+        if step == steps // 2:
+            cached[0].state_dict()
+    stats = cached[0].sparse.cache_stats()
+    return {
+        "differ": _differences(_state(plain[0]), _state(cached[0])),
+        "misses": sum(s["misses"] for s in stats.values()),
+        "rows": sum(s["rows"] for s in stats.values()),
+        "h2d_bytes": sum(s["h2d_bytes"] for s in stats.values()),
+        "block_bytes": sum(
+            t.weight.to_local().numel() * 4 + t.weight.to_local().shape[0] * 4  # + Adagrad sum
+            for t in cached[0].sparse.embedding_bags.values()
+        ),
+    }
+
+
 def _edge_cases(mesh, steps: int) -> dict:
     """Steps the plain loop does not take: training in eval mode (grad enabled), and a
     ``state_dict()`` (which writes the caches back and empties them) between a forward and
@@ -402,6 +430,7 @@ def _world(rank: int, world: int, root: str) -> dict:
         out[f"sequence/{kind}"] = _side_by_side(meshes["2d"], kind, "adam", STEPS // 2, True)
     out["planned"] = _planned(meshes["2d"], STEPS // 2)
     out["edge_cases"] = _edge_cases(meshes["1d"], STEPS // 2)
+    out["full_cache"] = _full_cache(meshes["2d"], 10)
     out["sequence_pipeline"] = _sequence_pipelined(meshes["2d"], STEPS // 2)
     out["inference"] = _inference(meshes["2d"], 10)
     for optimizer in OPTIMIZERS:
@@ -424,6 +453,16 @@ def test_cached_training_equals_device_training(results, name) -> None:
     rows = sum(r[name]["rows"] for r in results)
     assert 0 < misses < rows, (misses, rows)  # the caches filled, evicted and hit
     assert sum(r[name]["written_back"] for r in results) > 0
+
+
+def test_a_cache_that_holds_its_table_never_misses(results) -> None:
+    """Filled whole (one copy per tier) at first and after the flush: two block copies in,
+    no miss, the device model's weights and state bitwise."""
+    for rank, per_rank in enumerate(results):
+        got = per_rank["full_cache"]
+        assert got["differ"] == [], f"rank {rank}: {got['differ']} differ"
+        assert got["rows"] > 0 and got["misses"] == 0, (rank, got)
+        assert got["h2d_bytes"] == 2 * got["block_bytes"], (rank, got)
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)

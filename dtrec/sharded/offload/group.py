@@ -147,6 +147,11 @@ class CacheGroup:
             r, s = slice(row_base[k], row_base[k + 1]), slice(slot_base[k], slot_base[k + 1])
             cache.bind(self, k, self.slot_of[r], self.row_of[s], self.last_used[s],
                        self.dirty[s], self.pins[s])  # fmt: skip
+        self._caches = caches_k
+        self.full = [k for k, c in enumerate(caches_k) if 0 < c.num_rows <= c.capacity]
+        """Tables whose cache has a slot for every row: ``prefill`` caches them whole."""
+        self.prefill_due = bool(self.full)
+        """Whether the full caches are empty (at first, after a flush that kept no pins)."""
         self.tiers = [_tier(caches_k, lambda c: (c.weight, c.host), device)]
         for key in caches_k[0].host_state if caches_k else ():
             self.tiers.append(
@@ -165,6 +170,24 @@ class CacheGroup:
         return self._runs[run_tables]
 
     # ------------------------------------------------------------------ fills
+
+    def prefill(self) -> None:
+        """Cache every row of each table whose cache can hold them all (row r in slot r),
+        one bulk copy per tier: such a table never misses, where filling on demand missed
+        every row once, and again after every flush (a 100% cache hit 79% of a Zipf
+        batch's rows on an H200, issue 31). Runs before a fill while ``prefill_due``
+        (the full caches are empty); bookkeeping is set without reading the device."""
+        self.prefill_due = False
+        for k in self.full:
+            cache = self._caches[k]
+            n = cache.num_rows
+            local = torch.arange(n, device=self.slot_of.device)
+            cache.slot_of[:n].copy_(local.to(torch.int32))
+            cache.row_of[:n].copy_(local)
+            cache.dirty[:n].fill_(False)
+            for device_view, host_view in cache._tiers():
+                device_view[:n].copy_(cache.copies.to_device(host_view))
+            cache.count_prefill()
 
     def plan(self, ids: Tensor, run_tables: tuple[int, ...], lengths: Tensor, batch: int) -> Plan:
         """What caching ``ids`` takes (module doc); changes nothing, reads nothing."""

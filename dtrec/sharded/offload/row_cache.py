@@ -124,6 +124,10 @@ class RowCache:
     def _row_bytes(self) -> int:
         return sum(h[0].numel() * h.element_size() if h.numel() else 0 for _, h in self._tiers())
 
+    def count_prefill(self) -> None:
+        """Count a whole-table copy into the cache (``CacheGroup.prefill``) in ``stats``."""
+        self._other_bytes["h2d_bytes"] += self.num_rows * self._row_bytes()
+
     def overflow(self, distinct: int, pinned: int, where: str) -> ValueError:
         """The error for a batch whose ``distinct`` rows (with ``pinned`` more slots held by
         other batches in flight) do not fit the cache."""

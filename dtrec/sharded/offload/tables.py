@@ -188,6 +188,8 @@ class OffloadedTables:
         lease = _Lease(key)
         group = self.cache_group
         served = group is not None and bool(run_tables) and batch > 0 and ids.numel() > 0
+        if served and group.prefill_due:  # full caches take their whole table first
+            self._jobs.start(group.prefill, background=False)
         plan = group.plan(ids, tuple(run_tables), lengths, batch) if served else None
         fits = None
         alone = self._group is None or dist.get_world_size(self._group) == 1
@@ -274,6 +276,8 @@ class OffloadedTables:
         self._leases = kept
         for cache in self.caches.values():
             cache.flush()
+        if self.cache_group is not None and all(lease.fill is None for lease in self._leases):
+            self.cache_group.prefill_due = bool(self.cache_group.full)  # emptied: refill whole
         for lease in self._leases:  # their update is still to come: written back on eviction
             if lease.state == _TRAINED and lease.fill is not None:
                 self._cache_group().mark_written(lease.fill.touched)
