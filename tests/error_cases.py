@@ -124,6 +124,20 @@ def _reported_later(mesh: DeviceMesh) -> None:
         backend.set_backend("auto")
 
 
+def _refused_later(mesh: DeviceMesh) -> None:
+    """A one-rank world, Triton backend, fused optimizer, t0 offloaded behind 2 slots: a
+    batch of 3 distinct rows is flagged on the device and the next forward refuses it."""
+    backend.set_backend("triton")
+    try:
+        sparse = distributed(
+            mesh, {"t0": RowWise(cache_rows=2)}, optimizer=SGD(lr=0.1), model=EBC(tables())
+        )
+        sparse(batch(f0=(6, 7, 8))).values().sum().backward()
+        sparse(batch())
+    finally:
+        backend.set_backend("auto")
+
+
 def loss(model: nn.Module, kjt: dtrec.KeyedJaggedTensor) -> torch.Tensor:
     return model(kjt).sum()
 
@@ -835,6 +849,7 @@ LOCAL: dict[str, Case] = {
     ),
     "E333": fake(24, lambda: dtrec.init_mesh("cpu", 4, node_size=6, replicas_within_node=False)),
     "E334": fake(4, lambda: dtrec.init_mesh("cpu", 2, replicas_within_node="no")),
+    "E340": fake(1, lambda: _refused_later(dtrec.init_mesh("cpu", 1))),
     "E335": on_mesh(4, 2, lambda m: dtrec.distribute_module(Model(), m, meshes={"nope": m})),
     "E336": on_mesh(4, 2, lambda m: dtrec.distribute_module(Model(), m, meshes={"sparse": "m"})),
     "E337": on_mesh(
