@@ -1,7 +1,9 @@
 """dtrec.TrainPipeline prefetches sequence collections too: a model with an
 EmbeddingBagCollection and an EmbeddingCollection trains through the pipeline exactly
-like the plain loop (losses and every weight bit for bit), on a 1D and a 2D mesh, and
-each collection runs each batch's input-dist once, ahead of its forward.
+like the plain loop (losses and every weight bit for bit), on a 1D and a 2D mesh, with
+each collection on a mesh of its own (``distribute_module(..., meshes=)``), and with
+``sync_every`` replica averages overlapped with the next step; each collection runs each
+batch's input-dist once, ahead of its forward.
 """
 
 from __future__ import annotations
@@ -11,8 +13,12 @@ import pytest
 from tests.multiprocess import run_world
 
 WORLD = 4
-# (shards, fused optimizer): S=4 is the 1D mesh, S=2 the 2x2 one
-CASES = [(4, None), (4, "rowwise_adagrad"), (2, None), (2, "adam")]
+# (shards, fused optimizer, sync_every): S=4 is the 1D mesh, S=2 the 2x2 one; a pair is
+# (the bag collection's S, the sequence collection's S), each on its own mesh
+CASES = [
+    (4, None, None), (4, "rowwise_adagrad", None), (2, None, None), (2, "adam", None),
+    ((2, 4), "rowwise_adagrad", None), ((4, 1), None, None), ((2, 1), "rowwise_adagrad", 2),
+]  # fmt: skip
 
 
 def _model(bag_tables, seq_tables):
@@ -39,7 +45,9 @@ def _model(bag_tables, seq_tables):
     return BagsAndSequences()
 
 
-def _train(rank: int, shards: int, fused_name: str | None) -> dict:
+def _train(
+    rank: int, shards: int | tuple[int, int], fused_name: str | None, sync_every: int | None
+) -> dict:
     import copy
 
     import torch
@@ -50,20 +58,26 @@ def _train(rank: int, shards: int, fused_name: str | None) -> dict:
     from tests.distributed import numerics as bag_numerics
     from tests.sequence import numerics as seq_numerics
 
-    mesh = dtrec.init_mesh("cpu", shards)
+    bag_shards, seq_shards = shards if isinstance(shards, tuple) else (shards, shards)
+    mesh = dtrec.init_mesh("cpu", bag_shards)
+    seq_mesh = mesh if seq_shards == bag_shards else dtrec.init_mesh("cpu", seq_shards)
+    meshes = {"seq": seq_mesh} if seq_mesh is not mesh else None
     bag_tables = bag_numerics.make_tables(False)
     seq_tables = seq_numerics.make_tables()
     torch.manual_seed(0)
     model = _model(bag_tables, seq_tables)
     plan = {f"bags.{k}": v for k, v in bag_numerics.PLANS["mixed"].items()}
-    plan.update({f"seq.{k}": v for k, v in seq_numerics.plans(mesh)["mixed"].items()})
+    plan.update({f"seq.{k}": v for k, v in seq_numerics.plans(seq_mesh)["mixed"].items()})
     fused = {
         None: None,
         "rowwise_adagrad": dtrec.optim.RowWiseAdagrad(lr=0.1),
         "adam": dtrec.optim.Adam(lr=0.05),
     }[fused_name]
-    plain = dtrec.distribute_module(copy.deepcopy(model), mesh, plan, optimizer=fused)
-    piped = dtrec.distribute_module(copy.deepcopy(model), mesh, plan, optimizer=fused)
+    plain, piped = (
+        dtrec.distribute_module(copy.deepcopy(model), mesh, plan, optimizer=fused,
+                                sync_every=sync_every, meshes=meshes)
+        for _ in range(2)
+    )  # fmt: skip
     gen = torch.Generator().manual_seed(10 + rank)
     batches = []
     for _ in range(5):
@@ -110,6 +124,10 @@ def _train(rank: int, shards: int, fused_name: str | None) -> dict:
     finally:
         ShardedEmbeddingBagCollection.input_dist = bag_dist
         ShardedEmbeddingCollection._start = seq_start
+    if sync_every is not None:  # the averages still in flight land
+        for model in (plain, piped):
+            model.bags.sync_replicas()
+            model.seq.sync_replicas()
     local = [p.to_local() if hasattr(p, "to_local") else p for p in plain.parameters()]
     other = [p.to_local() if hasattr(p, "to_local") else p for p in piped.parameters()]
     diffs = [float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(local, other)]
@@ -157,7 +175,7 @@ def results() -> list[dict]:
     return run_world(WORLD, _run, timeout=300)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"S{s}-{f or 'torch_sgd'}" for s, f in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"S{s}-{f or 'torch_sgd'}-k{k}" for s, f, k in CASES])
 def test_pipeline_with_a_sequence_collection_matches_plain_loop(results, case) -> None:
     for rank, r in enumerate(results):
         plain, piped = r[case]["losses"]
