@@ -147,3 +147,14 @@ def test_cost_model_prices_replica_groups_by_their_links() -> None:
     only_sync[REPLICA] = near.stack[REPLICA]
     slow, fast = step_time(only_sync, across, topo), step_time(only_sync, within, topo)
     np.testing.assert_allclose(slow, fast * 8)  # 400 / 50 GB/s
+
+
+def test_a_hand_made_rank_layout_prices_replicas_as_spanning_the_world() -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with fake_world(0, 8):
+        odd = DeviceMesh(
+            "cpu", [[0, 3], [1, 2], [4, 7], [5, 6]], mesh_dim_names=("shard", "replicate")
+        )
+        axis = shard_axis(odd)
+    assert (axis.replica_stride, axis.replica_span) == (0, 8)

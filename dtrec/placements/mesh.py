@@ -122,11 +122,14 @@ class ShardAxis:
     """Shard positions per node, or None if the mesh was built without node_size."""
     replica_stride: int = 1
     """Rank distance between neighbouring replicas: 1 (replicas within a node, the default
-    mesh) or S (``init_mesh(..., replicas_within_node=False)``)."""
+    mesh), S (``init_mesh(..., replicas_within_node=False)``), or 0 for a rank layout that
+    is neither (a hand-made mesh: its replica groups are priced as spanning the world)."""
 
     @property
     def replica_span(self) -> int:
         """Consecutive ranks one replica group spans (what decides its links' bandwidth)."""
+        if self.replica_stride == 0:
+            return self.size * self.replicas
         return (self.replicas - 1) * self.replica_stride + 1
 
     def rank_of(self, position: int, replica: int = 0) -> int:
@@ -151,11 +154,21 @@ def shard_axis(mesh: DeviceMesh) -> ShardAxis:
             f"got dims {names}"
         )
     root = node_split_mesh(mesh)
-    ranks = mesh.mesh
-    stride = int(ranks[0, 1] - ranks[0, 0]) if ranks.shape[1] > 1 else 1
     return ShardAxis(
-        mesh.size(0), mesh.size(1), None if root is None else root.size(1), max(stride, 1)
+        mesh.size(0), mesh.size(1), None if root is None else root.size(1), _replica_stride(mesh)
     )
+
+
+def _replica_stride(mesh: DeviceMesh) -> int:
+    """``ShardAxis.replica_stride`` of ``mesh``'s rank layout (0: not an ``init_mesh`` one)."""
+    ranks = mesh.mesh
+    shards, replicas = ranks.shape
+    first = int(ranks.min())
+    within = torch.arange(shards * replicas).reshape(shards, replicas) + first
+    if replicas == 1 or torch.equal(ranks, within):
+        return 1
+    across = torch.arange(shards * replicas).reshape(replicas, shards).t() + first
+    return shards if torch.equal(ranks, across) else 0
 
 
 def node_split_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
