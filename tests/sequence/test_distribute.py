@@ -101,17 +101,23 @@ def _train_side_by_side(
     ref_opt = torch.optim.SGD(ref_params, lr=0.1)
     state = {n: fused.init_state(w) for n, (w, _) in _tables(reference).items()} if fused else {}
     gen = torch.Generator().manual_seed(seed + 1)
-    loss_diff = 0.0
+    loss_diff = norm_diff = 0.0
     for _ in range(STEPS):
         batches = [make_batch(gen) for _ in range(world)]
         kjt, target = batches[rank]
         loss = ((sharded(kjt) - target) ** 2).mean()
         loss.backward()
+        if fused is None:  # the norm over every parameter, tables on their own meshes too
+            norm = torch.nn.utils.clip_grad_norm_(sharded.parameters(), 1e9)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         opt.step()
         opt.zero_grad()
         ref_losses = [((reference(k) - t) ** 2).mean() for k, t in batches]
         torch.stack(ref_losses).mean().backward()
         loss_diff = max(loss_diff, abs(loss.item() - ref_losses[rank].item()))
+        if fused is None:
+            want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
+            norm_diff = max(norm_diff, abs(norm.item() - want.item()))
         if fused is not None:
             for name, (weight, feats) in _tables(reference).items():
                 rows = torch.unique(torch.cat([k[f].values() for k, _ in batches for f in feats]))
@@ -130,6 +136,7 @@ def _train_side_by_side(
     )
     return {
         "loss_diff": loss_diff,
+        "norm_diff": norm_diff,
         "weight_diff": max((full[k] - want[k]).abs().max().item() for k in want),
         "keys_kept": keys_kept,
         "fused_tables": fused_tables,
@@ -271,6 +278,7 @@ def test_distribute_module_trains_like_unsharded(results, case: str) -> None:
         r = per_rank[case]
         assert r["keys_kept"], rank
         assert r["loss_diff"] <= TOL and r["weight_diff"] <= TOL, (rank, r)
+        assert r["norm_diff"] <= TOL, (rank, r["norm_diff"])  # clip_grad_norm_ across meshes
     r = results[0][case]
     assert {"seq.s0", "seq.s1", "pooled.b0"} <= set(r["plan"])
     if case not in ("2d_plain", "meshes_plain"):
