@@ -1,0 +1,557 @@
+"""dtrec with a mesh per collection vs TorchRec's Dynamic 2D, side by side on W gloo CPU ranks.
+
+TorchRec's ``DMPCollection(..., submodule_configs=[DMPCollectionConfig(...)])`` gives each
+module type its own sharding group size ("Dynamic 2D", TorchRec #3177); dtrec takes the same
+``DMPCollectionConfig`` list through ``dtrec.interop.dmp_collection.dmp_collection_meshes``
+and shards each collection on a mesh of its own. This benchmark trains one model both ways
+and checks that they end with the same weights.
+
+Model (``MixedModel``): a pooled collection (``torchrec.EmbeddingBagCollection`` ``pooled``:
+tables ``p<i>``, feature ``pf<i>``, sum pooling) and a sequence collection
+(``torchrec.EmbeddingCollection`` ``seq``: tables ``s<i>``, feature ``sf<i>``); the pooled
+rows and each sequence feature's per-sample sum of rows -> Linear(., 64) -> ReLU ->
+Linear(64, 1), BCE-with-logits vs random labels. Bags of 10..30 ids (sequences 5..15), ids
+Zipf(1.1) scattered over the rows (``benchmarks.distributed.zipf_ids``). Rank r's batch of
+step s comes from the seed (r, s) for every library. Both libraries start from one
+reference model's weights (uniform in +-0.1 from seed 0: TorchRec's sharded tables are
+overwritten with it).
+
+Configs: ``DMPCollectionConfig(EmbeddingBagCollection, plan, S_pooled)`` and
+``DMPCollectionConfig(EmbeddingCollection, plan, S_seq)``, plans by TorchRec's own helpers
+(``construct_module_sharding_plan``, per table "tw:<r>", "rw" or "cw"), built afresh for
+each library (``DMPCollection`` remaps a plan in place). Default: W=8, pooled 4 x 2 (S=4,
+R=2), sequence 8 x 1.
+
+Optimizers: the tables' SGD fused into backward (TorchRec: FBGEMM ``EXACT_SGD`` via the
+sharders' ``fused_params``, its recipe; dtrec: ``dtrec.optim.SGD``), the dense part's
+``torch.optim.SGD``, data parallel over all W ranks (TorchRec DDP; dtrec's replicated
+DTensor parameters). Replicas are synchronised every step (k=1), in three runs:
+
+* ``torchrec``: ``DMPCollection.sync()`` after every step (each replica group steps on its
+  own, then weights are averaged over the replica groups: the CPU patches in
+  ``benchmarks/torchrec_baseline.py``);
+* ``dtrec``: dtrec's exact per-step sync (the default, ``sync_every=None``: replica
+  gradients summed in backward, one update);
+* ``dtrec_k1``: ``sync_every=1``, TorchRec's scheme (weights averaged after every step,
+  the average overlapped with the next step).
+
+For SGD all three are the same step; the weights after the last step must agree within
+the numerics contract (``--tolerance``, relative to the largest weight of a tensor).
+
+One world of W processes runs all three, each model trained in blocks of ``--steps``
+steps, ``--rounds`` times, the libraries taking turns (machine load drifts; turns spread
+it). Timing and bytes as in ``benchmarks/distributed.py``: a ``dist.barrier()`` before every
+step outside the timed region, ``CommCounter`` (wrapped ``torch.distributed`` collectives)
+during one library's steps only, DDP's C++ all-reduce as ``dense_ddp_estimate``, one
+untimed census step per library, ``dtrec.comm_stats()`` for dtrec's own kinds.
+
+    .venv/bin/python -m benchmarks.dynamic_2d --json benchmarks/results/dynamic_2d_cpu.json
+    .venv/bin/python -m benchmarks.dynamic_2d --world-size 4 --pooled-shards 2 \\
+        --seq-shards 4 --scale 0.01 --batch 16 --steps 2 --rounds 1     # smoke, about 40 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+import dtrec
+from benchmarks.distributed import (
+    MALLOC_ENV,
+    CollectiveCensus,
+    CommCounter,
+    _ddp_estimate,
+    _meta,
+    _quiet,
+    write_report,
+    zipf_ids,
+)
+from benchmarks.machine import processor_line
+from benchmarks.stages import ExclusiveStageTimer
+from benchmarks.stages import train_step as stage_train_step
+from dtrec.comm.collectives import CommStats
+from tests.multiprocess import WorldError, run_world
+
+LIBS = ("torchrec", "dtrec", "dtrec_k1")
+LR = 0.05
+
+
+@dataclass(frozen=True)
+class MixedWorkload:
+    """The mixed model and batch shape every library trains."""
+
+    pooled_rows: tuple[int, ...] = (200_000, 100_000, 50_000, 20_000)
+    """Rows of each pooled table ``p<i>`` (read by feature ``pf<i>``)."""
+    pooled_kinds: tuple[str, ...] = ("tw:0", "rw", "cw", "tw:1")
+    """TorchRec plan helper per pooled table: "tw:<shard rank>", "rw" or "cw"."""
+    seq_rows: tuple[int, ...] = (100_000, 30_000)
+    """Rows of each sequence table ``s<i>`` (feature ``sf<i>``)."""
+    seq_kinds: tuple[str, ...] = ("rw", "cw")
+    """TorchRec plan helper per sequence table."""
+    pooled_dim: int = 64
+    """Embedding dim of the pooled tables."""
+    seq_dim: int = 32
+    """Embedding dim of the sequence tables (TorchRec's EmbeddingCollection wants one)."""
+    batch: int = 256
+    """Samples per rank per step."""
+    bag_range: tuple[int, int] = (10, 30)
+    """Ids per pooled bag, uniform over this inclusive range."""
+    seq_range: tuple[int, int] = (5, 15)
+    """Ids per sequence, uniform over this inclusive range."""
+    zipf: float = 1.1
+    """Zipf exponent of the ids."""
+    pooled_shards: int = 4
+    """Sharding group size of the pooled collection (its replicas: W / it)."""
+    seq_shards: int = 8
+    """Sharding group size of the sequence collection."""
+
+    def scaled(self, scale: float) -> MixedWorkload:
+        """Every table's rows times ``scale`` (at least 1)."""
+        return replace(
+            self,
+            pooled_rows=tuple(max(1, int(r * scale)) for r in self.pooled_rows),
+            seq_rows=tuple(max(1, int(r * scale)) for r in self.seq_rows),
+        )
+
+
+class MixedModel(nn.Module):
+    """Pooled rows + per-sample sums of the sequence rows -> a two-layer MLP (one logit).
+
+    Outputs are read by key (a TorchRec sharded collection orders its output by sharding
+    type), so every library's model computes the same function."""
+
+    def __init__(self, w: MixedWorkload) -> None:
+        super().__init__()
+        import torchrec
+
+        self.pooled = torchrec.EmbeddingBagCollection(
+            [
+                torchrec.EmbeddingBagConfig(
+                    name=f"p{i}", num_embeddings=r, embedding_dim=w.pooled_dim,
+                    feature_names=[f"pf{i}"], pooling=torchrec.PoolingType.SUM,
+                )
+                for i, r in enumerate(w.pooled_rows)
+            ]
+        )  # fmt: skip
+        self.seq = torchrec.EmbeddingCollection(
+            [
+                torchrec.EmbeddingConfig(
+                    name=f"s{i}", num_embeddings=r, embedding_dim=w.seq_dim,
+                    feature_names=[f"sf{i}"],
+                )
+                for i, r in enumerate(w.seq_rows)
+            ]
+        )  # fmt: skip
+        self.pooled_keys = [f"pf{i}" for i in range(len(w.pooled_rows))]
+        self.seq_keys = [f"sf{i}" for i in range(len(w.seq_rows))]
+        width = len(w.pooled_rows) * w.pooled_dim + len(w.seq_rows) * w.seq_dim
+        self.dense = nn.Sequential(nn.Linear(width, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def forward(self, kjt: object) -> Tensor:
+        pooled = self.pooled(kjt).to_dict()
+        parts = [pooled[k] for k in self.pooled_keys]
+        seq = self.seq(kjt)
+        for key in self.seq_keys:
+            jt = seq[key]
+            lengths, rows = jt.lengths(), jt.values()
+            sample = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+            parts.append(rows.new_zeros(lengths.numel(), rows.shape[1]).index_add(0, sample, rows))
+        return self.dense(torch.cat(parts, dim=1)).squeeze(1)
+
+
+def reference_model(w: MixedWorkload) -> MixedModel:
+    """The model every library starts from: tables uniform in +-0.1, MLP torch's init,
+    all from seed 0 (so every rank builds the same one)."""
+    torch.manual_seed(0)
+    model = MixedModel(w)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.startswith("dense."):
+                p.uniform_(-0.1, 0.1, generator=gen)
+    return model
+
+
+def make_batch(w: MixedWorkload, rank: int, step: int) -> tuple[list[str], Tensor, Tensor, Tensor]:
+    """Rank ``rank``'s batch of step ``step``: (keys, values, key-major lengths, labels)."""
+    gen = torch.Generator().manual_seed(1_000_003 * rank + step)
+    keys, values, lengths = [], [], []
+    features = [(f"pf{i}", r, w.bag_range) for i, r in enumerate(w.pooled_rows)]
+    features += [(f"sf{i}", r, w.seq_range) for i, r in enumerate(w.seq_rows)]
+    for key, rows, (lo, hi) in features:
+        ls = torch.randint(lo, hi + 1, (w.batch,), generator=gen)
+        keys.append(key)
+        lengths.append(ls)
+        values.append(zipf_ids(rows, int(ls.sum()), w.zipf, gen))
+    labels = torch.randint(0, 2, (w.batch,), generator=gen).float()
+    return keys, torch.cat(values), torch.cat(lengths), labels
+
+
+def dmp_collection_configs(model: MixedModel, w: MixedWorkload) -> list:
+    """TorchRec ``DMPCollectionConfig`` per collection type, plans by TorchRec's helpers for
+    one sharding group (ranks 0..S-1), fused SGD. Fresh objects on every call:
+    ``DMPCollection`` remaps the plans in place."""
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+    from torchrec.distributed.types import DMPCollectionConfig, ShardingPlan
+
+    from benchmarks.torchrec_baseline import table_plan_helper
+
+    sharders = torchrec_sharders()
+    out = []
+    for module, prefix, kinds, shards in (
+        (model.pooled, "p", w.pooled_kinds, w.pooled_shards),
+        (model.seq, "s", w.seq_kinds, w.seq_shards),
+    ):
+        module_plan = construct_module_sharding_plan(
+            module,
+            {f"{prefix}{i}": table_plan_helper(k, shards) for i, k in enumerate(kinds)},
+            sharder=sharders[type(module)],
+            local_size=shards,
+            world_size=shards,
+            device_type="cpu",
+        )
+        path = "pooled" if prefix == "p" else "seq"
+        out.append(DMPCollectionConfig(type(module), ShardingPlan({path: module_plan}), shards))
+    return out
+
+
+def torchrec_sharders() -> dict[type, object]:
+    """Module type -> TorchRec sharder with FBGEMM's fused exact SGD (lr ``LR``)."""
+    import torchrec
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
+    return {
+        torchrec.EmbeddingBagCollection: EmbeddingBagCollectionSharder(fused_params=fused),
+        torchrec.EmbeddingCollection: EmbeddingCollectionSharder(fused_params=fused),
+    }
+
+
+# --------------------------------------------------------------------------- one rank
+
+
+@dataclass
+class Side:
+    """One library's sharded model, its dense optimizer, per-step hook and counters."""
+
+    name: str
+    model: nn.Module
+    optimizers: list[torch.optim.Optimizer]
+    hook: Callable[[], None] | None
+    kjt_type: type
+    ddp_estimate: int = 0
+    step_ms: list[float] = None  # type: ignore[assignment]
+    losses: list[float] = None  # type: ignore[assignment]
+    counter: CommCounter = None  # type: ignore[assignment]
+    stats: CommStats = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.step_ms, self.losses = [], []
+        self.counter, self.stats = CommCounter(), CommStats()
+
+
+def _build_torchrec(reference: MixedModel, w: MixedWorkload) -> Side:
+    from benchmarks import torchrec_baseline as trb
+
+    model = copy.deepcopy(reference)
+    sharders = torchrec_sharders()
+    sharded = trb.cpu_dmp_collection(
+        module=model,
+        device=torch.device("cpu"),
+        plan=trb.ShardingPlan({}),
+        world_size=dist.get_world_size(),
+        sharding_group_size=dist.get_world_size(),  # the default context: nothing left
+        global_pg=dist.group.WORLD,
+        sharders=list(sharders.values()),
+        submodule_configs=dmp_collection_configs(model, w),
+    )
+    trb.load_full_weights(sharded, reference.state_dict())  # DMP made its own tables
+    dense = [p for n, p in sharded.named_parameters() if n.startswith("dense.")]
+    ddp = _ddp_estimate([(m.process_group, m._module_parameters) for m in trb.ddp_modules(sharded)])
+    return Side("torchrec", sharded, [torch.optim.SGD(dense, lr=LR)], sharded.sync,
+                trb.KeyedJaggedTensor, ddp)  # fmt: skip
+
+
+def _build_dtrec(reference: MixedModel, w: MixedWorkload, sync_every: int | None) -> Side:
+    from dtrec.interop.dmp_collection import dmp_collection_meshes
+
+    model = copy.deepcopy(reference)
+    meshes, plan = dmp_collection_meshes(model, dmp_collection_configs(model, w), "cpu")
+    mesh = dtrec.init_mesh("cpu", dist.get_world_size())  # the dense part's (and no table's)
+    sharded = dtrec.distribute_module(
+        model, mesh, plan, optimizer=dtrec.optim.SGD(lr=LR), sync_every=sync_every,
+        meshes=meshes,
+    )  # fmt: skip
+    dense = [p for n, p in sharded.named_parameters() if n.startswith("dense.")]
+    name = "dtrec" if sync_every is None else f"dtrec_k{sync_every}"
+    return Side(name, sharded, [torch.optim.SGD(dense, lr=LR)], None, dtrec.KeyedJaggedTensor)
+
+
+def _full_weights(side: Side) -> dict[str, Tensor]:
+    """Every parameter of ``side``'s model as a full tensor, by the unsharded model's key."""
+    from dtrec.checkpoint import full_state_dict
+
+    if side.name == "torchrec":
+        from benchmarks.torchrec_baseline import full_weights
+
+        return full_weights(side.model)
+    return full_state_dict(side.model)
+
+
+def compare_weights(
+    got: dict[str, Tensor], want: dict[str, Tensor], initial: dict[str, Tensor]
+) -> dict:
+    """How far ``got`` is from ``want`` (both trained from ``initial``), tensor by tensor.
+
+    ``max_abs``: the largest difference; ``max_rel``: a tensor's largest difference over its
+    largest weight (the numerics contract's measure), largest over tensors; ``of_update``:
+    a tensor's largest difference over its largest change in training, largest over
+    tensors (a sync gone wrong differs by about the update itself, so near 1);
+    ``least_moved``: the smallest largest-change of any tensor (every tensor trained).
+    """
+    missing = sorted(set(initial) - set(got) | set(initial) - set(want))
+    if missing:
+        raise KeyError(f"weights missing from one side: {missing}")
+    diff = {k: (got[k] - want[k]).abs().max().item() for k in initial}
+    moved = {k: (want[k] - initial[k]).abs().max().item() for k in initial}
+    rel = {k: diff[k] / max(want[k].abs().max().item(), 1e-30) for k in initial}
+    of_update = {k: diff[k] / max(moved[k], 1e-30) for k in initial}
+    worst = max(rel, key=rel.get)
+    return {
+        "max_abs": max(diff.values()),
+        "max_rel": rel[worst],
+        "worst_key": worst,
+        "of_update": max(of_update.values()),
+        "least_moved": min(moved.values()),
+    }
+
+
+def run_rank(rank: int, world: int, w: MixedWorkload, opts: dict) -> dict:
+    """Build every library's model from one reference, train them in turns, compare."""
+    _quiet()
+    libs = opts.get("libs", LIBS)
+    reference = reference_model(w)
+    initial = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    builders = {
+        "torchrec": lambda: _build_torchrec(reference, w),
+        "dtrec": lambda: _build_dtrec(reference, w, None),
+        "dtrec_k1": lambda: _build_dtrec(reference, w, 1),
+    }
+    sides = {lib: builders[lib]() for lib in libs}
+    warmup, steps, rounds = opts["warmup"], opts["steps"], opts["rounds"]
+    total = warmup + steps * rounds + 1  # + the census step
+    raw = [make_batch(w, rank, s) for s in range(total)]
+    timer = ExclusiveStageTimer()  # no stage targets: the step as a whole
+
+    def step(side: Side, s: int) -> float:
+        keys, values, lengths, labels = raw[s]
+        kjt = side.kjt_type(keys=keys, values=values, lengths=lengths)
+        dist.barrier()  # start together, outside the timed region
+        start = time.perf_counter()
+        loss = stage_train_step(side.model, side.optimizers, timer, kjt, labels, side.hook)
+        side.losses.append(loss)
+        return 1e3 * (time.perf_counter() - start)
+
+    done = dict.fromkeys(libs, 0)
+    for lib, side in sides.items():
+        for _ in range(warmup):
+            step(side, done[lib])
+            done[lib] += 1
+    for _ in range(rounds):
+        for lib, side in sides.items():
+            with dtrec.comm_stats() as stats, side.counter.active():
+                for _ in range(steps):
+                    side.step_ms.append(step(side, done[lib]))
+                    done[lib] += 1
+            for kind, n in stats.calls.items():
+                side.stats.record(kind, stats.bytes_sent[kind], stats.seconds[kind], n)
+    census = {}
+    for lib, side in sides.items():
+        with CollectiveCensus() as c:
+            step(side, done[lib])
+        census[lib] = {k: c.bytes[k] for k in sorted(c.calls)}
+    weights = {lib: _full_weights(side) for lib, side in sides.items()}
+    timed = steps * rounds
+    out: dict = {"rank": rank, "libs": {}, "weights": {}}
+    for lib, side in sides.items():
+        nbytes = side.counter.per_step(timed)
+        out["libs"][lib] = {
+            "step_ms": side.step_ms,
+            "median_ms": statistics.median(side.step_ms),
+            "losses": side.losses,
+            "bytes_by_collective": nbytes,
+            "bytes_per_step": sum(v["bytes"] for v in nbytes.values()),
+            "dense_ddp_estimate": side.ddp_estimate,
+            "census_bytes": census[lib],
+            "dtrec_comm_stats": side.stats.per_step(timed) if lib != "torchrec" else None,
+        }
+    base = "torchrec" if "torchrec" in weights else libs[0]
+    for lib in weights:
+        if lib != base:
+            key = f"{lib}_vs_{base}"
+            out["weights"][key] = compare_weights(weights[lib], weights[base], initial)
+    dist.barrier()
+    return out
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run(w: MixedWorkload, opts: dict, world: int) -> dict:
+    """One world running every library; medians over ranks, the weights check."""
+    start = time.perf_counter()
+    try:
+        ranks = run_world(
+            world, run_rank, w, opts, timeout=opts.get("timeout", 1800.0),
+            collective_timeout=opts.get("timeout", 1800.0), env=opts.get("env"),
+        )  # fmt: skip
+    except WorldError as exc:
+        wall = time.perf_counter() - start
+        return {"status": "failed", "error": str(exc)[-8000:], "wall_s": wall}
+    med = statistics.median
+    summary = {}
+    for lib in ranks[0]["libs"]:
+        per = [r["libs"][lib] for r in ranks]
+        kinds = sorted({k for p in per for k in p["bytes_by_collective"]})
+        entry = {
+            "step_ms": med(p["median_ms"] for p in per),
+            "step_ms_slowest_rank": max(p["median_ms"] for p in per),
+            "bytes_by_collective": {
+                k: med(p["bytes_by_collective"].get(k, {}).get("bytes", 0) for p in per)
+                for k in kinds
+            },
+            "calls_by_collective": {
+                k: med(p["bytes_by_collective"].get(k, {}).get("calls", 0) for p in per)
+                for k in kinds
+            },
+            "bytes_per_step": med(p["bytes_per_step"] for p in per),
+            "dense_ddp_estimate": med(p["dense_ddp_estimate"] for p in per),
+        }
+        entry["total_bytes_per_step"] = entry["bytes_per_step"] + entry["dense_ddp_estimate"]
+        census = sorted({k for p in per for k in p["census_bytes"]})
+        entry["census_bytes"] = {k: med(p["census_bytes"].get(k, 0) for p in per) for k in census}
+        if per[0]["dtrec_comm_stats"] is not None:
+            names = sorted({k for p in per for k in p["dtrec_comm_stats"]})
+            entry["dtrec_comm_stats"] = {
+                k: med(p["dtrec_comm_stats"].get(k, {}).get("bytes", 0) for p in per) for k in names
+            }
+        summary[lib] = entry
+    checks = {}
+    for key in ranks[0]["weights"]:
+        per = [r["weights"][key] for r in ranks]
+        worst = max(per, key=lambda d: d["max_rel"])
+        checks[key] = worst
+    return {
+        "status": "ok",
+        "wall_s": time.perf_counter() - start,
+        "median": summary,
+        "weights": checks,
+        "ranks": ranks,
+    }
+
+
+def verdict(result: dict, tolerance: float, update_tolerance: float = 1e-2) -> dict:
+    """Did every library end with TorchRec's weights: within ``tolerance`` of the weights'
+    size (the numerics contract) and ``update_tolerance`` of what training changed, every
+    tensor having changed? Step-time and bytes ratios to TorchRec."""
+    checks = result["weights"]
+    equal = {
+        k: v["max_rel"] <= tolerance and v["of_update"] <= update_tolerance and v["least_moved"] > 0
+        for k, v in checks.items()
+    }
+    out = {
+        "tolerance": tolerance,
+        "update_tolerance": update_tolerance,
+        "weights_equal": equal,
+        "passed": bool(equal) and all(equal.values()),
+    }
+    med = result["median"]
+    if "torchrec" in med:
+        for lib in med:
+            if lib != "torchrec":
+                out[f"{lib}_step_ratio"] = med[lib]["step_ms"] / med["torchrec"]["step_ms"]
+                out[f"{lib}_bytes_ratio"] = med[lib]["total_bytes_per_step"] / max(
+                    med["torchrec"]["total_bytes_per_step"], 1
+                )
+    return out
+
+
+def print_report(result: dict, check: dict) -> None:
+    """Step times, bytes per collective and the weights check, one library a line."""
+    for lib, m in result["median"].items():
+        parts = ", ".join(f"{k} {v:,.0f} B" for k, v in m["bytes_by_collective"].items())
+        print(f"{lib:>9}: {m['step_ms']:8.1f} ms/step  {m['total_bytes_per_step']:12,.0f} B/step "
+              f"({parts}; DDP est. {m['dense_ddp_estimate']:,.0f} B)")  # fmt: skip
+        if "dtrec_comm_stats" in m:
+            print("           comm_stats: " + ", ".join(
+                f"{k} {v:,.0f} B" for k, v in m["dtrec_comm_stats"].items()))  # fmt: skip
+    for key, v in result["weights"].items():
+        print(f"  weights {key}: max abs {v['max_abs']:.3g}, max rel {v['max_rel']:.3g} "
+              f"({v['worst_key']}), {v['of_update']:.3g} of the update (least moved "
+              f"{v['least_moved']:.3g})")  # fmt: skip
+    ratios = {k: v for k, v in check.items() if k.endswith("_ratio")}
+    print("  " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    print(f"  weights equal within {check['tolerance']:g}: {check['passed']}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--pooled-shards", type=int, default=4, help="S of the pooled collection")
+    parser.add_argument("--seq-shards", type=int, default=8, help="S of the sequence collection")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies table rows")
+    parser.add_argument("--batch", type=int, default=256, help="samples per rank per step")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=2, help="turns per library")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--tolerance", type=float, default=1e-5,
+                        help="weights diff over the largest weight, per tensor")  # fmt: skip
+    parser.add_argument("--update-tolerance", type=float, default=1e-2,
+                        help="weights diff over the largest change in training")  # fmt: skip
+    parser.add_argument("--libs", default=",".join(LIBS), help=f"of {LIBS}")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="the world's, seconds")
+    parser.add_argument("--json", help="write the report here")
+    args = parser.parse_args(argv)
+    w = replace(
+        MixedWorkload(pooled_shards=args.pooled_shards, seq_shards=args.seq_shards),
+        batch=args.batch,
+    ).scaled(args.scale)
+    libs = tuple(x for x in args.libs.split(",") if x)
+    if set(libs) - set(LIBS):
+        parser.error(f"unknown libs {sorted(set(libs) - set(LIBS))}; choose from {LIBS}")
+    opts = {"warmup": args.warmup, "steps": args.steps, "rounds": args.rounds, "libs": libs,
+            "timeout": args.timeout, "env": MALLOC_ENV}  # fmt: skip
+    meta = _meta(argv, w)
+    meta["command"] = " ".join(["python -m benchmarks.dynamic_2d", *argv])
+    meta["world_size"] = args.world_size
+    meta["sync"] = (
+        "k=1: torchrec DMPCollection.sync() after every step; dtrec exact per-step "
+        "gradient sync (sync_every=None); dtrec_k1 sync_every=1 (weights averaged, overlapped)"
+    )
+    result = run(w, opts, args.world_size)
+    report = {"meta": meta, "result": result}
+    if result["status"] == "ok":
+        report["verdict"] = verdict(result, args.tolerance, args.update_tolerance)
+        print_report(result, report["verdict"])
+    else:
+        print(result["error"])
+    print(f"processor: {processor_line(meta['processor'])}")
+    if args.json:
+        write_report(args.json, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
