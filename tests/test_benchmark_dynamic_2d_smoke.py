@@ -26,7 +26,8 @@ OPTS = {"warmup": 1, "steps": 2, "rounds": 1, "libs": ("torchrec", "dtrec", "dtr
 def run():
     from dataclasses import replace
 
-    from benchmarks.dynamic_2d import MixedWorkload, run
+    from benchmarks.dynamic_2d import run
+    from benchmarks.dynamic_2d_model import MixedWorkload
 
     tiny = replace(MixedWorkload(pooled_shards=2, seq_shards=4), batch=8).scaled(0.001)
     return run(tiny, OPTS, 4)
@@ -67,7 +68,8 @@ def test_bytes_are_counted_alike(run):
 
 
 def test_check_fails_on_weights_that_differ():
-    from benchmarks.dynamic_2d import compare_weights, verdict
+    from benchmarks.dynamic_2d import verdict
+    from benchmarks.dynamic_2d_model import compare_weights
 
     initial = {"t": torch.zeros(4, 2)}
     want = {"t": torch.full((4, 2), 0.01)}
