@@ -1,4 +1,5 @@
-"""TorchRec 1.8.0 side of benchmarks/distributed.py: the same model and plans, sharded by TorchRec.
+"""TorchRec 1.8.0 side of benchmarks/distributed.py (and benchmarks/dynamic_2d.py): the same
+model and plans, sharded by TorchRec.
 
 Only the benchmark imports this module (TorchRec is not a dtrec dependency). Plans are built by
 hand (``construct_module_sharding_plan``), so TorchRec's planner, which offers row-wise only
@@ -11,12 +12,21 @@ row-wise on CPU as is. 2D (``DMPCollection``) needs two patches, both in
 * its plan remap writes shard placements ``rank:r/cpu:k``, which then fail "Local shard tensor
   device does not match with local Shard's placement" (CPU tensors are on "cpu"): they are
   rewritten to ``rank:r/cpu`` after the remap.
+
+Dynamic 2D (``submodule_configs=[DMPCollectionConfig(...)]``, a sharding group size per module
+type) needs nothing more: ``__init__`` remaps each config's plan through the same
+``_remap_sharding_plan``, so the second patch covers every context, and the
+``EmbeddingCollectionSharder`` runs table-, row- and column-wise sequence tables on CPU as is
+(measured in benchmarks/dynamic_2d.py: pooled 4 x 2 and sequence 8 x 1 on 8 gloo ranks).
+``DMPCollection``'s state dict holds DTensors whose local part is a ``LocalShardsWrapper``
+(not what their placements say): :func:`load_full_weights` and :func:`full_weights` read the
+wrapper's own blocks and offsets.
 """
 
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,9 +51,13 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 __all__ = [
     "KeyedJaggedTensor",
+    "ShardingPlan",
     "cpu_dmp_collection",
     "ddp_modules",
+    "full_weights",
+    "load_full_weights",
     "shard_torchrec",
+    "table_plan_helper",
     "torchrec_ebc",
 ]
 
@@ -84,7 +98,7 @@ class UniformEBCModel(nn.Module):
         return self.ebc(kjt)
 
 
-def _generator(kind: str, shard_group_size: int) -> Callable:
+def table_plan_helper(kind: str, shard_group_size: int) -> Callable:
     """TorchRec plan helper for one of benchmarks/distributed.py's table kinds ("tw:3", "rw")."""
     name, _, arg = kind.partition(":")
     if name == "tw":
@@ -107,7 +121,7 @@ def _plan(
     """Manual plan for ``model.ebc`` over ``shard_group_size`` ranks (no planner involved)."""
     module_plan = construct_module_sharding_plan(
         model.ebc,
-        {f"t{i}": _generator(kind, shard_group_size) for i, kind in enumerate(kinds)},
+        {f"t{i}": table_plan_helper(kind, shard_group_size) for i, kind in enumerate(kinds)},
         sharder=sharder,
         local_size=shard_group_size,
         world_size=shard_group_size,
@@ -145,6 +159,73 @@ def cpu_dmp_collection(**kwargs) -> DMPCollection:
         {"__init__": patched, "_remap_sharding_plan": remap_to_cpu},
     )
     return cls(**kwargs)
+
+
+def _local_blocks(value: object) -> list[tuple[torch.Tensor, tuple[int, ...]]] | None:
+    """This rank's blocks of a TorchRec table state: (tensor, offsets into the full table).
+
+    ``DistributedModelParallel`` gives ShardedTensors; ``DMPCollection`` gives DTensors
+    whose local tensor is a ``LocalShardsWrapper`` (their placements do not describe the
+    blocks: table-wise shows ``Replicate``, empty off its rank). Both local blocks are the
+    tables' storage (FBGEMM's TBE weights). None for a plain tensor.
+    """
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, ShardedTensor):
+        return [(s.tensor, tuple(s.metadata.shard_offsets)) for s in value.local_shards()]
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        if not hasattr(local, "local_offsets"):
+            raise TypeError(f"a DTensor whose local part is a {type(local).__name__}")
+        return [(t, tuple(o)) for t, o in zip(local.local_shards(), local.local_offsets())]
+    return None
+
+
+def _where(block: torch.Tensor, offsets: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offsets, block.shape))
+
+
+def load_full_weights(model: nn.Module, full: Mapping[str, torch.Tensor]) -> None:
+    """Copy the unsharded model's tensors ``full`` into TorchRec's sharded ``model``, each
+    rank its own blocks: ``DistributedModelParallel`` (and ``DMPCollection``) build their
+    tables with their own initialisation, so a comparison starts both libraries here.
+
+    Plain tensors (the DDP-wrapped dense part) are copied whole. Keys lose DMP's
+    ``module.`` prefix.
+    """
+    with torch.no_grad():
+        for key, value in model.state_dict().items():
+            want = full[key.removeprefix("module.")]
+            blocks = _local_blocks(value)
+            for block, offsets in blocks if blocks is not None else [(value, ())]:
+                block.copy_(want[_where(block, offsets)] if offsets else want)
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """TorchRec sharded ``model``'s state as full tensors on every rank (collective).
+
+    Every rank adds its blocks into zeros, the sums and the number of copies of each
+    element are all-reduced over the world, and replicas (2D) are averaged: what
+    ``sync()`` leaves them at, equal. Keys lose DMP's ``module.`` prefix.
+    """
+    out = {}
+    for key, value in model.state_dict().items():
+        blocks = _local_blocks(value)
+        if blocks is None:
+            out[key.removeprefix("module.")] = value.detach().clone()
+            continue
+        total = torch.zeros(value.shape, dtype=value.dtype)
+        copies = torch.zeros(value.shape, dtype=value.dtype)
+        for block, offsets in blocks:
+            total[_where(block, offsets)] += block.detach()
+            copies[_where(block, offsets)] += 1
+        dist.all_reduce(total)
+        dist.all_reduce(copies)
+        if not bool((copies > 0).all()):
+            raise ValueError(f"{key}: some elements are on no rank")
+        out[key.removeprefix("module.")] = total / copies
+    return out
 
 
 def ddp_modules(model: nn.Module) -> list[DistributedDataParallel]:
