@@ -20,6 +20,10 @@ victims; per step: the run sizes' ``tolist`` in ``tables._spans``, the host id c
 all-reduce read even in a world of one rank. With the grouped cache
 (``dtrec/sharded/offload/group.py``): 227 launches for 8 tables and for 200, no host sync.
 
+At W=2 the fill's verdict (every rank must refuse a batch that one rank's caches cannot
+hold, before any weight changes) is one all-reduce and one host read per step, of the
+verdict and this rank's fill sizes together (two reads before: the sizes, then the verdict).
+
 Without a host read, a batch whose rows do not fit a cache is refused late, as a bad id
 is in a world of one rank: its lookup flags it, nothing changes, and the next forward
 raises the cache's ValueError naming the table (``test_a_batch_too_large_...``).
@@ -134,6 +138,14 @@ def test_offloaded_step_launches_do_not_grow_with_tables(one_rank) -> None:
 def test_offloaded_step_never_waits_for_the_device(one_rank, num_tables: int) -> None:
     counts = one_rank[num_tables]
     assert counts["syncs"] == 0, counts["sync_sites"]
+
+
+def test_two_ranks_read_the_fill_verdict_once() -> None:
+    """W=2, table-wise on rank 0: each rank's step reads the offloaded fill once (rank 0:
+    its sizes with the verdict; rank 1, which holds no offloaded block: the verdict)."""
+    for rank, counts in enumerate(run_world(2, _count_step, 8, timeout=900, env=_ENV)):
+        offload = {k: n for k, n in counts["sync_sites"].items() if "sharded/offload/" in k}
+        assert sum(offload.values()) == 1, (rank, counts["sync_sites"])
 
 
 def test_a_batch_too_large_for_a_cache_is_refused_at_the_next_forward() -> None:

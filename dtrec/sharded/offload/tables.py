@@ -58,6 +58,11 @@ class _Lease:
     state: str = _FILLED
 
 
+def _sizes(plan: Plan) -> Tensor:
+    """A plan's per-table [over, need, avail, distinct] (``[4, tables]``, on the device)."""
+    return torch.stack([plan.over.long(), plan.need, plan.avail, plan.distinct])[:, :-1]
+
+
 class OffloadedTables:
     """The offloaded blocks of one collection on this rank (module doc).
 
@@ -197,10 +202,9 @@ class OffloadedTables:
             if plan is not None:  # read by no one: the lookup kernel flags the batch
                 fits = plan.over.any().logical_not()
         elif self._group is not None:
-            error = None if plan is None else self._overflow(plan)
             if verdict:
-                error = self._verdict(error)
-            elif error is not None:
+                error = self._verdict(plan)
+            elif plan is not None and (error := self._overflow(plan)) is not None:
                 raise AssertionError(f"a refill after a flush overflowed: {error}")
             if error is not None:
                 lease.error = error
@@ -216,12 +220,13 @@ class OffloadedTables:
         self._jobs.start(lambda: first.move(moves), background)
         return lease
 
-    def _overflow(self, plan: Plan) -> Exception | None:
-        """This rank's refusal of ``plan`` (one host read), or None."""
+    def _overflow(self, plan: Plan, read: list[list[int]] | None = None) -> Exception | None:
+        """This rank's refusal of ``plan``, or None; ``read``: the plan's per-table
+        [over, need, avail, distinct] already read to the host (else one host read)."""
         group = self._cache_group()
-        over, need, avail, distinct = torch.stack(
-            [plan.over.long(), plan.need, plan.avail, plan.distinct]
-        )[:, :-1].tolist()
+        if read is None:
+            read = _sizes(plan).tolist()
+        over, need, avail, distinct = read
         if not any(over):
             return None
         k = over.index(1)
@@ -229,19 +234,32 @@ class OffloadedTables:
         pinned = cache.capacity - avail[k] - (distinct[k] - need[k])
         return cache.overflow(distinct[k], pinned, f"rank {dist.get_rank()}")
 
-    def _verdict(self, error: Exception | None) -> Exception | None:
-        """``error``, or the refusal of the lowest rank that refused this batch elsewhere."""
+    def _verdict(self, plan: Plan | None) -> Exception | None:
+        """This rank's refusal of ``plan``, else that of the lowest rank that refused this
+        batch: one all-reduce of a device flag, then one host read of it and of this
+        rank's sizes together (not a read for the sizes and another for the verdict)."""
         if self._group is None or dist.get_world_size(self._group) == 1:
-            return error
-        world = dist.get_world_size()
-        failed = torch.tensor([dist.get_rank() if error else world], device=self._device)
-        first = int(all_reduce_min(failed, self._group, "offload.verdict")[0])
-        if error is not None or first >= world:
+            return None if plan is None else self._overflow(plan)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        sizes = None if plan is None else _sizes(plan)
+        if sizes is None:
+            failed = torch.full((1,), world, dtype=torch.long, device=self._device)
+        else:
+            failed = torch.where(sizes[0].any(), rank, world).view(1)
+        first = all_reduce_min(failed, self._group, "offload.verdict")
+        if sizes is None:
+            read, first_rank = None, int(first[0])
+        else:
+            both = torch.cat([first.to(sizes.device).view(1, 1).expand(1, sizes.shape[1]), sizes])
+            values = both.tolist()
+            read, first_rank = values[1:], values[0][0]
+        error = None if read is None else self._overflow(plan, read)  # type: ignore[arg-type]
+        if error is not None or first_rank >= world:
             return error
         return ValueError(
-            f"rank {first}'s device cache of an offloaded table cannot hold this batch's rows "
-            "(see the error on that rank): every rank stops this step in forward, before any "
-            "weight changes"
+            f"rank {first_rank}'s device cache of an offloaded table cannot hold this batch's "
+            "rows (see the error on that rank): every rank stops this step in forward, before "
+            "any weight changes"
         )
 
     def _release(self, state: str) -> None:
