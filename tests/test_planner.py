@@ -195,3 +195,33 @@ def test_node_aware_costs_favour_keeping_traffic_on_a_node():
     assert table_row_wise < 0.5 * row_wise
     choices, sums = plan_tables(tables, axis, None, topology)
     assert float(sums.time(axis, topology).max()) <= table_row_wise * (1 + 1e-9)
+
+
+def test_collections_on_meshes_of_their_own_share_each_ranks_budget() -> None:
+    """Planned mesh by mesh, each mesh's tables within what the ones before left of every
+    rank's memory: two collections that each fit a rank alone but not together are
+    refused, where planning them apart would have let both take the whole budget."""
+    from torch import nn
+
+    from tests.fake_world import fake_world
+
+    def model() -> nn.Module:
+        m = nn.Module()
+        for name in ("a", "b"):
+            cfg = dtrec.EmbeddingBagConfig(f"{name}0", 1000, 64, [f"{name}f"])  # 256 kB
+            setattr(m, name, dtrec.EmbeddingBagCollection([cfg], device="meta"))
+        return m
+
+    def topology(bytes_per_rank: float) -> dtrec.Topology:
+        return dtrec.Topology.cpu(memory_per_rank=bytes_per_rank, memory_headroom=0.0)
+
+    with fake_world(0, 4):
+        mesh, own = dtrec.init_mesh("cpu", 1), dtrec.init_mesh("cpu", 2)
+        # a (S=1) holds 0.5 MiB on every rank, b at best 0.4 MiB (CW on S=2): 0.7 MiB fits
+        # either alone, not both
+        fits = dtrec.plan(model(), mesh, topology=topology(1.2e6), meshes={"b": own})
+        first, second = (fits.reports[k] for k in ("a on mesh 1 x 4", "b on mesh 2 x 2"))
+        held = max(first.memory)
+        assert second.topology.memory_per_rank == pytest.approx(1.2e6 - held)
+        with pytest.raises(ValueError, match="'b.b0'.*does not fit"):
+            dtrec.plan(model(), mesh, topology=topology(0.7e6), meshes={"b": own})

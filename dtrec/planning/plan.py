@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -217,8 +217,8 @@ def plan(
     every rank computes the same plan.
     ``meshes``: collection FQN -> the mesh its tables are sharded on
     (``distribute_module(..., meshes=)``); each mesh's collections are planned on it
-    apart, with the whole per-rank budget each, and get a report of their own
-    (``ShardingPlan.reports``).
+    apart, in collection order, within what the meshes planned before them left of each
+    rank's memory, and get a report of their own (``ShardingPlan.reports``).
     ``print(plan)`` explains it.
 
     Example::
@@ -233,7 +233,8 @@ def plan(
         topology = Topology.h100() if mesh.device_type == "cuda" else Topology.cpu()
     if isinstance(topology.qcomms, Mapping):  # a collection the model lacks: KeyError
         qcomms_per_collection(topology.qcomms, {collection_of(k, c) for k, c in tables.items()})
-    plans = []
+    plans: list[ShardingPlan] = []
+    left = topology  # what each rank's memory budget still holds for the next mesh's tables
     for group_mesh, keys in groups:
         group_tables = {k: tables[k] for k in keys}
         given = from_torchrec(_for_group(constraints, group_tables, tables), tables, group_mesh)
@@ -245,7 +246,8 @@ def plan(
         given = dict(given or {})
         check_plan_keys(given, tables)
         given = {k: v for k, v in given.items() if k in group_tables}
-        plans.append(_plan_on(group_tables, shard_axis(group_mesh), given, topology))
+        plans.append(_plan_on(group_tables, shard_axis(group_mesh), given, left))
+        left = _after(left, plans[-1].report)  # type: ignore[arg-type]
     if len(plans) == 1:
         return plans[0]
     result = ShardingPlan({key: spec for p in plans for key, spec in p.items()})
@@ -274,6 +276,19 @@ def _for_group(
         for path, module_plan in plan.items()
         if any(key == path or key.startswith(f"{path}.") or not path for key in group)
     }
+
+
+def _after(topology: Topology, report: PlanReport) -> Topology:
+    """``topology`` with what ``report``'s plan holds on its fullest position taken off every
+    rank's device and host budgets: every mesh spans every rank, so the next mesh's tables
+    share each rank with these (conservative: a rank holds one position of each mesh)."""
+    device = max(report.memory, default=0.0) / (1.0 - topology.memory_headroom)
+    host = max(report.host_memory, default=0.0)
+    return replace(
+        topology,
+        memory_per_rank=max(topology.memory_per_rank - device, 1.0),
+        host_memory_per_rank=max(topology.host_memory_per_rank - host, 0.0),
+    )
 
 
 def _plan_on(
