@@ -9,6 +9,8 @@ sharding type, with the fused row-wise Adagrad:
 * compiled training equals eager training (3 steps, numerics contract): one-rank worlds
   with ``fullgraph=True``, forward and backward; 4 ranks on a 2x2 and a 1D mesh with the
   default ``torch.compile``; fused and torch optimizers;
+* the same for a sharded ``EmbeddingCollection`` (sequence lookups), whose forward runs
+  eagerly for now: one break at every world size, default compile;
 * recompiles over 30 steps of varying batches (multi-hot lengths, uneven batch sizes):
   at most ``MAX_RECOMPILES`` after the first compile.
 
@@ -24,6 +26,7 @@ from tests.multiprocess import run_world
 KINDS = ("table_wise", "row_wise", "column_wise", "data_parallel")
 # world size -> breaks per forward; each remaining one is named in docs/compile.md
 BREAK_BUDGET = {1: 0, 4: 1}
+SEQUENCE_BREAK_BUDGET = {1: 1, 4: 1}  # a sharded EmbeddingCollection runs eagerly
 MESHES = {1: (1,), 4: (2, 4)}  # world size -> shard group sizes (4 ranks: 2x2 and 1D)
 OPTIMIZERS = ("rowwise_adagrad", "torch_sgd")
 TOLERANCE = 1e-5
@@ -32,19 +35,46 @@ RECOMPILE_STEPS = 30
 NUM_TABLES, DIM = 4, 8
 
 
+def _spec(kind: str, i: int, shards: int):
+    from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
+
+    return {"table_wise": lambda: TableWise(rank=i % shards), "row_wise": RowWise,
+            "column_wise": ColumnWise, "data_parallel": DataParallel}[kind]()  # fmt: skip
+
+
+def _sequence_model(kind: str, shards: int, optimizer: str):
+    """An ``EmbeddingCollection`` of 4 tables, each feature's rows through one MLP."""
+    import torch
+
+    import dtrec
+
+    tables = [dtrec.EmbeddingConfig(f"t{i}", 40 + 3 * i, DIM, [f"f{i}"]) for i in range(NUM_TABLES)]
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ec = dtrec.EmbeddingCollection(tables)
+            self.mlp = torch.nn.Linear(DIM, 1)
+
+        def forward(self, kjt):
+            out = self.ec(kjt)
+            return sum(self.mlp(out[f"f{i}"].values()).square().sum() for i in range(NUM_TABLES))
+
+    torch.manual_seed(0)
+    fused = dtrec.optim.RowWiseAdagrad(lr=0.1) if optimizer == "rowwise_adagrad" else None
+    plan = {f"ec.{t.name}": _spec(kind, i, shards) for i, t in enumerate(tables)}
+    return dtrec.distribute_module(Model(), dtrec.init_mesh("cpu", shards), plan, optimizer=fused)
+
+
 def _model(kind: str, shards: int, optimizer: str):
     import torch
 
     import dtrec
-    from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
 
     tables = [
         dtrec.EmbeddingBagConfig(f"t{i}", 40 + 3 * i, DIM, [f"f{i}"], "mean" if i % 2 else "sum")
         for i in range(NUM_TABLES)
     ]
-    spec = {"table_wise": lambda i: TableWise(rank=i % shards), "row_wise": lambda i: RowWise(),
-            "column_wise": lambda i: ColumnWise(),
-            "data_parallel": lambda i: DataParallel()}[kind]  # fmt: skip
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:
@@ -58,7 +88,7 @@ def _model(kind: str, shards: int, optimizer: str):
 
     torch.manual_seed(0)
     fused = dtrec.optim.RowWiseAdagrad(lr=0.1) if optimizer == "rowwise_adagrad" else None
-    plan = {f"ebc.{t.name}": spec(i) for i, t in enumerate(tables)}
+    plan = {f"ebc.{t.name}": _spec(kind, i, shards) for i, t in enumerate(tables)}
     return dtrec.distribute_module(Model(), dtrec.init_mesh("cpu", shards), plan, optimizer=fused)
 
 
@@ -85,25 +115,27 @@ def _train(model, step_fn, batches) -> dict:
     return dtrec.checkpoint.full_state_dict(model)
 
 
-def _breaks(kind: str, shards: int) -> int:
+def _breaks(kind: str, shards: int, build=_model) -> int:
     import torch
 
-    model = _model(kind, shards, "rowwise_adagrad")
+    model = build(kind, shards, "rowwise_adagrad")
     torch._dynamo.reset()
     kjt = _batch(torch.Generator().manual_seed(0), 6)
     return torch._dynamo.explain(lambda k: model(k))(kjt).graph_break_count
 
 
-def _max_rel_error(kind: str, shards: int, optimizer: str, rank: int, world: int) -> float:
+def _max_rel_error(
+    kind: str, shards: int, optimizer: str, rank: int, fullgraph: bool, build=_model
+) -> float:
     import torch
 
     gen = torch.Generator().manual_seed(rank)
     batches = [_batch(gen, 5 + rank) for _ in range(3)]  # uneven over ranks
-    model = _model(kind, shards, optimizer)
+    model = build(kind, shards, optimizer)
     eager = _train(model, model, batches)
     torch._dynamo.reset()
-    model = _model(kind, shards, optimizer)
-    compiled = _train(model, torch.compile(model, fullgraph=world == 1), batches)
+    model = build(kind, shards, optimizer)
+    compiled = _train(model, torch.compile(model, fullgraph=fullgraph), batches)
     return max(
         ((eager[k] - compiled[k]).abs().max() / eager[k].abs().max().clamp_min(1e-12)).item()
         for k in eager
@@ -151,8 +183,12 @@ def _world_cases(rank: int, world: int) -> dict:
             out["breaks", shards, kind] = _breaks(kind, shards)
             for optimizer in OPTIMIZERS:
                 out["error", shards, kind, optimizer] = _max_rel_error(
-                    kind, shards, optimizer, rank, world
+                    kind, shards, optimizer, rank, world == 1
                 )
+            out["seq_breaks", shards, kind] = _breaks(kind, shards, _sequence_model)
+            out["seq_error", shards, kind] = _max_rel_error(
+                kind, shards, "rowwise_adagrad", rank, False, _sequence_model
+            )
     if world == 1:
         out["recompiles"] = _recompiles(rank)
     torch._dynamo.reset()
@@ -199,3 +235,21 @@ def test_four_ranks_graph_breaks_within_budget(four_ranks, shards: int, kind: st
 def test_four_ranks_compiled_trains_like_eager(four_ranks, shards, kind, optimizer) -> None:
     for rank, got in enumerate(four_ranks):
         assert got["error", shards, kind, optimizer] <= TOLERANCE, rank
+
+
+@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_sequence_forward_breaks_within_budget(one_rank, four_ranks, world, kind) -> None:
+    results = [one_rank] if world == 1 else four_ranks
+    for rank, got in enumerate(results):
+        for shards in MESHES[world]:
+            assert got["seq_breaks", shards, kind] <= SEQUENCE_BREAK_BUDGET[world], (rank, shards)
+
+
+@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_sequence_compiled_trains_like_eager(one_rank, four_ranks, world, kind) -> None:
+    results = [one_rank] if world == 1 else four_ranks
+    for rank, got in enumerate(results):
+        for shards in MESHES[world]:
+            assert got["seq_error", shards, kind] <= TOLERANCE, (rank, shards)
