@@ -66,13 +66,15 @@ def _sequence_model(kind: str, shards: int, optimizer: str):
     return dtrec.distribute_module(Model(), dtrec.init_mesh("cpu", shards), plan, optimizer=fused)
 
 
-def _model(kind: str, shards: int, optimizer: str):
+def _model(kind: str, shards: int, optimizer: str, weighted: bool = False):
+    """Sum and mean pooled tables; all sum pooled when the batches are ``weighted``."""
     import torch
 
     import dtrec
 
+    pooling = ["sum" if weighted or i % 2 == 0 else "mean" for i in range(NUM_TABLES)]
     tables = [
-        dtrec.EmbeddingBagConfig(f"t{i}", 40 + 3 * i, DIM, [f"f{i}"], "mean" if i % 2 else "sum")
+        dtrec.EmbeddingBagConfig(f"t{i}", 40 + 3 * i, DIM, [f"f{i}"], pooling[i])
         for i in range(NUM_TABLES)
     ]
 
@@ -92,14 +94,16 @@ def _model(kind: str, shards: int, optimizer: str):
     return dtrec.distribute_module(Model(), dtrec.init_mesh("cpu", shards), plan, optimizer=fused)
 
 
-def _batch(gen, batch: int):
+def _batch(gen, batch: int, weighted: bool = False):
     import torch
 
     import dtrec
 
     lengths = torch.randint(0, 4, (NUM_TABLES * batch,), generator=gen)
     values = torch.randint(0, 40, (int(lengths.sum()),), generator=gen)
-    return dtrec.KeyedJaggedTensor([f"f{i}" for i in range(NUM_TABLES)], values, lengths)
+    weights = torch.rand(values.shape, generator=gen) if weighted else None
+    keys = [f"f{i}" for i in range(NUM_TABLES)]
+    return dtrec.KeyedJaggedTensor(keys, values, lengths, weights=weights)
 
 
 def _train(model, step_fn, batches) -> dict:
@@ -125,12 +129,22 @@ def _breaks(kind: str, shards: int, build=_model) -> int:
 
 
 def _max_rel_error(
-    kind: str, shards: int, optimizer: str, rank: int, fullgraph: bool, build=_model
+    kind: str,
+    shards: int,
+    optimizer: str,
+    rank: int,
+    fullgraph: bool,
+    build=_model,
+    weighted: bool = False,
 ) -> float:
+    import functools
+
     import torch
 
     gen = torch.Generator().manual_seed(rank)
-    batches = [_batch(gen, 5 + rank) for _ in range(3)]  # uneven over ranks
+    batches = [_batch(gen, 5 + rank, weighted) for _ in range(3)]  # uneven over ranks
+    if weighted:
+        build = functools.partial(build, weighted=True)
     model = build(kind, shards, optimizer)
     eager = _train(model, model, batches)
     torch._dynamo.reset()
@@ -162,6 +176,31 @@ def _recompiles(rank: int) -> int:
     return len(compiles) - warm
 
 
+def _bad_id_error() -> str:
+    """The error a compiled one-rank step raises for an id outside its table (checked in
+    the lookup op, before any update), and whether the tables stayed unchanged."""
+    import torch
+
+    import dtrec
+
+    model = _model("table_wise", 1, "rowwise_adagrad")
+    torch._dynamo.reset()
+    step = torch.compile(model, fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    step(_batch(gen, 4)).backward()
+    before = dtrec.checkpoint.full_state_dict(model)
+    bad = _batch(gen, 4)
+    bad.values()[-1] = 10_000
+    try:
+        step(bad).backward()
+    except Exception as exc:  # noqa: BLE001 - its type is the result
+        error = type(exc).__name__
+    else:
+        error = "none"
+    after = dtrec.checkpoint.full_state_dict(model)
+    return f"{error}, unchanged={all(torch.equal(before[k], after[k]) for k in before)}"
+
+
 def _counting_backend(compiles: list):
     """``aot_eager``, recording each graph dynamo hands it (one per compile)."""
     from torch._dynamo.backends.debugging import aot_eager
@@ -191,6 +230,11 @@ def _world_cases(rank: int, world: int) -> dict:
             )
     if world == 1:
         out["recompiles"] = _recompiles(rank)
+        for optimizer in OPTIMIZERS:  # per-sample weights, sum pooling
+            out["weighted_error", optimizer] = _max_rel_error(
+                "table_wise", 1, optimizer, rank, True, weighted=True
+            )
+        out["bad_id"] = _bad_id_error()
     torch._dynamo.reset()
     return out
 
@@ -253,3 +297,12 @@ def test_sequence_compiled_trains_like_eager(one_rank, four_ranks, world, kind) 
     for rank, got in enumerate(results):
         for shards in MESHES[world]:
             assert got["seq_error", shards, kind] <= TOLERANCE, (rank, shards)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_one_rank_fullgraph_trains_like_eager_with_per_sample_weights(one_rank, optimizer) -> None:
+    assert one_rank["weighted_error", optimizer] <= TOLERANCE
+
+
+def test_one_rank_compiled_step_refuses_a_bad_id_before_any_update(one_rank) -> None:
+    assert one_rank["bad_id"] == "IndexError, unchanged=True"
