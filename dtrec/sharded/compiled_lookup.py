@@ -74,7 +74,11 @@ def _fused_embedding_bag_fake(
     return weights[0].new_empty(batch, width)
 
 
-@torch.library.custom_op("dtrec::fused_embedding_bag_stash", mutates_args=())
+# cudagraph_unsafe: a CUDA graph replays kernels, not Python; the stash must run every step
+# (inductor keeps the op out of its CUDA graphs, ``mode="reduce-overhead"``).
+@torch.library.custom_op(
+    "dtrec::fused_embedding_bag_stash", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
+)
 def fused_embedding_bag_stash_op(
     trigger: Tensor,
     weights: list[Tensor],
