@@ -65,6 +65,7 @@ from dtrec._torch_compat import (
     grad_hook_count,
     local_block,
     queue_backward_callback,
+    traced_broadcast_,
 )
 from dtrec.comm.collectives import PendingTensor, all_reduce_start, broadcast_coalesced
 
@@ -240,7 +241,10 @@ class ReplicatedDense:
         tensors = [getattr(m, n) for m, n in self._buffers]
         tensors = [t for t in tensors if isinstance(t, Tensor)]
         if tensors and dist.get_world_size() > 1:
-            broadcast_coalesced(tensors, 0, None, "dense.buffers")
+            if torch.compiler.is_compiling():  # traced: no graph break (docs/compile.md)
+                traced_broadcast_(tensors, 0)
+            else:
+                broadcast_coalesced(tensors, 0, None, "dense.buffers")
 
     # ------------------------------------------------------------------ backward
 

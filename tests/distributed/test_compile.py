@@ -27,6 +27,8 @@ KINDS = ("table_wise", "row_wise", "column_wise", "data_parallel")
 # world size -> breaks per forward; each remaining one is named in docs/compile.md
 BREAK_BUDGET = {1: 0, 4: 1}
 SEQUENCE_BREAK_BUDGET = {1: 1, 4: 1}  # a sharded EmbeddingCollection runs eagerly
+# Dense buffers (a BatchNorm in the head) add none: their broadcast from rank 0 at W > 1
+# is traced (functional collectives) under compile.
 MESHES = {1: (1,), 4: (2, 4)}  # world size -> shard group sizes (4 ranks: 2x2 and 1D)
 OPTIMIZERS = ("rowwise_adagrad", "torch_sgd")
 TOLERANCE = 1e-5
@@ -66,8 +68,9 @@ def _sequence_model(kind: str, shards: int, optimizer: str):
     return dtrec.distribute_module(Model(), dtrec.init_mesh("cpu", shards), plan, optimizer=fused)
 
 
-def _model(kind: str, shards: int, optimizer: str, weighted: bool = False):
-    """Sum and mean pooled tables; all sum pooled when the batches are ``weighted``."""
+def _model(kind: str, shards: int, optimizer: str, weighted: bool = False, buffers: bool = False):
+    """Sum and mean pooled tables; all sum pooled when the batches are ``weighted``;
+    ``buffers``: a BatchNorm in the head (its buffers are broadcast from rank 0)."""
     import torch
 
     import dtrec
@@ -82,8 +85,9 @@ def _model(kind: str, shards: int, optimizer: str, weighted: bool = False):
         def __init__(self) -> None:
             super().__init__()
             self.ebc = dtrec.EmbeddingBagCollection(tables)
-            self.mlp = torch.nn.Sequential(torch.nn.Linear(NUM_TABLES * DIM, 8), torch.nn.ReLU(),
-                                           torch.nn.Linear(8, 1))  # fmt: skip
+            norm = [torch.nn.BatchNorm1d(NUM_TABLES * DIM)] if buffers else []
+            self.mlp = torch.nn.Sequential(*norm, torch.nn.Linear(NUM_TABLES * DIM, 8),
+                                           torch.nn.ReLU(), torch.nn.Linear(8, 1))  # fmt: skip
 
         def forward(self, kjt):
             return self.mlp(self.ebc(kjt).values()).square().mean()
@@ -213,6 +217,8 @@ def _counting_backend(compiles: list):
 
 
 def _world_cases(rank: int, world: int) -> dict:
+    import functools
+
     import torch
 
     torch._dynamo.config.cache_size_limit = 64
@@ -228,6 +234,11 @@ def _world_cases(rank: int, world: int) -> dict:
             out["seq_error", shards, kind] = _max_rel_error(
                 kind, shards, "rowwise_adagrad", rank, False, _sequence_model
             )
+        with_buffers = functools.partial(_model, buffers=True)
+        out["buffers_breaks", shards] = _breaks("table_wise", shards, with_buffers)
+        out["buffers_error", shards] = _max_rel_error(
+            "table_wise", shards, "rowwise_adagrad", rank, world == 1, with_buffers
+        )
     if world == 1:
         out["recompiles"] = _recompiles(rank)
         for optimizer in OPTIMIZERS:  # per-sample weights, sum pooling
@@ -306,3 +317,13 @@ def test_one_rank_fullgraph_trains_like_eager_with_per_sample_weights(one_rank, 
 
 def test_one_rank_compiled_step_refuses_a_bad_id_before_any_update(one_rank) -> None:
     assert one_rank["bad_id"] == "IndexError, unchanged=True"
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_dense_buffers_breaks_within_budget_and_train_like_eager(one_rank, four_ranks, world):
+    results = [one_rank] if world == 1 else four_ranks
+    budget = BREAK_BUDGET[world]
+    for rank, got in enumerate(results):
+        for shards in MESHES[world]:
+            assert got["buffers_breaks", shards] <= budget, (rank, shards)
+            assert got["buffers_error", shards] <= TOLERANCE, (rank, shards)
