@@ -23,6 +23,11 @@ ever created: ``step_probes.FullTableWatch``).
 
     PYTHONPATH=. python benchmarks/gpu_step.py --json benchmarks/results/gpu_step_<card>_<date>.json
     PYTHONPATH=. python benchmarks/gpu_step.py --smoke --json /tmp/smoke.json   # CPU, seconds
+
+``--compile`` adds, per config, dtrec's step under ``torch.compile`` (``--compile-mode``;
+issue 32, docs/compile.md): ``compiled.step_s`` (after warm-up, compiles excluded),
+``compiled.graph_breaks`` in one forward (``torch._dynamo.explain``), beside the eager
+``step_s``; on CUDA with ``--compile-mode reduce-overhead`` the step runs as CUDA graphs.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import datetime
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -398,7 +403,33 @@ def measure(lib: Library, w: Workload, batches: list[Batch], args, device, copy_
         "of_copy": moved / seconds / 1e9 / copy_gbps,
     }
     out["memory"] = memory(lib, steps(1)[0], w, device)
+    if lib.name == "dtrec" and args.compile:
+        out["compiled"] = compiled_step(lib, steps, args, device)
     return out
+
+
+def compiled_step(lib: Library, steps, args, device: torch.device) -> dict:
+    """dtrec's whole step (model under ``torch.compile``, the same optimizers): graph
+    breaks in one forward, then mean seconds per step after ``args.warmup + 2`` steps
+    (the first compile and the recompile that makes the batch's sizes dynamic)."""
+    one = steps(1)[0]
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda d, f: lib.model(d, f))(one.dense, one.sparse_features)
+    torch._dynamo.reset()
+    compiled = replace(lib, model=torch.compile(lib.model, mode=args.compile_mode))
+    start = time.perf_counter()
+    for b in steps(args.warmup + 2):
+        compiled.step(b)
+    sync(device)
+    warm_s = time.perf_counter() - start
+    return {
+        "mode": args.compile_mode,
+        "graphs": explained.graph_count,
+        "graph_breaks": explained.graph_break_count,
+        "break_reasons": [r.reason.splitlines()[0] for r in explained.break_reasons],
+        "warmup_s": warm_s,
+        "step_s": back_to_back(compiled.step, steps(args.steps), device),
+    }
 
 
 class DenseOnly:
@@ -466,6 +497,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-pytorch", action="store_true", help="skip the plain PyTorch baseline")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (code-path check)")
     p.add_argument("--json", help="write the report here")
+    p.add_argument("--compile", action="store_true", help="also time dtrec's compiled step")
+    p.add_argument("--compile-mode", default="default",
+                   choices=["default", "reduce-overhead", "max-autotune"])  # fmt: skip
     args = p.parse_args(argv)
     if args.smoke:
         args.device = "cpu" if "--device" not in argv else args.device
@@ -555,6 +589,10 @@ def run(args, w: Workload, sizes: list[int], device, copy_gbps: float) -> dict:
 
 def summary_line(config: str, library: str, r: dict) -> str:
     emb, syncs = r["embedding"], r["host_syncs"]
+    compiled = r.get("compiled")
+    if compiled:
+        config += (f" [compiled {compiled['step_s'] * 1e3:.2f} ms, "
+                   f"{compiled['graph_breaks']} breaks]")  # fmt: skip
     return (
         f"{config:<22} {library:<8} step {r['step_s'] * 1e3:8.2f} ms | embedding "
         f"{emb['GBps']:7.1f} GB/s ({emb['of_copy']:.0%} of copy), "

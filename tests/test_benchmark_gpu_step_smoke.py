@@ -57,6 +57,26 @@ def test_smoke_run_reports_every_measure(tmp_path) -> None:
     assert "| B64_multi_hot |" in done.stdout  # printed as markdown too
 
 
+def test_compile_smoke_traces_the_one_rank_step_whole(tmp_path) -> None:
+    """``--compile`` (issue 32): the DLRM step under ``torch.compile`` on CPU, its forward
+    one graph (the embedding part of a one-rank world has no graph break)."""
+    out = tmp_path / "gpu_step_compiled.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, "benchmarks/gpu_step.py", "--smoke", "--compile", "--no-pytorch",
+         "--json", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["meta"]["args"]["compile"] is True
+    for name, config in report["results"].items():
+        compiled = config["dtrec"]["compiled"]
+        assert compiled["graph_breaks"] == 0, (name, compiled["break_reasons"])
+        assert compiled["graphs"] == 1 and compiled["step_s"] > 0, name
+    assert "breaks]" in done.stdout
+
+
 def test_full_table_watch_flags_new_table_sized_tensors_only() -> None:
     flat = torch.zeros(100 * 8 + 10)
     with FullTableWatch({"t": (100, 8)}) as watch:

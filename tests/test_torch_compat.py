@@ -180,6 +180,20 @@ def test_dtensor_op_handlers_route_an_op() -> None:
         assert out.to_local().tolist() == [[2.0, 2.0], [2.0, 2.0]]
 
 
+def test_traced_broadcast_copies_the_source_rank_tensors() -> None:
+    with gloo_world_of_one():
+        buffer = torch.arange(4.0)
+        compat.traced_broadcast_([buffer], 0)
+        assert buffer.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+        @torch.compile(backend="eager", fullgraph=True)
+        def traced(t: torch.Tensor) -> torch.Tensor:
+            compat.traced_broadcast_([t], 0)
+            return t + 1
+
+        assert traced(buffer).tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
 # --------------------------------------------------------------------------- one place
 
 # Files still allowed private torch uses outside _torch_compat (none today); delete an

@@ -65,6 +65,7 @@ from dtrec._torch_compat import (
     grad_hook_count,
     local_block,
     queue_backward_callback,
+    traced_broadcast_,
 )
 from dtrec.comm.collectives import PendingTensor, all_reduce_start, broadcast_coalesced
 
@@ -148,23 +149,31 @@ class ReplicatedDense:
 
     def _hook_params(self) -> None:
         """Buckets of the parameters that train (none in a world of one rank: its gradients
-        are the averages); leaves and their hooks are made at the first forward."""
+        are the averages); leaves and their hooks are made at the first forward, the
+        parameters' bucket hooks now."""
         trained = [p for p in self._params if p.requires_grad]
         self._buckets = _buckets(trained) if dist.get_world_size() > 1 else []
         self._slot = {id(p): b for b, bucket in enumerate(self._buckets) for p in bucket.params}
         self._leaves: dict[int, Tensor] = {}  # id(param) -> its plain leaf
         self._hooked: set[int] = set()  # id(param) of those dtrec put its one hook on
+        # Hooked now, not at a first forward: a compiled forward reads ``to_local()`` (its
+        # gradient then arrives on the parameter) and cannot register hooks in the graph;
+        # an eager forward reads the leaf, which never fires the parameter's own hooks.
+        for p in trained:
+            if id(p) in self._slot:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+                self._hooked.add(id(p))
 
     # ------------------------------------------------------------------ forward
 
     def _input(self, p: nn.Parameter) -> Tensor:
         """What the module code reads for ``p``: its plain leaf, or ``to_local()`` when the
-        parameter has gradient hooks of its own."""
-        if grad_hook_count(p) > (id(p) in self._hooked):
-            if self._slot and id(p) not in self._hooked:  # its gradient arrives on p
-                p.register_post_accumulate_grad_hook(self._grad_ready)
-                self._hooked.add(id(p))
+        parameter has gradient hooks of its own, or under ``torch.compile`` (which traces
+        ``to_local`` and cannot trace the leaf's storage check: ``docs/compile.md``)."""
+        if torch.compiler.is_compiling():
             return p.to_local()
+        if grad_hook_count(p) > (id(p) in self._hooked):
+            return p.to_local()  # its gradient arrives on p (``_hook_params``)
         local = local_block(p)
         leaf = self._leaves.get(id(p))
         if (
@@ -232,7 +241,10 @@ class ReplicatedDense:
         tensors = [getattr(m, n) for m, n in self._buffers]
         tensors = [t for t in tensors if isinstance(t, Tensor)]
         if tensors and dist.get_world_size() > 1:
-            broadcast_coalesced(tensors, 0, None, "dense.buffers")
+            if torch.compiler.is_compiling():  # traced: no graph break (docs/compile.md)
+                traced_broadcast_(tensors, 0)
+            else:
+                broadcast_coalesced(tensors, 0, None, "dense.buffers")
 
     # ------------------------------------------------------------------ backward
 

@@ -47,6 +47,7 @@ from dtrec.ops.lookup import Lookup
 from dtrec.ops.op import embedding_bag_psw_backward_op, lookup_backward_rows, lookup_forward
 from dtrec.optim import FusedOptimizer, RowUpdate
 from dtrec.optim.param_groups import rule_for_group
+from dtrec.sharded.compiled_lookup import fused_embedding_bag_op, register_updater
 from dtrec.sharded.grad_sync import TableRows, sum_by_row, sync_rows
 
 
@@ -111,6 +112,16 @@ class FusedUpdater:
         self.after_update: Callable[[], None] | None = None
         """Called once this updater's tables are updated (the collection starts a due
         ``sync_every`` replica average there)."""
+        device = next((u.weight.device for u in tables.values()), torch.device("cpu"))
+        self.trigger = torch.empty(0, device=device, requires_grad=True)
+        """The compiled lookup's grad-requiring input (``compiled_lookup.py``): one leaf,
+        so the traced forward creates none."""
+        self.key = register_updater(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (``deepcopy``, unpickling) gets its own key for the compiled backward."""
+        self.__dict__.update(state)
+        self.key = register_updater(self)
 
     #: How replicas sum their row grads (set from the collection's ``replica_sync``).
     replica_sync: str = "auto"
@@ -370,14 +381,22 @@ def fused_lookup(
     offsets: Tensor,
     psw: Tensor | None,
     error: Tensor | None = None,
+    check_ids: bool = False,
 ) -> Tensor:
     """Pooled lookup whose backward feeds ``updater`` instead of producing weight grads.
 
     A bad param group is reported here, in forward, where failing leaves no half-stashed
     backward behind (the update reads the group again when it runs). ``error``: the
     ``Lookup.error`` flag its ids are checked into (backends that skip bad ids), which
-    also stops its update.
+    also stops its update. ``check_ids`` (compiled only): IndexError for an id outside
+    its table, raised inside the op (``compiled_lookup.py``).
     """
+    if torch.compiler.is_compiling():  # one traceable op (``compiled_lookup.py``)
+        assert error is None, "the compiled lookup checks ids in the op"
+        return fused_embedding_bag_op(
+            updater.trigger, tables, entry_table, values, offsets, mean, psw, check_ids,
+            table_ids, updater.key,
+        )  # fmt: skip
     if torch.is_grad_enabled():
         updater.current_rule()
     trigger = torch.empty(0, requires_grad=torch.is_grad_enabled())

@@ -68,6 +68,9 @@ class LocalBatch:
     kjt: KeyedJaggedTensor | None
     error: Exception | None
     device_check: bool = False
+    op_check: bool = False
+    """Its ids are checked inside the lookup op (under ``torch.compile``: no host read
+    is traced; an IndexError raised by the op, before any update)."""
 
 
 def serves_locally(routing: Routing, layouts: list[TableLayout]) -> bool:
@@ -94,7 +97,8 @@ class LocalPath:
         self._updater = updater
         self._offload = offload
         self._mesh = mesh
-        self._world_size = mesh.size()
+        self.world_size = mesh.size()
+        """Ranks of the mesh (1: no collective in the step, ``torch.compile`` traces it)."""
         self._device = mesh_device(mesh)
         slots = routing.slots
         self._table_ids = sorted({slot.table for slot in slots})
@@ -114,14 +118,17 @@ class LocalPath:
             kjt = prepare_features(features, self._tables, rank, "off", self._device, weighted)
             device_check = (
                 bounds_check == "on"
-                and (self._offload is None or self._world_size == 1)
+                and not torch.compiler.is_compiling()  # the op checks them (``op_check``)
+                and (self._offload is None or self.world_size == 1)
                 and self._checks_on_device(kjt)
             )
-            if bounds_check == "on" and not device_check:
+            op_check = bounds_check == "on" and not device_check
+            if op_check and not torch.compiler.is_compiling():
+                op_check = False
                 check_id_range(kjt, self._tables, rank)
         except (KeyError, ValueError, IndexError, TypeError) as exc:
             return LocalBatch(None, exc)
-        return LocalBatch(kjt, None, device_check)
+        return LocalBatch(kjt, None, device_check, op_check)
 
     def _checks_on_device(self, kjt: KeyedJaggedTensor) -> bool:
         """Whether the lookup kernel checks this batch's ids (see the module docstring)."""
@@ -133,11 +140,12 @@ class LocalPath:
     def forward(self, batch: LocalBatch, local: dict[int, Tensor]) -> KeyedTensor:
         """The collection's output for ``batch``; raises a refusal (on every replica) or the
         error of an earlier bad batch (one rank)."""
-        self._calls += 1
+        if not torch.compiler.is_compiling():  # a traced int would guard on every value
+            self._calls += 1  # names device-checked batches, which compiled steps have not
         self.report_bad_batches()
-        if batch.error is not None and self._world_size == 1:
+        if batch.error is not None and self.world_size == 1:
             raise batch.error
-        agreed_first = self._offload is not None and self._world_size > 1
+        agreed_first = self._offload is not None and self.world_size > 1
         if agreed_first:  # before the fill's collective (module docstring)
             try:
                 self._verdict(batch, None)
@@ -150,7 +158,7 @@ class LocalPath:
             if batch.device_check:
                 flag = self._host_flag(kjt.values().device)
             out = self.lookup(kjt, local, None if flag is None else flag.flag, batch)
-        if self._world_size > 1 and not agreed_first:
+        if self.world_size > 1 and not agreed_first:
             self._verdict(batch, flag)
         elif flag is not None:
             flag.snapshot((batch.kjt, self._calls))
@@ -169,6 +177,7 @@ class LocalPath:
         tables' ids read their cache slots (the fill of ``key``, the batch, or one now)."""
         tables = [local[t] for t in self._table_ids]
         values, offsets, psw = kjt.values(), kjt.offsets(), kjt.weights_or_none()
+        check = isinstance(key, LocalBatch) and key.op_check
         if self._offload is not None:
             values = self._offload.slot_ids(
                 kjt if key is None else key, values, self._run_tables, kjt.lengths(),
@@ -177,17 +186,17 @@ class LocalPath:
         if self._updater is not None:
             return fused_lookup(
                 self._updater, self._table_ids, tables, self._entry_table, self._mean, values,
-                offsets, psw, error,
+                offsets, psw, error, check,
             )  # fmt: skip
         return EmbeddingBagFunction.apply(
-            self._entry_table, self._mean, False, values, offsets, psw, *tables
+            self._entry_table, self._mean, check, values, offsets, psw, *tables
         )
 
     def fill(self, batch: LocalBatch) -> None:
         """Fill offloaded tables' caches for a prefetched batch (``OffloadedTables.fill``).
         A batch refused here joins the fill's verdict with no ids (its peers' batches may
         be good; every rank raises at its forward, which drops the fill)."""
-        if self._offload is None or (batch.kjt is None and self._world_size == 1):
+        if self._offload is None or (batch.kjt is None and self.world_size == 1):
             return
         if batch.kjt is None:
             none = torch.zeros(0, dtype=torch.long, device=self._device)
@@ -222,13 +231,13 @@ class LocalPath:
         """All-reduce over the replicas the lowest rank that refused its batch (on the host,
         or its ids on the device): one host read; raise on every rank if any did."""
         rank = dist.get_rank()
-        own = torch.full((1,), rank if batch.error is not None else self._world_size,
+        own = torch.full((1,), rank if batch.error is not None else self.world_size,
                          dtype=torch.long, device=self._device)  # fmt: skip
         if flag is not None:
             own.masked_fill_(flag.flag[:1].to(own.device) != 0, rank)
         lowest = all_reduce_min(own.clone(), world_group(self._mesh), "input_dist.verdict")
         failed, mine = torch.cat([lowest, own]).tolist()
-        if failed >= self._world_size:
+        if failed >= self.world_size:
             return
         if flag is not None:
             flag.clear()

@@ -27,6 +27,7 @@ views) are ``storage.py``.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -42,6 +43,12 @@ from dtrec.sharded.local_path import LocalBatch, LocalPath, serves_locally
 from dtrec.sharded.lookup import LocalLookup
 from dtrec.sharded.output_dist import OutputDist
 from dtrec.sparse import KeyedTensor
+
+EXCHANGED_STEP = (
+    "dtrec: a collection whose step exchanges with other ranks runs eagerly (its input "
+    "dist reads the batch sizes of its peers on the host; its collectives are c10d ones "
+    "with async work handles; docs/compile.md)"
+)
 
 
 class ShardedEmbeddingBagCollection(ShardedCollection):
@@ -90,6 +97,16 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     def forward(self, features: object) -> KeyedTensor:
         self._refuse_fx_trace(features)
+        if self._local is not None and self._local.world_size == 1:  # traced whole
+            self._begin_step()
+            return self._local.forward(self._routed(features), self._local_shards())
+        if torch.compiler.is_compiling():  # the wrapper costs eager ~1.5 us: only here
+            return self._exchanged_forward_eagerly(features)
+        return self._exchanged_forward(features)
+
+    def _exchanged_forward(self, features: object) -> KeyedTensor:
+        """The forward of a collection whose step exchanges with other ranks (eager under
+        ``torch.compile``: one graph break, ``EXCHANGED_STEP``)."""
         self._begin_step()
         if self._local is not None:
             return self._local.forward(self._routed(features), self._local_shards())
@@ -111,6 +128,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         if own is not None:
             out = self._output_dist.add_data_parallel(out, own)
         return self._output_dist.keyed(self._with_absent_grads(out), kjt)
+
+    _exchanged_forward_eagerly = torch.compiler.disable(_exchanged_forward, reason=EXCHANGED_STEP)
 
     def input_dist(self, features: object) -> RoutedBatch | LocalBatch:
         """Validate the batch and send each id to the shard(s) holding its row.

@@ -8,6 +8,7 @@ of pooled sums (``sequence_dist.py``).
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -29,6 +30,13 @@ from dtrec.sharded.sequence_dist import (
 from dtrec.sparse import JaggedTensor, as_kjt
 
 _Routed = tuple[RoutedBatch, "tuple[list[Tensor], Tensor] | None"]
+
+
+SEQUENCE_STEP = (
+    "dtrec: a sharded EmbeddingCollection runs its forward eagerly, at every world size (it "
+    "has no one-rank path yet: its input dist reads sizes on the host and its collectives "
+    "are c10d ones with async work handles; docs/compile.md)"
+)
 
 
 class ShardedEmbeddingCollection(ShardedCollection):
@@ -77,6 +85,12 @@ class ShardedEmbeddingCollection(ShardedCollection):
 
     def forward(self, features: object) -> dict[str, JaggedTensor]:
         self._refuse_fx_trace(features)
+        if torch.compiler.is_compiling():  # the wrapper costs eager ~1.5 us: only here
+            return self._forward_eagerly(features)
+        return self._forward(features)
+
+    def _forward(self, features: object) -> dict[str, JaggedTensor]:
+        """The forward, eager under ``torch.compile`` (one graph break, ``SEQUENCE_STEP``)."""
         self._begin_step()
         routed, sent = self._routed(features)
         if routed.error is not None:
@@ -94,6 +108,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
             self._output_dist(send, send_splits, plan, local_rows, device)
         )
         return sequence_outputs(kjt, rows, self.need_indices)
+
+    _forward_eagerly = torch.compiler.disable(_forward, reason=SEQUENCE_STEP)
 
     def _fill_routed(self, routed: _Routed) -> None:
         self._lookup.fill(routed[0])
