@@ -74,7 +74,9 @@ def sync_rows(
     size = 1 if group is None else dist.get_world_size(group)
     if size == 1 or not tables:
         return [(t.rows, t.grads) for t in tables]
-    device = tables[0].rows.device  # the counts are read on the host (grads may be meta)
+    device = tables[0].grads.device
+    if device.type == "meta":  # sizes only (benchmarks/scale_sim.py): real counts, real rows
+        device = tables[0].rows.device
     counts = torch.tensor([t.rows.numel() for t in tables], dtype=torch.long, device=device)
     gathered = torch.empty(size * len(tables), dtype=torch.long, device=device)
     with collective(kind + ".counts", (size - 1) * counts.numel() * 8, group):
