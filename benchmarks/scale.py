@@ -8,7 +8,11 @@ Plans per W = 8, 16, ..., 4096:
 - ``1d_row_wise``, ``1d_table_row_wise``: TorchRec's row-wise and table-row-wise layouts
   over all W ranks (dtrec's specs for them; table-row-wise: table i on node i mod nodes);
 - ``2d_S8``, ``2d_S16``, ``2d_S64``: dtrec 2D, a model replica sharded over S ranks with
-  the planner's specs (``dtrec.planning.planner``), R = W / S replicas;
+  the planner's specs (``dtrec.planning.planner``), R = W / S replicas (TorchRec's
+  DMPCollection "sharding group" of 8, 16, 64: its shard groups are strided, so they
+  span nodes once R >= 8, and replicas sync over R contiguous ranks);
+- ``2d_R8``, ``2d_R16``, ``2d_R64``: the other reading, replica groups of R = 8, 16, 64
+  contiguous ranks (R = 8: one node, the replica sync on NVLink), S = W / R;
 - ``2d_planner``: the one of those the model predicts fastest.
 
 Per configuration: the bytes one rank sends in every collective, from dtrec's own input
@@ -62,7 +66,10 @@ MLPERF_H100 = 1.73e6
 WORLDS = tuple(2**k for k in range(3, 13))
 GROUPS = (8, 16, 64)
 TOLERANCE = 0.15
-MAX_SEND_LENGTHS = 1 << 28
+EXACT_WORLD = 16
+"""Worlds up to this size generate every rank's batch for the touched rows (larger ones
+generate the simulated rank's shard group while S <= 64, ``scale_sim``)."""
+MAX_SEND_LENGTHS = 1 << 27
 """Row-wise input dist sends every bag's length to every shard (S x tables x B ints): past
 this many the rank's send buffer (GBs) does not fit this machine; such points are
 reported as not simulated."""
@@ -152,7 +159,7 @@ def configuration(
     """Simulate one plan at one W and price its step."""
     started = time.perf_counter()
     dense = DenseArch(len(w.rows) * w.dim, w.dim).to("meta")
-    sim: RankStep = simulate_rank(w, specs, world, shards, rank, 8, dense)
+    sim: RankStep = simulate_rank(w, specs, world, shards, rank, 8, dense, EXACT_WORLD)
     moved = embedding_bytes(sim.looked_up, sim.ids, sim.bags, sim.pooled, sim.updated,
                             sim.rows_touched)  # fmt: skip
     replicas = world // shards
@@ -202,11 +209,11 @@ def sweep(w: Workload, worlds: tuple[int, ...], device: Device) -> list[dict]:
             specs, rank = _one_d(w, world, kind)
             here.append(configuration(w, f"1d_{kind}", world, world, specs, rank, device))
         twod = []
-        for s in GROUPS:
-            if s > world:
-                continue
+        shapes = [(f"2d_S{g}", g) for g in GROUPS if g <= world]
+        shapes += [(f"2d_R{g}", world // g) for g in GROUPS if g < world]
+        for name, s in shapes:
             specs, rank = _planned(w, world, s)
-            twod.append(configuration(w, f"2d_S{s}", world, s, specs, rank, device))
+            twod.append(configuration(w, name, world, s, specs, rank, device))
         best = min(twod, key=lambda r: r["step_ms"])
         here += twod + [{**best, "plan": "2d_planner", "chosen": best["plan"]}]
         for r in here:

@@ -144,9 +144,11 @@ def simulate_rank(
     rank: int = 0,
     node_size: int | None = None,
     dense: nn.Module | None = None,
+    exact_world: int = EXACT_WORLD,
 ) -> RankStep:
     """Run rank ``rank``'s exchanges of one training step (module docstring) and return
-    the bytes ``comm_stats`` recorded per kind, with the rank's lookup and update sizes."""
+    the bytes ``comm_stats`` recorded per kind, with the rank's lookup and update sizes.
+    ``exact_world``: up to this many ranks every member's batch is generated."""
     tables = w.tables()
     with mirror_world(rank, world):
         mesh = init_mesh("cpu", shard_group_size, node_size)
@@ -166,7 +168,9 @@ def simulate_rank(
                 raise routed.error
             if routing.has_sharded:
                 _output_dist(routing, tables, mesh, routed, step)
-            touched = _sync_rows(w, routing, layouts, grid, coord, position, own, routed)
+            touched = _sync_rows(
+                w, routing, layouts, grid, coord, position, own, routed, exact_world
+            )
             _syncs(routing, layouts, mesh, position, touched, tables, step)
             _data_parallel_lookups(routing, tables, own, step)
             if dense is not None:
@@ -209,12 +213,14 @@ class Touched:
     """Distinct rows over the group (what the update and the row norms cover)."""
 
 
-def _sync_rows(w, routing, layouts, grid, coord, position, own, routed) -> dict[int, Touched]:
+def _sync_rows(
+    w, routing, layouts, grid, coord, position, own, routed, exact_world: int
+) -> dict[int, Touched]:
     """Per local table: the rows its update touches (``Touched``), from generated batches:
     every member's while the world is small, else this shard group's (the union over R
     replicas then as for R independent draws of as many rows)."""
     shards, replicas = grid.shape
-    exact = shards * replicas <= EXACT_WORLD
+    exact = shards * replicas <= exact_world
     me = int(grid[coord[0], coord[1]])
     jobs: dict[object, Job] = {}
     for t in routing.local_tables:
