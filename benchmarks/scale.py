@@ -7,6 +7,7 @@ Plans per W = 8, 16, ..., 4096:
 
 - ``1d_row_wise``, ``1d_table_row_wise``: TorchRec's row-wise and table-row-wise layouts
   over all W ranks (dtrec's specs for them; table-row-wise: table i on node i mod nodes);
+- ``1d_planner``: dtrec's planner's specs over all W ranks (S = W);
 - ``2d_S8``, ``2d_S16``, ``2d_S64``: dtrec 2D, a model replica sharded over S ranks with
   the planner's specs (``dtrec.planning.planner``), R = W / S replicas (TorchRec's
   DMPCollection "sharding group" of 8, 16, 64: its shard groups are strided, so they
@@ -71,9 +72,9 @@ EXACT_WORLD = 16
 """Worlds up to this size generate every rank's batch for the touched rows (larger ones
 generate the simulated rank's shard group while S <= 64, ``scale_sim``)."""
 MAX_SEND_LENGTHS = 1 << 27
-"""Row-wise input dist sends every bag's length to every shard (S x tables x B ints): past
-this many the rank's send buffer (GBs) does not fit this machine; such points are
-reported as not simulated."""
+"""The input dist sends every bag's length to every block of its table (row-wise: S x
+tables x B ints): past this many the rank's send buffer (GBs) does not fit this machine;
+such points are reported as not simulated."""
 
 
 def mlperf(batch: int) -> Workload:
@@ -248,26 +249,47 @@ def _type_counts(specs: dict[str, TableSpec]) -> dict[str, int]:
     return counts
 
 
-def sweep(w: Workload, worlds: tuple[int, ...], device: Device) -> list[dict]:
+FAMILIES = ("1d_row_wise", "1d_table_row_wise", "1d_planner", "2d")
+"""What ``--plans`` may name: the 1D plans, and every 2D shape (with ``2d_planner``)."""
+
+
+def _too_big(w: Workload, specs: dict[str, TableSpec], world: int, shards: int) -> str | None:
+    """Why a plan cannot be simulated here: its input dist sends every bag's length to every
+    block of its table (blocks x B ints); past ``MAX_SEND_LENGTHS`` that buffer alone is GBs."""
+    with mirror_world(0, world):
+        axis = shard_axis(init_mesh("cpu", shards, 8))
+    lengths = sum(len(specs[c.name].layout(c, axis).blocks) for c in w.tables()) * w.batch
+    if lengths <= MAX_SEND_LENGTHS:
+        return None
+    return (f"the rank's ids all-to-all would send {lengths / 1e6:.0f}M bag lengths (one per "
+            "bag per block), more than this machine can hold")  # fmt: skip
+
+
+def sweep(
+    w: Workload, worlds: tuple[int, ...], device: Device, families: tuple[str, ...] = FAMILIES
+) -> list[dict]:
     rows = []
     for world in worlds:
         here = []
-        for kind in ("row_wise", "table_row_wise"):
-            if kind == "row_wise" and world * len(w.rows) * w.batch > MAX_SEND_LENGTHS:
-                here.append({"plan": f"1d_{kind}", "W": world, "S": world, "R": 1,
-                             "skipped": "the rank's ids all-to-all send buffer (every bag "
-                             "length to every shard) exceeds this machine's memory"})  # fmt: skip
+        for name in [f for f in families if f.startswith("1d_")]:
+            if name == "1d_planner":
+                specs, rank = _planned(w, world, world)
+            else:
+                specs, rank = _one_d(w, world, name.removeprefix("1d_"))
+            why = _too_big(w, specs, world, world)
+            if why:
+                here.append({"plan": name, "W": world, "S": world, "R": 1, "skipped": why})
                 continue
-            specs, rank = _one_d(w, world, kind)
-            here.append(configuration(w, f"1d_{kind}", world, world, specs, rank, device))
-        twod = []
-        shapes = [(f"2d_S{g}", g) for g in GROUPS if g <= world]
-        shapes += [(f"2d_R{g}", world // g) for g in GROUPS if g < world]
-        for name, s in shapes:
-            specs, rank = _planned(w, world, s)
-            twod.append(configuration(w, name, world, s, specs, rank, device))
-        best = min(twod, key=lambda r: r["step_ms"])
-        here += twod + [{**best, "plan": "2d_planner", "chosen": best["plan"]}]
+            here.append(configuration(w, name, world, world, specs, rank, device))
+        if "2d" in families:
+            twod = []
+            shapes = [(f"2d_S{g}", g) for g in GROUPS if g <= world]
+            shapes += [(f"2d_R{g}", world // g) for g in GROUPS if g < world]
+            for name, s in shapes:
+                specs, rank = _planned(w, world, s)
+                twod.append(configuration(w, name, world, s, specs, rank, device))
+            best = min(twod, key=lambda r: r["step_ms"])
+            here += twod + [{**best, "plan": "2d_planner", "chosen": best["plan"]}]
         for r in here:
             if "skipped" in r:
                 print(f"W={world:5d} {r['plan']:20s} not simulated: {r['skipped']}", flush=True)
@@ -317,9 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16384, help="samples per GPU per step")
     parser.add_argument("--max-world", type=int, default=4096)
     parser.add_argument(
+        "--plans",
+        default=",".join(FAMILIES),
+        help=f"comma-separated, of {FAMILIES} ('2d': every 2D shape and the fastest)",
+    )
+    parser.add_argument(
         "--reprice",
-        help="a report of this script: keep its simulated bytes, recompute every time with "
-        "the current constants (seconds instead of minutes)",
+        nargs="+",
+        help="reports of this script (same batch): keep their simulated bytes, merged, and "
+        "recompute every time with the current constants (seconds instead of minutes)",
     )
     parser.add_argument("--json")
     parser.add_argument("--png")
@@ -337,15 +365,23 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(abs(r["error"]) for r in check)
     command = " ".join(["python benchmarks/scale.py", *argv])
     if args.reprice:
-        old = json.loads(Path(args.reprice).read_text())
-        batch = old["workload"]["batch_per_gpu"]
-        rows = [r if "skipped" in r else price(r, batch, h100) for r in old["configs"]]
+        olds = [json.loads(Path(p).read_text()) for p in args.reprice]
+        batch = olds[0]["workload"]["batch_per_gpu"]
+        if any(o["workload"]["batch_per_gpu"] != batch for o in olds):
+            parser.error("--reprice: the reports' batches per GPU differ")
+        rows = [r if "skipped" in r else price(r, batch, h100)
+                for o in olds for r in o["configs"]]  # fmt: skip
+        rows.sort(key=lambda r: (r["W"], r["plan"]))
         _choose_2d(rows)
         w = mlperf(batch)
-        command = f"{old['meta']['command']}; repriced: {command}"
+        command = "; ".join(o["meta"]["command"] for o in olds) + f"; repriced: {command}"
     else:
         w = mlperf(args.batch)
-        rows = sweep(w, tuple(x for x in WORLDS if x <= args.max_world), h100)
+        families = tuple(args.plans.split(","))
+        unknown = sorted(set(families) - set(FAMILIES))
+        if unknown:
+            parser.error(f"unknown --plans {unknown}; choose from {FAMILIES}")
+        rows = sweep(w, tuple(x for x in WORLDS if x <= args.max_world), h100, families)
     report = {
         "meta": {
             "date": datetime.date.today().isoformat(),
