@@ -194,7 +194,7 @@ def explain(
         plan_line(tables, choices, axis, topology),
         f"why each spec (batch {topology.batch_size_per_rank} per rank; times in ms per step "
         "of the table alone; the planner also weighs the other tables on each position; "
-        f"exchanges: {describe_qcomms(topology.qcomms)}):"
+        f"exchanges: {describe_qcomms(topology.qcomms)}):",
     ]
     for key, cfg in tables.items():
         lines += explain_table(key, cfg, choices[key], axis, topology)
