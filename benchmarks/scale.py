@@ -69,9 +69,11 @@ WORLDS = tuple(2**k for k in range(3, 13))
 GROUPS = (8, 16, 64)
 TOLERANCE = 0.15
 EXACT_WORLD = 16
-"""Worlds up to this size generate every rank's batch for the touched rows (larger ones
-generate the simulated rank's shard group while S <= 64, ``scale_sim``)."""
-MAX_SEND_LENGTHS = 1 << 27
+"""Worlds up to this size generate every rank's batch for the touched rows, larger ones the
+simulated rank's shard group while S <= 16, beyond it the expected distinct rows of the ids
+received (``scale_sim.simulate_rank``): the time of the sweep, not its accuracy (uniform
+ids), sets it."""
+MAX_SEND_LENGTHS = 1 << 26
 """The input dist sends every bag's length to every block of its table (row-wise: S x
 tables x B ints): past this many the rank's send buffer (GBs) does not fit this machine;
 such points are reported as not simulated."""
@@ -161,7 +163,7 @@ def configuration(
     """Simulate one plan at one W and price its step."""
     started = time.perf_counter()
     dense = DenseArch(len(w.rows) * w.dim, w.dim).to("meta")
-    sim: RankStep = simulate_rank(w, specs, world, shards, rank, 8, dense, EXACT_WORLD)
+    sim: RankStep = simulate_rank(w, specs, world, shards, rank, 8, dense, EXACT_WORLD, EXACT_WORLD)
     row = {
         "plan": name,
         "W": world,

@@ -145,10 +145,14 @@ def simulate_rank(
     node_size: int | None = None,
     dense: nn.Module | None = None,
     exact_world: int = EXACT_WORLD,
+    group_batches: int = EXACT_WORLD,
 ) -> RankStep:
     """Run rank ``rank``'s exchanges of one training step (module docstring) and return
     the bytes ``comm_stats`` recorded per kind, with the rank's lookup and update sizes.
-    ``exact_world``: up to this many ranks every member's batch is generated."""
+    ``exact_world``: up to this many ranks every member's batch is generated;
+    ``group_batches``: up to this S the shard group's batches are (beyond, the touched rows
+    are the expected distinct count of the ids received: uniform ids, so the same in
+    expectation)."""
     tables = w.tables()
     with mirror_world(rank, world):
         mesh = init_mesh("cpu", shard_group_size, node_size)
@@ -169,7 +173,7 @@ def simulate_rank(
             if routing.has_sharded:
                 _output_dist(routing, tables, mesh, routed, step)
             touched = _sync_rows(
-                w, routing, layouts, grid, coord, position, own, routed, exact_world
+                w, routing, layouts, grid, coord, position, own, routed, exact_world, group_batches
             )
             _syncs(routing, layouts, mesh, position, touched, tables, step)
             _data_parallel_lookups(routing, tables, own, step)
@@ -214,7 +218,7 @@ class Touched:
 
 
 def _sync_rows(
-    w, routing, layouts, grid, coord, position, own, routed, exact_world: int
+    w, routing, layouts, grid, coord, position, own, routed, exact_world: int, group_batches: int
 ) -> dict[int, Touched]:
     """Per local table: the rows its update touches (``Touched``), from generated batches:
     every member's while the world is small, else this shard group's (the union over R
@@ -227,7 +231,7 @@ def _sync_rows(
         if t in routing.data_parallel_tables:  # synced over the world, own rows each
             for r in grid.flatten().tolist() if exact else [me]:
                 jobs["dp", t, r] = (t, 0, w.rows[t], [r])
-        elif exact or shards <= EXACT_WORLD:
+        elif exact or shards <= group_batches:
             block = next(b for b in layouts[t].blocks if b.position == position)
             for c in range(replicas) if exact else [coord[1]]:
                 jobs["block", t, c] = (t, *block.rows, grid[:, c].tolist())
