@@ -69,6 +69,7 @@ WORLDS = tuple(2**k for k in range(3, 13))
 GROUPS = (8, 16, 64)
 TOLERANCE = 0.15
 EXACT_WORLD = 16
+GENERATED = [EXACT_WORLD]  # --generated-batches sets it
 """Worlds up to this size generate every rank's batch for the touched rows, larger ones the
 simulated rank's shard group while S <= 16, beyond it the expected distinct rows of the ids
 received (``scale_sim.simulate_rank``): the time of the sweep, not its accuracy (uniform
@@ -163,7 +164,9 @@ def configuration(
     """Simulate one plan at one W and price its step."""
     started = time.perf_counter()
     dense = DenseArch(len(w.rows) * w.dim, w.dim).to("meta")
-    sim: RankStep = simulate_rank(w, specs, world, shards, rank, 8, dense, EXACT_WORLD, EXACT_WORLD)
+    sim: RankStep = simulate_rank(
+        w, specs, world, shards, rank, 8, dense, GENERATED[0], GENERATED[0]
+    )
     row = {
         "plan": name,
         "W": world,
@@ -341,6 +344,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16384, help="samples per GPU per step")
     parser.add_argument("--max-world", type=int, default=4096)
     parser.add_argument(
+        "--generated-batches",
+        type=int,
+        default=EXACT_WORLD,
+        help="generate every rank's batch up to this W, the shard group's up to this S, for "
+        "the touched rows (beyond: their expected count, the same for uniform ids); smaller "
+        "is faster",
+    )
+    parser.add_argument(
         "--plans",
         default=",".join(FAMILIES),
         help=f"comma-separated, of {FAMILIES} ('2d': every 2D shape and the fastest)",
@@ -354,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--png")
     args = parser.parse_args(argv)
+    GENERATED[0] = args.generated_batches
     gpu_step = json.loads(GPU_STEP.read_text())
     h200 = calibrate(gpu_step)
     h100 = scaled(h200, "H100", H100_COPY)
