@@ -49,10 +49,16 @@ class _Model(nn.Module):
         return self.dense(self.sparse(kjt).values())
 
 
-def _real_bytes(rank: int, world_size: int) -> dict:
+PLANS_8 = {  # W = 8: a 2D mix with 4 replicas' worth of syncs, table-row-wise on 2 nodes
+    "2d_mixed": (4, None, PLANS["2d_mixed"][2]),
+    "table_row_wise": (8, 4, {f"t{i}": TableRowWise(node=i % 2) for i in range(4)}),
+}
+
+
+def _real_bytes(rank: int, world_size: int, plans: dict | None = None) -> dict:
     """Per plan: this rank's comm_stats of its second step (the first may set things up)."""
     out = {}
-    for name, (shards, node, specs) in PLANS.items():
+    for name, (shards, node, specs) in (plans or PLANS).items():
         torch.manual_seed(0)
         mesh = dtrec.init_mesh("cpu", shards, node)
         model = dtrec.distribute_module(
@@ -80,6 +86,20 @@ def test_simulated_bytes_equal_a_real_run(real: list[dict], name: str) -> None:
     for rank in range(WORLD):
         sim = simulate_rank(W, specs, WORLD, shards, rank, node, dense)
         assert sim.comm == real[rank][name], f"rank {rank}"
+
+
+@pytest.fixture(scope="module")
+def real_8() -> list[dict]:
+    return run_world(8, _real_bytes, PLANS_8, timeout=240)
+
+
+@pytest.mark.parametrize("name", sorted(PLANS_8))
+def test_simulated_bytes_equal_a_real_run_at_w8(real_8: list[dict], name: str) -> None:
+    shards, node, specs = PLANS_8[name]
+    dense = _Model("meta").dense
+    for rank in range(8):
+        sim = simulate_rank(W, specs, 8, shards, rank, node, dense)
+        assert sim.comm == real_8[rank][name], f"rank {rank}"
 
 
 def test_every_plan_exercises_its_exchanges(real: list[dict]) -> None:
