@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dtrec.placements",),
     # the search (offload, offload_plan: the host tier's costs and choices)
     (
+        "dtrec.planning.step_model",  # the scale model's fabric and step (imports no dtrec)
         "dtrec.planning.topology",
         "dtrec.planning.offload",
         "dtrec.planning.cost_model",

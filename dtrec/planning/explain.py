@@ -188,15 +188,45 @@ def explain(
     axis: ShardAxis,
     topology: Topology,
 ) -> str:
-    """Every table's ``explain_table`` lines, in the tables' order."""
+    """The plan's predicted step and communication share (``plan_line``), then every
+    table's ``explain_table`` lines, in the tables' order."""
     lines = [
+        plan_line(tables, choices, axis, topology),
         f"why each spec (batch {topology.batch_size_per_rank} per rank; times in ms per step "
         "of the table alone; the planner also weighs the other tables on each position; "
-        f"exchanges: {describe_qcomms(topology.qcomms)}):"
+        f"exchanges: {describe_qcomms(topology.qcomms)}):",
     ]
     for key, cfg in tables.items():
         lines += explain_table(key, cfg, choices[key], axis, topology)
     return "\n".join(lines)
 
 
-__all__ = ["describe_qcomms", "explain", "explain_table", "output_rows", "time_parts"]
+def plan_line(
+    tables: Mapping[str, EmbeddingBagConfig | EmbeddingConfig],
+    choices: Mapping[str, Choice],
+    axis: ShardAxis,
+    topology: Topology,
+) -> str:
+    """The whole plan's predicted step (its slowest position) and the share of it spent on
+    communication (the shard and replicate axes' terms), what the planner minimised."""
+    stack = sum(
+        table_cost(
+            cfg, choices[key].spec, axis, topology.for_collection(collection_of(key, cfg))
+        ).stack
+        for key, cfg in tables.items()
+    )
+    if isinstance(stack, int):  # no tables
+        return "plan: no tables"
+    time = step_time(stack, axis, topology)
+    slowest = int(np.argmax(time))
+    parts = time_parts(stack, axis, topology)
+    comm = float(parts["shard axis"][slowest] + parts["replicate axis"][slowest])
+    total = float(time[slowest])
+    share = comm / total if total > 0 else 0.0
+    return (
+        f"plan: predicted step {1e3 * total:.4f} ms (embedding part, slowest position "
+        f"{slowest}), communication {1e3 * comm:.4f} ms = {share:.2f} of it"
+    )
+
+
+__all__ = ["describe_qcomms", "explain", "explain_table", "output_rows", "plan_line", "time_parts"]

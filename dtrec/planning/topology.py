@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from dtrec.comm.qcomms import QCommsConfig
 from dtrec.interop.qcomms import as_qcomms_config
 from dtrec.modules.config import EmbeddingBagConfig
+from dtrec.planning.step_model import Fabric
 
 # Optimizer state bytes: (per row, per element).
 OPTIMIZER_STATE = {"sgd": (0, 0), "rowwise_adagrad": (4, 0), "adam": (0, 8)}
@@ -32,10 +33,12 @@ class Topology:
     """Bytes a rank may hold (HBM; DRAM per rank on CPU)."""
     hbm_bandwidth: float = 3.0e12
     """Bytes/s of a rank's memory."""
-    intra_node_bandwidth: float = 400e9
-    """Bytes/s a rank sends or receives over the links inside its node (NVLink)."""
-    inter_node_bandwidth: float = 50e9
-    """Bytes/s a rank sends or receives to other nodes (one 400 Gb/s NIC per GPU)."""
+    intra_node_bandwidth: float = Fabric.nvlink_bandwidth
+    """Bytes/s a rank sends or receives over the links inside its node (NVLink): the scale
+    model's (``dtrec.planning.step_model.Fabric``, 450 GB/s per direction x 0.8)."""
+    inter_node_bandwidth: float = Fabric.network_bandwidth
+    """Bytes/s a rank sends or receives to other nodes (one 400 Gb/s NIC per GPU, x 0.9):
+    the scale model's."""
     node_size: int = 8
     batch_size_per_rank: int = 512
     pooling_factors: Mapping[str, float] = field(default_factory=dict)
@@ -107,7 +110,8 @@ class Topology:
 
     @classmethod
     def h100(cls, **overrides: object) -> Topology:
-        """An H100 80 GB per rank, 8 per node (NVLink 400 GB/s, 400 Gb/s NIC per GPU)."""
+        """An H100 80 GB per rank, 8 per node, NVLink and one 400 Gb/s NIC per GPU at the
+        bandwidths the scale model uses (``step_model.Fabric``: 360 and 45 GB/s)."""
         return cls(**overrides)  # type: ignore[arg-type]
 
     @classmethod

@@ -75,6 +75,8 @@ def sync_rows(
     if size == 1 or not tables:
         return [(t.rows, t.grads) for t in tables]
     device = tables[0].grads.device
+    if device.type == "meta":  # sizes only (benchmarks/scale_sim.py): real counts, real rows
+        device = tables[0].rows.device
     counts = torch.tensor([t.rows.numel() for t in tables], dtype=torch.long, device=device)
     gathered = torch.empty(size * len(tables), dtype=torch.long, device=device)
     with collective(kind + ".counts", (size - 1) * counts.numel() * 8, group):
@@ -122,6 +124,8 @@ def _all_gather_rows(
     grads = torch.zeros(grad_len, dtype=grad_dtype, device=device)
     id_at = grad_at = 0
     for t, m in zip(tables, most, strict=True):
+        if device.type == "meta":  # sizes only (benchmarks/scale_sim.py): nothing to copy
+            break
         n, dim = t.rows.numel(), t.grads.shape[1]
         ids[id_at : id_at + n] = t.rows
         sent = t.grads.reshape(-1) if codec is None else codec.encode(t.grads.reshape(-1))
@@ -133,6 +137,8 @@ def _all_gather_rows(
     with collective(kind + ".sparse", nbytes, group):
         all_gather_flat(all_ids, ids, group)
         all_gather_flat(all_grads, grads, group)
+    if device.type == "meta":  # sizes only: the exchange's bytes are all that is asked
+        return [(t.rows, t.grads) for t in tables]
     if codec is not None:
         all_ids, all_grads = all_ids.long(), codec.decode(all_grads, torch.float32)
     all_ids, all_grads = all_ids.view(size, id_len), all_grads.view(size, grad_len)
@@ -159,7 +165,10 @@ def _all_reduce_dense(
     scale = None if codec is None else codec.scale
     sizes = [t.num_rows * (t.grads.shape[1] + 1) for t in tables]
     flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+    meta = device.type == "meta"  # sizes only (benchmarks/scale_sim.py): nothing to fill
     for t, part in zip(tables, torch.split(flat, sizes), strict=True):
+        if meta:
+            break
         block = part.view(t.num_rows, t.grads.shape[1] + 1)
         block[t.rows, :-1] = t.grads if scale is None else t.grads * scale
         block[t.rows, -1] = 1.0
@@ -168,6 +177,8 @@ def _all_reduce_dense(
             dist.all_reduce(flat, group=group)
     else:
         flat = sum_quantized(flat, group, kind + ".dense", codec.dtype)
+    if meta:
+        return [(t.rows, t.grads) for t in tables]
     out = []
     for t, part in zip(tables, torch.split(flat, sizes), strict=True):
         block = part.view(t.num_rows, t.grads.shape[1] + 1)

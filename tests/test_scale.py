@@ -1,0 +1,126 @@
+"""The scale model's checks (issue 33): bytes simulated on the mirror world equal the bytes
+of a real gloo run, rank by rank and collective by collective; the H200 step calibration
+predicts the measured one-GPU steps within 15%.
+
+One spawned 4-rank world runs every plan (one-dimensional, 2D and mixed ones).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import dtrec
+from benchmarks.scale_sim import Workload, make_features, simulate_rank
+from dtrec.placements import ColumnWise, DataParallel, RowWise, TableRowWise, TableWise
+from tests.multiprocess import run_world
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+WORLD = 4
+W = Workload(rows=(1000, 50, 3000, 20000), hotness=(3, 1, 8, 20), dim=16, batch=64, seed=3)
+PLANS = {  # name -> (shard group size, node size, specs)
+    "row_wise": (4, None, {f"t{i}": RowWise() for i in range(4)}),
+    "table_wise": (4, None, {f"t{i}": TableWise(rank=(i + 1) % 4) for i in range(4)}),
+    "column_wise": (4, None, {f"t{i}": ColumnWise() for i in range(4)}),
+    "table_row_wise": (4, 2, {f"t{i}": TableRowWise(node=i % 2) for i in range(4)}),
+    "2d_row_wise": (2, None, {f"t{i}": RowWise() for i in range(4)}),
+    "2d_mixed": (
+        2,
+        None,
+        {"t0": RowWise(), "t1": DataParallel(), "t2": TableWise(rank=1), "t3": ColumnWise()},
+    ),  # fmt: skip
+}
+
+
+class _Model(nn.Module):
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__()
+        self.sparse = dtrec.EmbeddingBagCollection(W.tables(), device=device or "cpu")
+        width = len(W.rows) * W.dim
+        self.dense = nn.Sequential(nn.Linear(width, 32), nn.ReLU(), nn.Linear(32, 1))
+        if device is not None:
+            self.dense.to(device)
+
+    def forward(self, kjt):
+        return self.dense(self.sparse(kjt).values())
+
+
+PLANS_8 = {  # W = 8: a 2D mix with 4 replicas' worth of syncs, table-row-wise on 2 nodes
+    "2d_mixed": (4, None, PLANS["2d_mixed"][2]),
+    "table_row_wise": (8, 4, {f"t{i}": TableRowWise(node=i % 2) for i in range(4)}),
+}
+
+
+def _real_bytes(rank: int, world_size: int, plans: dict | None = None) -> dict:
+    """Per plan: this rank's comm_stats of its second step (the first may set things up)."""
+    out = {}
+    for name, (shards, node, specs) in (plans or PLANS).items():
+        torch.manual_seed(0)
+        mesh = dtrec.init_mesh("cpu", shards, node)
+        model = dtrec.distribute_module(
+            _Model(), mesh, {f"sparse.{k}": v for k, v in specs.items()},
+            optimizer=dtrec.optim.RowWiseAdagrad(lr=0.01, eps=1e-8),
+        )  # fmt: skip
+        kjt = make_features(W, rank)
+        model(kjt).sum().backward()
+        with dtrec.comm_stats() as stats:
+            model(kjt).sum().backward()
+        out[name] = {k: {"calls": v["calls"], "bytes": v["bytes"]}
+                     for k, v in stats.per_step().items()}  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def real() -> list[dict]:
+    return run_world(WORLD, _real_bytes, timeout=240)
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_simulated_bytes_equal_a_real_run(real: list[dict], name: str) -> None:
+    shards, node, specs = PLANS[name]
+    dense = _Model("meta").dense
+    for rank in range(WORLD):
+        sim = simulate_rank(W, specs, WORLD, shards, rank, node, dense)
+        assert sim.comm == real[rank][name], f"rank {rank}"
+
+
+@pytest.fixture(scope="module")
+def real_8() -> list[dict]:
+    return run_world(8, _real_bytes, PLANS_8, timeout=240)
+
+
+@pytest.mark.parametrize("name", sorted(PLANS_8))
+def test_simulated_bytes_equal_a_real_run_at_w8(real_8: list[dict], name: str) -> None:
+    shards, node, specs = PLANS_8[name]
+    dense = _Model("meta").dense
+    for rank in range(8):
+        sim = simulate_rank(W, specs, 8, shards, rank, node, dense)
+        assert sim.comm == real_8[rank][name], f"rank {rank}"
+
+
+def test_every_plan_exercises_its_exchanges(real: list[dict]) -> None:
+    """The comparison is not vacuous: the plans together run every kind the model prices."""
+    kinds = {k for per_rank in real for plan in per_rank.values() for k in plan}
+    expected = {
+        "input_dist.ids",
+        "output_dist.backward",
+        "grad_sync.replicate.sparse",
+        "grad_sync.data_parallel.counts",
+        "optim.row_sq_sum",
+        "dense.grad_sync",
+    }
+    assert expected <= kinds
+
+
+def test_one_gpu_step_within_15_percent_of_h200() -> None:
+    from benchmarks.scale import one_gpu_check
+
+    path = RESULTS / "gpu_step_h200_2026-11-27.json"
+    rows = one_gpu_check(json.loads(path.read_text()))
+    assert rows, "no gpu_step configs"
+    for row in rows:
+        assert abs(row["error"]) <= 0.15, row
