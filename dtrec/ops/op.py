@@ -52,11 +52,16 @@ def embedding_bag_op(
     return lookup_forward(lookup, check_ids)
 
 
-@embedding_bag_op.register_fake
-def _embedding_bag_fake(weights, entry_table, values, offsets, mean, per_sample_weights, check_ids):
+def empty_pooled(weights: list[Tensor], entry_table: list[int], offsets: Tensor) -> Tensor:
+    """An uninitialised ``[B, sum D]`` output of a pooled lookup (what fake kernels return)."""
     batch = (offsets.shape[0] - 1) // len(entry_table)
     width = sum(weights[t].shape[1] for t in entry_table)
     return weights[0].new_empty(batch, width)
+
+
+@embedding_bag_op.register_fake
+def _embedding_bag_fake(weights, entry_table, values, offsets, mean, per_sample_weights, check_ids):
+    return empty_pooled(weights, entry_table, offsets)
 
 
 @torch.library.custom_op("dtrec::embedding_bag_backward", mutates_args=())

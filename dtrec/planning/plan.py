@@ -250,8 +250,8 @@ def plan(
         left = _after(left, plans[-1].report)  # type: ignore[arg-type]
     if len(plans) == 1:
         return plans[0]
-    result = ShardingPlan({key: spec for p in plans for key, spec in p.items()})
-    result = ShardingPlan({key: result[key] for key in tables})  # the model's table order
+    specs = {key: spec for p in plans for key, spec in p.items()}
+    result = ShardingPlan({key: specs[key] for key in tables})  # the model's table order
     result.reports = {}
     for (group_mesh, keys), p in zip(groups, plans, strict=True):
         holds = sorted({collection_of(k, tables[k]) for k in keys})
@@ -335,6 +335,7 @@ def mesh_groups(
             f"meshes names unknown collection(s) {unknown}; the model's collections are "
             f"{sorted(collections)}"
         )
+    world = sorted(mesh.mesh.flatten().tolist())
     for fqn, own in meshes.items():
         if not isinstance(own, DeviceMesh):
             raise TypeError(
@@ -345,14 +346,12 @@ def mesh_groups(
             shard_axis(own)
         except ValueError as exc:
             raise ValueError(f"meshes[{fqn!r}]: {exc}") from None
-        if own.device_type != mesh.device_type or sorted(own.mesh.flatten().tolist()) != sorted(
-            mesh.mesh.flatten().tolist()
-        ):
+        covers = sorted(own.mesh.flatten().tolist())
+        if own.device_type != mesh.device_type or covers != world:
             raise ValueError(
-                f"meshes[{fqn!r}] covers ranks {sorted(own.mesh.flatten().tolist())} on "
-                f"{own.device_type!r}, but the model's mesh covers "
-                f"{sorted(mesh.mesh.flatten().tolist())} on {mesh.device_type!r}: every "
-                "collection's mesh must come from dtrec.init_mesh over the same world"
+                f"meshes[{fqn!r}] covers ranks {covers} on {own.device_type!r}, but the "
+                f"model's mesh covers {world} on {mesh.device_type!r}: every collection's "
+                "mesh must come from dtrec.init_mesh over the same world"
             )
     groups: dict[int, tuple[DeviceMesh, list[str]]] = {}
     for key, cfg in tables.items():

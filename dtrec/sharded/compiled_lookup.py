@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from dtrec.ops.lookup import Lookup
-from dtrec.ops.op import embedding_bag_psw_backward_op, lookup_forward
+from dtrec.ops.op import embedding_bag_psw_backward_op, empty_pooled, lookup_forward
 
 
 class _Stasher(Protocol):
@@ -69,9 +69,7 @@ def fused_embedding_bag_op(
 def _fused_embedding_bag_fake(
     trigger, weights, entry_table, values, offsets, mean, psw, check_ids, table_ids, updater
 ):
-    batch = (offsets.shape[0] - 1) // len(entry_table)
-    width = sum(weights[t].shape[1] for t in entry_table)
-    return weights[0].new_empty(batch, width)
+    return empty_pooled(weights, entry_table, offsets)
 
 
 # cudagraph_unsafe: a CUDA graph replays kernels, not Python; the stash must run every step

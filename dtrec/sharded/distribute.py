@@ -34,7 +34,6 @@ from dtrec.planning.plan import (
     collection_configs,
     collection_tables,
     find_collections,
-    mesh_groups,
     model_tables,
     table_fqn,
 )
@@ -137,12 +136,11 @@ def distribute_module(
     rules = collection_rules(collections, optimizer)
     optimizer = next(iter(rules.values()), None)
     tables = model_tables(model)
-    mesh_groups(tables, mesh, meshes)  # bad meshes: an error before any collective
-    mesh_of = {fqn: (meshes or {}).get(fqn, mesh) for fqn in collections}
     if not meshes:  # per-collection meshes: each mesh's part is mapped onto it by plan()
         plan = from_torchrec(plan, tables, mesh)
         check_plan_keys(dict(plan or {}), tables)
     full_plan = make_plan(model, mesh, constraints=plan, meshes=meshes)
+    mesh_of = {fqn: (meshes or {}).get(fqn, mesh) for fqn in collections}  # checked by plan
     on_meta = any(
         collection_tables(ebc)[cfg.name].weight.is_meta
         for ebc in collections.values()

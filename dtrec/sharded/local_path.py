@@ -122,9 +122,9 @@ class LocalPath:
                 and (self._offload is None or self.world_size == 1)
                 and self._checks_on_device(kjt)
             )
-            op_check = bounds_check == "on" and not device_check
-            if op_check and not torch.compiler.is_compiling():
-                op_check = False
+            on_host = bounds_check == "on" and not device_check
+            op_check = on_host and torch.compiler.is_compiling()  # no host read traced
+            if on_host and not op_check:
                 check_id_range(kjt, self._tables, rank)
         except (KeyError, ValueError, IndexError, TypeError) as exc:
             return LocalBatch(None, exc)
