@@ -56,9 +56,9 @@ from benchmarks.step_probes import (
     cuda_activity,
     sync_debug_sites,
 )
-from dtrec.sharded.local_path import LocalPath
-from dtrec.sharded.lookup import LocalLookup
-from dtrec.sharded.output_dist import OutputDist
+from dtrec.sharded.dist.output_dist import OutputDist
+from dtrec.sharded.lookup.local_path import LocalPath
+from dtrec.sharded.lookup.pooled import LocalLookup
 
 MLPERF_ROWS = (40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956,
                405282, 10, 2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152,

@@ -34,12 +34,12 @@ from dtrec.placements.mesh import SHARD, init_mesh, shard_axis, shard_position
 from dtrec.planning.step_model import collective_of
 from dtrec.sharded.dense import KIND as DENSE_KIND
 from dtrec.sharded.dense import _buckets
-from dtrec.sharded.grad_sync import TableRows, sync_rows
-from dtrec.sharded.groups import column_groups
-from dtrec.sharded.input_dist import InputDist
-from dtrec.sharded.output_dist import OutputDist
-from dtrec.sharded.routing import Routing
-from dtrec.sharded.sync_plan import GradSyncPlan
+from dtrec.sharded.dist.groups import column_groups
+from dtrec.sharded.dist.input_dist import InputDist
+from dtrec.sharded.dist.output_dist import OutputDist
+from dtrec.sharded.dist.routing import Routing
+from dtrec.sharded.update.grad_sync import TableRows, sync_rows
+from dtrec.sharded.update.sync_plan import GradSyncPlan
 from dtrec.sparse import KeyedJaggedTensor
 
 EXACT_WORLD = 64

@@ -1,7 +1,7 @@
 """Unpooled (sequence) lookup kernels vs a device copy of the same bytes (issue 15).
 
 The sequence path's fallback looks rows up through the pooled op with bags of one id
-(``dtrec.sharded.sequence_lookup.RowPool``; with a fused optimizer it gathers from the packed
+(``dtrec.sharded.lookup.sequence.RowPool``; with a fused optimizer it gathers from the packed
 shards instead, ``gather_of_copy`` below). This times that op at
 DLRM-like shapes: 26 tables of dim 128 (rows geometric 1e5..``--max-rows``), ``--batch``
 samples with ``L`` ids each per table (``--lengths``), uniform or Zipf(1.1) ids:

@@ -28,8 +28,10 @@ PART_OF = {"fused_update": "backward_update", "return_plan": "output_dist"}
 def dtrec_sequence_targets(model: nn.Module) -> list[Target]:
     """dtrec's sequence stages by the classes and functions that run them."""
     from dtrec.comm import collectives
-    from dtrec.sharded import fused_update, sequence, sequence_dist
-    from dtrec.sharded.input_dist import RoutedBatch
+    from dtrec.sharded import sequence
+    from dtrec.sharded.dist import sequence_dist
+    from dtrec.sharded.dist.input_dist import RoutedBatch
+    from dtrec.sharded.update import fused_update
 
     del model  # dtrec's stages are its classes'
     return [

@@ -149,11 +149,11 @@ def train_step(
 def dtrec_targets(model: nn.Module) -> list[Target]:
     """dtrec's stages by the classes and functions that run them."""
     from dtrec.comm import collectives
-    from dtrec.sharded import fused_update
-    from dtrec.sharded.input_dist import RoutedBatch
-    from dtrec.sharded.lookup import LocalLookup
+    from dtrec.sharded.dist.input_dist import RoutedBatch
+    from dtrec.sharded.dist.output_dist import OutputDist
+    from dtrec.sharded.lookup.pooled import LocalLookup
     from dtrec.sharded.module import ShardedEmbeddingBagCollection
-    from dtrec.sharded.output_dist import OutputDist
+    from dtrec.sharded.update import fused_update
 
     del model  # dtrec's stages are its classes'
     return [

@@ -29,7 +29,7 @@ from dtrec.sharded.distribute import distribute_module
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.pipeline import TrainPipeline
 from dtrec.sharded.sequence import ShardedEmbeddingCollection
-from dtrec.sharded.tensor import distribute_tensor
+from dtrec.sharded.tables.tensor import distribute_tensor
 from dtrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 __all__ = [

@@ -218,7 +218,7 @@ class CheckingOps:
 def install(checker: CheckingOps) -> Iterator[CheckingOps]:
     """Make dtrec call fbgemm through ``checker`` (every module that looks the ops up)."""
     import dtrec.ops.backends.fbgemm as backend
-    import dtrec.sharded.routing as routing
+    import dtrec.sharded.dist.routing as routing
 
     saved = backend.fbgemm_ops, routing.fbgemm_ops
     backend.fbgemm_ops = routing.fbgemm_ops = lambda: checker

@@ -43,7 +43,7 @@ def test_smoke_run_reports_every_measure(tmp_path) -> None:
             assert {"forward", "sparse_fwd", "dense_fwd"} <= set(r["stages"]["host_s"])
             assert set(r["profile"]) == {"step", "embedding", "dense"}
         stages = config["dtrec"]["stages"]["host_s"]
-        # a 1-rank world: nothing to move, so no output dist (dtrec/sharded/local_path.py)
+        # a 1-rank world: nothing to move, so no output dist (dtrec/sharded/lookup/local_path.py)
         assert {"input_dist", "lookup_fwd", "bwd_and_fused_update"} <= set(stages)
         assert config["dtrec"]["pipelined_step_s"] > 0
         counts = config["dtrec"]["counts"]["embedding"]

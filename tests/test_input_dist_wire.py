@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dtrec.modules.config import EmbeddingBagConfig
-from dtrec.sharded.input_dist import pack_weights, packed_size, wire_dtype
+from dtrec.sharded.dist.input_dist import pack_weights, packed_size, wire_dtype
 
 
 def _table(rows: int) -> EmbeddingBagConfig:

@@ -27,6 +27,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dtrec.modules",),
     ("dtrec.interop",),  # TorchRec modules and configs -> dtrec's (torchrec never imported)
     ("dtrec.placements",),
+    # TorchRec plans / constraints -> specs, TableConstraint; DMPCollectionConfigs -> meshes
+    ("dtrec.interop.plans", "dtrec.interop.dmp_collection"),
     # the search (offload, offload_plan: the host tier's costs and choices)
     (
         "dtrec.planning.step_model",  # the scale model's fabric and step (imports no dtrec)
@@ -36,8 +38,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dtrec.planning.offload_plan",
         "dtrec.planning.planner",
     ),
-    # TorchRec plans / constraints -> specs, TableConstraint; DMPCollectionConfigs -> meshes
-    ("dtrec.interop.plans", "dtrec.interop.dmp_collection"),
     ("dtrec.planning",),
     ("dtrec.sharded",),
     ("dtrec.checkpoint",),

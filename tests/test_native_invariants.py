@@ -145,4 +145,4 @@ def test_every_fbgemm_call_site_is_patched_by_install() -> None:
             users.add(f"raw:{path.relative_to(root)}")
         if re.search(r"\bfbgemm_ops\(\)", text):
             users.add(str(path.relative_to(root)))
-    assert users == {"ops/backends/fbgemm.py", "sharded/routing.py"}, users
+    assert users == {"ops/backends/fbgemm.py", "sharded/dist/routing.py"}, users

@@ -9,7 +9,7 @@ import torch
 import dtrec
 from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
 from dtrec.placements.mesh import ShardAxis
-from dtrec.sharded.routing import Routing
+from dtrec.sharded.dist.routing import Routing
 
 AXIS = ShardAxis(size=4, replicas=1, per_node=2)
 TABLES = [
@@ -69,7 +69,7 @@ def _loop_bucketize(routing: Routing, values, lengths, weights):
 def test_bucketize_matches_the_per_segment_layout(
     monkeypatch: pytest.MonkeyPatch, weighted: bool, position: int, path: str
 ) -> None:
-    import dtrec.sharded.routing as routing_module
+    import dtrec.sharded.dist.routing as routing_module
     from dtrec.ops.backends.fbgemm_loader import fbgemm_available
 
     if path == "fbgemm" and not fbgemm_available():
@@ -117,15 +117,19 @@ def test_only_routing_reads_the_data_parallel_flag() -> None:
     import pathlib
 
     sharded = pathlib.Path(dtrec.__file__).parent / "sharded"
-    readers = sorted(p.name for p in sharded.glob("*.py") if "batch_local" in p.read_text())
-    assert readers == ["routing.py"]
+    readers = sorted(
+        p.relative_to(sharded).as_posix()
+        for p in sharded.rglob("*.py")
+        if "batch_local" in p.read_text()
+    )
+    assert readers == ["dist/routing.py"]
 
 
 @pytest.mark.parametrize("sync_every", [None, 2])
 def test_grad_sync_plan_sums_data_parallel_tables_over_the_world(sync_every) -> None:
     from dtrec.placements.mesh import REPLICATE
-    from dtrec.sharded.groups import world_group
-    from dtrec.sharded.sync_plan import GradSyncPlan
+    from dtrec.sharded.dist.groups import world_group
+    from dtrec.sharded.update.sync_plan import GradSyncPlan
     from tests.fake_world import fake_world
 
     with fake_world(0, 8):
@@ -174,7 +178,7 @@ def _batch(tables, seed: int, weights: str):
 def test_row_wise_bucketize_paths_match_the_per_segment_layout(
     monkeypatch: pytest.MonkeyPatch, path: str, weights: str, position: int
 ) -> None:
-    import dtrec.sharded.routing as routing_module
+    import dtrec.sharded.dist.routing as routing_module
     from dtrec.ops.backends.fbgemm_loader import fbgemm_available
 
     if path == "fbgemm" and not fbgemm_available():
@@ -203,7 +207,7 @@ def test_trained_weights_take_the_sort_path(monkeypatch) -> None:
     """fbgemm's op has no autograd: weights that need a gradient are laid out by the sort,
     and their gradient flows back. fbgemm serves every chunked layout otherwise, column
     blocks (grid) and a node's rows at positions 2-3 included."""
-    import dtrec.sharded.routing as routing_module
+    import dtrec.sharded.dist.routing as routing_module
 
     real = routing_module.fbgemm_ops
     calls = []
@@ -228,7 +232,7 @@ def test_chunks_fbgemm_cannot_bucket_take_the_sort_path() -> None:
     """fbgemm sends an id to bucket ``id // c`` of S: a table of more than S chunks (or an
     empty block with no empty bucket to stand for it) is not fbgemm's."""
     from dtrec.placements import Block
-    from dtrec.sharded.row_buckets import fbgemm_runs_of
+    from dtrec.sharded.dist.row_buckets import fbgemm_runs_of
 
     five = [(0, Block(p, rows, (0, 4))) for p, rows in enumerate([(0, 2), (2, 4), (4, 5), (5, 5)])]
     assert fbgemm_runs_of([5], five, [2], 4) == (0, 1, 2, 3)  # bucket 3 ([6, 8)) is empty
@@ -247,7 +251,7 @@ def test_ids_outside_their_table_are_laid_out_without_indexing_out_of_range(
     so a batch with ids outside their table (negative, past the last row, past int32) must
     lay out without an error: each id lands in some run, every segment gets its ids' count,
     and the good ids are laid out as for a good batch."""
-    import dtrec.sharded.routing as routing_module
+    import dtrec.sharded.dist.routing as routing_module
     from dtrec.ops.backends.fbgemm_loader import fbgemm_available
 
     if path == "fbgemm" and not fbgemm_available():

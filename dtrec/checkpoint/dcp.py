@@ -59,8 +59,8 @@ from dtrec.checkpoint.model_state import (
     unflatten,
 )
 from dtrec.checkpoint.plain import is_plain_dcp, load_plain
-from dtrec.sharded.fused_optimizer import FusedOptimizerView
-from dtrec.sharded.tensor import full_tensor
+from dtrec.sharded.tables.tensor import full_tensor
+from dtrec.sharded.update.fused_optimizer import FusedOptimizerView
 
 MARKER = "COMPLETE.json"
 FORMAT = 1

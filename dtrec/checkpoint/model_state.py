@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor
 
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.planning.plan import collection_configs, table_fqn
-from dtrec.sharded.fused_optimizer import FusedOptimizerView
-from dtrec.sharded.tensor import like_dtensor
+from dtrec.sharded.tables.tensor import like_dtensor
+from dtrec.sharded.update.fused_optimizer import FusedOptimizerView
 
 MODEL, FUSED, OPTIM = "model", "fused_optimizer", "optimizer"
 """Key prefixes: the model's state dict, the fused optimizer's state, the dense optimizer."""

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from dtrec._torch_compat import is_sharded_tensor, shard_index
 from dtrec.checkpoint.agreement import CheckpointError
-from dtrec.sharded.tensor import full_tensor
+from dtrec.sharded.tables.tensor import full_tensor
 
 # dtrec state entry -> TorchRec's suffix, per fused rule
 TORCHREC_ENTRIES: dict[str, dict[str, str]] = {

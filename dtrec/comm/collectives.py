@@ -95,7 +95,7 @@ def sync_bytes(size: int, most: float, dim: int, num_rows: int) -> tuple[float, 
     all-gather of (row id, grad row) for ``most`` rows, or a ring all-reduce of
     ``[num_rows, dim + 1]`` fp32 (the extra column counts touches).
 
-    The replicate-axis gradient sync (``dtrec.sharded.grad_sync``) picks the cheaper one
+    The replicate-axis gradient sync (``dtrec.sharded.update.grad_sync``) picks the cheaper one
     with it, and the cost model (``dtrec.planning.cost_model``) predicts that choice.
     """
     if size <= 1:

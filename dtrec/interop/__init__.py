@@ -4,7 +4,7 @@ Nothing here imports torchrec: its objects are recognised by class name and fiel
 ``modules`` converts TorchRec's ``EmbeddingBagCollection`` (and rejects the sparse
 modules dtrec cannot shard); ``plans`` maps a TorchRec ``ShardingPlan`` onto a dtrec
 mesh and ``ParameterConstraints`` onto ``TableConstraint``s (a layer higher: it needs
-the specs and the planner).
+the specs, ``dtrec.placements``; the planner imports it, never the reverse).
 """
 
 from dtrec.interop.modules import (

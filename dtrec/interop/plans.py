@@ -30,8 +30,8 @@ from dtrec.placements import (
     TableWise,
     chunk_bounds,
 )
+from dtrec.placements.constraints import TableConstraint
 from dtrec.placements.mesh import ShardAxis, shard_axis
-from dtrec.planning.planner import TableConstraint
 
 SHARDING_TYPES: dict[str, type[TableSpec]] = {
     "data_parallel": DataParallel,

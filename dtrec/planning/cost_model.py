@@ -259,7 +259,7 @@ def gradient_sum_bytes(
     group: int, touched: float, cols: int, rows: int, wire: int = 4
 ) -> tuple[str, float]:
     """("sparse" | "dense", bytes one member sends) to sum a block's gradient over ``group``
-    as ``dtrec.sharded.grad_sync`` does: the path is the one fp32 bytes pick
+    as ``dtrec.sharded.update.grad_sync`` does: the path is the one fp32 bytes pick
     (``sync_bytes``) for any precision; a quantized sum (``wire`` = 2 bytes per element)
     sends int32 row ids and half-width rows on the sparse path, half-width pieces and sums
     on the dense one (``dtrec.comm.quantized.sum_quantized``), half the fp32 bytes (plus,

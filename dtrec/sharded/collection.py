@@ -3,7 +3,7 @@
 ``ShardedEmbeddingBagCollection`` (``module.py``) and ``ShardedEmbeddingCollection``
 (``sequence.py``) differ only in what comes back from the ranks holding the rows
 (pooled partials or rows) and how it is assembled. Everything else is built here once:
-the table blocks (``storage.py``), who sends which ids where (a ``Routing``), the
+the table blocks (``tables/storage.py``), who sends which ids where (a ``Routing``), the
 replica-axis gradient sync (``GradSyncPlan``), the fused optimizer (``FusedUpdater``,
 column peers for exact row-wise Adagrad), the input dist, ``sync_every`` weight
 averaging, prefetching, and the device caches of offloaded tables (``offload/``).
@@ -27,14 +27,14 @@ from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import shard_axis, shard_position
 from dtrec.sharded.copies import deepcopy_module
-from dtrec.sharded.fused_update import FusedUpdater, TableUpdate
-from dtrec.sharded.groups import column_groups
-from dtrec.sharded.input_dist import InputDist
+from dtrec.sharded.dist.groups import column_groups
+from dtrec.sharded.dist.input_dist import InputDist
+from dtrec.sharded.dist.routing import Routing
 from dtrec.sharded.offload import OffloadedTables, offload_tables
-from dtrec.sharded.routing import Routing
-from dtrec.sharded.storage import pack_local_shards, shard_tables, state_dtensors
-from dtrec.sharded.sync_plan import GradSyncPlan, PendingAverage
-from dtrec.sharded.tensor import like_dtensor
+from dtrec.sharded.tables.storage import pack_local_shards, shard_tables, state_dtensors
+from dtrec.sharded.tables.tensor import like_dtensor
+from dtrec.sharded.update.fused_update import FusedUpdater, TableUpdate
+from dtrec.sharded.update.sync_plan import GradSyncPlan, PendingAverage
 
 
 def check_sync_every(sync_every: int | None) -> None:
@@ -55,7 +55,7 @@ class ShardedCollection(nn.Module):
     """
 
     #: How replicas sum gradients (fused or not): "auto" (sparse or dense per table,
-    #: whichever sends fewer bytes), "sparse" or "dense"; see ``dtrec.sharded.grad_sync``.
+    #: whichever sends fewer bytes), "sparse" or "dense"; see ``dtrec.sharded.update.grad_sync``.
     replica_sync: str = "auto"
     #: With ``sync_every=k``: start the k-th step's replica average early and finish it
     #: right before the tables are read again (bit for bit the blocking average), so it

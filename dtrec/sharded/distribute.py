@@ -41,10 +41,10 @@ from dtrec.planning.plan import plan as make_plan
 from dtrec.sharded.collection import ShardedCollection, check_sync_every
 from dtrec.sharded.copies import deepcopy_module
 from dtrec.sharded.dense import ReplicatedDense, replicate_dense
-from dtrec.sharded.dtensor_handlers import register_dtensor_handlers
-from dtrec.sharded.fused_optimizer import FusedOptimizerView
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.sequence import ShardedEmbeddingCollection
+from dtrec.sharded.tables.dtensor_handlers import register_dtensor_handlers
+from dtrec.sharded.update.fused_optimizer import FusedOptimizerView
 
 
 def distribute_module(

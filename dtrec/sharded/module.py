@@ -2,27 +2,27 @@
 
 One training step of a ``ShardedEmbeddingBagCollection``, each stage in its file:
 
-1. input dist (``input_dist.py``): validate the batch, agree on it over the
+1. input dist (``dist/input_dist.py``): validate the batch, agree on it over the
    sharding group and the replicas (header all-to-all, verdict all-reduce), send
-   each id to the block(s) holding its row (ids all-to-all, ``routing.py``
+   each id to the block(s) holding its row (ids all-to-all, ``dist/routing.py``
    computes the send layout);
-2. lookup (``lookup.py``): one batched, sum-pooled lookup over the segments this
+2. lookup (``lookup/pooled.py``): one batched, sum-pooled lookup over the segments this
    rank serves, one over its own batch's data-parallel features;
-3. output dist (``output_dist.py``): partials all-to-all back to the batch's rank,
+3. output dist (``dist/output_dist.py``): partials all-to-all back to the batch's rank,
    assembled into output columns (row blocks add up, column blocks tile), then
    the mean-pooling scale;
 4. backward mirrors 3 -> 2 through autograd;
-5. fused update (``fused_update.py``, with a fused optimizer): when backward
+5. fused update (``update/fused_update.py``, with a fused optimizer): when backward
    ends, each table's row gradients are averaged, synced (6) and only the
    touched rows updated; without one, autograd's gradients are synced (6) and
    any torch optimizer steps the DTensor parameters;
-6. replicate-axis sync: ``sync_plan.py`` decides per table the group and scale
+6. replicate-axis sync: ``update/sync_plan.py`` decides per table the group and scale
    (the "replicate" axis for routed tables, the world for data-parallel ones,
-   averaged over all W batches), ``grad_sync.py`` sums the row-sparse gradients;
+   averaged over all W batches), ``update/grad_sync.py`` sums the row-sparse gradients;
    with ``sync_every=k`` replicas average their weights every k steps instead.
 
 The tables themselves (DTensor parameters, packed local shards, optimizer state
-views) are ``storage.py``.
+views) are ``tables/storage.py``.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import SHARD
 from dtrec.sharded.collection import ShardedCollection
-from dtrec.sharded.input_dist import RoutedBatch
-from dtrec.sharded.local_path import LocalBatch, LocalPath, serves_locally
-from dtrec.sharded.lookup import LocalLookup
-from dtrec.sharded.output_dist import OutputDist
+from dtrec.sharded.dist.input_dist import RoutedBatch
+from dtrec.sharded.dist.output_dist import OutputDist
+from dtrec.sharded.lookup.local_path import LocalBatch, LocalPath, serves_locally
+from dtrec.sharded.lookup.pooled import LocalLookup
 from dtrec.sparse import KeyedTensor
 
 EXCHANGED_STEP = (
@@ -83,7 +83,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         self._output_dist = OutputDist(
             tables, self._routing, mesh.get_group(SHARD), self._dtype, self.qcomms
         )
-        # A shard axis of one position: no routing, no all-to-all (``local_path.py``);
+        # A shard axis of one position: no routing, no all-to-all (``lookup/local_path.py``);
         # offloaded tables take the routed path, whose lookup reads through their caches.
         self._local = (
             LocalPath(tables, self._routing, self._updater, mesh, self._offload)
@@ -134,7 +134,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     def input_dist(self, features: object) -> RoutedBatch | LocalBatch:
         """Validate the batch and send each id to the shard(s) holding its row.
 
-        With one shard position (``local_path.py``) nothing is sent: the batch is only
+        With one shard position (``lookup/local_path.py``) nothing is sent: the batch is only
         validated, and its verdict (with replicas) is all-reduced in forward.
 
         One blocking header all-to-all over the sharding group (batch sizes, id
@@ -162,7 +162,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     def check_pending_batches(self) -> None:
         """Wait for the device and raise the IndexError of a batch whose ids were checked on
         the device and not reported yet (a one-rank world with a fused optimizer reports
-        a bad batch at a later forward, see ``dtrec.sharded.local_path``; call this after
+        a bad batch at a later forward, see ``dtrec.sharded.lookup.local_path``; call this after
         the last step). Does nothing elsewhere.
 
         Example::

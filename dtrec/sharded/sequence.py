@@ -3,7 +3,7 @@
 Same tables, input dist (over a ``SequenceRouting``), replica-axis sync and fused
 updates as ``ShardedEmbeddingBagCollection``: both are a ``ShardedCollection``
 (``collection.py``). Only the lookup and output dist differ: rows travel back instead
-of pooled sums (``sequence_dist.py``).
+of pooled sums (``dist/sequence_dist.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import SHARD
 from dtrec.sharded.collection import ShardedCollection
-from dtrec.sharded.input_dist import RoutedBatch
-from dtrec.sharded.sequence_dist import (
+from dtrec.sharded.dist.input_dist import RoutedBatch
+from dtrec.sharded.dist.sequence_dist import (
     ReturnPlan,
     SequenceLookup,
     SequenceOutputDist,

@@ -6,7 +6,7 @@ uses: every rank of the one-GPU W=2 / W=4 gloo worlds died in it, during backwar
 (shared/gpu-runs/2026-11-26-h200/w2.log, gloo_cuda_matrix.txt). It came from autograd's
 gradient accumulation: when it cannot take a table's gradient as is, it copies it into
 ``new_empty_strided``, which torch 2.11 makes ``Replicate`` for unevenly sharded tables,
-so the copy all-gathers (``dtrec/sharded/dtensor_handlers.py``). Here every plan type
+so the copy all-gathers (``dtrec/sharded/tables/dtensor_handlers.py``). Here every plan type
 trains a step (forward, backward, a foreach optimizer step; then ``clip_grad_norm_``) with a
 gradient hook that keeps each table gradient referenced, which forces that copy path on
 CPU as CUDA's device threads do, and counts calls of ``torch.ops._c10d_functional.*``;

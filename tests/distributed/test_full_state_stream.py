@@ -2,7 +2,7 @@
 
 An offloaded table lives in host memory because it does not fit the device: assembling
 it must not move a whole block (nor the world's blocks) to the device at once
-(``dtrec.sharded.tensor._assembled``, issue 31). With the round size cut to 4 KiB, a
+(``dtrec.sharded.tables.tensor._assembled``, issue 31). With the round size cut to 4 KiB, a
 2-rank world trains the device model and the 5%-cache model side by side (row-, column-
 and table-wise, row-wise Adagrad) for 3 steps; the full weights and fused optimizer
 states of both, assembled by rounds, must be bitwise equal, and no rank may send more
@@ -21,7 +21,7 @@ ROUND_BYTES = 4096
 
 def _assemble_by_rounds(rank: int, world: int) -> dict:
     import dtrec
-    import dtrec.sharded.tensor as tensor_module
+    import dtrec.sharded.tables.tensor as tensor_module
     from tests.distributed.test_offload import _batches, _build, _differences, _state, _step
 
     tensor_module._STREAM_BYTES = ROUND_BYTES

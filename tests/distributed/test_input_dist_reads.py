@@ -24,7 +24,7 @@ def _run(rank: int, world: int) -> dict:
     import torch
 
     import dtrec
-    import dtrec.sharded.routing as routing_module
+    import dtrec.sharded.dist.routing as routing_module
     from benchmarks.step_probes import StepCounter
     from dtrec.checkpoint.dcp import full_state_dict
     from tests.distributed.numerics import PLANS, TinyModel, make_batch, make_tables

@@ -1,6 +1,6 @@
 """A shard axis of one position (W=1, or replicas only): no routing, no all-to-all.
 
-The sharded collection pools its batch with one op call (``dtrec/sharded/local_path.py``):
+The sharded collection pools its batch with one op call (``dtrec/sharded/lookup/local_path.py``):
 same numerics as the unsharded model on every plan and fused optimizer, on the torch and
 the Triton backend (its kernels in Triton's interpreter), no collective at W=1 and only
 the verdict all-reduce with replicas; and the bad-batch contract, checked on the device:

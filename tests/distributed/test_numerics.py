@@ -25,7 +25,7 @@ OPTIMIZERS = ("adagrad", "adam")
 # both off, tests/gpu/cuda_worlds.py), index_add_/scatter-add are nondeterministic on CUDA
 # (dtrec's backward sorts rows instead, so results are bit-stable run to run), and
 # autograd runs backward on a device thread on CUDA (so AccumulateGrad copies gradients
-# it cannot steal: new_empty_strided, see dtrec/sharded/dtensor_handlers.py).
+# it cannot steal: new_empty_strided, see dtrec/sharded/tables/dtensor_handlers.py).
 FOREACH = {"foreach": True}
 # Fused optimizers, on plans that exercise replicas, column shards (exact row-wise
 # Adagrad needs the row's full sum of squares) and grid (rows and columns split).

@@ -1,7 +1,7 @@
 """Offloaded tables on the paths main added: a shard axis of one position, uneven batches.
 
 A shard axis of one position (a world of one rank, and a 1x2 mesh: replicas only) takes
-the one-rank local path (``dtrec/sharded/local_path.py``), which pools the batch as it
+the one-rank local path (``dtrec/sharded/lookup/local_path.py``), which pools the batch as it
 came, without routing: offloaded tables must still be read through their caches. For each
 fused optimizer, a model whose tables live in host memory behind a 5% cache and the same
 model on the device train side by side for 30 steps, with per-rank batch sizes that vary

@@ -1,4 +1,4 @@
-"""dtrec.sharded.grad_sync on gloo: sparse, dense and auto give the dense all-reduce's sums.
+"""dtrec.sharded.update.grad_sync on gloo: sparse, dense and auto give the dense all-reduce's sums.
 
 Every rank builds all members' inputs from seeds, so each can check its result against
 the dense sum over the group computed locally; the chosen path is read off the bytes
@@ -50,7 +50,7 @@ def _run(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     import dtrec
-    from dtrec.sharded.grad_sync import TableRows, sync_rows
+    from dtrec.sharded.update.grad_sync import TableRows, sync_rows
 
     group = dist.new_group(list(range(world)))
     out = {}

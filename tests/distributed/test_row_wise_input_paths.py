@@ -44,7 +44,7 @@ def _train(mesh, reference, tables, weighted: bool, fused: bool, steps: int = 3)
 
 def _run(rank: int, world: int) -> dict:
     import dtrec
-    import dtrec.sharded.routing as routing_module
+    import dtrec.sharded.dist.routing as routing_module
     from dtrec.ops.backends.fbgemm_loader import fbgemm_available
     from tests.distributed.numerics import TinyModel, make_tables
 

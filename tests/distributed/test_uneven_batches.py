@@ -53,7 +53,7 @@ def _fused(name: str | None):
 
 def _run(rank: int, world: int, plans: tuple[str, ...]) -> dict:
     import dtrec
-    import dtrec.sharded.routing as routing_module
+    import dtrec.sharded.dist.routing as routing_module
     from dtrec.ops.backends.fbgemm_loader import fbgemm_available
     from tests.distributed.numerics import PLANS as POOLED_PLANS
     from tests.distributed.numerics import check_numerics

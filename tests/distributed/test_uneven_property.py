@@ -49,7 +49,7 @@ def _run(rank: int, world: int, examples: int) -> list[dict]:
     from hypothesis import strategies as st
 
     import dtrec
-    import dtrec.sharded.routing as routing_module
+    import dtrec.sharded.dist.routing as routing_module
     from tests.distributed.numerics import PLANS as POOLED_PLANS
     from tests.distributed.numerics import check_numerics
     from tests.sequence.numerics import check_sequence_numerics

@@ -17,7 +17,7 @@ from dtrec.placements import (
     chunk_bounds,
 )
 from dtrec.placements.mesh import ShardAxis
-from dtrec.sharded.tensor import table_mesh
+from dtrec.sharded.tables.tensor import table_mesh
 from tests.fake_world import fake_world
 
 ALL_SPECS = [

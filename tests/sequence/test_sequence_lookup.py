@@ -1,4 +1,4 @@
-"""The sequence lookup's one-call paths (``dtrec.sharded.sequence_lookup``) against plain
+"""The sequence lookup's one-call paths (``dtrec.sharded.lookup.sequence``) against plain
 indexing: rows in the ids' order for runs out of table order, mixed widths, empty tables."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dtrec.ops.lookup import packed_views
-from dtrec.sharded.sequence_lookup import IdRuns, PackedRows, RowPool, bags_per_entry
+from dtrec.sharded.lookup.sequence import IdRuns, PackedRows, RowPool, bags_per_entry
 
 SHAPES = [(7, 4), (5, 8), (9, 4)]  # mixed widths: runs of gcd 4 columns
 

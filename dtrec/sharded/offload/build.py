@@ -13,12 +13,12 @@ from dtrec.ops.lookup import shared_storage
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableLayout
 from dtrec.placements.mesh import mesh_device
-from dtrec.sharded.fused_update import FusedUpdater
-from dtrec.sharded.groups import world_group
+from dtrec.sharded.dist.groups import world_group
 from dtrec.sharded.offload.host import CopyJobs, CopyStream, host_block
 from dtrec.sharded.offload.row_cache import RowCache
 from dtrec.sharded.offload.tables import OffloadedTables
-from dtrec.sharded.tensor import like_dtensor
+from dtrec.sharded.tables.tensor import like_dtensor
+from dtrec.sharded.update.fused_update import FusedUpdater
 
 
 def offload_tables(

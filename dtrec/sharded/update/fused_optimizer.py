@@ -44,7 +44,7 @@ from dtrec.optim.param_groups import (
 from dtrec.placements.layout import Block
 from dtrec.planning.plan import collection_tables, table_fqn
 from dtrec.sharded.collection import ShardedCollection
-from dtrec.sharded.tensor import load_block
+from dtrec.sharded.tables.tensor import load_block
 
 
 class FusedOptimizerView(torch.optim.Optimizer):

@@ -11,7 +11,7 @@ up in it, so the group it is summed over follows from how its ids travel:
   replicas do not sum gradients (each averages its own S batches) and average
   their weights every k steps instead (``replica_sync.weights``).
 
-The sums themselves are ``dtrec.sharded.grad_sync`` (row-sparse, coalesced):
+The sums themselves are ``dtrec.sharded.update.grad_sync`` (row-sparse, coalesced):
 for plain training through ``sync_grads`` in autograd, for fused optimizers in
 the ``FusedUpdater``, both with the group and scale decided here. A collection's
 ``QCommsConfig.replica_sync_precision`` quantizes the replicate-axis sum of routed
@@ -32,9 +32,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from dtrec.comm.collectives import PendingTensors, all_reduce_coalesced_start
 from dtrec.comm.quantized import Codec
 from dtrec.placements.mesh import REPLICATE
-from dtrec.sharded.grad_sync import sync_grads
-from dtrec.sharded.groups import world_group
-from dtrec.sharded.routing import Routing
+from dtrec.sharded.dist.groups import world_group
+from dtrec.sharded.dist.routing import Routing
+from dtrec.sharded.update.grad_sync import sync_grads
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ for bags (``InputDist``, ``Routing.bucketize``: each id goes to every block hold
 row, in a stable segment order). What changes is what comes back:
 
 * server (``SequenceLookup.served``): one call over every served table
-  (``sequence_lookup.lookup_rows``) gathers the received ids' rows (``[ids, block
+  (``lookup.sequence.lookup_rows``) gathers the received ids' rows (``[ids, block
   cols]``), laid out in the order the ids arrived: per source, per segment, per id;
 * output dist (``SequenceOutputDist``): one differentiable all-to-all
   (``sequence_output_dist`` in ``dtrec.comm_stats()``) returns the rows to the ranks
@@ -39,11 +39,11 @@ from dtrec.comm.collectives import all_to_all_autograd
 from dtrec.comm.qcomms import QCommsConfig
 from dtrec.comm.quantized import quantized_all_to_all
 from dtrec.ops.backends.device_lists import device_list
-from dtrec.sharded.fused_update import FusedUpdater
-from dtrec.sharded.input_dist import RoutedBatch
-from dtrec.sharded.routing import Routing, SendLayout
-from dtrec.sharded.row_buckets import Runs
-from dtrec.sharded.sequence_lookup import IdRuns, expand_runs, lookup_rows
+from dtrec.sharded.update.fused_update import FusedUpdater
+from dtrec.sharded.dist.input_dist import RoutedBatch
+from dtrec.sharded.dist.routing import Routing, SendLayout
+from dtrec.sharded.dist.row_buckets import Runs
+from dtrec.sharded.lookup.sequence import IdRuns, expand_runs, lookup_rows
 from dtrec.sparse import KeyedJaggedTensor
 
 

@@ -1,6 +1,6 @@
 """The fused lookup as ops ``torch.compile`` traces whole (issue 32).
 
-Eager's ``FusedLookup`` (``fused_update.py``) is an ``autograd.Function`` whose backward
+Eager's ``FusedLookup`` (``update/fused_update.py``) is an ``autograd.Function`` whose backward
 hands its input to the updater (a Python side effect dynamo cannot put in a graph) and
 whose input includes a throwaway leaf made per call (``requires_grad=True`` inside the
 forward: a graph break). Under ``torch.compile``, ``fused_lookup`` calls this file's ops

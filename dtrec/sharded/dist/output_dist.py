@@ -27,8 +27,8 @@ from dtrec.comm.quantized import quantized_all_to_all
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.features import bag_lengths, feature_order
 from dtrec.ops.row_blocks import bag_scale
-from dtrec.sharded.lookup import table_runs
-from dtrec.sharded.routing import Routing
+from dtrec.sharded.lookup.pooled import table_runs
+from dtrec.sharded.dist.routing import Routing
 from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 

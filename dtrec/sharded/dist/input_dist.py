@@ -46,10 +46,10 @@ from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.features import bag_lengths, count_bad_ids, id_range_error, prepare_features
 from dtrec.ops.backends.device_lists import device_list
 from dtrec.placements.mesh import REPLICATE, SHARD, mesh_device
-from dtrec.sharded.groups import world_group
-from dtrec.sharded.routed_batch import RoutedBatch, pack_weights, packed_size, wire_dtype
-from dtrec.sharded.routing import Routing
-from dtrec.sharded.row_buckets import Runs
+from dtrec.sharded.dist.groups import world_group
+from dtrec.sharded.dist.routed_batch import RoutedBatch, pack_weights, packed_size, wire_dtype
+from dtrec.sharded.dist.routing import Routing
+from dtrec.sharded.dist.row_buckets import Runs
 from dtrec.sparse import KeyedJaggedTensor
 
 # The header to each peer: the fixed fields, then one id count per segment the peer serves.

@@ -20,7 +20,7 @@ from torch import Tensor
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.ops.backends.fbgemm_loader import fbgemm_ops
 from dtrec.placements import Block, TableLayout
-from dtrec.sharded.row_buckets import RunMaps, Runs, lay_out_runs
+from dtrec.sharded.dist.row_buckets import RunMaps, Runs, lay_out_runs
 
 
 @dataclass(frozen=True)

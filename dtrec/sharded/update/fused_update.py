@@ -8,7 +8,7 @@ others, in table order:
 
 1. merges the stashed parts and averages over the ranks whose batches they
    sum (1 / W; 1 / S when replicas sync weights instead, ``sync_every``);
-2. sums them over the table's replicas (``dtrec.sharded.grad_sync``: a sparse
+2. sums them over the table's replicas (``dtrec.sharded.update.grad_sync``: a sparse
    all-gather whose bytes grow with rows touched, or a dense all-reduce when
    that is cheaper; all tables of a group share the collectives), so every
    replica sees the union of touched rows and the same sums;
@@ -47,8 +47,8 @@ from dtrec.ops.lookup import Lookup
 from dtrec.ops.op import embedding_bag_psw_backward_op, lookup_backward_rows, lookup_forward
 from dtrec.optim import FusedOptimizer, RowUpdate
 from dtrec.optim.param_groups import rule_for_group
-from dtrec.sharded.compiled_lookup import fused_embedding_bag_op, register_updater
-from dtrec.sharded.grad_sync import TableRows, sum_by_row, sync_rows
+from dtrec.sharded.lookup.compiled import fused_embedding_bag_op, register_updater
+from dtrec.sharded.update.grad_sync import TableRows, sum_by_row, sync_rows
 
 
 def merge_rows(parts: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -114,7 +114,7 @@ class FusedUpdater:
         ``sync_every`` replica average there)."""
         device = next((u.weight.device for u in tables.values()), torch.device("cpu"))
         self.trigger = torch.empty(0, device=device, requires_grad=True)
-        """The compiled lookup's grad-requiring input (``compiled_lookup.py``): one leaf,
+        """The compiled lookup's grad-requiring input (``lookup/compiled.py``): one leaf,
         so the traced forward creates none."""
         self.key = register_updater(self)
 
@@ -389,9 +389,9 @@ def fused_lookup(
     backward behind (the update reads the group again when it runs). ``error``: the
     ``Lookup.error`` flag its ids are checked into (backends that skip bad ids), which
     also stops its update. ``check_ids`` (compiled only): IndexError for an id outside
-    its table, raised inside the op (``compiled_lookup.py``).
+    its table, raised inside the op (``lookup/compiled.py``).
     """
-    if torch.compiler.is_compiling():  # one traceable op (``compiled_lookup.py``)
+    if torch.compiler.is_compiling():  # one traceable op (``lookup/compiled.py``)
         assert error is None, "the compiled lookup checks ids in the op"
         return fused_embedding_bag_op(
             updater.trigger, tables, entry_table, values, offsets, mean, psw, check_ids,

@@ -26,7 +26,7 @@ from dtrec.ops.lookup import packed_views, shared_storage
 from dtrec.placements import TableLayout, TableSpec
 from dtrec.placements.layout import Block
 from dtrec.placements.mesh import mesh_device
-from dtrec.sharded.tensor import distribute_tensor, like_dtensor, load_block, state_dtensor
+from dtrec.sharded.tables.tensor import distribute_tensor, like_dtensor, load_block, state_dtensor
 
 
 class ShardedTable(nn.Module):

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 
 from dtrec.ops.op import EmbeddingBagFunction
-from dtrec.sharded.fused_update import FusedUpdater, fused_lookup
-from dtrec.sharded.input_dist import RoutedBatch
-from dtrec.sharded.routing import Routing
+from dtrec.sharded.dist.input_dist import RoutedBatch
+from dtrec.sharded.dist.routing import Routing
+from dtrec.sharded.update.fused_update import FusedUpdater, fused_lookup
 from dtrec.sparse import KeyedJaggedTensor
 
 

@@ -53,10 +53,10 @@ from dtrec.ops.host_flags import HostFlag
 from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.placements import TableLayout
 from dtrec.placements.mesh import mesh_device
-from dtrec.sharded.fused_update import FusedUpdater, fused_lookup
-from dtrec.sharded.groups import world_group
+from dtrec.sharded.dist.groups import world_group
+from dtrec.sharded.dist.routing import Routing
 from dtrec.sharded.offload import OffloadedTables
-from dtrec.sharded.routing import Routing
+from dtrec.sharded.update.fused_update import FusedUpdater, fused_lookup
 from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from dtrec.ops.lookup import Lookup, shared_storage
 from dtrec.ops.op import EmbeddingBagFunction
-from dtrec.sharded.fused_update import FusedUpdater, fused_lookup
+from dtrec.sharded.update.fused_update import FusedUpdater, fused_lookup
 
 
 def expand_runs(starts: Tensor, widths: Tensor, total: int | None = None) -> Tensor:
