@@ -16,7 +16,7 @@ PIP   := $(VENV)/bin/pip
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.dtrec-installed
 
-.PHONY: install demo test lint bench-deps bench-deps-install gpu-check clean
+.PHONY: install demo test lint bench-deps bench-deps-install docs docs-deps-install gpu-check clean
 
 install: $(STAMP)
 
@@ -29,6 +29,7 @@ $(STAMP): pyproject.toml
 		echo "warning: '$(FBGEMM_SPEC)' failed to install; dtrec will use its torch/Triton kernels"
 	$(PIP) install -e '.[dev]' '$(TORCH_SPEC)'
 	$(MAKE) bench-deps-install
+	$(MAKE) docs-deps-install
 	touch $@
 
 demo: $(STAMP)
@@ -52,6 +53,17 @@ bench-deps-install:
 		$(PIP) install tensordict pyre-extensions iopath matplotlib '$(TORCH_SPEC)' || \
 		echo "warning: TorchRec (bench extra) failed to install; TorchRec comparison tests skip"
 
+# The docs site (docs/, mkdocs.yml): MkDocs + Material + the API reference from the
+# docstrings (mkdocstrings), built --strict (a broken link fails) into site/. Its tools
+# are the `docs` extra, part of every install best effort: a failure only warns, and
+# tests/test_docs_site.py (the same strict build, in the test suite) then skips.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-deps-install:
+	$(PIP) install -e '.[docs]' '$(TORCH_SPEC)' || \
+		echo "warning: the docs extra failed to install; make docs fails, the docs-site test skips"
+
 # Every GPU measure in one command (docs/gpu_check.md): the CUDA test tier (pytest -m gpu
 # tests/gpu), gpu_step.py, the kernel-level step profile (gpu_profile.py), a short CUDA
 # soak (W=1 NCCL, W=4 gloo on the one GPU), kernels.py and offload.py at GPU sizes; each
@@ -67,5 +79,5 @@ gpu-check:
 		--install '$(TORCH_SPEC)' $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf build dist site *.egg-info .pytest_cache .ruff_cache
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
