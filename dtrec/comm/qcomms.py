@@ -31,8 +31,8 @@ class QCommsConfig:
     value, relatively; sums are taken in fp32 after the cast back, so a row-wise output
     (a sum of partials p_i) is within u * sum |p_i|. The replicate-axis sum adds u per
     member's gradient row on its sparse path (row all-gather) and 2u on its dense path
-    (the sum is rounded once more before it is shared). See README "Quantized
-    communication" for what that means for weights after N steps.
+    (the sum is rounded once more before it is shared). See docs/qcomms.md
+    for what that means for weights after N steps.
 
     Example::
 

@@ -3,7 +3,7 @@
 One gloo world of 4 ranks trains every case twice on the same batches: fp32
 (``qcomms=None``) and quantized; ``QCommsConfig()`` (all fp32) must match None bit for bit.
 
-The bound (``dtrec.QCommsConfig``'s doc, README "Quantized communication"), with
+The bound (``dtrec.QCommsConfig``'s doc, docs/qcomms.md), with
 u_f, u_b, u_r the unit roundoffs of the forward, backward and replica-sync precisions
 (2^-8 bf16, 2^-11 fp16, 0 fp32):
 
