@@ -5,7 +5,8 @@ them, not from a formula beside it. ``simulate_rank`` builds the (S, R) mesh on 
 process group (``benchmarks.mirror_world``), feeds the rank a real batch and runs the
 real ``InputDist`` (header, verdict and ids all-to-alls), ``OutputDist`` forward and
 backward (the partials as meta tensors: their sizes only), the fused update's replica
-sync (``sync_rows``) and column peers' row-norm all-reduce, and the dense model's bucketed
+sync (``record_sync_rows``: the exchanges ``sync_rows`` runs, sized by the same
+``sync_wire``, no data) and column peers' row-norm all-reduce, and the dense model's bucketed
 gradient all-reduce (``dtrec.sharded.dense``), all under ``dtrec.comm_stats()``. No table
 is allocated, so MLPerf's 40M-row tables cost nothing.
 
@@ -38,7 +39,7 @@ from dtrec.sharded.dist.groups import column_groups
 from dtrec.sharded.dist.input_dist import InputDist
 from dtrec.sharded.dist.output_dist import OutputDist
 from dtrec.sharded.dist.routing import Routing
-from dtrec.sharded.update.grad_sync import TableRows, sync_rows
+from dtrec.sharded.update.grad_sync import RowsShape, record_sync_rows
 from dtrec.sharded.update.sync_plan import GradSyncPlan
 from dtrec.sparse import KeyedJaggedTensor
 
@@ -292,19 +293,14 @@ def _syncs(routing, layouts, mesh, position, touched, tables, step: RankStep) ->
         sums = [torch.empty(touched[t].union, device="meta") for t in ts]
         all_reduce_coalesced_start(sums, group, "optim.row_sq_sum").wait()
     for group, kind, ts in by_group.values():
-        rows = [
-            TableRows(
-                torch.arange(touched[t].padded),
-                torch.empty(
-                    touched[t].padded,
-                    _cols(layouts[t], position) if t in routed_layouts else tables[t].embedding_dim,
-                    device="meta",
-                ),
+        shapes = [
+            RowsShape(
+                _cols(layouts[t], position) if t in routed_layouts else tables[t].embedding_dim,
                 _num_rows(layouts[t], position, tables[t]),
             )
             for t in ts
         ]
-        sync_rows(rows, group, kind)
+        record_sync_rows(shapes, [touched[t].padded for t in ts], group, kind)
 
 
 def _cols(layout, position: int) -> int:

@@ -50,7 +50,7 @@ def _run(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     import dtrec
-    from dtrec.sharded.update.grad_sync import TableRows, sync_rows
+    from dtrec.sharded.update.grad_sync import RowsShape, TableRows, record_sync_rows, sync_rows
 
     group = dist.new_group(list(range(world)))
     out = {}
@@ -70,6 +70,13 @@ def _run(rank: int, world: int) -> dict:
                 )
             )
         out[mode] = (errors, dict(stats.calls), [g.tolist() for _, g in got], stats.per_step(2))
+    # the sizes-only record (benchmarks/scale_sim.py) of the auto sync, no data moved
+    with dtrec.count_comm() as real:
+        sync_rows([TableRows(r, g, c[0]) for (r, g), c in zip(_inputs(rank), TABLES)], group, "s")
+    most = [max(_inputs(r)[t][0].numel() for r in range(world)) for t in range(len(TABLES))]
+    with dtrec.count_comm() as sizes_only:
+        record_sync_rows([RowsShape(dim, rows) for rows, dim, _ in TABLES], most, group, "s")
+    out["sizes_only"] = [(dict(s.calls), dict(s.bytes_sent)) for s in (real, sizes_only)]
     return out
 
 
@@ -103,3 +110,12 @@ def test_auto_picks_by_bytes() -> None:
     assert sparse < dense  # 5 of 1000 rows: all-gather
     sparse, dense = sync_bytes(size=3, most=6, dim=3, num_rows=6)
     assert dense < sparse  # every row touched: all-reduce
+
+
+def test_sizes_only_record_equals_the_real_sync(results) -> None:
+    """``record_sync_rows`` (the scale model's replica sync) counts the calls and bytes the
+    real ``sync_rows`` sends, on both paths (auto: a sparse and a dense table here)."""
+    for rank, r in enumerate(results):
+        real, sizes_only = r["sizes_only"]
+        assert set(real[0]) == {"s.counts", "s.sparse", "s.dense"}, real
+        assert sizes_only == real, rank

@@ -40,6 +40,16 @@ from dtrec.ops.backends.torch import sum_rows_by_key
 MODES = ("auto", "sparse", "dense")
 
 
+@dataclass(frozen=True)
+class RowsShape:
+    """What the wire of one table's sync depends on: its gradient rows' width, the local
+    shard's rows (the dense alternative's size) and whether the dense path is allowed."""
+
+    dim: int
+    num_rows: int
+    dense_ok: bool = True
+
+
 @dataclass
 class TableRows:
     """One table's touched rows on this rank (sorted unique ids) and their fp32 gradients."""
@@ -48,6 +58,99 @@ class TableRows:
     grads: Tensor  # [len(rows), dim]
     num_rows: int  # rows of the local shard (size of the dense alternative)
     dense_ok: bool = True  # False: always sparse (an offloaded table: no shard-sized buffer)
+
+    @property
+    def shape(self) -> RowsShape:
+        return RowsShape(self.grads.shape[1], self.num_rows, self.dense_ok)
+
+
+@dataclass(frozen=True)
+class SyncWire:
+    """How one ``sync_rows`` call moves its tables once every member's counts are known:
+    which tables go sparse or dense, and the sizes of the buffers each path exchanges.
+
+    Sizes only, so the sizes-only simulation of a step (``record_sync_rows``, used by
+    ``benchmarks/scale_sim.py``) and the real exchange count the same bytes.
+    """
+
+    size: int
+    shapes: tuple[RowsShape, ...]
+    most: tuple[int, ...]
+    """Per table, the largest touched-row count over the group (what each member sends)."""
+    dense: tuple[bool, ...]
+    grad_dtype: torch.dtype
+    """fp32, or the codec's dtype when quantized."""
+
+    @property
+    def id_dtype(self) -> torch.dtype:
+        """Row ids travel as int32 when quantized and every sparse table's shard fits."""
+        narrow = self.grad_dtype != torch.float32 and all(
+            self.shapes[i].num_rows <= 2**31 - 1 for i in self.sparse_tables
+        )
+        return torch.int32 if narrow else torch.long
+
+    @property
+    def sparse_tables(self) -> list[int]:
+        return [i for i, d in enumerate(self.dense) if not d]
+
+    @property
+    def dense_tables(self) -> list[int]:
+        return [i for i, d in enumerate(self.dense) if d]
+
+    @property
+    def id_len(self) -> int:
+        return sum(self.most[i] for i in self.sparse_tables)
+
+    @property
+    def grad_len(self) -> int:
+        return sum(self.most[i] * self.shapes[i].dim for i in self.sparse_tables)
+
+    @property
+    def dense_sizes(self) -> list[int]:
+        """fp32 elements of each dense table's ``[num_rows, dim + 1]`` (grads | touches)."""
+        return [self.shapes[i].num_rows * (self.shapes[i].dim + 1) for i in self.dense_tables]
+
+    def sparse_bytes(self) -> int:
+        """What this member sends in the sparse path's two all-gathers (ids, grad rows)."""
+        per_member = self.id_len * _itemsize(self.id_dtype)
+        per_member += self.grad_len * _itemsize(self.grad_dtype)
+        return (self.size - 1) * per_member
+
+    def dense_bytes(self) -> int:
+        """What this member sends in the dense path's fp32 ring all-reduce."""
+        return 2 * (self.size - 1) * sum(self.dense_sizes) * 4 // self.size
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def sync_wire(
+    shapes: Sequence[RowsShape],
+    most: Sequence[int],
+    size: int,
+    mode: str = "auto",
+    codec: Codec | None = None,
+) -> SyncWire:
+    """The wire of a ``sync_rows`` call from the tables' shapes and the group's largest
+    counts: per table the path that sends fewer bytes ("auto"), or the forced one.
+    Quantized (``codec``): ids as int32 when every shard's row count fits, gradient rows in
+    the codec's dtype; the sparse / dense choice stays the fp32 one."""
+    if mode not in MODES:
+        raise ValueError(f"replica sync mode must be one of {MODES}, got {mode!r}")
+    dense = []
+    for shape, m in zip(shapes, most, strict=True):
+        sparse_bytes, dense_bytes = sync_bytes(size, m, shape.dim, shape.num_rows)
+        dense.append(
+            shape.dense_ok and (mode == "dense" or (mode == "auto" and dense_bytes < sparse_bytes))
+        )
+    return SyncWire(
+        size=size,
+        shapes=tuple(shapes),
+        most=tuple(most),
+        dense=tuple(dense),
+        grad_dtype=torch.float32 if codec is None else codec.dtype,
+    )
 
 
 def sum_by_row(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
@@ -75,75 +178,80 @@ def sync_rows(
     if size == 1 or not tables:
         return [(t.rows, t.grads) for t in tables]
     device = tables[0].grads.device
-    if device.type == "meta":  # sizes only (benchmarks/scale_sim.py): real counts, real rows
-        device = tables[0].rows.device
     counts = torch.tensor([t.rows.numel() for t in tables], dtype=torch.long, device=device)
     gathered = torch.empty(size * len(tables), dtype=torch.long, device=device)
-    with collective(kind + ".counts", (size - 1) * counts.numel() * 8, group):
+    with collective(kind + ".counts", _counts_bytes(size, len(tables)), group):
         all_gather_flat(gathered, counts, group)
     most = gathered.view(size, len(tables)).max(0).values.tolist()
+    wire = sync_wire([t.shape for t in tables], most, size, mode, codec)
 
-    dense = []
-    for t, m in zip(tables, most, strict=True):
-        sparse_bytes, dense_bytes = sync_bytes(size, m, t.grads.shape[1], t.num_rows)
-        dense.append(
-            t.dense_ok and (mode == "dense" or (mode == "auto" and dense_bytes < sparse_bytes))
-        )
     result: dict[int, tuple[Tensor, Tensor]] = {}
-    sparse_ids = [i for i, d in enumerate(dense) if not d]
-    if sparse_ids:
-        picked = [tables[i] for i in sparse_ids]
-        synced = _all_gather_rows(picked, [most[i] for i in sparse_ids], group, size, kind, codec)
-        result.update(zip(sparse_ids, synced, strict=True))
-    dense_ids = [i for i, d in enumerate(dense) if d]
-    if dense_ids:
-        synced = _all_reduce_dense([tables[i] for i in dense_ids], group, size, kind, codec)
-        result.update(zip(dense_ids, synced, strict=True))
+    if wire.sparse_tables:
+        synced = _all_gather_rows(tables, wire, group, kind, codec)
+        result.update(zip(wire.sparse_tables, synced, strict=True))
+    if wire.dense_tables:
+        synced = _all_reduce_dense(tables, wire, group, kind, codec)
+        result.update(zip(wire.dense_tables, synced, strict=True))
     return [result[i] for i in range(len(tables))]
 
 
+def record_sync_rows(
+    shapes: Sequence[RowsShape], most: Sequence[int], group: ProcessGroup, kind: str
+) -> None:
+    """Record in ``comm_stats`` the exchanges ``sync_rows`` (fp32) runs over ``group`` for
+    tables of these shapes whose largest touched-row counts are ``most``, moving no data:
+    the sizes-only step of ``benchmarks/scale_sim.py``, whose bytes must equal a real run's."""
+    size = dist.get_world_size(group)
+    if size == 1 or not shapes:
+        return
+    with collective(kind + ".counts", _counts_bytes(size, len(shapes)), group):
+        pass
+    wire = sync_wire(shapes, most, size)
+    if wire.sparse_tables:
+        with collective(kind + ".sparse", wire.sparse_bytes(), group):
+            pass
+    if wire.dense_tables:
+        with collective(kind + ".dense", wire.dense_bytes(), group):
+            pass
+
+
+def _counts_bytes(size: int, tables: int) -> int:
+    return (size - 1) * tables * 8
+
+
 def _all_gather_rows(
-    tables: list[TableRows],
-    most: list[int],
+    tables: Sequence[TableRows],
+    wire: SyncWire,
     group: ProcessGroup,
-    size: int,
     kind: str,
     codec: Codec | None,
 ) -> list[tuple[Tensor, Tensor]]:
-    """Sparse path: two all-gathers (ids, grads) for all tables, then per-table sums.
+    """Sparse path: two all-gathers (ids, grads) for all its tables, then per-table sums.
 
-    Quantized: ids as int32 when every shard's row count fits, grads in the codec's dtype.
+    Each member's rows padded to the group's largest count (ids -1 past its own).
     """
     device = tables[0].grads.device
-    id_len = sum(most)
-    grad_len = sum(m * t.grads.shape[1] for t, m in zip(tables, most, strict=True))
-    narrow_ids = codec is not None and max(t.num_rows for t in tables) <= 2**31 - 1
-    id_dtype = torch.int32 if narrow_ids else torch.long
-    grad_dtype = torch.float32 if codec is None else codec.dtype
-    ids = torch.full((id_len,), -1, dtype=id_dtype, device=device)
-    grads = torch.zeros(grad_len, dtype=grad_dtype, device=device)
+    picked = [(tables[i], wire.most[i]) for i in wire.sparse_tables]
+    id_len, grad_len = wire.id_len, wire.grad_len
+    ids = torch.full((id_len,), -1, dtype=wire.id_dtype, device=device)
+    grads = torch.zeros(grad_len, dtype=wire.grad_dtype, device=device)
     id_at = grad_at = 0
-    for t, m in zip(tables, most, strict=True):
-        if device.type == "meta":  # sizes only (benchmarks/scale_sim.py): nothing to copy
-            break
+    for t, m in picked:
         n, dim = t.rows.numel(), t.grads.shape[1]
         ids[id_at : id_at + n] = t.rows
         sent = t.grads.reshape(-1) if codec is None else codec.encode(t.grads.reshape(-1))
         grads[grad_at : grad_at + n * dim] = sent
         id_at, grad_at = id_at + m, grad_at + m * dim
-    all_ids = torch.empty(size * id_len, dtype=id_dtype, device=device)
-    all_grads = torch.empty(size * grad_len, dtype=grad_dtype, device=device)
-    nbytes = (size - 1) * (id_len * ids.element_size() + grad_len * grads.element_size())
-    with collective(kind + ".sparse", nbytes, group):
+    all_ids = torch.empty(wire.size * id_len, dtype=wire.id_dtype, device=device)
+    all_grads = torch.empty(wire.size * grad_len, dtype=wire.grad_dtype, device=device)
+    with collective(kind + ".sparse", wire.sparse_bytes(), group):
         all_gather_flat(all_ids, ids, group)
         all_gather_flat(all_grads, grads, group)
-    if device.type == "meta":  # sizes only: the exchange's bytes are all that is asked
-        return [(t.rows, t.grads) for t in tables]
     if codec is not None:
         all_ids, all_grads = all_ids.long(), codec.decode(all_grads, torch.float32)
-    all_ids, all_grads = all_ids.view(size, id_len), all_grads.view(size, grad_len)
+    all_ids, all_grads = all_ids.view(wire.size, id_len), all_grads.view(wire.size, grad_len)
     out, id_at, grad_at = [], 0, 0
-    for t, m in zip(tables, most, strict=True):
+    for t, m in picked:
         dim = t.grads.shape[1]
         member_ids = all_ids[:, id_at : id_at + m].reshape(-1)
         member_grads = all_grads[:, grad_at : grad_at + m * dim].reshape(-1, dim)
@@ -154,33 +262,33 @@ def _all_gather_rows(
 
 
 def _all_reduce_dense(
-    tables: list[TableRows], group: ProcessGroup, size: int, kind: str, codec: Codec | None
+    tables: Sequence[TableRows],
+    wire: SyncWire,
+    group: ProcessGroup,
+    kind: str,
+    codec: Codec | None,
 ) -> list[tuple[Tensor, Tensor]]:
-    """Dense path: one all-reduce of every table's ``[num_rows, dim + 1]`` (grads | touches).
+    """Dense path: one all-reduce of every dense table's ``[num_rows, dim + 1]``
+    (grads | touches).
 
     Quantized: ``sum_quantized`` in the codec's dtype, the loss scale on the grads only
     (touch counts up to the group size are exact in fp16 / bf16).
     """
-    device = tables[0].grads.device
+    picked = [tables[i] for i in wire.dense_tables]
     scale = None if codec is None else codec.scale
-    sizes = [t.num_rows * (t.grads.shape[1] + 1) for t in tables]
-    flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
-    meta = device.type == "meta"  # sizes only (benchmarks/scale_sim.py): nothing to fill
-    for t, part in zip(tables, torch.split(flat, sizes), strict=True):
-        if meta:
-            break
+    sizes = wire.dense_sizes
+    flat = torch.zeros(sum(sizes), dtype=torch.float32, device=picked[0].grads.device)
+    for t, part in zip(picked, torch.split(flat, sizes), strict=True):
         block = part.view(t.num_rows, t.grads.shape[1] + 1)
         block[t.rows, :-1] = t.grads if scale is None else t.grads * scale
         block[t.rows, -1] = 1.0
     if codec is None:
-        with collective(kind + ".dense", 2 * (size - 1) * flat.numel() * 4 // size, group):
+        with collective(kind + ".dense", wire.dense_bytes(), group):
             dist.all_reduce(flat, group=group)
     else:
         flat = sum_quantized(flat, group, kind + ".dense", codec.dtype)
-    if meta:
-        return [(t.rows, t.grads) for t in tables]
     out = []
-    for t, part in zip(tables, torch.split(flat, sizes), strict=True):
+    for t, part in zip(picked, torch.split(flat, sizes), strict=True):
         block = part.view(t.num_rows, t.grads.shape[1] + 1)
         rows = torch.nonzero(block[:, -1] > 0).squeeze(1)
         sums = block[rows, :-1]
@@ -240,4 +348,14 @@ def sync_grads(
     return _SyncGrads.apply(group, scale, kind, mode, codec, *tables)
 
 
-__all__ = ["MODES", "TableRows", "sum_by_row", "sync_grads", "sync_rows"]
+__all__ = [
+    "MODES",
+    "RowsShape",
+    "SyncWire",
+    "TableRows",
+    "record_sync_rows",
+    "sum_by_row",
+    "sync_grads",
+    "sync_rows",
+    "sync_wire",
+]
