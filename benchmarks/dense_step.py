@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from benchmarks.distributed import dtrec_source, write_report
 from benchmarks.gpu_step import NUM_DENSE, DenseArch
-from benchmarks.machine import processor, processor_line
+from benchmarks.probes.machine import processor, processor_line
 from tests.multiprocess import run_world
 
 LIBS = ("ddp", "dtrec")

@@ -73,15 +73,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtrec
 from benchmarks.distributed_pipeline import pipeline_run, print_pipeline_table
-from benchmarks.machine import processor, processor_line
-from benchmarks.stages import (
+from benchmarks.probes.machine import processor, processor_line
+from benchmarks.probes.stages import (
     ExclusiveStageTimer,
     HostReads,
     dtrec_targets,
     print_stage_table,
     torchrec_targets,
 )
-from benchmarks.stages import train_step as stage_train_step
+from benchmarks.probes.stages import train_step as stage_train_step
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import (
     ColumnWise,

@@ -47,8 +47,8 @@ from torch import Tensor, nn
 import dtrec
 from benchmarks.distributed import dtrec_source, write_report
 from benchmarks.kernels import copy_bandwidth, make_ids
-from benchmarks.machine import processor
-from benchmarks.step_probes import (
+from benchmarks.probes.machine import processor
+from benchmarks.probes.step import (
     FullTableWatch,
     StageTimer,
     StepCounter,

@@ -58,7 +58,7 @@ from benchmarks.gpu_step import (
     dtrec_dlrm,
     sync,
 )
-from benchmarks.machine import processor
+from benchmarks.probes.machine import processor
 from dtrec.planning.cost_model import UniformIds
 from dtrec.planning.offload import BATCHES_IN_FLIGHT, ZipfIds, expected_misses, row_buckets
 

@@ -44,9 +44,13 @@ from torch import Tensor, nn
 
 import dtrec
 from benchmarks.distributed import MALLOC_ENV, CollectiveCensus, CommCounter, dtrec_source, zipf_ids
-from benchmarks.sequence_stages import PART_OF, dtrec_sequence_targets, torchrec_sequence_targets
-from benchmarks.stages import ExclusiveStageTimer, HostReads, print_stage_table
-from benchmarks.stages import train_step as stage_train_step
+from benchmarks.probes.sequence_stages import (
+    PART_OF,
+    dtrec_sequence_targets,
+    torchrec_sequence_targets,
+)
+from benchmarks.probes.stages import ExclusiveStageTimer, HostReads, print_stage_table
+from benchmarks.probes.stages import train_step as stage_train_step
 from tests.multiprocess import WorldError, run_world
 
 CONFIGS = ("table_wise", "row_wise", "column_wise")
@@ -293,7 +297,7 @@ def run_config(lib: str, config: str, w: Workload, opts: dict, world: int) -> di
             for k in sorted({k for r in ranks for k in r["bytes_by_collective"]})
         },
         "losses_rank0": ranks[0]["losses"],
-        # medians over ranks in ``benchmarks/stages.py``'s shape (``print_stage_table``)
+        # medians over ranks in ``benchmarks/probes/stages.py``'s shape (``print_stage_table``)
         "median": {
             "step_ms": med(r["median_ms"] for r in ranks),
             **{

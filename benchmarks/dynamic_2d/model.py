@@ -1,4 +1,4 @@
-"""The model, batches and TorchRec configs of benchmarks/dynamic_2d.py, and its weights check.
+"""The model, batches and TorchRec configs of benchmarks/dynamic_2d/run.py, and its weights check.
 
 ``MixedModel`` holds TorchRec's own collections (an ``EmbeddingBagCollection`` and an
 ``EmbeddingCollection``), so TorchRec shards it as is and dtrec converts it, both from the

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.step_probes import REPO, SyncSites
+from benchmarks.probes.step import REPO, SyncSites
 
 STAGES = ("input_dist", "lookup_fwd", "output_dist", "output_dist_bwd", "backward_update", "dense")
 Target = tuple[str, type | ModuleType, str]  # (stage, owner, attribute)

@@ -18,13 +18,13 @@ Plans per W = 8, 16, ..., 4096:
 
 Per configuration: the bytes one rank sends in every collective, from dtrec's own input
 dist, output dist, replica syncs and dense all-reduce run on a mirror world
-(``benchmarks/scale_sim.py``); their times on DGX H100-like nodes (``Fabric``); the
+(``benchmarks/scale/sim.py``); their times on DGX H100-like nodes (``Fabric``); the
 lookups and dense math from this project's H200 step, scaled to H100 by copy bandwidth
 (``Device``); overlap as ``dtrec.TrainPipeline`` does it (``dtrec.planning.step_model``).
 The report checks the one-GPU calibration against every measured ``gpu_step`` config
 (``one_gpu_check``, within 15%) and places W = 8 next to NVIDIA's MLPerf v4.0 result.
 
-    PYTHONPATH=. python benchmarks/scale.py --json benchmarks/results/scale_2026-11-27.json \\
+    python -m benchmarks.scale --json benchmarks/results/scale_2026-11-27.json \\
         --png benchmarks/results/scale_2026-11-27.png
 """
 
@@ -42,9 +42,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_step import MLPERF_HOTNESS, MLPERF_ROWS, DenseArch
-from benchmarks.machine import processor
-from benchmarks.mirror_world import mirror_world
-from benchmarks.scale_sim import RankStep, Workload, simulate_rank
+from benchmarks.probes.machine import processor
+from benchmarks.scale.mirror_world import mirror_world
+from benchmarks.scale.sim import RankStep, Workload, simulate_rank
 from dtrec.placements import RowWise, TableRowWise, TableSpec
 from dtrec.placements.mesh import init_mesh, shard_axis
 from dtrec.planning.planner import plan_tables
@@ -58,7 +58,7 @@ from dtrec.planning.step_model import (
 )
 from dtrec.planning.topology import Topology
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 GPU_STEP = RESULTS / "gpu_step_h200_2026-11-27.json"
 H100_COPY = 3.0e12
 """Device-to-device copy on the lent H100 (ANCHORS.md: ~3.0 TB/s of 3.35 peak)."""
@@ -331,7 +331,7 @@ def plot(rows: list[dict], path: str) -> str:
     bottom.set_ylabel("share of the step waiting on comm")
     bottom.set_xlabel("GPUs (W), H100 nodes of 8, NVLink + 8x400 Gb/s IB")
     top.legend(fontsize=8)
-    fig.suptitle("dtrec, DLRM-DCNv2 MLPerf tables: 1D vs 2D, predicted (benchmarks/scale.py)")
+    fig.suptitle("dtrec, DLRM-DCNv2 MLPerf tables: 1D vs 2D, predicted (benchmarks/scale/run.py)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['predicted_ms']:6.2f} ms, error {100 * row['error']:+5.1f}%{note}"
         )
     worst = max(abs(r["error"]) for r in check)
-    command = " ".join(["python benchmarks/scale.py", *argv])
+    command = " ".join(["python -m benchmarks.scale", *argv])
     if args.reprice:
         olds = [json.loads(Path(p).read_text()) for p in args.reprice]
         batch = olds[0]["workload"]["batch_per_gpu"]

@@ -12,7 +12,7 @@ part     half    command (full size)                                          ti
 tier     tests   ``pytest -m gpu tests/gpu`` (the CUDA tier)                  270 s
 step     bench   ``benchmarks/gpu_step.py --steps 10 --profile-steps 2``      200 s
 profile  bench   ``benchmarks/gpu_profile.py`` (B16384 multi-/one-hot)        90 s
-soak     tests   ``benchmarks/soak.py --device cuda`` at W=1 (NCCL) and at    2 x 90 s
+soak     tests   ``benchmarks/soak/run.py --device cuda`` at W=1 (NCCL) and at    2 x 90 s
                  W=4 (gloo ranks sharing the GPU), ``--steps 60 --faults 1``
 kernels  bench   ``benchmarks/kernels.py --iters 10 --many-small 0``          90 s
 offload  bench   ``benchmarks/offload.py --device cuda --ids zipf --steps 10`` 150 s
@@ -36,8 +36,8 @@ wiring (``tests/test_gpu_check.py``), never a substitute for the GPU run.
     make gpu-check GPU_CHECK_ARGS=--skip-step       # the tests half: tier + soak
     make gpu-check GPU_CHECK_ARGS=--skip-tests      # the bench half: step, profile, kernels,
                                                     # offload (each half well under 10 min)
-    python benchmarks/gpu_check.py --parts step,profile --step-args="--batches 16384"
-    DTREC_CUDA_TIER_DEVICE=cpu python benchmarks/gpu_check.py --smoke --results-dir /tmp/g
+    python -m benchmarks.gpu_check --parts step,profile --step-args="--batches 16384"
+    DTREC_CUDA_TIER_DEVICE=cpu python -m benchmarks.gpu_check --smoke --results-dir /tmp/g
 """
 
 from __future__ import annotations
@@ -59,11 +59,11 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):  # run as a script (make gpu-check): the repository importable
     sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu_check_parts import PARTS, REPORT_KEYS, Run, plan_parts, summarize  # noqa: E402
+from benchmarks.gpu_check.parts import PARTS, REPORT_KEYS, Run, plan_parts, summarize  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 NO_CUDA = 2
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {
         "meta": {"device": device, **versions(), "date": date.isoformat(timespec="seconds"),
                  "python": sys.version.split()[0], "smoke": args.smoke,
-                 "command": " ".join(["python benchmarks/gpu_check.py", *(argv or sys.argv[1:])]),
+                 "command": " ".join(["python -m benchmarks.gpu_check", *(argv or sys.argv[1:])]),
                  "budget_s": args.budget},
     }  # fmt: skip
     budget = Budget(args.budget)

@@ -1,4 +1,4 @@
-"""The soak's model, plans, batches and unsharded reference (``benchmarks/soak.py``).
+"""The soak's model, plans, batches and unsharded reference (``benchmarks/soak/run.py``).
 
 A DLRM-shaped model with every kind of collection dtrec shards: a pooled
 ``EmbeddingBagCollection`` (one table per sharding type, a shared table, a table with

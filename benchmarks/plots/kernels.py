@@ -1,6 +1,7 @@
 """Plot achieved GB/s vs pooling factor L from ``benchmarks/kernels.py`` JSON.
 
-    python benchmarks/plot.py benchmarks/results/kernels_h100_2026-11-22.json -o kernels_h100.png
+    python benchmarks/plots/kernels.py benchmarks/results/kernels_h100_2026-11-22.json \\
+        -o kernels_h100.png
 
 One panel per id distribution (uniform, Zipf); lines per implementation and
 phase (forward, forward+backward+optimizer); the copy bandwidth measured in

@@ -2,7 +2,7 @@
 
 Why: the bytes each collective sends at W = 4096 should come from the code that sends
 them, not from a formula beside it. ``simulate_rank`` builds the (S, R) mesh on the mirror
-process group (``benchmarks.mirror_world``), feeds the rank a real batch and runs the
+process group (``benchmarks.scale.mirror_world``), feeds the rank a real batch and runs the
 real ``InputDist`` (header, verdict and ids all-to-alls), ``OutputDist`` forward and
 backward (the partials as meta tensors: their sizes only), the fused update's replica
 sync (``sync_rows``) and column peers' row-norm all-reduce, and the dense model's bucketed
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from benchmarks.mirror_world import mirror_world
+from benchmarks.scale.mirror_world import mirror_world
 from dtrec.comm.collectives import all_reduce_coalesced_start, all_reduce_start, comm_stats
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import TableSpec

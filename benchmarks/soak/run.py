@@ -13,7 +13,7 @@ for the harness's small CPU all-gathers: backend ``cpu:gloo,cuda:nccl``), else g
 shared GPUs, as the CUDA test tier picks (``tests/gpu/cuda_worlds.py``). ``--world 1``
 runs plans of its own (``soak_model.PLANS_W1``); the reference always trains on CPU.
 
-What runs (``benchmarks/soak_model.py``): a pooled, a weighted and a sequence
+What runs (``benchmarks/soak/model.py``): a pooled, a weighted and a sequence
 collection with every sharding type in one plan (data-parallel, table-wise, row-wise,
 column-wise, table-row-wise, grid) on the 1D mesh, the types rotated over the tables in a
 second plan and a 2 x 2 mesh in a third; VBE batches every ``--vbe-every`` steps; fused
@@ -36,7 +36,7 @@ The run's log is replayed on the unsharded model (``Reference``): the same good
 batches, the same restarts (rolled back to the same checkpoints). The final weights
 must match (max abs diff printed). The JSON has per fault type injected / survived /
 lost, steps/s in the clean window and under faults; the plot shows loss and step time
-over wall time with the faults marked (``benchmarks/plot_soak.py``).
+over wall time with the faults marked (``benchmarks/soak/plot.py``).
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.soak_launch import launch, read_logs
-from benchmarks.soak_model import BATCH, WORLD, BatchSpec, make_batch, plans_for
-from benchmarks.soak_reference import Reference
-from benchmarks.soak_worker import Event, SoakConfig, attempt, final_path, log_path
+from benchmarks.soak.launch import launch, read_logs
+from benchmarks.soak.model import BATCH, WORLD, BatchSpec, make_batch, plans_for
+from benchmarks.soak.reference import Reference
+from benchmarks.soak.worker import Event, SoakConfig, attempt, final_path, log_path
 
 FAULTS = ("bad_ids", "negative_lengths", "missing_feature", "uneven", "checkpoint_save",
           "killed_save", "reshard", "kill_rank")  # fmt: skip
@@ -356,7 +356,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None, sizes: tuple[str, ...
     if args.json:
         Path(args.json).write_text(dumps(report))
     if args.plot:
-        from benchmarks.plot_soak import plot
+        from benchmarks.soak.plot import plot
 
         plot(report, args.plot)
     return report

@@ -1,4 +1,4 @@
-"""The soak's unsharded reference (``benchmarks/soak.py``): the model trained on one
+"""The soak's unsharded reference (``benchmarks/soak/run.py``): the model trained on one
 process on every rank's batch, replaying a run's log, restarts included.
 
 The numerics contract (DESIGN.md): loss = mean of the per-rank losses, the fused rule
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
-from benchmarks.soak_model import (
+from benchmarks.soak.model import (
     COLLECTIONS,
     FUSED_LR,
     Schedule,

@@ -1,11 +1,11 @@
 """Plot ``benchmarks/distributed.py`` JSON: step time per config and where it goes.
 
-    python -m benchmarks.plot_distributed \\
+    python -m benchmarks.plots.distributed \\
         benchmarks/results/distributed_cpu_2026-11-25_speed.json \\
         -o benchmarks/results/distributed_cpu_2026-11-25_speed.png
 
 Left: median step (ms) of dtrec and TorchRec per config, dtrec/TorchRec ratio on top.
-Right: CPU ms per step by stage (``benchmarks/stages.py``), stacked, dtrec and TorchRec
+Right: CPU ms per step by stage (``benchmarks/probes/stages.py``), stacked, dtrec and TorchRec
 side by side per config (CPU time: steadier than wall time on a shared machine).
 """
 
@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks.stages import STAGES  # noqa: E402
+from benchmarks.probes.stages import STAGES  # noqa: E402
 
 LIBS = ("dtrec", "torchrec")
 

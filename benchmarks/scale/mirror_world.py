@@ -9,7 +9,7 @@ the size the caller expects), an all-gather returns this rank's input from every
 member, an all-reduce leaves the tensor as it is (a MIN or MAX of equal values). That is
 exact for every size that depends on the sender's own batch and the plan, and lets the
 real ``InputDist``, ``OutputDist``, replica syncs and dense all-reduce run at W = 4096 in
-one process, so ``comm_stats()`` records the bytes dtrec would send (benchmarks/scale.py).
+one process, so ``comm_stats()`` records the bytes dtrec would send (benchmarks/scale/run.py).
 
 Meta tensors pass through untouched (only their sizes exist), and outputs above
 ``FILL_LIMIT`` elements are left unwritten: the simulation never reads them, so the pages

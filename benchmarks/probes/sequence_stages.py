@@ -1,6 +1,6 @@
 """Where a sequence (``EmbeddingCollection``) training step's time goes, dtrec and TorchRec.
 
-The same exclusive stages as ``benchmarks/stages.py`` (``ExclusiveStageTimer``), with the
+The same exclusive stages as ``benchmarks/probes/stages.py`` (``ExclusiveStageTimer``), with the
 sequence path's classes in place of the pooled ones:
 
 * ``input_dist``: validation, bucketizing and the id exchange, waits on it included;
@@ -11,7 +11,7 @@ sequence path's classes in place of the pooled ones:
   ``return_plan``, and ``sequence_outputs``; TorchRec: its output-dist modules and
   awaitable waits, wherever the dense part first reads them);
 * ``output_dist_bwd``: the row exchange's backward;
-* ``backward_update`` and ``dense``: as in ``benchmarks/stages.py`` (dtrec's fused update
+* ``backward_update`` and ``dense``: as in ``benchmarks/probes/stages.py`` (dtrec's fused update
   alone is also ``fused_update``).
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from benchmarks.stages import Target
+from benchmarks.probes.stages import Target
 
 PART_OF = {"fused_update": "backward_update", "return_plan": "output_dist"}
 """Stages reported alone that are also part of a bigger one (part -> whole)."""

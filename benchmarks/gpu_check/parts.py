@@ -1,4 +1,4 @@
-"""The parts of ``make gpu-check`` (``benchmarks/gpu_check.py``): each part's commands, their
+"""The parts of ``make gpu-check`` (``benchmarks/gpu_check/run.py``): each part's commands, their
 timeouts and reports, at the GPU sizes or (``--smoke``) tiny ones, and a summary of each
 report for the check's own JSON. Imports no torch (``gpu_check`` may have to install it).
 """

@@ -51,7 +51,7 @@ def _entry(rank: int, world: int, env: dict[str, str], timeout_s: float, backend
         os._exit(code)
 
 
-_PRELOAD = ["torch", "torch.distributed.checkpoint", "dtrec", "benchmarks.soak_worker"]
+_PRELOAD = ["torch", "torch.distributed.checkpoint", "dtrec", "benchmarks.soak.worker"]
 
 
 def _context() -> mp.context.BaseContext:

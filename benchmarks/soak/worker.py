@@ -1,4 +1,4 @@
-"""One rank of one soak attempt (``benchmarks/soak.py``): restore, train, inject faults.
+"""One rank of one soak attempt (``benchmarks/soak/run.py``): restore, train, inject faults.
 
 An attempt starts from the newest complete checkpoint that has its trainer state (or
 from scratch), runs the schedule's steps and events, and writes its timeline to a file
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dtrec
-from benchmarks.soak_model import (
+from benchmarks.soak.model import (
     BAD_BATCHES,
     WORLD,
     BatchSpec,

@@ -6,7 +6,7 @@ module type its own sharding group size ("Dynamic 2D", TorchRec #3177); dtrec ta
 and shards each collection on a mesh of its own. This benchmark trains one model both ways
 and checks that they end with the same weights.
 
-Model (``MixedModel``, in benchmarks/dynamic_2d_model.py): a pooled collection
+Model (``MixedModel``, in benchmarks/dynamic_2d/model.py): a pooled collection
 (``torchrec.EmbeddingBagCollection`` ``pooled``: tables ``p<i>``, feature ``pf<i>``, sum
 pooling) and a sequence collection (``torchrec.EmbeddingCollection`` ``seq``: tables
 ``s<i>``, feature ``sf<i>``); the pooled
@@ -82,7 +82,7 @@ from benchmarks.distributed import (
     _quiet,
     write_report,
 )
-from benchmarks.dynamic_2d_model import (
+from benchmarks.dynamic_2d.model import (
     LR,
     MixedModel,
     MixedWorkload,
@@ -92,9 +92,9 @@ from benchmarks.dynamic_2d_model import (
     reference_model,
     torchrec_sharders,
 )
-from benchmarks.machine import processor_line
-from benchmarks.stages import ExclusiveStageTimer
-from benchmarks.stages import train_step as stage_train_step
+from benchmarks.probes.machine import processor_line
+from benchmarks.probes.stages import ExclusiveStageTimer
+from benchmarks.probes.stages import train_step as stage_train_step
 from dtrec.comm.collectives import CommStats
 from tests.multiprocess import WorldError, run_world
 

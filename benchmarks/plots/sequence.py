@@ -1,11 +1,11 @@
 """Plot ``benchmarks/sequence.py`` JSON: step time, bytes and where the step goes.
 
-    python -m benchmarks.plot_sequence benchmarks/results/sequence_cpu_2026-11-25.json \\
+    python -m benchmarks.plots.sequence benchmarks/results/sequence_cpu_2026-11-25.json \\
         -o benchmarks/results/sequence_cpu_2026-11-25.png
 
 Left: median step (ms) of dtrec and TorchRec per config; middle: bytes sent per step and
 rank; both with dtrec/TorchRec on top. Right: CPU ms per step by stage
-(``benchmarks/sequence_stages.py``), stacked, dtrec plain and TorchRec hatched.
+(``benchmarks/probes/sequence_stages.py``), stacked, dtrec plain and TorchRec hatched.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from benchmarks.stages import STAGES  # noqa: E402
+from benchmarks.probes.stages import STAGES  # noqa: E402
 
 LIBS = ("dtrec", "torchrec")
 WIDTH = 0.38

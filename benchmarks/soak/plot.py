@@ -1,6 +1,6 @@
-"""Plot a ``benchmarks/soak.py`` report: loss and step time over the run, faults marked.
+"""Plot a ``benchmarks/soak/run.py`` report: loss and step time over the run, faults marked.
 
-    python -m benchmarks.plot_soak benchmarks/results/soak_cpu_2026-11-26.json \\
+    python -m benchmarks.soak.plot benchmarks/results/soak_cpu_2026-11-26.json \\
         -o benchmarks/results/soak_cpu_2026-11-26.png
 
 Top: the mean loss over the 4 ranks of every executed step (steps later rolled back by a
