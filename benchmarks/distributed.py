@@ -32,7 +32,7 @@ computed from the tables' shard layouts (``cost_model``); the full run also chec
 bytes dtrec measured at W.
 
     .venv/bin/python -m benchmarks.distributed --steps 20 --warmup 3 \\
-        --json benchmarks/results/distributed_cpu_2026-11-22.json
+        --json benchmarks/results/distributed_cpu_<date>.json
     .venv/bin/python -m benchmarks.distributed --scale 0.01 --steps 2 --warmup 1 --batch 32 \\
         --configs table_wise,row_wise --no-torchrec          # smoke run, about 30 s
     .venv/bin/python -m benchmarks.distributed --cost-model

@@ -20,7 +20,7 @@ steps and charged what this rank sends (see ``benchmarks.distributed.CommCounter
 DDP's dense all-reduce (the same for both) is not included.
 
     .venv/bin/python -m benchmarks.sequence --steps 10 --warmup 3 \\
-        --json benchmarks/results/sequence_cpu_2026-11-25.json
+        --json benchmarks/results/sequence_cpu_<date>.json
     .venv/bin/python -m benchmarks.sequence --scale 0.01 --steps 2 --warmup 1 --batch 16  # smoke
 """
 
