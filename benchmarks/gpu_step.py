@@ -45,9 +45,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dtrec
-from benchmarks.distributed import dtrec_source, write_report
 from benchmarks.kernels import copy_bandwidth, make_ids
 from benchmarks.probes.machine import processor
+from benchmarks.probes.report import dtrec_source, write_report
 from benchmarks.probes.step import (
     FullTableWatch,
     StageTimer,

@@ -16,7 +16,7 @@ W ranks (dtrec mesh (W, 1); TorchRec ``DistributedModelParallel`` with its
 ``EmbeddingCollectionSharder``). Every (library, config) runs in a fresh world;
 ``--warmup`` steps, then ``--steps`` timed steps, each after a barrier outside the
 timed region. Bytes: every ``torch.distributed`` collective is wrapped during the timed
-steps and charged what this rank sends (see ``benchmarks.distributed.CommCounter``);
+steps and charged what this rank sends (see ``benchmarks.probes.comm.CommCounter``);
 DDP's dense all-reduce (the same for both) is not included.
 
     .venv/bin/python -m benchmarks.sequence --steps 10 --warmup 3 \\
@@ -43,7 +43,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dtrec
-from benchmarks.distributed import MALLOC_ENV, CollectiveCensus, CommCounter, dtrec_source, zipf_ids
+from benchmarks.distributed import MALLOC_ENV, zipf_ids
+from benchmarks.probes.comm import CollectiveCensus, CommCounter
+from benchmarks.probes.report import dtrec_source
 from benchmarks.probes.sequence_stages import (
     PART_OF,
     dtrec_sequence_targets,

@@ -73,15 +73,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import dtrec
-from benchmarks.distributed import (
-    MALLOC_ENV,
-    CollectiveCensus,
-    CommCounter,
-    _ddp_estimate,
-    _meta,
-    _quiet,
-    write_report,
-)
+from benchmarks.distributed import MALLOC_ENV, _ddp_estimate, _meta, _quiet
 from benchmarks.dynamic_2d.model import (
     LR,
     MixedModel,
@@ -92,7 +84,9 @@ from benchmarks.dynamic_2d.model import (
     reference_model,
     torchrec_sharders,
 )
+from benchmarks.probes.comm import CollectiveCensus, CommCounter
 from benchmarks.probes.machine import processor_line
+from benchmarks.probes.report import write_report
 from benchmarks.probes.stages import ExclusiveStageTimer
 from benchmarks.probes.stages import train_step as stage_train_step
 from dtrec.comm.collectives import CommStats
