@@ -135,14 +135,15 @@ _SYNC_OPS = {
 }
 
 
-def call_site(skip: str = "step_probes") -> str:
+def call_site() -> str:
     """The innermost repository source line (outside this file) on the stack; installed
     packages do not count, even where the virtual environment lives inside the repository
     (``make`` puts ``.venv`` there)."""
+    here = Path(__file__).resolve()
     for frame in reversed(traceback.extract_stack()):
         path = Path(frame.filename)
         installed = "site-packages" in path.parts or (REPO / ".venv") in path.parents
-        if skip not in path.name and REPO in path.parents and not installed:
+        if REPO in path.parents and not installed and path.resolve() != here:
             return f"{path.relative_to(REPO)}:{frame.lineno} ({frame.name})"
     return "outside the repository"
 
