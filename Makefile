@@ -75,7 +75,7 @@ docs-deps-install:
 # saying so. Without a GPU: DTREC_CUDA_TIER_DEVICE=cpu ... --smoke (tiny, on CPU).
 GPU_CHECK_ARGS ?=
 gpu-check:
-	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) benchmarks/gpu_check.py \
+	@$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m benchmarks.gpu_check \
 		--install '$(TORCH_SPEC)' $(GPU_CHECK_ARGS)
 
 clean:

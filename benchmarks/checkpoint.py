@@ -42,12 +42,11 @@ from benchmarks.distributed import (
     _peak_rss_mb,
     _quiet,
     config_shards,
-    dtrec_source,
     make_batch,
     table_kinds,
     workload,
-    write_report,
 )
+from benchmarks.probes.report import dtrec_source, write_report
 from tests.multiprocess import WorldError, run_world
 
 CONFIGS = ("mixed", "2d_mixed")

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.distributed import dtrec_source, write_report
 from benchmarks.gpu_step import NUM_DENSE, DenseArch
-from benchmarks.machine import processor, processor_line
+from benchmarks.probes.machine import processor, processor_line
+from benchmarks.probes.report import dtrec_source, write_report
 from tests.multiprocess import run_world
 
 LIBS = ("ddp", "dtrec")

@@ -42,7 +42,6 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.distributed import dtrec_source, write_report
 from benchmarks.gpu_step import (
     MLPERF_ROWS,
     Batch,
@@ -52,6 +51,7 @@ from benchmarks.gpu_step import (
     make_batch,
     sync,
 )
+from benchmarks.probes.report import dtrec_source, write_report
 
 _DEVICE_TYPES = {DeviceType.CUDA, DeviceType.PrivateUse1}
 

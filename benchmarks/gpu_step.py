@@ -13,13 +13,13 @@ dtrec runs its sharded path (input dist -> lookup -> output dist -> backward + f
 update) in a 1-rank world (NCCL on CUDA, gloo on CPU), tables built on the meta device.
 Per config and library the JSON holds: ``step_s`` (mean of back-to-back steps, one sync
 at the end; dtrec also through ``dtrec.TrainPipeline``), ``stages`` (host and device
-seconds per stage, see ``step_probes.StageTimer``), ``profile`` (kernels, copies and
+seconds per stage, see ``benchmarks.probes.step.StageTimer``), ``profile`` (kernels, copies and
 host-sync API calls per step: whole step, embedding part alone, dense part alone),
 ``host_syncs`` (synchronizing calls by source line), ``embedding`` (fwd + bwd + table
 update alone: seconds, modelled bytes, GB/s, fraction of the copy bandwidth measured in
 this run), ``memory`` (peak during a step vs weights + optimizer state + activations)
 and ``full_table_check`` (the run fails if a tensor shaped like a whole watched table is
-ever created: ``step_probes.FullTableWatch``).
+ever created: ``benchmarks.probes.step.FullTableWatch``).
 
     PYTHONPATH=. python benchmarks/gpu_step.py --json benchmarks/results/gpu_step_<card>_<date>.json
     PYTHONPATH=. python benchmarks/gpu_step.py --smoke --json /tmp/smoke.json   # CPU, seconds
@@ -45,10 +45,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dtrec
-from benchmarks.distributed import dtrec_source, write_report
 from benchmarks.kernels import copy_bandwidth, make_ids
-from benchmarks.machine import processor
-from benchmarks.step_probes import (
+from benchmarks.probes.machine import processor
+from benchmarks.probes.report import dtrec_source, write_report
+from benchmarks.probes.step import (
     FullTableWatch,
     StageTimer,
     StepCounter,

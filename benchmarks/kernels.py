@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import dtrec
-from benchmarks.machine import processor
+from benchmarks.probes.machine import processor
 from dtrec.ops.lookup import Lookup
 from dtrec.ops.op import lookup_forward
 

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 import dtrec
-from benchmarks.distributed import dtrec_source, write_report, zipf_ids
+from benchmarks.distributed import zipf_ids
 from benchmarks.gpu_step import (
     LR,
     MLPERF_ROWS,
@@ -58,7 +58,8 @@ from benchmarks.gpu_step import (
     dtrec_dlrm,
     sync,
 )
-from benchmarks.machine import processor
+from benchmarks.probes.machine import processor
+from benchmarks.probes.report import dtrec_source, write_report
 from dtrec.planning.cost_model import UniformIds
 from dtrec.planning.offload import BATCHES_IN_FLIGHT, ZipfIds, expected_misses, row_buckets
 

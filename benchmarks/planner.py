@@ -30,13 +30,12 @@ from benchmarks.distributed import (
     EPS,
     LR,
     _row_probs,
-    dtrec_source,
     dtrec_spec,
     run_config,
     table_kinds,
     workload,
-    write_report,
 )
+from benchmarks.probes.report import dtrec_source, write_report
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import ColumnWise, DataParallel, RowWise, TableSpec, TableWise
 from dtrec.placements.mesh import ShardAxis

@@ -12,7 +12,7 @@ all three alike. Reported per precision: median step ms, bytes per step by colle
 drifts from fp32 (losses, largest local weight difference after the last step).
 
     .venv/bin/python -m benchmarks.qcomms --steps 20 --warmup 3 \\
-        --json benchmarks/results/qcomms_cpu_2026-11-25.json
+        --json benchmarks/results/qcomms_cpu_<date>.json
     .venv/bin/python -m benchmarks.qcomms --scale 0.01 --batch 32 --steps 2 --warmup 1
 """
 

@@ -16,11 +16,11 @@ W ranks (dtrec mesh (W, 1); TorchRec ``DistributedModelParallel`` with its
 ``EmbeddingCollectionSharder``). Every (library, config) runs in a fresh world;
 ``--warmup`` steps, then ``--steps`` timed steps, each after a barrier outside the
 timed region. Bytes: every ``torch.distributed`` collective is wrapped during the timed
-steps and charged what this rank sends (see ``benchmarks.distributed.CommCounter``);
+steps and charged what this rank sends (see ``benchmarks.probes.comm.CommCounter``);
 DDP's dense all-reduce (the same for both) is not included.
 
     .venv/bin/python -m benchmarks.sequence --steps 10 --warmup 3 \\
-        --json benchmarks/results/sequence_cpu_2026-11-25.json
+        --json benchmarks/results/sequence_cpu_<date>.json
     .venv/bin/python -m benchmarks.sequence --scale 0.01 --steps 2 --warmup 1 --batch 16  # smoke
 """
 
@@ -43,10 +43,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dtrec
-from benchmarks.distributed import MALLOC_ENV, CollectiveCensus, CommCounter, dtrec_source, zipf_ids
-from benchmarks.sequence_stages import PART_OF, dtrec_sequence_targets, torchrec_sequence_targets
-from benchmarks.stages import ExclusiveStageTimer, HostReads, print_stage_table
-from benchmarks.stages import train_step as stage_train_step
+from benchmarks.distributed import MALLOC_ENV, zipf_ids
+from benchmarks.probes.comm import CollectiveCensus, CommCounter
+from benchmarks.probes.report import dtrec_source
+from benchmarks.probes.sequence_stages import (
+    PART_OF,
+    dtrec_sequence_targets,
+    torchrec_sequence_targets,
+)
+from benchmarks.probes.stages import ExclusiveStageTimer, HostReads, print_stage_table
+from benchmarks.probes.stages import train_step as stage_train_step
 from tests.multiprocess import WorldError, run_world
 
 CONFIGS = ("table_wise", "row_wise", "column_wise")
@@ -293,7 +299,7 @@ def run_config(lib: str, config: str, w: Workload, opts: dict, world: int) -> di
             for k in sorted({k for r in ranks for k in r["bytes_by_collective"]})
         },
         "losses_rank0": ranks[0]["losses"],
-        # medians over ranks in ``benchmarks/stages.py``'s shape (``print_stage_table``)
+        # medians over ranks in ``benchmarks/probes/stages.py``'s shape (``print_stage_table``)
         "median": {
             "step_ms": med(r["median_ms"] for r in ranks),
             **{

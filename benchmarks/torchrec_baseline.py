@@ -1,4 +1,4 @@
-"""TorchRec 1.8.0 side of benchmarks/distributed.py (and benchmarks/dynamic_2d.py): the same
+"""TorchRec 1.8.0 side of benchmarks/distributed.py (and benchmarks/dynamic_2d/run.py): the same
 model and plans, sharded by TorchRec.
 
 Only the benchmark imports this module (TorchRec is not a dtrec dependency). Plans are built by
@@ -17,7 +17,7 @@ Dynamic 2D (``submodule_configs=[DMPCollectionConfig(...)]``, a sharding group s
 type) needs nothing more: ``__init__`` remaps each config's plan through the same
 ``_remap_sharding_plan``, so the second patch covers every context, and the
 ``EmbeddingCollectionSharder`` runs table-, row- and column-wise sequence tables on CPU as is
-(measured in benchmarks/dynamic_2d.py: pooled 4 x 2 and sequence 8 x 1 on 8 gloo ranks).
+(measured in benchmarks/dynamic_2d/run.py: pooled 4 x 2 and sequence 8 x 1 on 8 gloo ranks).
 ``DMPCollection``'s state dict holds DTensors whose local part is a ``LocalShardsWrapper``
 (not what their placements say): :func:`load_full_weights` and :func:`full_weights` read the
 wrapper's own blocks and offsets.

@@ -2,7 +2,7 @@
 
 fbgemm's CPU ops trust their arguments: an id past its table, offsets that overrun the
 ids, or a layout that puts a table past the end of its buffer read and write outside
-the tensors, into glibc's heap (``benchmarks/soak.py``'s notes: one id past a table in
+the tensors, into glibc's heap (``benchmarks/soak/run.py``'s notes: one id past a table in
 ``split_embedding_backward_codegen_sgd_cpu`` ends in ``malloc(): unaligned tcache chunk
 detected``, ``double free or corruption`` or a segfault, depending on what lies there).
 

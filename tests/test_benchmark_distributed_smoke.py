@@ -26,7 +26,7 @@ from benchmarks.distributed import (
     zipf_ids,
     zipf_row_probs,
 )
-from benchmarks.stages import STAGES
+from benchmarks.probes.stages import STAGES
 
 CONFIGS = ("mixed", "2d_row_wise")
 TINY = workload(scale=0.01, batch=32)
@@ -181,7 +181,7 @@ def test_targets_are_ratios_of_one_run(capsys):
 
 
 def test_processor_is_recorded():
-    from benchmarks.machine import FLAGS_THAT_MATTER, processor, processor_line
+    from benchmarks.probes.machine import FLAGS_THAT_MATTER, processor, processor_line
 
     info = processor()
     assert info["model"] and info["aten"] and info["cores"] >= 1

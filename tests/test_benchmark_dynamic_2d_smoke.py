@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/dynamic_2d.py: dtrec with a mesh per collection vs TorchRec's
+"""Smoke test of benchmarks/dynamic_2d/run.py: dtrec with a mesh per collection vs TorchRec's
 ``DMPCollection(submodule_configs=...)`` at tiny sizes, one world of 4 gloo ranks (pooled
 collection 2 x 2, sequence collection 4 x 1).
 
@@ -26,15 +26,15 @@ OPTS = {"warmup": 1, "steps": 2, "rounds": 1, "libs": ("torchrec", "dtrec", "dtr
 def run():
     from dataclasses import replace
 
-    from benchmarks.dynamic_2d import run
-    from benchmarks.dynamic_2d_model import MixedWorkload
+    from benchmarks.dynamic_2d.model import MixedWorkload
+    from benchmarks.dynamic_2d.run import run
 
     tiny = replace(MixedWorkload(pooled_shards=2, seq_shards=4), batch=8).scaled(0.001)
     return run(tiny, OPTS, 4)
 
 
 def test_weights_equal_torchrec(run):
-    from benchmarks.dynamic_2d import verdict
+    from benchmarks.dynamic_2d.run import verdict
 
     assert run["status"] == "ok", run.get("error")
     check = verdict(run, tolerance=1e-5)
@@ -68,8 +68,8 @@ def test_bytes_are_counted_alike(run):
 
 
 def test_check_fails_on_weights_that_differ():
-    from benchmarks.dynamic_2d import verdict
-    from benchmarks.dynamic_2d_model import compare_weights
+    from benchmarks.dynamic_2d.model import compare_weights
+    from benchmarks.dynamic_2d.run import verdict
 
     initial = {"t": torch.zeros(4, 2)}
     want = {"t": torch.full((4, 2), 0.01)}

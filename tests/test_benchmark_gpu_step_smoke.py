@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.step_probes import FullTableWatch, StageTimer, StepCounter, SyncSites
+from benchmarks.probes.step import FullTableWatch, StageTimer, StepCounter, SyncSites
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.plot_sequence import main as plot_main
+from benchmarks.plots.sequence import main as plot_main
+from benchmarks.probes.stages import STAGES
 from benchmarks.sequence import main
-from benchmarks.stages import STAGES
 from tests.interop.torchrec_or_skip import needs_torchrec
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_check import (
+from benchmarks.gpu_check.parts import PARTS, TIMEOUT_S, Run, plan_parts
+from benchmarks.gpu_check.run import (
     NO_CUDA,
     TIMED_OUT,
     Budget,
@@ -28,8 +29,7 @@ from benchmarks.gpu_check import (
     slug,
     tier_outcomes,
 )
-from benchmarks.gpu_check_parts import PARTS, TIMEOUT_S, Run, plan_parts
-from benchmarks.soak import backend_for
+from benchmarks.soak.run import backend_for
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -47,7 +47,7 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_script_without_cuda_says_so_and_exits_nonzero() -> None:
-    done = _run([sys.executable, "benchmarks/gpu_check.py"])
+    done = _run([sys.executable, "-m", "benchmarks.gpu_check"])
     assert done.returncode == NO_CUDA, done.stdout + done.stderr
     assert done.stdout.strip().splitlines() == [
         "gpu-check: no CUDA device (torch sees none, or no NVIDIA driver); nothing run"
@@ -81,7 +81,7 @@ def test_junit_outcomes_are_counted(tmp_path) -> None:
 
 def test_cpu_tier_device_without_smoke_runs_nothing() -> None:
     before = sorted(RESULTS.iterdir())
-    cmd = [sys.executable, "benchmarks/gpu_check.py"]
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check"]
     done = subprocess.run(cmd, cwd=REPO, env=CPU_TIER_ENV, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert done.returncode == NO_CUDA, done.stdout + done.stderr
@@ -135,8 +135,9 @@ def test_parts_past_the_budget_are_skipped_and_fail(tmp_path) -> None:
 
 
 def _smoke(results: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
-    """``gpu_check.py --smoke`` on CPU into ``results``; its output and its merged report."""
-    cmd = [sys.executable, "benchmarks/gpu_check.py", "--smoke", "--results-dir", str(results),
+    """``python -m benchmarks.gpu_check --smoke`` on CPU into ``results``; its output and its
+    merged report."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--smoke", "--results-dir", str(results),
            "--budget", "1500", *args]  # fmt: skip
     before = sorted(RESULTS.iterdir())
     done = subprocess.run(cmd, cwd=REPO, env=CPU_TIER_ENV, capture_output=True, text=True,

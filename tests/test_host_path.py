@@ -7,7 +7,7 @@ default), ``zero_grad()`` included. After warm-up one steady-state step is count
 
 * **collectives**: none. A world of one rank has nothing to exchange: the old dense sync
   all-reduced every gradient anyway (1.2 ms of host time per step on an H200);
-* **launches** (``benchmarks.step_probes.StepCounter``, the Triton backend with its kernels
+* **launches** (``benchmarks.probes.step.StepCounter``, the Triton backend with its kernels
   in the interpreter, torch's host-side ``step`` counts excluded as on CUDA): at most
   ``MAX_STEP_LAUNCHES`` for the whole step, at most ``MAX_EMBEDDING_LAUNCHES`` of them
   outside the dense arch's own math (every launch costs host time on a GPU);
@@ -50,7 +50,7 @@ def _dlrm_step(backend: str) -> dict:
 
     import dtrec
     from benchmarks.gpu_step import MLPERF_ROWS, Workload, dtrec_dlrm, make_batch
-    from benchmarks.step_probes import StepCounter
+    from benchmarks.probes.step import StepCounter
 
     dtrec.ops.set_backend(backend)
     w = Workload(tuple(min(r, 2000) for r in MLPERF_ROWS), DIM)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import dtrec
-from benchmarks.scale_sim import Workload, make_features, simulate_rank
+from benchmarks.scale.sim import Workload, make_features, simulate_rank
 from dtrec.placements import ColumnWise, DataParallel, RowWise, TableRowWise, TableWise
 from tests.multiprocess import run_world
 
@@ -117,7 +117,7 @@ def test_every_plan_exercises_its_exchanges(real: list[dict]) -> None:
 
 
 def test_one_gpu_step_within_15_percent_of_h200() -> None:
-    from benchmarks.scale import one_gpu_check
+    from benchmarks.scale.run import one_gpu_check
 
     path = RESULTS / "gpu_step_h200_2026-11-27.json"
     rows = one_gpu_check(json.loads(path.read_text()))

@@ -1,4 +1,4 @@
-"""The soak harness stays alive: a short ``benchmarks/soak.py`` run (about 30-60 s on 2
+"""The soak harness stays alive: a short ``benchmarks/soak/run.py`` run (about 30-60 s on 2
 cores) with every fault type, each once or twice, ends with nothing lost and the final
 weights equal to the unsharded reference that replays the run's log.
 
@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from benchmarks.soak import FAULTS, TOL, main
+from benchmarks.soak.run import FAULTS, TOL, main
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ A DLRM-shaped sharded collection (26 tables with MLPerf DLRM's row counts, cappe
 its multi-hot sizes, as ``benchmarks/gpu_step.py`` runs them; and the same model with
 500 tables, 100 at W=2; table-wise, and at W=2 also row-wise, column-wise and data
 parallel) trains with the fused row-wise Adagrad on the Triton backend,
-its kernels in Triton's interpreter. After two warm-up steps, ``benchmarks.step_probes.StepCounter``
+its kernels in Triton's interpreter. After two warm-up steps, ``benchmarks.probes.step.StepCounter``
 counts one step of the embedding part (input dist -> lookup -> output dist -> backward
 -> fused update): the Triton launches plus the ATen ops that would launch device work on
 CUDA, and the ops that would make the host wait for a GPU. The same counter runs in
@@ -43,7 +43,7 @@ def _count_step(rank: int, world: int, num_tables: int, plan_kind: str = "table_
 
     import dtrec
     from benchmarks.gpu_step import MLPERF_HOTNESS, MLPERF_ROWS
-    from benchmarks.step_probes import count_steady_step
+    from benchmarks.probes.step import count_steady_step
 
     dtrec.ops.set_backend("triton")
     rows = [min(MLPERF_ROWS[t % 26], 2000) for t in range(num_tables)]

@@ -7,7 +7,7 @@ CUDA) and records an event, and a later step reads the copies whose events have
 completed: by then the copy is done, the read waits for nothing. On CPU the copy is
 done when it returns.
 
-``StepCounter`` (``benchmarks/step_probes.py``) counts host reads of tensors as syncs on
+``StepCounter`` (``benchmarks/probes/step.py``) counts host reads of tensors as syncs on
 CPU, where it cannot tell a host buffer from a device tensor; ``reading_host_copy``
 tells it that these reads are of host copies (the GPU run's sync count checks it).
 """

@@ -3,7 +3,7 @@ stated fabric, how long the lookups and the dense math take, and what overlaps.
 
 Why: a user sizing a 256-GPU job needs the step time and whether 2D beats 1D before the
 job exists. The inputs are the bytes and sizes one rank sends and computes per step (from
-``benchmarks/scale_sim.py``, which runs dtrec's own exchanges on a mirror world); this
+``benchmarks/scale/sim.py``, which runs dtrec's own exchanges on a mirror world); this
 module turns them into seconds.
 
 Collectives: NCCL's own tuning model (``src/graph/tuning.cc``, ``ncclTopoTuneModel`` and

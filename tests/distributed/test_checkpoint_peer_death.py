@@ -6,7 +6,7 @@ save's gather to rank 0). Its peers are then in different collectives: those tha
 talked to it raise out of DCP, while another is still inside DCP's gather, waiting on
 them. Before, the ones out of DCP went on to the save's agreement all-reduce, which
 the one inside the gather never joins: all three waited for the full process-group
-timeout (found by ``benchmarks/soak.py``). The process-group timeout here is longer
+timeout (found by ``benchmarks/soak/run.py``). The process-group timeout here is longer
 than the world's, so a wait on it fails the test as a timed-out world rather than by
 a wall-clock threshold.
 """

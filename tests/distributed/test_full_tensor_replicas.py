@@ -5,7 +5,7 @@ no column block, so its copy of row-wise Adagrad's row sums (placed ``Replicate`
 the column shards) is never updated. ``full_tensor`` assembled every rank's block in
 rank order, so rank 3's zeros overwrote the others' sums on every rank: the fused
 optimizer's full state, and what the soak's restore check compares, read all zeros
-(``benchmarks/soak.py`` lost every restore into such a plan).
+(``benchmarks/soak/run.py`` lost every restore into such a plan).
 """
 
 from __future__ import annotations

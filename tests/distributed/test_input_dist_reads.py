@@ -25,7 +25,7 @@ def _run(rank: int, world: int) -> dict:
 
     import dtrec
     import dtrec.sharded.dist.routing as routing_module
-    from benchmarks.step_probes import StepCounter
+    from benchmarks.probes.step import StepCounter
     from dtrec.checkpoint.dcp import full_state_dict
     from tests.distributed.numerics import PLANS, TinyModel, make_batch, make_tables
     from tests.error_cases import outcome

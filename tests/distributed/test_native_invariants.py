@@ -92,8 +92,8 @@ def _soak_world(rank: int, world: int) -> dict:
     import torch
 
     import dtrec
-    from benchmarks.soak_model import BAD_BATCHES, BatchSpec, bad_batch, make_batch, rank_loss
-    from benchmarks.soak_worker import SoakConfig, build
+    from benchmarks.soak.model import BAD_BATCHES, BatchSpec, bad_batch, make_batch, rank_loss
+    from benchmarks.soak.worker import SoakConfig, build
 
     out = {}
     cfg = SoakConfig(steps=4, seed=3, root="", events=[])

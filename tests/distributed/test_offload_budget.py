@@ -4,7 +4,7 @@ A collection of table-wise tables, every one offloaded to host memory behind a d
 cache of a quarter of its rows, trains at W=1 (the local path) with the fused row-wise
 Adagrad on the Triton backend, its kernels in Triton's interpreter. After four warm-up
 steps (the caches are full: the counted step misses, evicts and writes back),
-``benchmarks.step_probes.StepCounter`` counts one step: the Triton launches plus the ATen
+``benchmarks.probes.step.StepCounter`` counts one step: the Triton launches plus the ATen
 ops that would launch device work on CUDA, and the ops that would make the host wait.
 
 Budgets (issue 31): the same launch count for 8 offloaded tables as for 200 (the cache
@@ -46,7 +46,7 @@ def _count_step(rank: int, world: int, num_tables: int) -> dict:
     import torch
 
     import dtrec
-    from benchmarks.step_probes import count_steady_step
+    from benchmarks.probes.step import count_steady_step
     from dtrec.placements import TableWise
 
     dtrec.ops.set_backend("triton")

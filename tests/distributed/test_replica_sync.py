@@ -70,7 +70,7 @@ def _run(rank: int, world: int) -> dict:
                 )
             )
         out[mode] = (errors, dict(stats.calls), [g.tolist() for _, g in got], stats.per_step(2))
-    # the sizes-only record (benchmarks/scale_sim.py) of the auto sync, no data moved
+    # the sizes-only record (benchmarks/scale/sim.py) of the auto sync, no data moved
     with dtrec.count_comm() as real:
         sync_rows([TableRows(r, g, c[0]) for (r, g), c in zip(_inputs(rank), TABLES)], group, "s")
     most = [max(_inputs(r)[t][0].numel() for r in range(world)) for t in range(len(TABLES))]

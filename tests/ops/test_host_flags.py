@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.step_probes import StepCounter
+from benchmarks.probes.step import StepCounter
 from dtrec.ops.host_flags import HostFlag
 
 

@@ -580,7 +580,7 @@ def test_bwd_rows_skip_ids_outside_their_table(chunk_size):
 
 
 def test_bwd_update_waits_for_nothing_and_skips_while_the_error_flag_is_set():
-    from benchmarks.step_probes import StepCounter
+    from benchmarks.probes.step import StepCounter
     from dtrec.kernels import row_updates as F_
 
     case = _hot_row_case(seed=24)

@@ -70,7 +70,7 @@ class SyncWire:
     which tables go sparse or dense, and the sizes of the buffers each path exchanges.
 
     Sizes only, so the sizes-only simulation of a step (``record_sync_rows``, used by
-    ``benchmarks/scale_sim.py``) and the real exchange count the same bytes.
+    ``benchmarks/scale/sim.py``) and the real exchange count the same bytes.
     """
 
     size: int
@@ -200,7 +200,7 @@ def record_sync_rows(
 ) -> None:
     """Record in ``comm_stats`` the exchanges ``sync_rows`` (fp32) runs over ``group`` for
     tables of these shapes whose largest touched-row counts are ``most``, moving no data:
-    the sizes-only step of ``benchmarks/scale_sim.py``, whose bytes must equal a real run's."""
+    the sizes-only step of ``benchmarks/scale/sim.py``, whose bytes must equal a real run's."""
     size = dist.get_world_size(group)
     if size == 1 or not shapes:
         return
