@@ -8,6 +8,8 @@ of pooled sums (``dist/sequence_dist.py``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -21,9 +23,10 @@ from dtrec.modules.embedding import (
     sequence_outputs,
 )
 from dtrec.modules.features import RefusedBatch
+from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
-from dtrec.placements.mesh import SHARD
+from dtrec.placements.mesh import SHARD, mesh_device
 from dtrec.sharded.collection import ShardedCollection
 from dtrec.sharded.dist.input_dist import RoutedBatch
 from dtrec.sharded.dist.sequence_dist import (
@@ -88,6 +91,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         )
         # A world of one rank, every table whole here: under ``torch.compile`` the forward
         # is traced whole (``_one_rank_forward``); offloaded tables take the eager path.
+        self._device = mesh_device(mesh)
         self._traced_locally = (
             mesh.size() == 1
             and self._offload is None
@@ -114,7 +118,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         the batch's contents. ``fullgraph=True`` traces them as unbacked sizes; a default
         compile breaks there unless ``torch._dynamo.config.capture_scalar_outputs``."""
         self._begin_step()
-        kjt = prepare_sequence_features(features, self._tables, "off")
+        kjt = prepare_sequence_features(features, self._tables, "off", self._device)
         local = self._local_shards()
         slots = self._routing.slots
         counts = sum_per_key(kjt.lengths(), kjt.stride_per_key())
@@ -124,6 +128,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         values = kjt.values()
         torch._check(sum(sizes) == values.shape[0])
         check = self.bounds_check == "on"
+        arange = functools.partial(torch.arange, device=values.device)
         if self._updater is not None:
             table_ids = sorted({slot.table for slot in slots})
             index = {t: u for u, t in enumerate(table_ids)}
@@ -136,10 +141,12 @@ class ShardedEmbeddingCollection(ShardedCollection):
                 r if r.shape[1] == s.dim else r[:, : s.dim]
                 for r, s in zip(rows, slots, strict=True)
             ]
-        else:
+        else:  # bags of one id: the pooled op (and its id check) returns the rows
             rows = [
-                local[slot.table].index_select(0, ids)
-                for ids, slot in zip(values.split(sizes), slots, strict=True)
+                EmbeddingBagFunction.apply([0], [False], check, ids, arange(n + 1), None, w)
+                for ids, n, w in zip(
+                    values.split(sizes), sizes, [local[s.table] for s in slots], strict=True
+                )
             ]
         return sequence_outputs(kjt, self._with_absent_grads(rows), self.need_indices, sizes)
 
