@@ -151,7 +151,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
         return sequence_outputs(kjt, self._with_absent_grads(rows), self.need_indices, sizes)
 
     def _forward(self, features: object) -> dict[str, JaggedTensor]:
-        """The forward, eager under ``torch.compile`` (one graph break, ``SEQUENCE_STEP``)."""
+        """The forward; under ``torch.compile`` with other ranks, eager (one graph break,
+        ``SEQUENCE_STEP``)."""
         self._begin_step()
         routed, sent = self._routed(features)
         if routed.error is not None:
