@@ -110,11 +110,18 @@ def prepare_sequence_features(
 
 
 def sequence_outputs(
-    kjt: KeyedJaggedTensor, rows: Sequence[Tensor], need_indices: bool
+    kjt: KeyedJaggedTensor,
+    rows: Sequence[Tensor],
+    need_indices: bool,
+    length_per_key: Sequence[int] | None = None,
 ) -> dict[str, JaggedTensor]:
-    """Feature -> JaggedTensor of its rows (``rows[k]``: ``[ids of feature k, D]``)."""
+    """Feature -> JaggedTensor of its rows (``rows[k]``: ``[ids of feature k, D]``);
+    ``length_per_key``: ``kjt.length_per_key()`` when the caller has read it (a traced
+    forward: the KJT's cache is not written)."""
     lengths = kjt.lengths().view(len(kjt.keys()), kjt.stride())
-    ids = kjt.values().split(kjt.length_per_key()) if need_indices else None
+    if need_indices and length_per_key is None:
+        length_per_key = kjt.length_per_key()
+    ids = kjt.values().split(list(length_per_key)) if need_indices else None
     return {
         f: JaggedTensor._trusted(rows[k], lengths[k], None if ids is None else ids[k])
         for k, f in enumerate(kjt.keys())

@@ -8,17 +8,25 @@ of pooled sums (``dist/sequence_dist.py``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from dtrec.comm.qcomms import QCommsConfig
-from dtrec.modules.embedding import EmbeddingConfig, check_fixed_batch, sequence_outputs
+from dtrec.modules.embedding import (
+    EmbeddingConfig,
+    check_fixed_batch,
+    prepare_sequence_features,
+    sequence_outputs,
+)
 from dtrec.modules.features import RefusedBatch
+from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
-from dtrec.placements.mesh import SHARD
+from dtrec.placements.mesh import SHARD, mesh_device
 from dtrec.sharded.collection import ShardedCollection
 from dtrec.sharded.dist.input_dist import RoutedBatch
 from dtrec.sharded.dist.sequence_dist import (
@@ -27,15 +35,18 @@ from dtrec.sharded.dist.sequence_dist import (
     SequenceOutputDist,
     SequenceRouting,
 )
+from dtrec.sharded.lookup.compiled import fused_embedding_rows_op
+from dtrec.sharded.lookup.local_path import serves_locally
 from dtrec.sparse import JaggedTensor, as_kjt
+from dtrec.sparse.checks import sum_per_key
 
 _Routed = tuple[RoutedBatch, "tuple[list[Tensor], Tensor] | None"]
 
 
 SEQUENCE_STEP = (
-    "dtrec: a sharded EmbeddingCollection runs its forward eagerly, at every world size (it "
-    "has no one-rank path yet: its input dist reads sizes on the host and its collectives "
-    "are c10d ones with async work handles; docs/compile.md)"
+    "dtrec: a sharded EmbeddingCollection whose step exchanges with other ranks runs its "
+    "forward eagerly (its input dist reads sizes on the host and its collectives are c10d "
+    "ones with async work handles; docs/compile.md)"
 )
 
 
@@ -78,6 +89,14 @@ class ShardedEmbeddingCollection(ShardedCollection):
         self._output_dist = SequenceOutputDist(
             self._routing, mesh.get_group(SHARD), self._dtype, self.qcomms
         )
+        # A world of one rank, every table whole here: under ``torch.compile`` the forward
+        # is traced whole (``_one_rank_forward``); offloaded tables take the eager path.
+        self._device = mesh_device(mesh)
+        self._traced_locally = (
+            mesh.size() == 1
+            and self._offload is None
+            and serves_locally(self._routing, self._layouts)
+        )
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
         """The table configs, in output order."""
@@ -86,11 +105,54 @@ class ShardedEmbeddingCollection(ShardedCollection):
     def forward(self, features: object) -> dict[str, JaggedTensor]:
         self._refuse_fx_trace(features)
         if torch.compiler.is_compiling():  # the wrapper costs eager ~1.5 us: only here
+            if self._traced_locally and not self._prefetched:
+                return self._one_rank_forward(features)
             return self._forward_eagerly(features)
         return self._forward(features)
 
+    def _one_rank_forward(self, features: object) -> dict[str, JaggedTensor]:
+        """The forward of a one-rank world under ``torch.compile``, traced whole: nothing is
+        routed, every feature's ids read their whole table (``lookup/compiled.py``).
+
+        The ids per feature are read on the host (``tolist``): an output's size depends on
+        the batch's contents. ``fullgraph=True`` traces them as unbacked sizes; a default
+        compile breaks there unless ``torch._dynamo.config.capture_scalar_outputs``."""
+        self._begin_step()
+        kjt = prepare_sequence_features(features, self._tables, "off", self._device)
+        local = self._local_shards()
+        slots = self._routing.slots
+        counts = sum_per_key(kjt.lengths(), kjt.stride_per_key())
+        sizes = counts.tolist()
+        for n in sizes:
+            torch._check(n >= 0)
+        values = kjt.values()
+        torch._check(sum(sizes) == values.shape[0])
+        check = self.bounds_check == "on"
+        arange = functools.partial(torch.arange, device=values.device)
+        if self._updater is not None:
+            table_ids = sorted({slot.table for slot in slots})
+            index = {t: u for u, t in enumerate(table_ids)}
+            rows = fused_embedding_rows_op(
+                self._updater.trigger, [local[t] for t in table_ids],
+                [index[slot.table] for slot in slots], values, counts, check, table_ids,
+                self._updater.key,
+            ).split(sizes)  # fmt: skip
+            rows = [
+                r if r.shape[1] == s.dim else r[:, : s.dim]
+                for r, s in zip(rows, slots, strict=True)
+            ]
+        else:  # bags of one id: the pooled op (and its id check) returns the rows
+            rows = [
+                EmbeddingBagFunction.apply([0], [False], check, ids, arange(n + 1), None, w)
+                for ids, n, w in zip(
+                    values.split(sizes), sizes, [local[s.table] for s in slots], strict=True
+                )
+            ]
+        return sequence_outputs(kjt, self._with_absent_grads(rows), self.need_indices, sizes)
+
     def _forward(self, features: object) -> dict[str, JaggedTensor]:
-        """The forward, eager under ``torch.compile`` (one graph break, ``SEQUENCE_STEP``)."""
+        """The forward; under ``torch.compile`` with other ranks, eager (one graph break,
+        ``SEQUENCE_STEP``)."""
         self._begin_step()
         routed, sent = self._routed(features)
         if routed.error is not None:

@@ -140,12 +140,13 @@ class KeyedJaggedTensor:
         length_per_key: list[int] | None,
         stride_per_key_per_rank: list[list[int]] | None = None,
         inverse_indices: tuple[list[str], Tensor] | None = None,
+        stride: int | None = None,
     ) -> KeyedJaggedTensor:
         # Build from pieces of this (already validated) KJT without re-validating.
         kjt = KeyedJaggedTensor.__new__(KeyedJaggedTensor)
         kjt._set(
-            keys, values, lengths, weights, self._stride, length_per_key,
-            stride_per_key_per_rank, inverse_indices,
+            keys, values, lengths, weights, self._stride if stride is None else stride,
+            length_per_key, stride_per_key_per_rank, inverse_indices,
         )  # fmt: skip
         return kjt
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
 from dtrec.sparse.checks import exclusive_cumsum, prefix_sums
 from dtrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
@@ -52,6 +53,36 @@ def expand_variable_batch(kjt: KeyedJaggedTensor, keys: Sequence[str]) -> KeyedJ
     rows = torch.tensor([row_of[k] for k in keys], dtype=torch.long, device=device)
     chosen = inverse.index_select(0, rows).long()  # [F, B]: bag of each sample, per key
     bags = torch.tensor([stride_per_key[p] for p in positions], device=device).unsqueeze(1)
+    if torch.compiler.is_compiling():  # checked in an op: no host read is traced
+        chosen = checked_inverse_indices_op(chosen, bags, "\n".join(keys))
+    else:
+        _check_inverse_indices(chosen, bags, keys)
+    base = torch.tensor([first_bag[p] for p in positions], device=device).unsqueeze(1)
+    bag = (base + chosen).reshape(-1)  # entry of every expanded bag in kjt.lengths()
+    lengths = kjt.lengths().index_select(0, bag)
+    starts = kjt.offsets().index_select(0, bag)
+    total = int(lengths.sum()) if lengths.numel() else 0  # traced: an unbacked size
+    # each expanded id's position in kjt.values(): its bag's start + its rank in the bag
+    shift = torch.repeat_interleave(
+        starts - exclusive_cumsum(lengths)[:-1], lengths.long(), output_size=total
+    )
+    source = torch.arange(total, device=device) + shift
+    weights = kjt.weights_or_none()
+    # Pieces of a validated KJT (lengths >= 0, their sum the values'): not validated again.
+    # The full batch is the inverse indices' width (a size, dynamic under torch.compile;
+    # the KJT's int stride would be guarded on its value).
+    return kjt._derived(
+        list(keys),
+        kjt.values().index_select(0, source),
+        lengths,
+        None if weights is None else weights.index_select(0, source),
+        None,
+        stride=inverse.shape[1],
+    )
+
+
+def _check_inverse_indices(chosen: Tensor, bags: Tensor, keys: Sequence[str]) -> None:
+    """IndexError for an inverse index outside its feature's bags (one host read)."""
     bad = (chosen < 0) | (chosen >= bags)
     if bool(bad.any()):
         f, b = (int(x) for x in bad.nonzero()[0])
@@ -59,18 +90,18 @@ def expand_variable_batch(kjt: KeyedJaggedTensor, keys: Sequence[str]) -> KeyedJ
             f"variable-batch KJT: feature {keys[f]!r}, sample {b}: inverse index "
             f"{int(chosen[f, b])} is outside its {int(bags[f])} bags"
         )
-    base = torch.tensor([first_bag[p] for p in positions], device=device).unsqueeze(1)
-    bag = (base + chosen).reshape(-1)  # entry of every expanded bag in kjt.lengths()
-    lengths = kjt.lengths().index_select(0, bag)
-    starts = kjt.offsets().index_select(0, bag)
-    total = int(lengths.sum()) if lengths.numel() else 0
-    # each expanded id's position in kjt.values(): its bag's start + its rank in the bag
-    shift = torch.repeat_interleave(starts - exclusive_cumsum(lengths)[:-1], lengths.long())
-    source = torch.arange(total, device=device) + shift
-    weights = kjt.weights_or_none()
-    return KeyedJaggedTensor(
-        list(keys),
-        kjt.values().index_select(0, source),
-        lengths,
-        None if weights is None else weights.index_select(0, source),
-    )
+
+
+@torch.library.custom_op("dtrec::checked_inverse_indices", mutates_args=())
+def checked_inverse_indices_op(chosen: Tensor, bags: Tensor, keys: str) -> Tensor:
+    """``chosen`` (``[F, B]``: each sample's bag, per feature; ``bags``: ``[F, 1]`` bags
+    per feature; ``keys``: the features, one a line), checked at run time: under
+    ``torch.compile`` the check is this op, so the traced expansion reads nothing on the
+    host for it (``_check_inverse_indices``)."""
+    _check_inverse_indices(chosen, bags, keys.split("\n"))
+    return chosen.clone()
+
+
+@checked_inverse_indices_op.register_fake
+def _checked_inverse_indices_fake(chosen: Tensor, bags: Tensor, keys: str) -> Tensor:
+    return torch.empty_like(chosen)

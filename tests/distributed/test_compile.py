@@ -9,8 +9,10 @@ sharding type, with the fused row-wise Adagrad:
 * compiled training equals eager training (3 steps, numerics contract): one-rank worlds
   with ``fullgraph=True``, forward and backward; 4 ranks on a 2x2 and a 1D mesh with the
   default ``torch.compile``; fused and torch optimizers (4 ranks: the cases in ``CASES``);
-* the same for a sharded ``EmbeddingCollection`` (sequence lookups), whose forward runs
-  eagerly for now: one break at every world size, default compile;
+* the same for a sharded ``EmbeddingCollection`` (sequence lookups): traced whole in a
+  one-rank world (no break, ``fullgraph=True``, fused and torch optimizers; its sizes per
+  feature are read on the host, so breaks are counted with ``capture_scalar_outputs``, as
+  ``fullgraph=True`` traces them), one break at 4 ranks (default compile);
 * recompiles over 30 steps of varying batches (multi-hot lengths, uneven batch sizes):
   at most ``MAX_RECOMPILES`` after the first compile.
 
@@ -26,7 +28,8 @@ from tests.multiprocess import run_world
 KINDS = ("table_wise", "row_wise", "column_wise", "data_parallel")
 # world size -> breaks per forward; each remaining one is named in docs/compile.md
 BREAK_BUDGET = {1: 0, 4: 1}
-SEQUENCE_BREAK_BUDGET = {1: 1, 4: 1}  # a sharded EmbeddingCollection runs eagerly
+# A sharded EmbeddingCollection: traced whole at W=1, its exchanged step eager at W > 1.
+SEQUENCE_BREAK_BUDGET = {1: 0, 4: 1}
 # Dense buffers (a BatchNorm in the head) add none: their broadcast from rank 0 at W > 1
 # is traced (functional collectives) under compile.
 OPTIMIZERS = ("rowwise_adagrad", "torch_sgd")
@@ -45,11 +48,16 @@ CASES = {
         (4, "column_wise"): ("torch_sgd",),
     },
 }
-SEQUENCE_CASES = {1: [(1, kind) for kind in KINDS], 4: [(2, "table_wise"), (2, "row_wise")]}
+# world size -> {(shard group size, kind): optimizer}. One rank: every kind takes the same
+# traced path, so the optimizers alternate over the kinds.
+SEQUENCE_CASES = {
+    1: {(1, kind): OPTIMIZERS[i % 2] for i, kind in enumerate(KINDS)},
+    4: {(2, "table_wise"): "rowwise_adagrad", (2, "row_wise"): "rowwise_adagrad"},
+}
 BUFFER_SHARDS = {1: 1, 4: 2}  # the dense-buffers model's mesh per world size
 TOLERANCE = 1e-5
 MAX_RECOMPILES = 2
-RECOMPILE_STEPS = 30
+RECOMPILE_STEPS = 50
 NUM_TABLES, DIM = 4, 8
 
 
@@ -126,6 +134,35 @@ def _batch(gen, batch: int, weighted: bool = False):
     return dtrec.KeyedJaggedTensor(keys, values, lengths, weights=weights)
 
 
+def _vbe_batch(gen, batch: int):
+    """A variable batch per feature (TorchRec's VBE): feature f sends 1 to ``batch``
+    distinct bags, and ``inverse_indices`` say which one each of ``batch`` samples uses."""
+    import torch
+
+    import dtrec
+
+    bags = torch.randint(1, batch + 1, (NUM_TABLES,), generator=gen)
+    lengths = torch.randint(0, 4, (int(bags.sum()),), generator=gen)
+    values = torch.randint(0, 40, (int(lengths.sum()),), generator=gen)
+    inverse = (torch.rand(NUM_TABLES, batch, generator=gen) * bags.unsqueeze(1)).long()
+    keys = [f"f{i}" for i in range(NUM_TABLES)]
+    return dtrec.KeyedJaggedTensor(
+        keys, values, lengths, stride_per_key_per_rank=[[int(b)] for b in bags],
+        inverse_indices=(keys, inverse),
+    )  # fmt: skip
+
+
+def _mark_dynamic(batches) -> None:
+    """Mark the sizes that vary from batch to batch dynamic (docs/compile.md), so the
+    first compile serves every batch (else the second batch recompiles)."""
+    import torch
+
+    for kjt in batches:
+        for t in (kjt.values(), kjt.lengths(), kjt.weights_or_none()):
+            if t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
 def _train(model, step_fn, batches) -> dict:
     import torch
 
@@ -139,13 +176,16 @@ def _train(model, step_fn, batches) -> dict:
     return dtrec.checkpoint.full_state_dict(model)
 
 
-def _breaks(kind: str, shards: int, build=_model) -> int:
+def _breaks(kind: str, shards: int, build=_model, scalars: bool = False) -> int:
+    """``scalars``: count as ``fullgraph=True`` traces (data-dependent sizes read on the
+    host are traced, ``capture_scalar_outputs``)."""
     import torch
 
     model = build(kind, shards, "rowwise_adagrad")
     torch._dynamo.reset()
     kjt = _batch(torch.Generator().manual_seed(0), 6)
-    return torch._dynamo.explain(lambda k: model(k))(kjt).graph_break_count
+    with torch._dynamo.config.patch(capture_scalar_outputs=scalars):
+        return torch._dynamo.explain(lambda k: model(k))(kjt).graph_break_count
 
 
 def _max_rel_error(
@@ -163,6 +203,7 @@ def _max_rel_error(
 
     gen = torch.Generator().manual_seed(rank)
     batches = [_batch(gen, 5 + rank, weighted) for _ in range(3)]  # uneven over ranks
+    _mark_dynamic(batches)
     if weighted:
         build = functools.partial(build, weighted=True)
     model = build(kind, shards, optimizer)
@@ -177,8 +218,11 @@ def _max_rel_error(
 
 
 def _recompiles(rank: int) -> int:
-    """Compiles after the first step's over ``RECOMPILE_STEPS`` steps of varying batches
-    (multi-hot lengths, batch sizes from 1 to 8), values and lengths marked dynamic."""
+    """Compiles after warm-up (the first step of each batch structure: fixed, variable per
+    feature) over ``RECOMPILE_STEPS`` steps of varying batches: multi-hot lengths, batch
+    sizes from 1 to 8, every third one a variable batch per feature (VBE, 2 to 8 samples:
+    a full batch of one is a compile of its own, as for fixed batches); values, lengths
+    and inverse indices marked dynamic."""
     import torch
 
     compiles: list = []
@@ -186,30 +230,34 @@ def _recompiles(rank: int) -> int:
     torch._dynamo.reset()
     step = torch.compile(model, backend=_counting_backend(compiles), fullgraph=True)
     gen = torch.Generator().manual_seed(rank)
-    warm = 0
+    warm: dict[bool, int] = {}
     for i in range(RECOMPILE_STEPS):
-        kjt = _batch(gen, (6, 7, 3, 8, 5, 1, 6)[i % 7])
+        batch, vbe = (6, 7, 3, 8, 5, 1, 6)[i % 7], i % 3 == 2
+        kjt = _vbe_batch(gen, max(batch, 2)) if vbe else _batch(gen, batch)
         for t in (kjt.values(), kjt.lengths()):  # batch sizes vary: say so (docs/compile.md)
             torch._dynamo.maybe_mark_dynamic(t, 0)
+        if vbe:
+            torch._dynamo.maybe_mark_dynamic(kjt.inverse_indices()[1], 1)
         step(kjt).backward()
-        warm = warm or len(compiles)
-    return len(compiles) - warm
+        warm.setdefault(vbe, len(compiles))
+    return len(compiles) - max(warm.values())
 
 
-def _bad_id_error() -> str:
+def _bad_id_error(build=_model) -> str:
     """The error a compiled one-rank step raises for an id outside its table (checked in
     the lookup op, before any update), and whether the tables stayed unchanged."""
     import torch
 
     import dtrec
 
-    model = _model("table_wise", 1, "rowwise_adagrad")
+    model = build("table_wise", 1, "rowwise_adagrad")
     torch._dynamo.reset()
     step = torch.compile(model, fullgraph=True)
     gen = torch.Generator().manual_seed(0)
-    step(_batch(gen, 4)).backward()
+    good, bad = _batch(gen, 4), _batch(gen, 4)
+    _mark_dynamic([good, bad])
+    step(good).backward()
     before = dtrec.checkpoint.full_state_dict(model)
-    bad = _batch(gen, 4)
     bad.values()[-1] = 10_000
     try:
         step(bad).backward()
@@ -245,10 +293,10 @@ def _world_cases(rank: int, world: int) -> dict:
             out["error", shards, kind, optimizer] = _max_rel_error(
                 kind, shards, optimizer, rank, world == 1
             )
-    for shards, kind in SEQUENCE_CASES[world]:
-        out["seq_breaks", shards, kind] = _breaks(kind, shards, _sequence_model)
+    for (shards, kind), optimizer in SEQUENCE_CASES[world].items():
+        out["seq_breaks", shards, kind] = _breaks(kind, shards, _sequence_model, world == 1)
         out["seq_error", shards, kind] = _max_rel_error(
-            kind, shards, "rowwise_adagrad", rank, False, _sequence_model
+            kind, shards, optimizer, rank, world == 1, _sequence_model
         )
     shards = BUFFER_SHARDS[world]
     with_buffers = functools.partial(_model, buffers=True)
@@ -263,6 +311,7 @@ def _world_cases(rank: int, world: int) -> dict:
                 "table_wise", 1, optimizer, rank, True, weighted=True
             )
         out["bad_id"] = _bad_id_error()
+        out["seq_bad_id"] = _bad_id_error(_sequence_model)
     torch._dynamo.reset()
     return out
 
@@ -335,8 +384,9 @@ def test_one_rank_fullgraph_trains_like_eager_with_per_sample_weights(one_rank, 
     assert one_rank["weighted_error", optimizer] <= TOLERANCE
 
 
-def test_one_rank_compiled_step_refuses_a_bad_id_before_any_update(one_rank) -> None:
-    assert one_rank["bad_id"] == "IndexError, unchanged=True"
+@pytest.mark.parametrize("key", ["bad_id", "seq_bad_id"])
+def test_one_rank_compiled_step_refuses_a_bad_id_before_any_update(one_rank, key) -> None:
+    assert one_rank[key] == "IndexError, unchanged=True"
 
 
 @pytest.mark.parametrize("world", [1, 4])
