@@ -287,3 +287,15 @@ def foreach_copy_(into: Sequence[Tensor], values: Sequence[Tensor]) -> None:
     """``into[i].copy_(values[i])`` for every i, one multi-tensor kernel where the device
     has one (``torch._foreach_copy_``). Checked: torch 2.11, 2.13."""
     torch._foreach_copy_(list(into), list(values))
+
+
+# --------------------------------------------------------------------------- tracing
+
+
+def check_split_sizes(sizes: Sequence[int], total: int) -> None:
+    """Tell ``torch.compile`` that ``sizes`` (read on the host, unbacked while tracing) are
+    >= 0 and add up to ``total``, so splitting a tensor of ``total`` rows by them traces
+    (``torch._check``; a plain assert in eager). Checked: torch 2.11, 2.13."""
+    for n in sizes:
+        torch._check(n >= 0)
+    torch._check(sum(sizes) == total)

@@ -292,3 +292,11 @@ def test_dtensor_like_shares_the_spec() -> None:
         assert grad.to_local().tolist() == [[1.0] * 3] * 2
         with pytest.raises(ValueError, match="cannot take the layout"):
             compat.dtensor_like(torch.ones(3, 2).t(), param)
+
+
+def test_check_split_sizes_passes_sizes_that_add_up_and_refuses_others() -> None:
+    compat.check_split_sizes([2, 0, 3], 5)
+    with pytest.raises(RuntimeError):
+        compat.check_split_sizes([2, 2], 5)
+    with pytest.raises(RuntimeError):
+        compat.check_split_sizes([-1, 6], 5)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from dtrec._torch_compat import check_split_sizes
 from dtrec.comm.qcomms import QCommsConfig
 from dtrec.modules.embedding import (
     EmbeddingConfig,
@@ -123,10 +124,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
         slots = self._routing.slots
         counts = sum_per_key(kjt.lengths(), kjt.stride_per_key())
         sizes = counts.tolist()
-        for n in sizes:
-            torch._check(n >= 0)
         values = kjt.values()
-        torch._check(sum(sizes) == values.shape[0])
+        check_split_sizes(sizes, values.shape[0])
         check = self.bounds_check == "on"
         arange = functools.partial(torch.arange, device=values.device)
         if self._updater is not None:
