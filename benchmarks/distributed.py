@@ -311,10 +311,12 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
     if opts.get("pipeline"):  # the library's own pipeline, same model and batches
         timed_batches = batches[: warmup + steps]
         piped = pipeline_run(lib, model, optimizers, timed_batches, warmup)
+    from dtrec.kernels import cpu as cpu_kernels
     from dtrec.optim.cpu_choice import cpu_rowwise_adagrad
 
     return {
         "cpu_rowwise_adagrad": cpu_rowwise_adagrad() if lib == "dtrec" else None,
+        "cpu_kernels": cpu_kernels.available() if lib == "dtrec" else None,
         "profile": profile,
         "pipeline": piped,
         "rank": rank,
@@ -793,8 +795,11 @@ def main(argv: list[str] | None = None) -> None:
                 state = run["status"]
                 ms = f"{run['median']['step_ms']:.1f} ms/step" if state == "ok" else ""
                 load = "load {:.1f} -> {:.1f}".format(*run["load_avg"])
-                update = run.get("ranks", [{}])[0].get("cpu_rowwise_adagrad")
+                first = run.get("ranks", [{}])[0]
+                update = first.get("cpu_rowwise_adagrad")
                 update = f", row-wise Adagrad on {update}" if update else ""
+                if first.get("cpu_kernels") is not None:  # dtrec.kernels.cpu built or not
+                    update += ", C kernels " + ("on" if first["cpu_kernels"] else "off")
                 print(f"[{config} {lib}] {state} {ms} ({run['wall_s']:.0f} s, {load}{update})",
                       flush=True)  # fmt: skip
         report["results"] = results

@@ -114,7 +114,7 @@ def _fused_step(backend: str, optimizer, entry_table, psw: bool, mean: bool, emp
     lookup = Lookup(weights, entry_table, values, offsets, [mean] * len(entry_table), weight)
     width = sum(weights[t].shape[1] for t in entry_table)
     calls = []
-    real = FbgemmBackend.backward_update
+    real = FbgemmBackend._fbgemm_backward_update  # the call into fbgemm itself
 
     def counted(*args, **kwargs) -> bool:
         calls.append(real(*args, **kwargs))
@@ -122,7 +122,7 @@ def _fused_step(backend: str, optimizer, entry_table, psw: bool, mean: bool, emp
 
     dtrec.ops.set_backend(backend)
     try:
-        with mock.patch.object(FbgemmBackend, "backward_update", counted):
+        with mock.patch.object(FbgemmBackend, "_fbgemm_backward_update", counted):
             for _ in range(2):
                 grad = torch.randn(batch, width, generator=gen)
                 optimizer.backward_update(lookup, grad, states, grad_scale=0.5)
@@ -180,10 +180,10 @@ def test_fbgemm_fused_cpu_step_declines_what_it_cannot_serve() -> None:
     fbgemm, sgd, states = FbgemmBackend(), StepRule("sgd", 0.1), [{}] * 3
     for name, (weights, entries, mean) in cases.items():
         lookup = Lookup(weights, entries, values, offsets, mean)
-        assert not fbgemm.backward_update(lookup, grad, sgd, states), name
+        assert not fbgemm._fbgemm_backward_update(lookup, grad, sgd, states, 1.0), name
     lookup = Lookup(packed, [0, 1, 2], values, offsets, [False] * 3)
     adam = dtrec.optim.Adam(lr=0.1)
     before = [w.clone() for w in packed]
     assert not fbgemm.backward_update(lookup, grad, adam.step_rule(), adam.init_states(packed))
     assert all(torch.equal(a, b) for a, b in zip(packed, before))
-    assert fbgemm.backward_update(lookup, grad, sgd, states)
+    assert fbgemm._fbgemm_backward_update(lookup, grad, sgd, states, 1.0)

@@ -13,10 +13,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dtrec.kernels import cpu as cpu_kernels
+
 
 def row_sq_sums(grad_rows: Tensor) -> Tensor:
     """Each row's ``sum_d g^2`` (as a squared norm: one pass, 2.5x faster on CPU than
-    ``square().sum(1)``; relative difference < 1e-6)."""
+    ``square().sum(1)``; relative difference < 1e-6). On CPU, ``dtrec.kernels.cpu``'s
+    ordered sum where it is built: every CPU update then uses the same sums."""
+    if grad_rows.device.type == "cpu":
+        native = cpu_kernels.row_sq_sums(grad_rows)
+        if native is not None:
+            return native
     return torch.linalg.vector_norm(grad_rows, dim=1).square_()
 
 

@@ -109,8 +109,9 @@ class FusedOptimizer(ABC):
         For tables whose whole gradient this lookup holds (no other lookup of them, no
         replica or column-shard sync). The backend fuses the two where it can (Triton,
         tables and states packed: one pass sums each touched row's gradient and updates
-        it in place; CPU: fbgemm's C++ backward + SGD / row-wise Adagrad); otherwise row
-        grads, then ``update_tables``. Every gradient is multiplied by ``grad_scale`` first.
+        it in place; CPU, SGD and row-wise Adagrad: ``dtrec.kernels.cpu``'s C pass or
+        fbgemm's C++ backward); otherwise row grads, then ``update_tables``. Every gradient
+        is multiplied by ``grad_scale`` first.
         """
         self._begin_step(states)
         backend = resolve_backend(lookup.values.device)

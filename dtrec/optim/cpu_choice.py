@@ -1,7 +1,8 @@
 """Which CPU code runs the fused row-wise Adagrad backward under ``"auto"``: measured.
 
 Two exact implementations exist: fbgemm's C++ backward + step (``FbgemmBackend``, one
-pass over the ids) and torch's row grads + an in-place step (``TorchBackend``). Their
+pass over the ids) and the torch backend's (``TorchBackend``: dtrec's own C pass,
+``dtrec.kernels.cpu``, where it is built; torch's row grads + an in-place step otherwise). Their
 order is not the same on every processor, on the same workload (2 tables of 1e5 and
 3.7e5 rows, D=64, 82k Zipf ids, one thread): fbgemm 5.1 ms vs torch 14.5 ms on an
 AVX-512 AMD EPYC (this project's CI machine, 2026-11-27), but 12.5 vs 6.8 ms on the
@@ -95,6 +96,8 @@ def _time_both(repeats: int = 3) -> dict[str, float] | None:
             raise _NotServed
 
     def run_torch() -> None:
+        if TorchBackend().backward_update(lookup, grad, rule.step_rule(), states):
+            return  # dtrec.kernels.cpu's fused pass
         rows = TorchBackend().backward_rows(lookup, grad)
         for w, st, (ids, g) in zip(weights, states, rows, strict=True):
             rule.update_rows(w, st, ids, g)

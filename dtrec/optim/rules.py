@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dtrec.kernels import cpu as cpu_kernels
 from dtrec.kernels.update_math import (
     adam_rows,
     adam_step,
@@ -62,6 +63,8 @@ class SGD(FusedOptimizer):
         return StepRule("sgd", self.lr)
 
     def _update_torch(self, u: RowUpdate) -> None:
+        if cpu_kernels.sgd_(u.weight, u.rows, u.grad_rows, self.lr):  # CPU: one C pass
+            return
         _add_step(u, sgd_step(u.grad_rows, self.lr))
 
 
@@ -89,12 +92,18 @@ class RowWiseAdagrad(FusedOptimizer):
         return StepRule("rowwise_adagrad", self.lr, self.eps)
 
     def _update_torch(self, u: RowUpdate) -> None:
+        full_dim = u.full_dim or u.grad_rows.shape[1]
+        if cpu_kernels.rowwise_adagrad_(  # CPU: one C pass over the rows, in place
+            u.weight, u.state["sum"], u.rows, u.grad_rows, u.row_sq_sum, full_dim,
+            self.lr, self.eps,
+        ):  # fmt: skip
+            return
         row_sq_sum = u.row_sq_sum if u.row_sq_sum is not None else row_sq_sums(u.grad_rows)
         change, acc = rowwise_adagrad_step(
             u.state["sum"].index_select(0, u.rows),
             u.grad_rows,
             row_sq_sum,
-            u.full_dim or u.grad_rows.shape[1],
+            full_dim,
             self.lr,
             self.eps,
         )

@@ -67,7 +67,7 @@ def test_torch_backend_never_steps_in_fbgemm(backend) -> None:
     backend("torch")
     resolved = registry.resolve_backend(CPU)
     assert type(resolved) is TorchBackend
-    assert not resolved.capabilities.fused_backward_update
+    assert resolved.capabilities.fused_backward_update  # dtrec.kernels.cpu, not fbgemm
 
 
 def test_fbgemm_falls_back_to_torch_for_calls_it_does_not_serve(backend) -> None:
@@ -134,7 +134,8 @@ def test_register_backend_is_idempotent_and_selectable(backend) -> None:
 
 def test_cpu_lookups_and_fused_steps_never_import_triton_kernels() -> None:
     """With triton unimportable, "auto" on CPU runs the op and every fused optimizer, and
-    loads no Triton kernel module (only ``update_math``, the rules' pure-torch math)."""
+    loads no Triton kernel module (only ``update_math``, the rules' pure-torch math, and
+    ``cpu``, dtrec's C kernels)."""
     script = textwrap.dedent(
         """
         import sys
@@ -149,7 +150,7 @@ def test_cpu_lookups_and_fused_steps_never_import_triton_kernels() -> None:
             lookup = Lookup(weights, [0], ids, offsets, [False])
             opt.backward_update(lookup, torch.ones(2, 4), opt.init_states(weights))
         loaded = sorted(m for m in sys.modules if m.startswith("dtrec.kernels."))
-        assert loaded == ["dtrec.kernels.update_math"], loaded
+        assert loaded == ["dtrec.kernels.cpu", "dtrec.kernels.update_math"], loaded
         print("ok")
         """
     )

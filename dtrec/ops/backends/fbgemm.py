@@ -178,12 +178,22 @@ class FbgemmBackend(TorchBackend):
         states: Sequence[dict[str, Tensor]],
         grad_scale: float = 1.0,
     ) -> bool:
-        """fbgemm's C++ backward + one SGD / row-wise Adagrad step, in place.
+        """fbgemm's C++ backward + one SGD / row-wise Adagrad step, in place; the torch
+        backend's (``dtrec.kernels.cpu``) where fbgemm does not serve the call: other
+        rules, fbgemm not loading, tensors not on the CPU, tables or row-wise Adagrad's
+        accumulators not packed in one buffer, an empty table. False: nothing changed."""
+        if not self._fbgemm_backward_update(lookup, grad_out, rule, states, grad_scale):
+            return super().backward_update(lookup, grad_out, rule, states, grad_scale)
+        return True
 
-        False (nothing changed) for other rules, when fbgemm does not load, or when the
-        tensors are not on the CPU, the tables or row-wise Adagrad's accumulators are not
-        packed in one buffer, or a table is empty.
-        """
+    def _fbgemm_backward_update(
+        self,
+        lookup: Lookup,
+        grad_out: Tensor,
+        rule: StepRule,
+        states: Sequence[dict[str, Tensor]],
+        grad_scale: float,
+    ) -> bool:
         weights = lookup.weights
         if (
             rule.kind not in self.fused_rules

@@ -27,8 +27,8 @@ from dtrec.comm.quantized import quantized_all_to_all
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.features import bag_lengths, feature_order
 from dtrec.ops.row_blocks import bag_scale
-from dtrec.sharded.lookup.pooled import table_runs
 from dtrec.sharded.dist.routing import Routing
+from dtrec.sharded.lookup.pooled import table_runs
 from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 
@@ -186,13 +186,22 @@ class _AddPartials(torch.autograd.Function):
     @staticmethod
     def forward(ctx, partials, batch, widths, adds, total_dim):  # type: ignore[override]
         ctx.batch, ctx.widths, ctx.adds = batch, widths, adds
-        out = partials.new_zeros(batch, total_dim)
-        for block, add in zip(_blocks(partials, batch, widths), adds, strict=True):
+        first = _first_writes(adds, total_dim)
+        if first is None:  # a column permutation (index_add): from zeros
+            out = partials.new_zeros(batch, total_dim)
+        else:  # each column's first source is copied (0 + x is x), later ones added
+            out = partials.new_empty(batch, total_dim)
+            for dst, width in first[1]:  # columns no source writes
+                out[:, dst : dst + width] = 0
+        for i, (block, add) in enumerate(zip(_blocks(partials, batch, widths), adds, strict=True)):
             if isinstance(add, Tensor):
                 out.index_add_(1, add.to(out.device), block)
                 continue
-            for src, dst, width in add:
-                out[:, dst : dst + width] += block[:, src : src + width]
+            for j, (src, dst, width) in enumerate(add):
+                if first is not None and (i, j) in first[0]:
+                    out[:, dst : dst + width] = block[:, src : src + width]
+                else:
+                    out[:, dst : dst + width] += block[:, src : src + width]
         return out
 
     @staticmethod
@@ -205,6 +214,33 @@ class _AddPartials(torch.autograd.Function):
             for src, dst, width in add:
                 block[:, src : src + width] = grad[:, dst : dst + width]
         return grad_in, None, None, None, None
+
+
+def _first_writes(
+    adds: list, total_dim: int
+) -> tuple[set[tuple[int, int]], list[tuple[int, int]]] | None:
+    """Which column ranges of ``_AddPartials`` are each column's first write (as (source,
+    range) indices), and the (start, width) spans no range writes; None when a source
+    adds through an index tensor. Ranges that overlap only in part: None as well (then
+    every range adds into zeros, as before)."""
+    written: dict[tuple[int, int], tuple[int, int]] = {}
+    for i, add in enumerate(adds):
+        if isinstance(add, Tensor):
+            return None
+        for j, (_, dst, width) in enumerate(add):
+            written.setdefault((dst, width), (i, j))
+    spans = sorted(written)
+    end = 0
+    gaps = []
+    for dst, width in spans:
+        if dst < end:  # overlaps a different range in part
+            return None
+        if dst > end:
+            gaps.append((end, dst - end))
+        end = dst + width
+    if end < total_dim:
+        gaps.append((end, total_dim - end))
+    return set(written.values()), gaps
 
 
 def _blocks(flat: Tensor, batch: int, widths: list[int]) -> list[Tensor]:

@@ -51,11 +51,14 @@ from dtrec.sharded.lookup.compiled import fused_embedding_bag_op, register_updat
 from dtrec.sharded.update.grad_sync import TableRows, sum_by_row, sync_rows
 
 
-def merge_rows(parts: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """Merge several (sorted unique rows, grads) results of one table."""
+def merge_rows(
+    parts: Sequence[tuple[Tensor, Tensor]], num_rows: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Merge several (sorted unique rows, grads) results of one table (of ``num_rows``)."""
     if len(parts) == 1:
         return parts[0]
-    return sum_by_row(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+    ids, grads = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return sum_by_row(ids, grads, num_rows)
 
 
 class TableUpdate:
@@ -200,7 +203,7 @@ class FusedUpdater:
         """
         merged = {}
         for t in sorted(parts):
-            rows, grads = merge_rows(parts[t])
+            rows, grads = merge_rows(parts[t], self.tables[t].num_rows)
             merged[t] = (rows, grads * self.tables[t].grad_scale)
         by_column = [] if not rule.needs_row_sq_sum else [t for t in merged if self._columns(t)]
         unsynced = [t for t in by_column if not self._replicated(t)]

@@ -153,9 +153,10 @@ def sync_wire(
     )
 
 
-def sum_by_row(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
-    """Sum gradient rows with the same id; result sorted by id (deterministic)."""
-    return sum_rows_by_key(ids, grads)
+def sum_by_row(ids: Tensor, grads: Tensor, num_rows: int | None = None) -> tuple[Tensor, Tensor]:
+    """Sum gradient rows with the same id; result sorted by id (deterministic).
+    ``num_rows`` (ids lie in ``[0, num_rows)``) lets the sort take its fast paths."""
+    return sum_rows_by_key(ids, grads, key_bound=num_rows)
 
 
 def sync_rows(
@@ -256,7 +257,7 @@ def _all_gather_rows(
         member_ids = all_ids[:, id_at : id_at + m].reshape(-1)
         member_grads = all_grads[:, grad_at : grad_at + m * dim].reshape(-1, dim)
         valid = member_ids >= 0
-        out.append(sum_by_row(member_ids[valid], member_grads[valid]))
+        out.append(sum_by_row(member_ids[valid], member_grads[valid], t.num_rows))
         id_at, grad_at = id_at + m, grad_at + m * dim
     return out
 
