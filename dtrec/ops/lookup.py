@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from dtrec.ops.backends.device_lists import device_list
+from dtrec.ops.huge_pages import advise_huge_pages
 
 POOLING_MODES = ("sum", "mean")
 """How a bag's rows combine; the op's own vocabulary (table configs use it too)."""
@@ -73,9 +74,13 @@ def packed_views(
     shapes: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device, zero: bool = False
 ) -> list[Tensor]:
     """Contiguous views of one new flat buffer, one per shape, in order (see
-    ``shared_storage``: what packed tables and optimizer states are made of)."""
+    ``shared_storage``: what packed tables and optimizer states are made of). On CPU the
+    buffer asks for huge pages before it is first written (``huge_pages``)."""
     sizes = [math.prod(shape) for shape in shapes]
-    flat = (torch.zeros if zero else torch.empty)(sum(sizes), dtype=dtype, device=device)
+    flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+    advise_huge_pages(flat)
+    if zero:
+        flat.zero_()
     starts = [0, *itertools.accumulate(sizes)]
     # slices, not torch.split: split's views may not be written in place under autograd
     return [
