@@ -27,11 +27,12 @@ of the parameters DDP reduces (TorchRec's data-parallel tables included); dtrec'
 all-reduce is seen (its estimate is 0). One more untimed step runs under a
 dispatch-mode census of every c10d op (DDP's included) to check the wrappers missed nothing.
 
-Before the configs, one world measures the machine (``benchmarks/probes/cpu_calibration.py``:
-collective latency and bandwidths, lookup and update speed, the dense step); after them the
-report predicts every config's dtrec step from those constants and the planner's cost model
+Before the configs (and again after them, to tell whether the machine's speed held), one
+world measures the machine (``benchmarks/probes/cpu_calibration.py``: collective latency
+and bandwidths, lookup and update speed, the dense step, a host floor); the report then
+predicts every config's dtrec step from the first measurement and the planner's cost model
 and prints the error and the plans' order (``benchmarks/distributed_predict.py``, issue 33;
-``--no-predict`` skips both).
+``--no-predict`` skips all of it).
 
 ``--cost-model`` prints dtrec's expected bytes per rank per step for large worlds (no processes),
 computed from the tables' shard layouts (``cost_model``); the full run also checks it against the
@@ -822,9 +823,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.pipeline:
             print_pipeline_table(results)
         if calibration is not None:
-            from benchmarks.distributed_predict import check
+            from benchmarks.distributed_predict import calibrate, check
 
-            report["step_prediction"] = check(w, results, calibration, args.world_size)
+            after = report["meta"]["cpu_calibration_after"] = calibrate(w, args.world_size)
+            report["step_prediction"] = check(w, results, calibration, args.world_size, after)
         after = dtrec_source()
         if after["sources_sha256"] != report["meta"]["dtrec"]["sources_sha256"]:
             report["meta"]["dtrec_at_end"] = after  # worlds started later ran the new code

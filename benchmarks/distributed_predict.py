@@ -44,6 +44,9 @@ from tests.multiprocess import run_world
 
 TOLERANCE = 0.30
 NOISE = 0.10
+DRIFT = 0.15
+"""Predictions from the calibration repeated after the configs further than this from the
+first one's: the machine's speed changed during the run."""
 
 
 def _dense(w: Workload) -> nn.Module:
@@ -142,9 +145,15 @@ def misordered(measured: dict[str, float], predicted: dict[str, float]) -> list[
     ]
 
 
-def check(w: Workload, results: dict, calibration: dict, world: int = 4) -> dict:
+def check(
+    w: Workload, results: dict, calibration: dict, world: int = 4, after: dict | None = None
+) -> dict:
     """Predicted vs measured dtrec step per config of ``results`` (``benchmarks.distributed``
-    runs), printed; returns the report's ``step_prediction`` section."""
+    runs), printed; returns the report's ``step_prediction`` section.
+
+    ``after``: the same calibration repeated after the configs. Its predictions over the
+    first one's (``drift``) say whether the machine kept its speed through the run: another
+    job starting mid-run makes the errors meaningless, and the report says so."""
     rows, measured, predicted = {}, {}, {}
     for config, runs in results.items():
         run = runs.get("dtrec")
@@ -164,6 +173,8 @@ def check(w: Workload, results: dict, calibration: dict, world: int = 4) -> dict
             "calls": step.calls,
             "comm_share": step.comm_share,
         }
+        if after is not None:
+            rows[config]["drift"] = predict(w, config, after, world).step / step.step - 1
     wrong = misordered(measured, predicted)
     c, k = calibration, cpu_calibration.compute_constants(calibration)
     print(
@@ -191,5 +202,11 @@ def check(w: Workload, results: dict, calibration: dict, world: int = 4) -> dict
         "ordering: "
         + (f"right (ties within {NOISE:.0%} allowed)" if not wrong else f"WRONG for {wrong}")
     )
-    return {"calibration": calibration, "configs": rows, "misordered": wrong,
-            "tolerance": TOLERANCE, "noise": NOISE}  # fmt: skip
+    drift = [r["drift"] for r in rows.values() if "drift" in r]
+    if drift:
+        worst = max(drift, key=abs)
+        print(f"calibration repeated after the configs: predictions {worst:+.0%} at most"
+              + (": WARNING, the machine's speed changed during the run (another job?); "
+                 "errors and order are not meaningful" if abs(worst) > DRIFT else ""))  # fmt: skip
+    return {"calibration": calibration, "calibration_after": after, "configs": rows,
+            "misordered": wrong, "tolerance": TOLERANCE, "noise": NOISE}  # fmt: skip

@@ -203,9 +203,12 @@ def test_the_report_predicts_each_step_from_calibrated_constants(runs, capsys) -
                        wall_s=0.0)  # fmt: skip
     topology = cpu_calibration.topology(calibration)
     assert topology.hbm_bandwidth > 0 and topology.collective_latency == 1e-3
-    report = check(TINY, {c: {"dtrec": runs[c]} for c in CONFIGS}, calibration)
+    slower = {**calibration, "latency_s": 1e-2}  # the machine got busy during the configs
+    report = check(TINY, {c: {"dtrec": runs[c]} for c in CONFIGS}, calibration, after=slower)
     for config in CONFIGS:
         row = report["configs"][config]
         assert row["predicted_ms"] > 0 and row["measured_ms"] == runs[config]["median"]["step_ms"]
         assert row["error"] == pytest.approx(row["predicted_ms"] / row["measured_ms"] - 1)
-    assert "ordering: " in capsys.readouterr().out
+        assert row["drift"] > 0
+    out = capsys.readouterr().out
+    assert "ordering: " in out and "WARNING, the machine's speed changed" in out
