@@ -2,8 +2,9 @@
 (``benchmarks/distributed.py``), the predicted step (``dtrec.planning.plan_step`` on the
 cost model, with the constants that run measured: ``meta.cpu_calibration``) orders
 table-wise, row-wise, column-wise, data-parallel and 2D row-wise as the same run measured
-them; a wrong topology does not; explain states the plan's predicted step and
-communication share. Numbers only: no world, nothing timed."""
+them, each within 30% of its measured step; a wrong topology does not order them; explain
+states the plan's predicted step and communication share. Numbers only: no world, nothing
+timed."""
 
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ def test_the_calibrated_model_orders_the_cpu_benchmark_plans_as_measured(committ
     predicted = _predicted(w, calibration)
     wrong = misordered(measured, predicted)
     assert not wrong, f"measured {measured}, predicted {predicted}: misordered {wrong}"
+
+
+def test_the_calibrated_model_predicts_each_measured_step_within_30_percent(committed) -> None:
+    w, calibration, measured = committed
+    predicted = _predicted(w, calibration)
+    errors = {c: predicted[c] / measured[c] - 1 for c in CONFIGS}
+    assert all(abs(e) <= 0.30 for e in errors.values()), errors
 
 
 @pytest.mark.parametrize(
