@@ -3,11 +3,12 @@
 Issue 33: the planner's cost model (``dtrec.planning.cost_model``: bytes per position,
 memory-bound lookups and updates) plus a latency per collective call
 (``dtrec.planning.plan_step``), on a ``Topology`` whose constants were measured in the same
-run by ``benchmarks/probes/cpu_calibration.py`` (one world of W gloo ranks, before the
-configs run). Reported per config: predicted and measured ms, the error (target: within
-``TOLERANCE``), the predicted communication share; and whether the plans' order by
-predicted time is the measured one (measured steps within ``NOISE`` of each other are a
-tie: either order is right).
+run by ``benchmarks/probes/cpu_calibration.py`` (one world of W gloo ranks before the
+configs; again after them, to flag a run during which the machine's speed changed).
+Reported per config: predicted and measured ms, the error (target: within ``TOLERANCE``),
+the predicted communication share; and whether the plans' order by predicted time is the
+measured one (measured steps within ``NOISE`` of each other are a tie: either order is
+right).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ first one's: the machine's speed changed during the run."""
 
 
 def _dense(w: Workload) -> nn.Module:
+    """The benchmark model's dense arch (same shapes, fresh weights)."""
     return Model(nn.Identity(), w).dense
 
 
@@ -105,7 +107,8 @@ def calibrate(w: Workload, world: int = 4) -> dict:
     return out
 
 
-def _zipf(rows: int, n: int, gen, s: float):
+def _zipf(rows: int, n: int, gen: torch.Generator, s: float) -> torch.Tensor:
+    """``zipf_ids`` in ``cpu_calibration.IdSampler``'s argument order."""
     return zipf_ids(rows, n, s, gen)
 
 
