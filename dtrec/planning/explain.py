@@ -13,6 +13,7 @@ rate (and the id distribution assumed), host <-> device bytes, and why it was of
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import numpy as np
 
@@ -134,8 +135,11 @@ def explain_table(
                 f"  sequence_output_dist {_mib(rows)} vs {_mib(as_bag['output_dist'])} "
                 "if the same table were pooled"
             )
+    # Alone, a table's calls are not its own (a plan's tables share them): no latency here,
+    # as in the search; the plan line adds it.
+    bytes_only = replace(topology, collective_latency=0.0)
     ranked = sorted(
-        ((s, plan_step([c], axis, topology), float(c.memory.max())) for s, c in choice.costs),
+        ((s, plan_step([c], axis, bytes_only), float(c.memory.max())) for s, c in choice.costs),
         key=lambda o: (o[0] != choice.spec, o[1].step, o[2]),
     )
     shown = ", ".join(
