@@ -27,6 +27,13 @@ of the parameters DDP reduces (TorchRec's data-parallel tables included); dtrec'
 all-reduce is seen (its estimate is 0). One more untimed step runs under a
 dispatch-mode census of every c10d op (DDP's included) to check the wrappers missed nothing.
 
+Before the configs (and again after them, to tell whether the machine's speed held), one
+world measures the machine (``benchmarks/probes/cpu_calibration.py``: collective latency
+and bandwidths, lookup and update speed, the dense step, a host floor); the report then
+predicts every config's dtrec step from the first measurement and the planner's cost model
+and prints the error and the plans' order (``benchmarks/distributed_predict.py``, issue 33;
+``--no-predict`` skips all of it).
+
 ``--cost-model`` prints dtrec's expected bytes per rank per step for large worlds (no processes),
 computed from the tables' shard layouts (``cost_model``); the full run also checks it against the
 bytes dtrec measured at W.
@@ -758,6 +765,8 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also time dtrec.TrainPipeline / TorchRec's TrainPipelineSparseDist",
     )
+    parser.add_argument("--no-predict", action="store_true",
+                        help="skip the calibration world and the predicted steps")  # fmt: skip
     parser.add_argument("--target", type=float, default=0.75,
                         help="dtrec / TorchRec step time each config should meet")  # fmt: skip
     parser.add_argument(
@@ -786,6 +795,12 @@ def main(argv: list[str] | None = None) -> None:
                  "profile")  # fmt: skip
         opts = {**{k: getattr(args, k) for k in names}, "env": env}
         libs = ["dtrec"] if args.no_torchrec else ["dtrec", "torchrec"]
+        calibration = None
+        if not args.no_predict:  # imported here: it imports this module
+            from benchmarks.distributed_predict import calibrate
+
+            calibration = report["meta"]["cpu_calibration"] = calibrate(w, args.world_size)
+            print(f"[calibration] ok ({calibration['wall_s']:.0f} s)", flush=True)
         results: dict[str, dict[str, dict]] = {}
         for config in configs:
             results[config] = {}
@@ -812,6 +827,11 @@ def main(argv: list[str] | None = None) -> None:
         print_stage_table(results, "stage_cpu_ms")
         if args.pipeline:
             print_pipeline_table(results)
+        if calibration is not None:
+            from benchmarks.distributed_predict import calibrate, check
+
+            after = report["meta"]["cpu_calibration_after"] = calibrate(w, args.world_size)
+            report["step_prediction"] = check(w, results, calibration, args.world_size, after)
         after = dtrec_source()
         if after["sources_sha256"] != report["meta"]["dtrec"]["sources_sha256"]:
             report["meta"]["dtrec_at_end"] = after  # worlds started later ran the new code

@@ -64,7 +64,14 @@ def _distributed(r: dict) -> str:
         if d.get("pipeline_step_ms") and t.get("pipeline_step_ms"):
             pipe[config] = d["pipeline_step_ms"] / t["pipeline_step_ms"]
     out = f"median step, dtrec / TorchRec: {_ratios(step)}" if step else NOT_RECORDED
-    return out + (f"; pipelined: {_ratios(pipe)}" if pipe else "")
+    out += f"; pipelined: {_ratios(pipe)}" if pipe else ""
+    predicted = (r.get("step_prediction") or {}).get("configs")
+    if predicted:  # issue 33's CPU step check
+        errors = ", ".join(f"{SHORT.get(k, k)} {v['error']:+.0%}" for k, v in predicted.items())
+        head = "dtrec step predicted vs measured: " if out == NOT_RECORDED else "; predicted: "
+        order = "right" if not r["step_prediction"]["misordered"] else "WRONG"
+        out = (out if out != NOT_RECORDED else "") + f"{head}{errors} (order {order})"
+    return out
 
 
 def _sequence(r: dict) -> str:

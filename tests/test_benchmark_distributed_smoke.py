@@ -9,6 +9,7 @@ checked against closed forms (row-wise input/output dist) at the benchmark's rea
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -26,6 +27,8 @@ from benchmarks.distributed import (
     zipf_ids,
     zipf_row_probs,
 )
+from benchmarks.distributed_predict import _dense, _zipf, check
+from benchmarks.probes import cpu_calibration
 from benchmarks.probes.stages import STAGES
 
 CONFIGS = ("mixed", "2d_row_wise")
@@ -187,3 +190,25 @@ def test_processor_is_recorded():
     assert info["model"] and info["aten"] and info["cores"] >= 1
     assert set(info["flags"]) <= set(FLAGS_THAT_MATTER)
     assert info["model"] in processor_line(info)
+
+
+def test_the_report_predicts_each_step_from_calibrated_constants(runs, capsys) -> None:
+    """The calibration's compute probes (in this process: the world's collective probes and
+    host floor run only in the benchmark) feed the predicted-vs-measured table."""
+    sample = functools.partial(_zipf, s=TINY.zipf)
+    calibration = cpu_calibration.embedding_constants(sample, repeats=1)
+    width = len(TINY.rows) * TINY.dim
+    calibration["dense_s"] = cpu_calibration.dense_constants(_dense(TINY), TINY.batch, width, 1)
+    calibration.update(latency_s=1e-3, a2a_bandwidth=1e9, gather_bandwidth=5e8, host_s=0.0,
+                       wall_s=0.0)  # fmt: skip
+    topology = cpu_calibration.topology(calibration)
+    assert topology.hbm_bandwidth > 0 and topology.collective_latency == 1e-3
+    slower = {**calibration, "latency_s": 1e-2}  # the machine got busy during the configs
+    report = check(TINY, {c: {"dtrec": runs[c]} for c in CONFIGS}, calibration, after=slower)
+    for config in CONFIGS:
+        row = report["configs"][config]
+        assert row["predicted_ms"] > 0 and row["measured_ms"] == runs[config]["median"]["step_ms"]
+        assert row["error"] == pytest.approx(row["predicted_ms"] / row["measured_ms"] - 1)
+        assert row["drift"] > 0
+    out = capsys.readouterr().out
+    assert "ordering: " in out and "WARNING, the machine's speed changed" in out

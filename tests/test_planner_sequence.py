@@ -103,7 +103,9 @@ def test_explain_shows_why_a_sequence_table_got_its_spec(tmp_path, capsys) -> No
     assert "pooled (mean) table" in short["cats"][0] and "= 256 rows of 8" in short["cats"][1]
     assert "sequence_output_dist" not in " ".join(short["users"])
     for lines in short.values():
-        assert lines[-1].startswith("  other candidates (alone: slowest ms, max MiB)")
+        assert lines[-1].startswith(
+            "  other candidates (alone: predicted ms, communication share, max MiB)"
+        )
     # The numbers are the cost model's: row-wise over 4 positions, a block owner sends
     # the ids in its quarter of the rows back as rows to the 3 other positions, so 4x the
     # ids send 4x the bytes; a pooled table's output dist does not move.

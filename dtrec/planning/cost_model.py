@@ -9,7 +9,10 @@ routes by), for a batch of ``B`` samples per rank and ``L`` ids per bag on avera
   pooled outputs and their gradients);
 * HBM traffic of the lookup: forward reads a row per id; backward reads the output
   gradients and updates each touched row (weights and state read and written), times
-  ``Topology.synced_update_factor`` where the gradient is synced before the update;
+  ``Topology.synced_update_factor`` where the gradient is synced before the update, plus
+  ``Topology.id_cost_bytes`` per id and ``row_cost_bytes`` per row handled (then
+  the group's gradient rows are summed and their union updated: a replica applies every
+  replica's rows);
 * shard-axis traffic (input-dist ids and lengths, int32 for tables under 2**31 rows as
   the input dist sends them, output-dist partials forward and
   backward in ``Topology.qcomms``' precisions, exact row-wise Adagrad's row norms), sent
@@ -25,11 +28,11 @@ Time per position = HBM bytes / HBM bandwidth + host link bytes / host bandwidth
 max(sent, received) to shard-axis peers
 on its node / the intra-node bandwidth + the same for peers on other nodes / the
 inter-node bandwidth + replicate-axis (or world) bytes / the bandwidth of that group's
-link: intra-node when all its ranks sit on one node (``Topology.node_size``; replica
-groups are contiguous ranks, or strided by S with ``init_mesh(...,
-replicas_within_node=False)``: ``ShardAxis.replica_span``), else inter-node. A model
-for ranking plans, not a simulator: it ignores overlap, latency and the dense part of
-the model.
+link (or ``Topology.replica_bandwidth``): intra-node when all its ranks sit on one node
+(``Topology.node_size``; replica groups are contiguous ranks, or strided by S with
+``init_mesh(..., replicas_within_node=False)``: ``ShardAxis.replica_span``), else
+inter-node. A model for ranking plans, not a simulator: it ignores overlap, latency and
+the dense part of the model (``dtrec.planning.plan_step`` adds latency per call).
 """
 
 from __future__ import annotations
@@ -234,13 +237,25 @@ def table_cost(
             cost.add("offload.host_to_device", p, misses * row)
         else:
             cost.memory[p] += rows * cols * elt + state + buffers
-        cost.hbm_bytes[p] += n_ids * cols * elt  # forward gather
-        backward = n_ids * cols * 4 + touched * 2 * (cols * elt + state / rows)
+        cost.hbm_bytes[p] += n_ids * (cols * elt + topology.id_cost_bytes)  # forward gather
+        row_bytes = cols * elt + state / rows
+        row_work = topology.row_cost_bytes
+        backward = n_ids * cols * 4 + touched * (2 * row_bytes + row_work)
         one_pass = not layout.batch_local and axis.replicas == 1 and peers[block.rows] == 1
-        cost.hbm_bytes[p] += backward * (1.0 if one_pass else topology.synced_update_factor)
         if sync_group > 1:
             wire = 4 if layout.batch_local else topology.replica_sync_bytes()
             path, sent = gradient_sum_bytes(sync_group, touched, cols, rows, wire)
+            # Every member sums the group's gradient rows (the gathered ones, or the dense
+            # sum) and updates their union: a replica applies every replica's rows.
+            union = ids.unique(world * batch * pooling, *block.rows)
+            summed = sync_group * touched if path == "sparse" else rows
+            backward = (
+                n_ids * cols * 4
+                + summed * (cols * 4 + row_work)
+                + union * (2 * row_bytes + row_work)
+            )
+        cost.hbm_bytes[p] += backward * (1.0 if one_pass else topology.synced_update_factor)
+        if sync_group > 1:
             (cost.world_bytes if layout.batch_local else cost.replica_bytes)[p] += sent
             cost.add(f"{sync_kind}.{path}", p, sent)
             cost.add(f"{sync_kind}.counts", p, (sync_group - 1) * 8)
@@ -297,6 +312,12 @@ def link_bandwidth(group_span: int, topology: Topology) -> float:
     return topology.intra_node_bandwidth if one_node else topology.inter_node_bandwidth
 
 
+def sync_bandwidth(group_span: int, topology: Topology) -> float:
+    """Bandwidth of a gradient sum over such a group: ``Topology.replica_bandwidth`` where
+    it is given, else the link's."""
+    return topology.replica_bandwidth or link_bandwidth(group_span, topology)
+
+
 class PositionTotals(PerPosition):
     """A plan's per-position sums and the time they add up to."""
 
@@ -327,8 +348,8 @@ def step_time(stack: np.ndarray, axis: ShardAxis, topology: Topology) -> np.ndar
         + row(HOST_LINK) / topology.host_bandwidth
         + np.maximum(row(SENT_INTRA), row(RECEIVED_INTRA)) / topology.intra_node_bandwidth
         + np.maximum(row(SENT_INTER), row(RECEIVED_INTER)) / topology.inter_node_bandwidth
-        + row(REPLICA) / link_bandwidth(axis.replica_span, topology)
-        + row(WORLD) / link_bandwidth(world, topology)
+        + row(REPLICA) / sync_bandwidth(axis.replica_span, topology)
+        + row(WORLD) / sync_bandwidth(world, topology)
     )
 
 

@@ -13,6 +13,7 @@ rate (and the id distribution assumed), host <-> device bytes, and why it was of
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import numpy as np
 
@@ -35,6 +36,7 @@ from dtrec.planning.cost_model import (
     table_ids,
 )
 from dtrec.planning.offload import block_ids_per_step, expected_misses, row_buckets
+from dtrec.planning.plan_step import plan_step
 from dtrec.planning.planner import Choice, collection_of
 
 TIME_PARTS = {
@@ -133,20 +135,21 @@ def explain_table(
                 f"  sequence_output_dist {_mib(rows)} vs {_mib(as_bag['output_dist'])} "
                 "if the same table were pooled"
             )
+    # Alone, a table's calls are not its own (a plan's tables share them): no latency here,
+    # as in the search; the plan line adds it.
+    bytes_only = replace(topology, collective_latency=0.0)
     ranked = sorted(
-        (
-            (s, float(step_time(c.stack, axis, topology).max()), float(c.memory.max()))
-            for s, c in choice.costs
-        ),
-        key=lambda o: (o[0] != choice.spec, o[1], o[2]),
+        ((s, plan_step([c], axis, bytes_only), float(c.memory.max())) for s, c in choice.costs),
+        key=lambda o: (o[0] != choice.spec, o[1].step, o[2]),
     )
     shown = ", ".join(
-        f"{s} {1e3 * t:.4f} ms {m / 2**20:.1f} MiB" for s, t, m in ranked[1:][:SHOWN_CANDIDATES]
+        f"{s} {1e3 * t.step:.4f} ms ({t.comm_share:.0%} comm) {m / 2**20:.1f} MiB"
+        for s, t, m in ranked[1:][:SHOWN_CANDIDATES]
     )
     more = len(ranked) - 1 - SHOWN_CANDIDATES
     lines.append(
-        f"  other candidates (alone: slowest ms, max MiB): {shown or 'none'}"
-        + (f", +{more} more" if more > 0 else "")
+        f"  other candidates (alone: predicted ms, communication share, max MiB): "
+        f"{shown or 'none'}" + (f", +{more} more" if more > 0 else "")
     )
     return lines
 
@@ -207,25 +210,21 @@ def plan_line(
     axis: ShardAxis,
     topology: Topology,
 ) -> str:
-    """The whole plan's predicted step (its slowest position) and the share of it spent on
-    communication (the shard and replicate axes' terms), what the planner minimised."""
-    stack = sum(
-        table_cost(
-            cfg, choices[key].spec, axis, topology.for_collection(collection_of(key, cfg))
-        ).stack
+    """The whole plan's predicted step (``plan_step``: its slowest position, plus
+    ``Topology.collective_latency`` per collective call) and the share of it spent on
+    communication (the shard and replicate axes' terms and the calls)."""
+    costs = [
+        table_cost(cfg, choices[key].spec, axis, topology.for_collection(collection_of(key, cfg)))
         for key, cfg in tables.items()
-    )
-    if isinstance(stack, int):  # no tables
+    ]
+    if not costs:
         return "plan: no tables"
-    time = step_time(stack, axis, topology)
-    slowest = int(np.argmax(time))
-    parts = time_parts(stack, axis, topology)
-    comm = float(parts["shard axis"][slowest] + parts["replicate axis"][slowest])
-    total = float(time[slowest])
-    share = comm / total if total > 0 else 0.0
+    step = plan_step(costs, axis, topology)
     return (
-        f"plan: predicted step {1e3 * total:.4f} ms (embedding part, slowest position "
-        f"{slowest}), communication {1e3 * comm:.4f} ms = {share:.2f} of it"
+        f"plan: predicted step {1e3 * step.step:.6g} ms (embedding part, slowest position "
+        f"{step.position}), communication {1e3 * step.comm:.6g} ms = {step.comm_share:.2f} of "
+        f"it ({step.calls} collective calls x {1e3 * topology.collective_latency:.3g} ms "
+        "latency included)"
     )
 
 

@@ -39,6 +39,14 @@ class Topology:
     inter_node_bandwidth: float = Fabric.network_bandwidth
     """Bytes/s a rank sends or receives to other nodes (one 400 Gb/s NIC per GPU, x 0.9):
     the scale model's."""
+    replica_bandwidth: float | None = None
+    """Bytes/s of the replicate-axis and data-parallel gradient sums (all-gathers,
+    all-reduces) where measured apart from the shard axis's all-to-all (gloo on one host:
+    about a third of it); None: the link the group spans (``cost_model.link_bandwidth``)."""
+    collective_latency: float = 0.0
+    """Seconds one collective call costs beyond its bytes: 0 for the per-table search
+    (every table shares a plan's calls); what ``plan_step`` adds per call (gloo ranks
+    sharing cores: a few ms, measured by ``benchmarks/probes/cpu_calibration.py``)."""
     node_size: int = 8
     batch_size_per_rank: int = 512
     pooling_factors: Mapping[str, float] = field(default_factory=dict)
@@ -51,6 +59,12 @@ class Topology:
     peers, data-parallel) relative to the one-pass fused path: row gradients are written
     out and read back (2x on GPU); on CPU the synced path is torch code and the one-pass
     path fbgemm's C++ (4.5x measured: 13.7 vs 3.0 ms for 8 tables, 82k ids, one rank)."""
+    id_cost_bytes: float = 0.0
+    """Memory bytes each looked-up id costs besides its row, as time at ``hbm_bandwidth``
+    (reading, sorting and scattering it): 0 prices bytes only; on CPU, where a lookup's
+    index work is as slow as its rows, measured (``benchmarks/probes/cpu_calibration.py``)."""
+    row_cost_bytes: float = 0.0
+    """The same for each row an update writes (its optimizer bookkeeping): 0 or measured."""
     memory_headroom: float = 0.1
     """Fraction of ``memory_per_rank`` left for activations and the dense model."""
     host_memory_per_rank: float = 0.0
@@ -103,6 +117,11 @@ class Topology:
         _check_number("Topology.memory_headroom", self.memory_headroom)
         _check_number("Topology.host_memory_per_rank", self.host_memory_per_rank)
         _check_number("Topology.zipf_exponent", self.zipf_exponent)
+        _check_number("Topology.collective_latency", self.collective_latency)
+        _check_number("Topology.id_cost_bytes", self.id_cost_bytes)
+        _check_number("Topology.row_cost_bytes", self.row_cost_bytes)
+        if self.replica_bandwidth is not None:
+            _check_number("Topology.replica_bandwidth", self.replica_bandwidth, positive=True)
         if self.memory_headroom >= 1:
             raise ValueError(
                 f"Topology.memory_headroom is a fraction in [0, 1), got {self.memory_headroom}"
