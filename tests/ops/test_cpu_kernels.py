@@ -174,3 +174,28 @@ def test_fused_backward_update_changes_nothing_for_a_bad_id() -> None:
     grad_out = torch.randn(bad.batch, bad.columns()[-1])
     assert not TorchBackend().backward_update(bad, grad_out, StepRule("sgd", 0.1), [{}] * 3)
     assert all(torch.equal(w, b) for w, b in zip(lookup.weights, before))
+
+
+def test_malformed_arguments_are_declined_or_refused_never_read_past() -> None:
+    """Sizes that do not match, offsets past the ids, row indices past the rows: the C
+    code never reads or writes outside its buffers (torch's path then reports them)."""
+    lookup = _lookup()
+    grad_out = torch.randn(lookup.batch, lookup.columns()[-1])
+    before = [w.clone() for w in lookup.weights]
+    sgd = StepRule("sgd", 0.1)
+    past = lookup.offsets.clone()
+    past[-1] = lookup.values.numel() + 5
+    backwards = past.clone()
+    backwards[3] = backwards[4] + 1
+    for offsets in (past, backwards):
+        bad = Lookup(lookup.weights, lookup.entry_table, lookup.values, offsets, lookup.mean)
+        assert not TorchBackend().backward_update(bad, grad_out, sgd, [{}] * 3)
+    assert not TorchBackend().backward_update(lookup, grad_out[:, 1:], sgd, [{}] * 3)
+    assert all(torch.equal(w, b) for w, b in zip(lookup.weights, before))
+
+    keys, rows, index, scale = _keys_and_rows()
+    assert cpu.sum_rows_by_key(keys, rows, index[:-1], key_bound=5000) is None
+    assert cpu.sum_rows_by_key(keys, rows, index, scale[:-1], key_bound=5000) is None
+    index[7] = rows.shape[0]
+    with pytest.raises(IndexError, match="row index"):
+        cpu.sum_rows_by_key(keys, rows, index, key_bound=5000)

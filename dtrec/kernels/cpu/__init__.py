@@ -109,6 +109,8 @@ def _library() -> ctypes.CDLL | None:
     lib.dtrec_sort_keys.restype = i64
     lib.dtrec_sum_sorted.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr]
     lib.dtrec_sum_sorted.restype = None
+    lib.dtrec_indices_within.argtypes = [ptr, i64, i64]
+    lib.dtrec_indices_within.restype = i64
     lib.dtrec_row_sq_sums.argtypes = [ptr, i64, i64, ptr]
     lib.dtrec_row_sq_sums.restype = None
     lib.dtrec_rowwise_adagrad.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, i64, f32, f32]
@@ -153,13 +155,18 @@ def sum_rows_by_key(
         or n >= _MAX_KEYS
         or keys.device.type != "cpu"
         or not _rows_ok(rows)
-        or (index is not None and index.dtype != torch.int64)
-        or (scale is not None and scale.dtype != torch.float32)
+        or (index is not None and (index.dtype != torch.int64 or index.numel() != n))
+        or (scale is not None and (scale.dtype != torch.float32 or scale.numel() != n))
     ):
         return None
     lib = _library()
     keys = keys.to(torch.int64).contiguous()
     index = None if index is None else index.contiguous()
+    bound = rows.shape[0] if index is not None else n + 1  # no index: row i of n <= rows
+    if index is None and n > rows.shape[0]:
+        raise IndexError(f"{n} keys but only {rows.shape[0]} rows to sum")
+    if index is not None and not lib.dtrec_indices_within(_ptr(index), n, bound):
+        raise IndexError(f"a row index outside [0, {bound}) reached the row-sparse backward")
     scale = None if scale is None else scale.contiguous()
     pairs = torch.empty(2 * n, dtype=torch.int64)
     distinct = lib.dtrec_sort_keys(_ptr(keys), n, key_bound, _ptr(pairs))
@@ -260,7 +267,8 @@ def backward_update(
     The same math as ``row_grads`` then the rule's update (bitwise for sum pooling); for
     tables whose whole gradient this lookup holds. ``accumulators``: row-wise Adagrad's
     per-row sums, one per table. False (nothing changed) where not served: not built,
-    not CPU fp32 with contiguous tables, an empty table or dim, an id outside its table.
+    not CPU fp32 with contiguous tables, an empty table or dim, an id outside its table,
+    arguments whose sizes do not match (the torch path then reports them).
     """
     tables = list(weights)
     if (
@@ -276,14 +284,22 @@ def backward_update(
         or (per_sample_weights is not None and per_sample_weights.dtype != torch.float32)
     ):
         return False
+    psw = None if per_sample_weights is None else per_sample_weights.contiguous()
     num_entries, n = len(entry_table), values.numel()
     batch = (offsets.numel() - 1) // max(num_entries, 1)
     cols = [0]
     for t in entry_table:
         cols.append(cols[-1] + tables[t].shape[1])
+    if (
+        num_entries == 0
+        or offsets.numel() != num_entries * batch + 1
+        or tuple(grad_out.shape) != (batch, cols[-1])
+        or (psw is not None and psw.numel() != n)
+        or not all(0 <= t < len(tables) for t in entry_table)
+    ):
+        return False
     values = values.to(torch.int64).contiguous()
     offsets = offsets.to(torch.int64).contiguous()
-    psw = None if per_sample_weights is None else per_sample_weights.contiguous()
     small = torch.tensor(
         [*entry_table, *cols[:-1], *(w.shape[0] for w in tables), *(w.shape[1] for w in tables),
          *(w.data_ptr() for w in tables),

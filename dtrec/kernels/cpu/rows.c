@@ -86,6 +86,13 @@ void dtrec_sum_sorted(const uint64_t *pairs, int64_t n, const int64_t *index, co
     }
 }
 
+/* Whether every index[i] lies in [0, bound). */
+int64_t dtrec_indices_within(const int64_t *index, int64_t n, int64_t bound) {
+    for (int64_t i = 0; i < n; i++)
+        if (index[i] < 0 || index[i] >= bound) return 0;
+    return 1;
+}
+
 /* sq[u] = sum_d grads[u, d]^2, summed in order of d. */
 void dtrec_row_sq_sums(const float *grads, int64_t num, int64_t dim, float *sq) {
     for (int64_t u = 0; u < num; u++) {
@@ -161,8 +168,8 @@ void dtrec_sgd(float *restrict weight, int64_t ld_w, const int64_t *rows, int64_
  *
  * weight_ptrs / acc_ptrs: each table's first element's address (rows contiguous, row
  * stride dim[t]). pairs: 2n scratch slots; bag_of: n; rowbuf: max dim floats.
- * Returns 0, or -1 (nothing written) for an id outside its table, -2 for a key space of
- * 2^32 rows or more. */
+ * Returns 0, or (nothing written) -1 for an id outside its table, -2 for a key space of
+ * 2^32 rows or more, -3 for offsets that are not a non-decreasing run within the ids. */
 int64_t dtrec_backward_update(const int64_t *restrict values, int64_t n,
                               const int64_t *restrict offsets, int64_t num_entries, int64_t batch,
                               const int64_t *restrict entry_table,
@@ -178,6 +185,9 @@ int64_t dtrec_backward_update(const int64_t *restrict values, int64_t n,
     row_base[0] = 0;
     for (int64_t t = 0; t < num_tables; t++) row_base[t + 1] = row_base[t] + table_rows[t];
     if (row_base[num_tables] > (int64_t)0xffffffff || n > (int64_t)0x7fffffff) return -2;
+    if (offsets[0] < 0 || offsets[num_entries * batch] > n) return -3;
+    for (int64_t b = 0; b < num_entries * batch; b++)
+        if (offsets[b + 1] < offsets[b]) return -3;
     int any_mean = 0;
     for (int64_t e = 0; e < num_entries; e++) any_mean |= entry_mean[e];
     for (int64_t b = 0; b < num_entries * batch; b++) {
