@@ -199,3 +199,17 @@ def test_malformed_arguments_are_declined_or_refused_never_read_past() -> None:
     index[7] = rows.shape[0]
     with pytest.raises(IndexError, match="row index"):
         cpu.sum_rows_by_key(keys, rows, index, key_bound=5000)
+
+
+def test_without_a_compiler_torch_runs_and_says_so(monkeypatch) -> None:
+    monkeypatch.setattr(cpu, "_compiler", lambda: None)
+    cpu._library.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="no C compiler"):
+            assert not cpu.available()
+        keys, rows, index, _ = _keys_and_rows()
+        assert cpu.sum_rows_by_key(keys, rows, index, key_bound=5000) is None
+    finally:
+        monkeypatch.undo()
+        cpu._library.cache_clear()
+    assert cpu.available()

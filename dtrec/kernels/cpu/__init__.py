@@ -87,6 +87,12 @@ def _build(cc: str, target: Path) -> None:
 def _library() -> ctypes.CDLL | None:
     cc = _compiler()
     if cc is None:
+        warnings.warn(
+            "no C compiler ($CC, cc, gcc, clang) for dtrec's CPU kernels; the pure-torch CPU "
+            "paths run instead",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
     key = hashlib.sha256(
         "\0".join([_SOURCE.read_text(), cc, *_FLAGS, platform.machine(), _processor()]).encode()
