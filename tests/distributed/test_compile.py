@@ -13,7 +13,8 @@ sharding type, with the fused row-wise Adagrad:
   one-rank world (no break, ``fullgraph=True``, fused and torch optimizers; its sizes per
   feature are read on the host, so breaks are counted with ``capture_scalar_outputs``, as
   ``fullgraph=True`` traces them), one break at 4 ranks (default compile);
-* the same with variable batches per feature (VBE, ``inverse_indices``; ``VBE_CASES``);
+* the same with variable batches per feature (VBE, ``inverse_indices``; ``VBE_CASES``,
+  ``VBE_IN_CASES``);
 * recompiles over 50 steps of varying batches (multi-hot lengths, uneven batch sizes,
   VBE): at most ``MAX_RECOMPILES`` after the first compile;
 * a one-rank model with an offloaded table falls back to eager with one named graph
@@ -61,13 +62,12 @@ SEQUENCE_CASES = {
     1: {(1, kind): OPTIMIZERS[i % 2] for i, kind in enumerate(KINDS)},
     4: {(2, "table_wise"): "rowwise_adagrad", (2, "row_wise"): "rowwise_adagrad"},
 }
-# world size -> {(shard group size, kind): optimizers checked against eager} with VBE
-# batches. One rank: every kind takes the same traced path (the expansion is traced);
-# four ranks: the expansion is in the eager input dist, one case (the 2 x 2 mesh).
-VBE_CASES = {
-    1: {(1, "table_wise"): ("rowwise_adagrad",), (1, "row_wise"): ("torch_sgd",)},
-    4: {(2, "row_wise"): ("rowwise_adagrad",)},
-}
+# world size -> {(shard group size, kind): optimizers checked against eager} on VBE
+# batches only (the expansion is traced at W=1; every kind takes the same path there).
+VBE_CASES = {1: {(1, "table_wise"): ("rowwise_adagrad",), (1, "row_wise"): ("torch_sgd",)}}
+# world size -> the case of ``CASES`` whose second batch is a VBE batch of the same full
+# size (the expansion is in the eager input dist at W > 1: no extra compile, no extra run).
+VBE_IN_CASES = {4: (2, "row_wise", "rowwise_adagrad")}
 BUFFER_SHARDS = {1: 1, 4: 2}  # the dense-buffers model's mesh per world size
 TOLERANCE = 1e-5
 MAX_RECOMPILES = 2
@@ -235,18 +235,21 @@ def _max_rel_error(
     fullgraph: bool,
     build=_model,
     weighted: bool = False,
-    vbe: bool = False,
+    vbe: str = "",
 ) -> float:
-    """``vbe``: variable batches per feature, full batch sizes 4 to 7 from step to step."""
+    """``vbe``: "all": variable batches per feature, full batch sizes 4 to 7 from step to
+    step; "middle": the second batch a VBE one of the others' full batch size."""
     import functools
 
     import torch
 
     gen = torch.Generator().manual_seed(rank)
-    if vbe:
+    if vbe == "all":
         batches = [_vbe_batch(gen, 4 + (rank + i) % 4) for i in range(3)]
     else:
         batches = [_batch(gen, 5 + rank, weighted) for _ in range(3)]  # uneven over ranks
+    if vbe == "middle":
+        batches[1] = _vbe_batch(gen, 5 + rank)
     _mark_dynamic(batches)
     if weighted:
         build = functools.partial(build, weighted=True)
@@ -383,18 +386,21 @@ def _world_cases(rank: int, world: int) -> dict:
     for (shards, kind), optimizers in CASES[world].items():
         out["breaks", shards, kind] = _breaks(kind, shards)
         for optimizer in optimizers:
+            vbe = "middle" if (shards, kind, optimizer) == VBE_IN_CASES.get(world) else ""
             out["error", shards, kind, optimizer] = _max_rel_error(
-                kind, shards, optimizer, rank, world == 1
+                kind, shards, optimizer, rank, world == 1, vbe=vbe
             )
+            if vbe:
+                out["vbe_error", shards, kind, optimizer] = out["error", shards, kind, optimizer]
     for (shards, kind), optimizer in SEQUENCE_CASES[world].items():
         out["seq_breaks", shards, kind] = _breaks(kind, shards, _sequence_model, world == 1)
         out["seq_error", shards, kind] = _max_rel_error(
             kind, shards, optimizer, rank, world == 1, _sequence_model
         )
-    for (shards, kind), optimizers in VBE_CASES[world].items():
+    for (shards, kind), optimizers in VBE_CASES.get(world, {}).items():
         for optimizer in optimizers:
             out["vbe_error", shards, kind, optimizer] = _max_rel_error(
-                kind, shards, optimizer, rank, world == 1, vbe=True
+                kind, shards, optimizer, rank, world == 1, vbe="all"
             )
     shards = BUFFER_SHARDS[world]
     with_buffers = functools.partial(_model, buffers=True)
@@ -503,7 +509,7 @@ def test_dense_buffers_breaks_within_budget_and_train_like_eager(one_rank, four_
 VBE_PARAMS = [
     (world, *case, opt) for world, cases in VBE_CASES.items() for case, opts in cases.items()
     for opt in opts
-]  # fmt: skip
+] + [(world, *case) for world, case in VBE_IN_CASES.items()]  # fmt: skip
 
 
 @pytest.mark.parametrize("world,shards,kind,optimizer", VBE_PARAMS)
