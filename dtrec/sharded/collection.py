@@ -36,6 +36,12 @@ from dtrec.sharded.tables.tensor import like_dtensor
 from dtrec.sharded.update.fused_update import FusedUpdater, TableUpdate
 from dtrec.sharded.update.sync_plan import GradSyncPlan, PendingAverage
 
+OFFLOADED_STEP = (
+    "dtrec: a collection with offloaded tables runs its forward eagerly under torch.compile "
+    "(each batch's cache fill keeps Python bookkeeping: slots, LRU order, pins, copies on a "
+    "thread; docs/compile.md)"
+)
+
 
 def check_sync_every(sync_every: int | None) -> None:
     """``sync_every``: None (replicas sync gradients every step) or a positive int."""

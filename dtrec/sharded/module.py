@@ -37,7 +37,7 @@ from dtrec.modules.features import check_weighted
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import SHARD
-from dtrec.sharded.collection import ShardedCollection
+from dtrec.sharded.collection import OFFLOADED_STEP, ShardedCollection
 from dtrec.sharded.dist.input_dist import RoutedBatch
 from dtrec.sharded.dist.output_dist import OutputDist
 from dtrec.sharded.lookup.local_path import LocalBatch, LocalPath, serves_locally
@@ -97,16 +97,27 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     def forward(self, features: object) -> KeyedTensor:
         self._refuse_fx_trace(features)
-        if self._local is not None and self._local.world_size == 1:  # traced whole
+        if torch.compiler.is_compiling():  # the wrappers cost eager ~1.5 us: only here
+            return self._compiled_forward(features)
+        if self._local is not None and self._local.world_size == 1:
             self._begin_step()
             return self._local.forward(self._routed(features), self._local_shards())
-        if torch.compiler.is_compiling():  # the wrapper costs eager ~1.5 us: only here
-            return self._exchanged_forward_eagerly(features)
         return self._exchanged_forward(features)
 
+    def _compiled_forward(self, features: object) -> KeyedTensor:
+        """Under ``torch.compile``: traced whole in a one-rank world (a prefetched batch too:
+        its validated pieces are graph inputs); else eager, one graph break whose reason
+        says why (other ranks, offloaded tables)."""
+        if self._local is None or self._local.world_size > 1:
+            return self._exchanged_forward_eagerly(features)
+        if self._offload is not None:
+            return self._offloaded_forward_eagerly(features)
+        self._begin_step()
+        return self._local.forward(self._routed(features), self._local_shards())
+
     def _exchanged_forward(self, features: object) -> KeyedTensor:
-        """The forward of a collection whose step exchanges with other ranks (eager under
-        ``torch.compile``: one graph break, ``EXCHANGED_STEP``)."""
+        """The eager forward (a one-rank world's too); under ``torch.compile`` it is one graph
+        break (``_compiled_forward``)."""
         self._begin_step()
         if self._local is not None:
             return self._local.forward(self._routed(features), self._local_shards())
@@ -130,6 +141,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         return self._output_dist.keyed(self._with_absent_grads(out), kjt)
 
     _exchanged_forward_eagerly = torch.compiler.disable(_exchanged_forward, reason=EXCHANGED_STEP)
+    _offloaded_forward_eagerly = torch.compiler.disable(_exchanged_forward, reason=OFFLOADED_STEP)
 
     def input_dist(self, features: object) -> RoutedBatch | LocalBatch:
         """Validate the batch and send each id to the shard(s) holding its row.

@@ -28,7 +28,7 @@ from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import SHARD, mesh_device
-from dtrec.sharded.collection import ShardedCollection
+from dtrec.sharded.collection import OFFLOADED_STEP, ShardedCollection
 from dtrec.sharded.dist.input_dist import RoutedBatch
 from dtrec.sharded.dist.sequence_dist import (
     ReturnPlan,
@@ -48,6 +48,11 @@ SEQUENCE_STEP = (
     "dtrec: a sharded EmbeddingCollection whose step exchanges with other ranks runs its "
     "forward eagerly (its input dist reads sizes on the host and its collectives are c10d "
     "ones with async work handles; docs/compile.md)"
+)
+PREFETCHED_STEP = (
+    "dtrec: a sharded EmbeddingCollection fed a prefetched batch runs its forward eagerly "
+    "under torch.compile (the traced one-rank forward routes nothing, so only the eager one "
+    "consumes the batch's prefetched input dist; docs/compile.md)"
 )
 
 
@@ -91,13 +96,10 @@ class ShardedEmbeddingCollection(ShardedCollection):
             self._routing, mesh.get_group(SHARD), self._dtype, self.qcomms
         )
         # A world of one rank, every table whole here: under ``torch.compile`` the forward
-        # is traced whole (``_one_rank_forward``); offloaded tables take the eager path.
+        # is traced whole (``_one_rank_forward``); offloaded tables and prefetched batches run
+        # eagerly (``forward``).
         self._device = mesh_device(mesh)
-        self._traced_locally = (
-            mesh.size() == 1
-            and self._offload is None
-            and serves_locally(self._routing, self._layouts)
-        )
+        self._traced_locally = mesh.size() == 1 and serves_locally(self._routing, self._layouts)
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
         """The table configs, in output order."""
@@ -105,10 +107,14 @@ class ShardedEmbeddingCollection(ShardedCollection):
 
     def forward(self, features: object) -> dict[str, JaggedTensor]:
         self._refuse_fx_trace(features)
-        if torch.compiler.is_compiling():  # the wrapper costs eager ~1.5 us: only here
-            if self._traced_locally and not self._prefetched:
-                return self._one_rank_forward(features)
-            return self._forward_eagerly(features)
+        if torch.compiler.is_compiling():  # the wrappers cost eager ~1.5 us: only here
+            if not self._traced_locally:
+                return self._forward_eagerly(features)
+            if self._offload is not None:
+                return self._offloaded_forward_eagerly(features)
+            if self._prefetched:
+                return self._prefetched_forward_eagerly(features)
+            return self._one_rank_forward(features)
         return self._forward(features)
 
     def _one_rank_forward(self, features: object) -> dict[str, JaggedTensor]:
@@ -171,6 +177,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
         return sequence_outputs(kjt, rows, self.need_indices)
 
     _forward_eagerly = torch.compiler.disable(_forward, reason=SEQUENCE_STEP)
+    _offloaded_forward_eagerly = torch.compiler.disable(_forward, reason=OFFLOADED_STEP)
+    _prefetched_forward_eagerly = torch.compiler.disable(_forward, reason=PREFETCHED_STEP)
 
     def _fill_routed(self, routed: _Routed) -> None:
         self._lookup.fill(routed[0])

@@ -13,13 +13,21 @@ sharding type, with the fused row-wise Adagrad:
   one-rank world (no break, ``fullgraph=True``, fused and torch optimizers; its sizes per
   feature are read on the host, so breaks are counted with ``capture_scalar_outputs``, as
   ``fullgraph=True`` traces them), one break at 4 ranks (default compile);
-* recompiles over 30 steps of varying batches (multi-hot lengths, uneven batch sizes):
-  at most ``MAX_RECOMPILES`` after the first compile.
+* the same with variable batches per feature (VBE, ``inverse_indices``; ``VBE_CASES``,
+  ``VBE_IN_CASES``);
+* recompiles over 50 steps of varying batches (multi-hot lengths, uneven batch sizes,
+  VBE): at most ``MAX_RECOMPILES`` after the first compile;
+* a one-rank model with an offloaded table falls back to eager with one named graph
+  break (``fullgraph=True`` refuses it, naming the reason) and trains like eager; one fed
+  prefetched batches (``prefetch``, as ``TrainPipeline`` does) is traced whole and trains
+  like eager.
 
 One spawned world per world size runs every case.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -54,6 +62,12 @@ SEQUENCE_CASES = {
     1: {(1, kind): OPTIMIZERS[i % 2] for i, kind in enumerate(KINDS)},
     4: {(2, "table_wise"): "rowwise_adagrad", (2, "row_wise"): "rowwise_adagrad"},
 }
+# world size -> {(shard group size, kind): optimizers checked against eager} on VBE
+# batches only (the expansion is traced at W=1; every kind takes the same path there).
+VBE_CASES = {1: {(1, "table_wise"): ("rowwise_adagrad",), (1, "row_wise"): ("torch_sgd",)}}
+# world size -> the case of ``CASES`` whose second batch is a VBE batch of the same full
+# size (the expansion is in the eager input dist at W > 1: no extra compile, no extra run).
+VBE_IN_CASES = {4: (2, "row_wise", "rowwise_adagrad")}
 BUFFER_SHARDS = {1: 1, 4: 2}  # the dense-buffers model's mesh per world size
 TOLERANCE = 1e-5
 MAX_RECOMPILES = 2
@@ -68,8 +82,9 @@ def _spec(kind: str, i: int, shards: int):
             "column_wise": ColumnWise, "data_parallel": DataParallel}[kind]()  # fmt: skip
 
 
-def _sequence_model(kind: str, shards: int, optimizer: str):
-    """An ``EmbeddingCollection`` of 4 tables, each feature's rows through one MLP."""
+def _sequence_model(kind: str, shards: int, optimizer: str, cache_rows: int | None = None):
+    """An ``EmbeddingCollection`` of 4 tables, each feature's rows through one MLP;
+    ``cache_rows``: t0 offloaded behind a device cache of that many rows."""
     import torch
 
     import dtrec
@@ -89,12 +104,22 @@ def _sequence_model(kind: str, shards: int, optimizer: str):
     torch.manual_seed(0)
     fused = dtrec.optim.RowWiseAdagrad(lr=0.1) if optimizer == "rowwise_adagrad" else None
     plan = {f"ec.{t.name}": _spec(kind, i, shards) for i, t in enumerate(tables)}
+    if cache_rows is not None:
+        plan["ec.t0"] = dataclasses.replace(plan["ec.t0"], cache_rows=cache_rows)
     return dtrec.distribute_module(Model(), dtrec.init_mesh("cpu", shards), plan, optimizer=fused)
 
 
-def _model(kind: str, shards: int, optimizer: str, weighted: bool = False, buffers: bool = False):
+def _model(
+    kind: str,
+    shards: int,
+    optimizer: str,
+    weighted: bool = False,
+    buffers: bool = False,
+    cache_rows: int | None = None,
+):
     """Sum and mean pooled tables; all sum pooled when the batches are ``weighted``;
-    ``buffers``: a BatchNorm in the head (its buffers are broadcast from rank 0)."""
+    ``buffers``: a BatchNorm in the head (its buffers are broadcast from rank 0);
+    ``cache_rows``: t0 offloaded behind a device cache of that many rows."""
     import torch
 
     import dtrec
@@ -119,6 +144,8 @@ def _model(kind: str, shards: int, optimizer: str, weighted: bool = False, buffe
     torch.manual_seed(0)
     fused = dtrec.optim.RowWiseAdagrad(lr=0.1) if optimizer == "rowwise_adagrad" else None
     plan = {f"ebc.{t.name}": _spec(kind, i, shards) for i, t in enumerate(tables)}
+    if cache_rows is not None:
+        plan["ebc.t0"] = dataclasses.replace(plan["ebc.t0"], cache_rows=cache_rows)
     return dtrec.distribute_module(Model(), dtrec.init_mesh("cpu", shards), plan, optimizer=fused)
 
 
@@ -161,9 +188,12 @@ def _mark_dynamic(batches) -> None:
         for t in (kjt.values(), kjt.lengths(), kjt.weights_or_none()):
             if t is not None:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
+        if kjt.inverse_indices_or_none() is not None:
+            torch._dynamo.maybe_mark_dynamic(kjt.inverse_indices()[1], 1)
 
 
-def _train(model, step_fn, batches) -> dict:
+def _train(model, step_fn, batches, prefetch: bool = False) -> dict:
+    """``prefetch``: each batch's input dist started (``prefetch``) before its step."""
     import torch
 
     import dtrec
@@ -171,9 +201,18 @@ def _train(model, step_fn, batches) -> dict:
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     for kjt in batches:
         opt.zero_grad()
+        if prefetch:
+            model.ebc.prefetch(kjt)
         step_fn(kjt).backward()
         opt.step()
     return dtrec.checkpoint.full_state_dict(model)
+
+
+def _rel_error(eager: dict, compiled: dict) -> float:
+    return max(
+        ((eager[k] - compiled[k]).abs().max() / eager[k].abs().max().clamp_min(1e-12)).item()
+        for k in eager
+    )
 
 
 def _breaks(kind: str, shards: int, build=_model, scalars: bool = False) -> int:
@@ -196,13 +235,21 @@ def _max_rel_error(
     fullgraph: bool,
     build=_model,
     weighted: bool = False,
+    vbe: str = "",
 ) -> float:
+    """``vbe``: "all": variable batches per feature, full batch sizes 4 to 7 from step to
+    step; "middle": the second batch a VBE one of the others' full batch size."""
     import functools
 
     import torch
 
     gen = torch.Generator().manual_seed(rank)
-    batches = [_batch(gen, 5 + rank, weighted) for _ in range(3)]  # uneven over ranks
+    if vbe == "all":
+        batches = [_vbe_batch(gen, 4 + (rank + i) % 4) for i in range(3)]
+    else:
+        batches = [_batch(gen, 5 + rank, weighted) for _ in range(3)]  # uneven over ranks
+    if vbe == "middle":
+        batches[1] = _vbe_batch(gen, 5 + rank)
     _mark_dynamic(batches)
     if weighted:
         build = functools.partial(build, weighted=True)
@@ -211,10 +258,59 @@ def _max_rel_error(
     torch._dynamo.reset()
     model = build(kind, shards, optimizer)
     compiled = _train(model, torch.compile(model, fullgraph=fullgraph), batches)
-    return max(
-        ((eager[k] - compiled[k]).abs().max() / eager[k].abs().max().clamp_min(1e-12)).item()
-        for k in eager
+    return _rel_error(eager, compiled)
+
+
+def _fullgraph_refusal(model, kjt) -> str:
+    """The error of ``torch.compile(model, fullgraph=True)`` on ``kjt`` ("" if it traces)."""
+    import torch
+
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(model, fullgraph=True)(kjt)
+    except Exception as exc:  # noqa: BLE001 - its message is the result
+        return str(exc)
+    return ""
+
+
+def _eager_fallback(cause: str) -> dict:
+    """A one-rank model with t0 offloaded (``cause`` "offload": its forward eager under
+    compile) or every batch prefetched ("prefetch": traced). Its graph breaks (``explain``),
+    the error of ``fullgraph=True`` (it must name the reason; "" when it traces), and the
+    default compile's 3 steps against eager's."""
+    import functools
+
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    batches = [_batch(gen, 5) for _ in range(3)]
+    _mark_dynamic(batches)
+    build = functools.partial(
+        _model, "table_wise", 1, "rowwise_adagrad", cache_rows=16 if cause == "offload" else None
     )
+    prefetch = cause == "prefetch"
+    model = build()
+    eager = _train(model, model, batches, prefetch)
+    torch._dynamo.reset()
+    model = build()
+    if prefetch:
+        model.ebc.prefetch(batches[0])
+    breaks = torch._dynamo.explain(lambda k: model(k))(batches[0]).graph_break_count
+    model = build()
+    if prefetch:
+        model.ebc.prefetch(batches[0])
+    refused = _fullgraph_refusal(model, batches[0])
+    torch._dynamo.reset()
+    model = build()
+    compiled = _train(model, torch.compile(model), batches, prefetch)
+    stats = model.ebc.cache_stats()
+    return {
+        "breaks": breaks,
+        "refused": refused,
+        "error": _rel_error(eager, compiled),
+        "misses": sum(s["misses"] for s in stats.values()),
+    }
 
 
 def _recompiles(rank: int) -> int:
@@ -290,14 +386,22 @@ def _world_cases(rank: int, world: int) -> dict:
     for (shards, kind), optimizers in CASES[world].items():
         out["breaks", shards, kind] = _breaks(kind, shards)
         for optimizer in optimizers:
+            vbe = "middle" if (shards, kind, optimizer) == VBE_IN_CASES.get(world) else ""
             out["error", shards, kind, optimizer] = _max_rel_error(
-                kind, shards, optimizer, rank, world == 1
+                kind, shards, optimizer, rank, world == 1, vbe=vbe
             )
+            if vbe:
+                out["vbe_error", shards, kind, optimizer] = out["error", shards, kind, optimizer]
     for (shards, kind), optimizer in SEQUENCE_CASES[world].items():
         out["seq_breaks", shards, kind] = _breaks(kind, shards, _sequence_model, world == 1)
         out["seq_error", shards, kind] = _max_rel_error(
             kind, shards, optimizer, rank, world == 1, _sequence_model
         )
+    for (shards, kind), optimizers in VBE_CASES.get(world, {}).items():
+        for optimizer in optimizers:
+            out["vbe_error", shards, kind, optimizer] = _max_rel_error(
+                kind, shards, optimizer, rank, world == 1, vbe="all"
+            )
     shards = BUFFER_SHARDS[world]
     with_buffers = functools.partial(_model, buffers=True)
     out["buffers_breaks"] = _breaks("table_wise", shards, with_buffers)
@@ -312,6 +416,12 @@ def _world_cases(rank: int, world: int) -> dict:
             )
         out["bad_id"] = _bad_id_error()
         out["seq_bad_id"] = _bad_id_error(_sequence_model)
+        for cause in ("offload", "prefetch"):
+            out["fallback", cause] = _eager_fallback(cause)
+        sequence = _sequence_model("table_wise", 1, "rowwise_adagrad", cache_rows=16)
+        out["seq_offload_refused"] = _fullgraph_refusal(
+            sequence, _batch(torch.Generator().manual_seed(0), 4)
+        )
     torch._dynamo.reset()
     return out
 
@@ -394,3 +504,32 @@ def test_dense_buffers_breaks_within_budget_and_train_like_eager(one_rank, four_
     for rank, got in enumerate(_results(one_rank, four_ranks, world)):
         assert got["buffers_breaks"] <= BREAK_BUDGET[world], rank
         assert got["buffers_error"] <= TOLERANCE, rank
+
+
+VBE_PARAMS = [
+    (world, *case, opt) for world, cases in VBE_CASES.items() for case, opts in cases.items()
+    for opt in opts
+] + [(world, *case) for world, case in VBE_IN_CASES.items()]  # fmt: skip
+
+
+@pytest.mark.parametrize("world,shards,kind,optimizer", VBE_PARAMS)
+def test_variable_batches_compiled_train_like_eager(
+    one_rank, four_ranks, world, shards, kind, optimizer
+) -> None:
+    for rank, got in enumerate(_results(one_rank, four_ranks, world)):
+        assert got["vbe_error", shards, kind, optimizer] <= TOLERANCE, rank
+
+
+def test_one_rank_offloaded_table_falls_back_with_one_named_break(one_rank) -> None:
+    from dtrec.sharded.collection import OFFLOADED_STEP
+
+    got = one_rank["fallback", "offload"]
+    assert got["breaks"] == 1 and OFFLOADED_STEP in got["refused"]
+    assert got["error"] <= TOLERANCE and got["misses"] > 0  # read through its cache
+    assert OFFLOADED_STEP in one_rank["seq_offload_refused"]  # sequence tables alike
+
+
+def test_one_rank_prefetched_batches_trace_whole_and_train_like_eager(one_rank) -> None:
+    got = one_rank["fallback", "prefetch"]
+    assert got["breaks"] == BREAK_BUDGET[1] and got["refused"] == ""
+    assert got["error"] <= TOLERANCE
