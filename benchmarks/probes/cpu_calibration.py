@@ -128,6 +128,9 @@ def _one_width(ids: list[Tensor], dim: int, gen: torch.Generator, repeats: int) 
     def one_pass_fbgemm() -> None:
         fbgemm.backward_update(lookup, grad, rule.step_rule(), states)
 
+    def one_pass_torch() -> bool:  # dtrec.kernels.cpu's fused pass, where it is built
+        return TorchBackend().backward_update(lookup, grad, rule.step_rule(), states)
+
     with torch.no_grad():
         forward()
         t_forward = _median_s(forward, repeats)
@@ -138,7 +141,10 @@ def _one_width(ids: list[Tensor], dim: int, gen: torch.Generator, repeats: int) 
         except Exception:  # fbgemm does not load here: dtrec runs torch's path
             served = False
         t_fbgemm = _median_s(one_pass_fbgemm, repeats) if served else float("inf")
-    t_one_pass = t_fbgemm if t_fbgemm * MARGIN < t_synced else t_synced
+        t_torch = _median_s(one_pass_torch, repeats) if one_pass_torch() else t_synced
+    # what "auto" runs for a table no sync touches (dtrec/optim/cpu_choice.py): fbgemm's
+    # pass where it is MARGIN faster, else the torch backend's (C kernels, or row grads)
+    t_one_pass = t_fbgemm if t_fbgemm * MARGIN < t_torch else t_torch
     n_ids = values.numel()
     touched = sum(int(torch.unique(i).numel()) for i in ids)
     return {
