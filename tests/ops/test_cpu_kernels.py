@@ -104,6 +104,19 @@ def test_row_sq_sums_and_the_updates_match_torch(torch_only) -> None:
     assert torch.equal(w_s, weight.index_add(0, rows, sgd_step(grads, 0.1)))
     assert not cpu.sgd_(weight.double(), rows, grads.double(), 0.1)  # declined: not fp32
 
+    # a row past the table: IndexError before any write, as index_add_ raises
+    past, before = rows.clone(), w_c.clone()
+    past[-1] = 300
+    with pytest.raises(IndexError, match="outside"):
+        cpu.rowwise_adagrad_(w_c, acc_c, past, grads, sq, 32, 0.1, 1e-8)
+    with pytest.raises(IndexError, match="outside"):
+        cpu.sgd_(w_c, past, grads, 0.1)
+    assert torch.equal(w_c, before)
+    # sizes that do not match: declined (torch's path reports them)
+    assert not cpu.sgd_(w_c, rows[:-1], grads, 0.1)
+    assert not cpu.rowwise_adagrad_(w_c, acc_c[:-1], rows, grads, sq, 32, 0.1, 1e-8)
+    assert not cpu.rowwise_adagrad_(w_c, acc_c, rows, grads, sq[:-1], 32, 0.1, 1e-8)
+
     torch_only()
     assert not cpu.available() and cpu.row_sq_sums(grads) is None
     assert not cpu.rowwise_adagrad_(w_c, acc_c, rows, grads, sq, 32, 0.1, 1e-8)

@@ -205,8 +205,15 @@ def _update_ok(weight: Tensor, rows: Tensor, grads: Tensor) -> bool:
         and _rows_ok(grads)
         and rows.dtype == torch.int64
         and rows.device.type == "cpu"
-        and grads.shape[1] == weight.shape[1]
+        and rows.dim() == 1
+        and grads.shape == (rows.numel(), weight.shape[1])
     )
+
+
+def _check_rows(rows: Tensor, weight: Tensor) -> None:
+    """IndexError for a row outside ``weight`` (as ``index_add_`` raises), before any write."""
+    if not _library().dtrec_indices_within(_ptr(rows), rows.numel(), weight.shape[0]):
+        raise IndexError(f"a row to update lies outside [0, {weight.shape[0]})")
 
 
 def rowwise_adagrad_(
@@ -220,16 +227,22 @@ def rowwise_adagrad_(
     eps: float,
 ) -> bool:
     """Exact row-wise Adagrad on the distinct ``rows`` of ``weight`` and ``acc``, in place;
-    bitwise ``dtrec.kernels.update_math.rowwise_adagrad_step`` added by ``index_add_``
-    for the same ``row_sq_sum``. False (nothing changed) where not served."""
+    ``dtrec.kernels.update_math.rowwise_adagrad_step`` added by ``index_add_`` for the same
+    ``row_sq_sum``, within an ulp (torch's vectorised ``sqrt`` is not always correctly
+    rounded). False (nothing changed) where not served."""
     if (
         not _update_ok(weight, rows, grads)
         or acc.dtype != torch.float32
         or not acc.is_contiguous()
-        or (row_sq_sum is not None and row_sq_sum.dtype != torch.float32)
+        or acc.numel() != weight.shape[0]
+        or (
+            row_sq_sum is not None
+            and (row_sq_sum.dtype != torch.float32 or row_sq_sum.numel() != rows.numel())
+        )
     ):
         return False
     rows, grads = rows.contiguous(), grads.contiguous()
+    _check_rows(rows, weight)
     sq = None if row_sq_sum is None else row_sq_sum.contiguous()
     _library().dtrec_rowwise_adagrad(
         _ptr(weight), weight.stride(0), _ptr(acc), _ptr(rows), rows.numel(), _ptr(grads),
@@ -243,6 +256,7 @@ def sgd_(weight: Tensor, rows: Tensor, grads: Tensor, lr: float) -> bool:
     if not _update_ok(weight, rows, grads):
         return False
     rows, grads = rows.contiguous(), grads.contiguous()
+    _check_rows(rows, weight)
     _library().dtrec_sgd(
         _ptr(weight), weight.stride(0), _ptr(rows), rows.numel(), _ptr(grads), grads.shape[1], lr
     )
