@@ -10,18 +10,23 @@ the group's slot count C): no ``.item()``, ``nonzero`` or data-sized outputs.
 Layout. Table k (offloaded tables in collection order) has ``rows[k]`` host rows and
 ``caps[k]`` cache slots. Its rows are the group's rows ``row_base[k] + row`` (plus one
 scratch entry after them, ``RowCache``'s), its slots the group's slots ``slot_base[k] +
-slot``. ``slot_of``/``row_of``/``last_used``/``dirty``/``pins`` are the group's; each
-``RowCache`` holds views of its part, with the table's own (local) slot and row numbers,
-so per-table code (flush, the synced update's row mapping) reads them as before. Each
+slot``: first those of the tables that evict (LRU tables), then those of the tables whose
+cache holds every row (direct tables: row r lives in slot r, so they never evict).
+``slot_of``/``row_of``/``last_used``/``dirty``/``pins`` are the group's; each ``RowCache``
+holds views of its part, with the table's own (local) slot and row numbers, so per-table
+code (flush, the synced update's row mapping) reads them as before. Each
 bookkeeping tensor has one more entry at its end: the target of the padded writes of
 positions that write nothing (``_DUMMY``), never read back.
 
 A fill (``plan`` then ``apply``): per id, its table (from the runs' lengths, on the
 device), its group row, its slot now. A stable sort of the ids' group rows finds the
-distinct rows; the missing ones of table k take, in order, table k's slots sorted by
+distinct rows. The missing ones of an LRU table take, in order, its slots sorted by
 (empty first, then least recently used; slots pinned by a batch in flight or hit by this
-one last): one sort of all C slots by (table, class, last use) serves every table. A
-table whose distinct missing rows outnumber its free slots overflows (``Plan.over``).
+one last): one sort of the LRU tables' slots by (table, class, last use) serves them all.
+A missing row of a direct table takes its own slot, which is empty: no sort and no pass
+over a direct table's slots (a sort of every slot was 75 ms of a 145 ms CPU step with
+every table cached whole, issue 31). An LRU table whose distinct missing rows outnumber
+its free slots overflows (``Plan.over``).
 Duplicated ids get the same rank, so the same slot, and write the same values.
 
 Copies (``move``): per tier (the weight, each per-row optimizer state entry), one gather
@@ -85,7 +90,8 @@ class Plan:
     avail: Tensor
     distinct: Tensor
     """Per table: distinct missing rows, free slots, distinct rows of the batch."""
-    slots_by_age: Tensor
+    slots_by_age: Tensor | None
+    """The LRU tables' slots sorted by (table, class, last use); None: no LRU table."""
 
     @property
     def over(self) -> Tensor:
@@ -118,10 +124,17 @@ class CacheGroup:
         row_base = [0]
         for r in rows:
             row_base.append(row_base[-1] + r + 1)
-        slot_base = [0]
-        for c in caps:
-            slot_base.append(slot_base[-1] + c)
-        self.num_slots = slots = slot_base[-1]
+        self.full = [k for k, c in enumerate(caches_k) if 0 < c.num_rows <= c.capacity]
+        """Direct tables (their cache has a slot for every row): ``prefill`` caches them
+        whole, row r in slot r, and they never evict."""
+        lru = [k for k in range(len(caches_k)) if k not in self.full]
+        slot_base = [0] * (len(caps) + 1)
+        at = 0
+        for k in lru + self.full:
+            slot_base[k], at = at, at + caps[k]
+        self.num_slots = slot_base[-1] = slots = at
+        self.lru_slots = sum(caps[k] for k in lru)
+        """The LRU tables' slots are the group's ``[0, lru_slots)``."""
         self.sentinel = row_base[-1]
         """The group row of ids that are not an offloaded table's row (slot_of: -1)."""
         self.slot_of = torch.full((self.sentinel + 1,), -1, dtype=torch.int32, device=device)
@@ -131,25 +144,24 @@ class CacheGroup:
         self.pins = torch.zeros(slots + 1, dtype=torch.int32, device=device)
         self.counts = torch.zeros(3, len(caches_k) + 1, dtype=torch.int64, device=device)
         """Per table: distinct rows looked up, misses, rows written back (last: dummy)."""
-        self.slot_table = torch.tensor(
-            [k for k, c in enumerate(caps) for _ in range(c)] + [len(caps)], device=device
-        )
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+        self.lru_table = torch.repeat_interleave(as_tensor(lru), as_tensor([caps[k] for k in lru]))
+        """Per LRU slot: its table."""
+        direct = [k in self.full for k in range(len(caps))]
+        self.direct = torch.tensor(direct + [False], device=device)
         k_of = [-1] * num_tables
         for k, t in enumerate(self.tables):
             k_of[t] = k
         self._k_of_table = k_of
-        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
         self.rows, self.caps = as_tensor(rows + [0]), as_tensor(caps + [0])
         self.row_base, self.slot_base = as_tensor(row_base), as_tensor(slot_base)
         self._runs: dict[tuple[int, ...], Tensor] = {}
         self._tick = 0
         for k, cache in enumerate(caches_k):
-            r, s = slice(row_base[k], row_base[k + 1]), slice(slot_base[k], slot_base[k + 1])
+            r, s = slice(row_base[k], row_base[k + 1]), slice(slot_base[k], slot_base[k] + caps[k])
             cache.bind(self, k, self.slot_of[r], self.row_of[s], self.last_used[s],
                        self.dirty[s], self.pins[s])  # fmt: skip
         self._caches = caches_k
-        self.full = [k for k, c in enumerate(caches_k) if 0 < c.num_rows <= c.capacity]
-        """Tables whose cache has a slot for every row: ``prefill`` caches them whole."""
         self.prefill_due = bool(self.full)
         """Whether the full caches are empty (at first, after a flush that kept no pins)."""
         self.tiers = [_tier(caches_k, lambda c: (c.weight, c.host), device)]
@@ -213,11 +225,17 @@ class CacheGroup:
         need = torch.zeros(tables, dtype=torch.int64, device=device)
         need.index_add_(0, k_sorted, new.long())
         distinct = torch.zeros_like(need).index_add_(0, k_sorted, first.long())
-        busy = (self.pins > 0).index_fill_(0, hit_slot, True)[:-1]
-        klass = torch.where(busy, 2, (self.row_of[:-1] >= 0).long())
-        key = (self.slot_table[:-1] << _TABLE_SHIFT) | (klass << _CLASS_SHIFT) | self.last_used[:-1]
-        slots_by_age = torch.sort(key, stable=True).indices
-        avail = torch.zeros_like(need).index_add_(0, self.slot_table[:-1], (klass < 2).long())
+        slots_by_age, avail = None, self.caps.clone()  # a direct table has a slot per row
+        if self.lru_slots:
+            lru = self.lru_slots
+            busy = torch.zeros(lru + 1, dtype=torch.bool, device=device)
+            torch.gt(self.pins[:lru], 0, out=busy[:lru])
+            busy = busy.index_fill_(0, hit_slot.clamp(max=lru), True)[:lru]
+            klass = torch.where(busy, 2, (self.row_of[:lru] >= 0).long())
+            key = (self.lru_table << _TABLE_SHIFT) | (klass << _CLASS_SHIFT) | self.last_used[:lru]
+            slots_by_age = torch.sort(key, stable=True).indices
+            free = torch.zeros_like(need).index_add_(0, self.lru_table, (klass < 2).long())
+            avail = torch.where(self.direct, avail, free)
         return Plan(ids, id_dtype, k, offloaded, valid, row, hit, hit_slot, order, first, new, need,
                     avail, distinct, slots_by_age)  # fmt: skip
 
@@ -229,23 +247,25 @@ class CacheGroup:
         self._tick += 1
         k, order = plan.k, plan.order
         k_sorted = k.index_select(0, order)
-        need_before = plan.need.cumsum(0) - plan.need
-        rank = plan.new.long().cumsum(0) - 1 - need_before.index_select(0, k_sorted)
-        at = (self.slot_base.index_select(0, k_sorted) + rank).clamp(0, max(self.num_slots - 1, 0))
-        victim_sorted = (
-            plan.slots_by_age.index_select(0, at) if self.num_slots else torch.zeros_like(at)
-        )
-        victim = torch.empty_like(victim_sorted).index_copy_(0, order, victim_sorted)
+        base = self.slot_base.index_select(0, k)
+        victim = base + plan.row  # a direct table's slot for the row
+        if plan.slots_by_age is not None:
+            need_before = plan.need.cumsum(0) - plan.need
+            rank = plan.new.long().cumsum(0) - 1 - need_before.index_select(0, k_sorted)
+            at = (self.slot_base.index_select(0, k_sorted) + rank).clamp(0, self.lru_slots - 1)
+            lru_sorted = plan.slots_by_age.index_select(0, at)
+            lru_victim = torch.empty_like(lru_sorted).index_copy_(0, order, lru_sorted)
+            victim = torch.where(self.direct.index_select(0, k), victim, lru_victim)
         assign = plan.valid & plan.hit.logical_not()
         if fits is not None:
             assign &= fits
         target = torch.where(assign, victim, self.dummy)
         old = self.row_of.index_select(0, target)
         written = self.dirty.index_select(0, target) & (old >= 0)
-        base = self.row_base.index_select(0, k)
-        self.slot_of.index_fill_(0, torch.where(old >= 0, base + old, self.sentinel), -1)
-        new_row = torch.where(assign, base + plan.row, self.sentinel)
-        local_slot = target - self.slot_base.index_select(0, k)
+        row_base = self.row_base.index_select(0, k)
+        self.slot_of.index_fill_(0, torch.where(old >= 0, row_base + old, self.sentinel), -1)
+        new_row = torch.where(assign, row_base + plan.row, self.sentinel)
+        local_slot = target - base
         self.slot_of.index_copy_(0, new_row, torch.where(assign, local_slot, -1).int())
         self.row_of.index_copy_(0, target, torch.where(assign, plan.row, -1))
         self.dirty.index_fill_(0, target, False)
@@ -257,7 +277,7 @@ class CacheGroup:
         counted = torch.stack([firsts, plan.new.long() * firsts, evicted])
         self.counts.index_add_(1, k_sorted, counted)
         caps = self.caps.index_select(0, k)
-        reads = torch.where(plan.hit | assign, touched - self.slot_base.index_select(0, k), caps)
+        reads = torch.where(plan.hit | assign, touched - base, caps)
         slot_ids = torch.where(plan.offloaded, reads, plan.ids).to(plan.id_dtype)
         moves = (assign, written, k, local_slot, old, plan.row)
         return Fill(slot_ids, touched, moves)
