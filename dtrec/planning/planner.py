@@ -10,8 +10,15 @@ search, deterministic so every rank computes the same plan:
    also set the table's pooling factor);
 2. greedy: tables from the largest, each takes the candidate that keeps the slowest
    position fastest (then the fullest least full) within every position's memory budget;
-3. local search: revisit every table, move it to a better candidate while the plan's
-   slowest position gets faster; stops when a full pass changes nothing.
+3. whole plans: the greedy plan and one plan per type (every table table-wise, placed
+   greedily; all row-wise; all column-wise; all data-parallel), where each fits, compared
+   by ``plan_step``: their slowest position plus ``Topology.collective_latency`` per
+   collective call, so on a fabric where calls are dear the plan with fewer of them wins
+   (``PlanCandidate``, shown by ``explain``);
+4. local search on the best of them: revisit every table, move it to a better candidate
+   while the plan's slowest position gets faster (bytes only, as the greedy step: a table
+   alone does not own its calls); stops when a full pass changes nothing, and is undone
+   if the moves cost more in calls than they saved.
 
 A table no candidate fits raises ValueError naming it and the bytes missing, unless
 ``Topology.host_memory_per_rank`` offers a second tier: then the device keeps what fits
@@ -54,8 +61,16 @@ from dtrec.planning.cost_model import (
 )
 from dtrec.planning.offload import ids_per_byte, offloaded_spec
 from dtrec.planning.offload_plan import DeviceFull, offload_tables
+from dtrec.planning.plan_step import PlanStep, plan_step
 
 MAX_PASSES = 8
+SEED_TYPES: dict[str, type] = {
+    "table_wise": TableWise,
+    "row_wise": RowWise,
+    "column_wise": ColumnWise,
+    "data_parallel": DataParallel,
+}
+"""The one-type plans the search compares with its greedy plan, by name."""
 
 
 def candidates(
@@ -176,20 +191,85 @@ class Search:
                 return
 
 
-def _uniform_seed(
-    options: dict[str, list[tuple[TableSpec, TableCost]]], kind: type, search: Search
+@dataclass(frozen=True)
+class PlanCandidate:
+    """One whole plan the search compared, and its predicted step (``plan_step``)."""
+
+    name: str
+    """"greedy", a ``SEED_TYPES`` name, or either with " + local search"."""
+    step: PlanStep
+    total: float
+    """Seconds summed over positions (the tie-break after ``step``)."""
+    memory: float
+    """Bytes on the fullest position (the last tie-break)."""
+    chosen: bool = False
+
+    @property
+    def key(self) -> tuple[float, float, float]:
+        """What ranks plans: lower is faster."""
+        return self.step.step, self.total, self.memory
+
+
+def _seed_of_type(
+    options: dict[str, list[tuple[TableSpec, TableCost]]],
+    order: list[str],
+    kind: type,
+    search: Search,
 ) -> dict[str, Choice] | None:
-    """Every table as ``kind`` (e.g. all row-wise), if each has it and it fits."""
-    totals = PositionTotals.zeros(search.axis.size)
+    """Every table as ``kind`` (e.g. all row-wise; table-wise ones placed greedily, largest
+    first), in ``search`` (empty); None if a table lacks the type or it does not fit."""
+    limited = {k: [(s, c) for s, c in options[k] if type(s) is kind] for k in order}
+    if not all(limited.values()):
+        return None
+    axis, topology = search.axis, search.topology
+    least = {k: min(work(c, axis, topology) for _, c in v) for k, v in limited.items()}
+    search.remaining = sum(least.values())
     chosen = {}
-    for key, costs in options.items():
-        match = [(s, c) for s, c in costs if type(s) is kind]
-        if len(match) != 1:
+    for key in order:
+        search.remaining -= least[key]
+        picked = search.best(limited[key])
+        if picked is None:
             return None
-        totals.add(match[0][1])
-        chosen[key] = Choice(match[0][0], costs)
-    fits = np.all(totals.memory <= search.budget)
-    return chosen if fits and np.all(totals.host_memory <= search.host_budget) else None
+        search.totals.add(picked[1])
+        chosen[key] = Choice(picked[0], options[key])
+    search.remaining = 0.0
+    return chosen
+
+
+class _PlanSteps:
+    """``plan_step`` of whole plans of the search's (bytes-only) costs: which collective
+    kinds a table sends is priced once per table and spec shape (a table-wise table sends
+    the same kinds from any position), so comparing plans costs no new per-table search."""
+
+    def __init__(
+        self,
+        tables: Mapping[str, EmbeddingBagConfig],
+        own: Mapping[str, Topology],
+        axis: ShardAxis,
+        topology: Topology,
+    ) -> None:
+        self.tables, self.own, self.axis, self.topology = tables, own, axis, topology
+        self._kinds: dict[tuple[str, object], dict[str, np.ndarray] | None] = {}
+
+    def candidate(self, name: str, chosen: Mapping[str, Choice]) -> PlanCandidate:
+        costs = []
+        for key, choice in chosen.items():
+            spec = choice.spec
+            shape = type(spec) if isinstance(spec, (TableWise, TableRowWise)) else spec
+            if (key, shape) not in self._kinds:
+                cost = table_cost(self.tables[key], spec, self.axis, self.own[key])
+                self._kinds[key, shape] = cost.comm
+            priced = TableCost(self.axis.size, with_comm=False)
+            priced.stack, priced.comm = choice.cost.stack, self._kinds[key, shape]
+            costs.append(priced)
+        stack = sum(c.stack for c in costs)
+        time = step_time(stack, self.axis, self.topology)
+        return PlanCandidate(
+            name,
+            plan_step(costs, self.axis, self.topology),
+            float(time.sum()),
+            float(stack[0].max()),
+        )
 
 
 def _costs(
@@ -221,18 +301,21 @@ def plan_tables(
     axis: ShardAxis,
     constraints: Mapping[str, TableSpec | TableConstraint] | None = None,
     topology: Topology | None = None,
+    compared: list[PlanCandidate] | None = None,
 ) -> tuple[dict[str, Choice], PositionTotals]:
     """Choose a spec per table FQN (see the module doc); the choices and their totals.
 
-    Starts from the greedy plan or, when one scores better, from a plan of one type
-    for every table (all row-wise, all column-wise, all data-parallel), then improves
-    it by local search. When tables do not fit the device budget and the topology has
-    host memory, offloads some (``offload_tables``).
+    Starts from whichever whole plan ``plan_step`` predicts fastest on ``topology`` (the
+    greedy plan, or one type for every table: the planner picks what its step model
+    says runs fastest, collective calls included), then improves it by local search.
+    When tables do not fit the device budget and the topology has host memory, offloads
+    some (``offload_tables``). ``compared``: filled with the whole plans compared
+    (``PlanCandidate``, fastest first), for ``explain``.
     """
     topology = topology or Topology()
     constraints = dict(constraints or {})
     try:
-        return search_plan(tables, axis, constraints, topology)
+        return search_plan(tables, axis, constraints, topology, compared=compared)
     except DeviceFull as exc:
         if topology.host_budget <= 0:
             raise ValueError(str(exc)) from None
@@ -242,7 +325,7 @@ def plan_tables(
         axis,
         topology,
         order,
-        lambda offloaded: search_plan(tables, axis, constraints, topology, offloaded),
+        lambda offloaded: search_plan(tables, axis, constraints, topology, offloaded, compared),
     )
 
 
@@ -252,14 +335,17 @@ def search_plan(
     constraints: Mapping[str, TableSpec | TableConstraint],
     topology: Topology,
     offloaded: Mapping[str, float] | None = None,
+    compared: list[PlanCandidate] | None = None,
 ) -> tuple[dict[str, Choice], PositionTotals]:
     """The search of ``plan_tables`` with the tables in ``offloaded`` behind caches of
     that fraction of their rows (their candidates: each sharding type, offloaded);
-    DeviceFull when a table fits no candidate."""
+    DeviceFull when a table fits no candidate. ``compared``: filled with the whole plans
+    compared, fastest first, the chosen one marked."""
     offloaded = offloaded or {}
     search = Search(axis, topology)
     options: dict[str, list[tuple[TableSpec, TableCost]]] = {}
     least: dict[str, float] = {}
+    own_topologies: dict[str, Topology] = {}
     for key, cfg in tables.items():
         constraint = constraints.get(key)
         specs = candidates(cfg, axis, constraint)
@@ -276,6 +362,7 @@ def search_plan(
             moved = (offloaded_spec(s, cfg, axis, own, offloaded[key], ids) for s in specs)
             specs = [s for s in moved if s is not None]
         options[key] = _costs(cfg, specs, axis, own)
+        own_topologies[key] = own
         least[key] = min(work(c, axis, topology) for _, c in options[key])
     order = sorted(tables, key=lambda k: (-tables[k].num_embeddings * tables[k].embedding_dim, k))
     search.remaining = sum(least.values())
@@ -306,17 +393,30 @@ def search_plan(
         search.totals.add(picked[1])
         chosen[key] = Choice(picked[0], options[key])
     search.remaining = 0.0
-    best_score = search.score()
-    for kind in (RowWise, ColumnWise, DataParallel):
-        seed = _uniform_seed(options, kind, search)
-        if seed is None:
-            continue
+    steps = _PlanSteps(tables, own_topologies, axis, topology)
+    seeds = [(steps.candidate("greedy", chosen), chosen, search)]
+    for name, kind in SEED_TYPES.items():
         trial = Search(axis, topology)
-        for choice in seed.values():
-            trial.totals.add(choice.cost)
-        if trial.score() < best_score:
-            chosen, search, best_score = seed, trial, trial.score()
+        seed = _seed_of_type(options, order, kind, trial)
+        if seed is not None:
+            seeds.append((steps.candidate(name, seed), seed, trial))
+    # The fastest whole plan; on equal keys the earlier (greedy first), as min() does.
+    best, chosen, search = min(seeds, key=lambda s: s[0].key)
+    before = {key: choice.spec for key, choice in chosen.items()}
+    stack = search.totals.stack.copy()
     search.improve(chosen, order)
+    improved = steps.candidate(f"{best.name} + local search", chosen)
+    if improved.key > best.key:  # the moves saved bytes but added dearer calls: undo them
+        for key, spec in before.items():
+            chosen[key].spec = spec
+        search.totals.stack = stack
+    if compared is not None:
+        ranked = [c for c, _, _ in seeds]
+        if any(chosen[key].spec != spec for key, spec in before.items()):
+            ranked.append(improved)
+        pick = ranked[-1] if ranked[-1] is improved else best
+        ranked = [replace(c, chosen=c is pick) for c in ranked]
+        compared[:] = sorted(ranked, key=lambda c: c.key)
     return {key: chosen[key] for key in tables}, search.totals
 
 
