@@ -61,7 +61,7 @@ from dtrec.planning.cost_model import (
 )
 from dtrec.planning.offload import ids_per_byte, offloaded_spec
 from dtrec.planning.offload_plan import DeviceFull, offload_tables
-from dtrec.planning.plan_step import PlanStep, plan_step
+from dtrec.planning.plan_step import PlanCandidate, PlanSteps
 
 MAX_PASSES = 8
 SEED_TYPES: dict[str, type] = {
@@ -191,25 +191,6 @@ class Search:
                 return
 
 
-@dataclass(frozen=True)
-class PlanCandidate:
-    """One whole plan the search compared, and its predicted step (``plan_step``)."""
-
-    name: str
-    """"greedy", a ``SEED_TYPES`` name, or either with " + local search"."""
-    step: PlanStep
-    total: float
-    """Seconds summed over positions (the tie-break after ``step``)."""
-    memory: float
-    """Bytes on the fullest position (the last tie-break)."""
-    chosen: bool = False
-
-    @property
-    def key(self) -> tuple[float, float, float]:
-        """What ranks plans: lower is faster."""
-        return self.step.step, self.total, self.memory
-
-
 def _seed_of_type(
     options: dict[str, list[tuple[TableSpec, TableCost]]],
     order: list[str],
@@ -234,42 +215,6 @@ def _seed_of_type(
         chosen[key] = Choice(picked[0], options[key])
     search.remaining = 0.0
     return chosen
-
-
-class _PlanSteps:
-    """``plan_step`` of whole plans of the search's (bytes-only) costs: which collective
-    kinds a table sends is priced once per table and spec shape (a table-wise table sends
-    the same kinds from any position), so comparing plans costs no new per-table search."""
-
-    def __init__(
-        self,
-        tables: Mapping[str, EmbeddingBagConfig],
-        own: Mapping[str, Topology],
-        axis: ShardAxis,
-        topology: Topology,
-    ) -> None:
-        self.tables, self.own, self.axis, self.topology = tables, own, axis, topology
-        self._kinds: dict[tuple[str, object], dict[str, np.ndarray] | None] = {}
-
-    def candidate(self, name: str, chosen: Mapping[str, Choice]) -> PlanCandidate:
-        costs = []
-        for key, choice in chosen.items():
-            spec = choice.spec
-            shape = type(spec) if isinstance(spec, (TableWise, TableRowWise)) else spec
-            if (key, shape) not in self._kinds:
-                cost = table_cost(self.tables[key], spec, self.axis, self.own[key])
-                self._kinds[key, shape] = cost.comm
-            priced = TableCost(self.axis.size, with_comm=False)
-            priced.stack, priced.comm = choice.cost.stack, self._kinds[key, shape]
-            costs.append(priced)
-        stack = sum(c.stack for c in costs)
-        time = step_time(stack, self.axis, self.topology)
-        return PlanCandidate(
-            name,
-            plan_step(costs, self.axis, self.topology),
-            float(time.sum()),
-            float(stack[0].max()),
-        )
 
 
 def _costs(
@@ -393,7 +338,7 @@ def search_plan(
         search.totals.add(picked[1])
         chosen[key] = Choice(picked[0], options[key])
     search.remaining = 0.0
-    steps = _PlanSteps(tables, own_topologies, axis, topology)
+    steps = PlanSteps(tables, own_topologies, axis, topology)
     seeds = [(steps.candidate("greedy", chosen), chosen, search)]
     for name, kind in SEED_TYPES.items():
         trial = Search(axis, topology)
