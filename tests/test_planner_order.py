@@ -212,3 +212,46 @@ def test_explain_lists_the_compared_plans_and_stars_the_pick(committed) -> None:
     starred = [r for r in rows if r.lstrip().startswith("*")]
     assert len(starred) == 1 and "% comm" in starred[0] and "calls" in starred[0]
     assert float(starred[0].split()[2]) == pytest.approx(step, rel=1e-3)
+
+
+def test_local_search_does_not_buy_bytes_with_dearer_calls() -> None:
+    """On a 2D mesh (S=2 x R=2), two tables: by bytes alone row-wise wins; at 1 ms per call
+    all data-parallel (3 calls, against 7) does, and the bytes-only local search from it
+    (which would move a table back to a sharded spec, adding its input and output dists
+    and a replica sync) is undone: the plan stays all data-parallel."""
+    tables = {"t0": EmbeddingBagConfig("t0", 17_690, 8, ["f0"]),
+              "t1": EmbeddingBagConfig("t1", 496_301, 16, ["f1"])}  # fmt: skip
+    axis = ShardAxis(2, 2, None)
+    picks, chosen = {}, {}
+    for latency in (0.0, 1e-3):
+        topology = Topology.cpu(
+            collective_latency=latency, batch_size_per_rank=512, default_pooling_factor=10.0
+        )
+        compared: list[PlanCandidate] = []
+        choices, _ = plan_tables(tables, axis, topology=topology, compared=compared)
+        picks[latency] = {type(c.spec) for c in choices.values()}
+        chosen[latency] = next(c for c in compared if c.chosen)
+    assert picks[0.0] == {RowWise} and picks[1e-3] == {DataParallel}
+    assert chosen[1e-3].name == "data_parallel" and chosen[1e-3].step.calls == 3
+    assert chosen[0.0].step.calls > 3
+
+
+def test_a_printed_plan_lists_the_compared_plans(committed) -> None:
+    """``print(dtrec.plan(...))``: the report ends with the whole plans compared."""
+    from dtrec.planning.plan import _plan_on
+
+    w, calibration, _ = committed
+    tables, topology = _planner_inputs(w, calibration)
+    report = _plan_on(tables, ShardAxis(4, 1, None), {}, topology).report
+    assert report is not None and report.compared
+    text = str(report).splitlines()
+    start = next(i for i, line in enumerate(text) if line.startswith("candidate plans"))
+    rows = text[start + 1 :]
+    assert len(rows) == len(report.compared)
+    assert sum(r.lstrip().startswith("*") for r in rows) == 1
+
+
+def test_compare_shard_group_sizes_refuses_a_size_that_does_not_divide_the_world() -> None:
+    tables = {"t0": EmbeddingBagConfig("t0", 100, 8, ["f0"])}
+    with pytest.raises(ValueError, match="shard group size 3"):
+        compare_shard_group_sizes(tables, 4, (4, 3), Topology.cpu())
