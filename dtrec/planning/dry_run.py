@@ -23,6 +23,7 @@ from dtrec.modules.embedding import EmbeddingConfig
 from dtrec.placements.mesh import init_mesh, shard_axis
 from dtrec.planning.explain import describe_qcomms, explain
 from dtrec.planning.plan import ShardingPlan
+from dtrec.planning.plan_step import PlanCandidate
 from dtrec.planning.planner import plan_tables
 from dtrec.planning.topology import Topology
 
@@ -139,7 +140,8 @@ def dry_run(
     mesh_s = time.perf_counter() - started
     named = {cfg.name: cfg for cfg in tables}
     started = time.perf_counter()
-    choices, sums = plan_tables(named, axis, None, topology)
+    compared: list[PlanCandidate] = []
+    choices, sums = plan_tables(named, axis, None, topology, compared)
     plan_s = time.perf_counter() - started
     blocks = {key: len(c.spec.layout(named[key], axis).blocks) for key, c in choices.items()}
     time_per_position = sums.time(axis, topology)
@@ -160,7 +162,10 @@ def dry_run(
         "plan_seconds": plan_s,
         "sequence_tables": sum(isinstance(cfg, EmbeddingConfig) for cfg in tables),
         "qcomms": topology.qcomms,
-        "explanation": explain(named, choices, axis, topology) if with_explanation else None,
+        "compared": compared,
+        "explanation": (
+            explain(named, choices, axis, topology, compared) if with_explanation else None
+        ),
     }
 
 

@@ -12,7 +12,7 @@ rate (and the id distribution assumed), host <-> device bytes, and why it was of
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -36,7 +36,7 @@ from dtrec.planning.cost_model import (
     table_ids,
 )
 from dtrec.planning.offload import block_ids_per_step, expected_misses, row_buckets
-from dtrec.planning.plan_step import plan_step
+from dtrec.planning.plan_step import PlanCandidate, candidate_lines, plan_step
 from dtrec.planning.planner import Choice, collection_of
 
 TIME_PARTS = {
@@ -190,11 +190,14 @@ def explain(
     choices: Mapping[str, Choice],
     axis: ShardAxis,
     topology: Topology,
+    compared: Sequence[PlanCandidate] = (),
 ) -> str:
-    """The plan's predicted step and communication share (``plan_line``), then every
+    """The plan's predicted step and communication share (``plan_line``), the whole plans
+    the planner compared (``compared``, from ``plan_tables(..., compared=)``), then every
     table's ``explain_table`` lines, in the tables' order."""
     lines = [
         plan_line(tables, choices, axis, topology),
+        *candidate_lines(compared),
         f"why each spec (batch {topology.batch_size_per_rank} per rank; times in ms per step "
         "of the table alone; the planner also weighs the other tables on each position; "
         f"exchanges: {describe_qcomms(topology.qcomms)}):",

@@ -20,6 +20,7 @@ from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import SPEC_TYPES, TableSpec
 from dtrec.placements.mesh import ShardAxis, shard_axis
 from dtrec.planning.cost_model import Topology, totals
+from dtrec.planning.plan_step import PlanCandidate, candidate_lines
 from dtrec.planning.planner import TableConstraint, collection_of, plan_tables
 
 
@@ -68,6 +69,8 @@ class PlanReport:
     """Host-memory bytes per shard position (offloaded tables' blocks)."""
     why: dict[str, str] = field(default_factory=dict)
     """Table -> why it is where it is, where the costs alone do not say (offloaded)."""
+    compared: list[PlanCandidate] = field(default_factory=list)
+    """The whole plans the planner compared (``plan_step``), fastest first, one chosen."""
 
     @property
     def imbalance(self) -> float:
@@ -93,7 +96,7 @@ class PlanReport:
             f"slowest {1e3 * max(self.time):.3f} ms, imbalance (max / mean) {self.imbalance:.2f}"
             f"; budget {self.topology.memory_budget / 2**20:.0f} MiB per rank"
         )
-        return "\n".join(lines)
+        return "\n".join(lines + candidate_lines(self.compared))
 
 
 class ShardingPlan(dict[str, TableSpec]):
@@ -298,7 +301,8 @@ def _plan_on(
     topology: Topology,
 ) -> ShardingPlan:
     """``tables`` planned on one mesh's axis, with the report of why."""
-    choices, sums = plan_tables(tables, axis, constraints, topology)  # type: ignore[arg-type]
+    compared: list[PlanCandidate] = []
+    choices, sums = plan_tables(tables, axis, constraints, topology, compared)  # type: ignore[arg-type]
     result = ShardingPlan({key: choices[key].spec for key in tables})
     rows = []
     for key, choice in choices.items():
@@ -312,7 +316,13 @@ def _plan_on(
     time = sums.time(axis, topology)
     why = {key: choice.why for key, choice in choices.items() if choice.why}
     result.report = PlanReport(
-        rows, sums.memory.tolist(), time.tolist(), topology, sums.host_memory.tolist(), why
+        rows,
+        sums.memory.tolist(),
+        time.tolist(),
+        topology,
+        sums.host_memory.tolist(),
+        why,
+        compared,
     )
     return result
 

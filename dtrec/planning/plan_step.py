@@ -4,20 +4,31 @@ Why: the per-table search (``planner``) prices bytes only, since every table of 
 shares its collectives; a plan's step also pays ``Topology.collective_latency`` per call,
 and on gloo ranks sharing a host's cores that is milliseconds per call, so whether a plan
 issues 5 collectives per step or 9 decides orderings (data-parallel and 2D plans add
-gradient all-gathers). ``plan_step`` is what ``explain`` states and what
+gradient all-gathers). ``plan_step`` is what the planner ranks whole candidate plans by
+(``PlanSteps``, ``PlanCandidate``), what ``explain`` states and what
 ``benchmarks/distributed.py`` compares with its measured steps. It ignores overlap (the
 benchmark's steps run one stage after another).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from dtrec.modules.config import EmbeddingBagConfig
+from dtrec.placements import TableRowWise, TableWise
 from dtrec.placements.mesh import ShardAxis
-from dtrec.planning.cost_model import HBM, HOST_LINK, TableCost, comm_by_kind, step_time
+from dtrec.planning.cost_model import (
+    HBM,
+    HOST_LINK,
+    TableCost,
+    comm_by_kind,
+    step_time,
+    table_cost,
+)
 from dtrec.planning.topology import Topology
 
 PARTS_OF_IDS = ("input_dist.lengths", "input_dist.id_values")
@@ -84,4 +95,92 @@ def plan_step(
     return PlanStep(compute + comm, compute, comm, calls, position)
 
 
-__all__ = ["PlanStep", "collective_calls", "plan_step"]
+@dataclass(frozen=True)
+class PlanCandidate:
+    """One whole plan the search compared, and its predicted step (``plan_step``)."""
+
+    name: str
+    """"greedy", a ``SEED_TYPES`` name, or either with " + local search"."""
+    step: PlanStep
+    total: float
+    """Seconds summed over positions (the tie-break after ``step``)."""
+    memory: float
+    """Bytes on the fullest position (the last tie-break)."""
+    chosen: bool = False
+
+    @property
+    def key(self) -> tuple[float, float, float]:
+        """What ranks plans: lower is faster."""
+        return self.step.step, self.total, self.memory
+
+
+class PlanSteps:
+    """``plan_step`` of the planner's whole plans from its bytes-only costs (``Choice``:
+    ``.spec``, ``.cost``): which collective kinds a table sends is priced once per table
+    and spec shape (a table-wise table sends the same kinds from any position), so
+    comparing plans costs no new per-table search.
+
+    Example::
+
+        steps = PlanSteps(tables, {k: topology for k in tables}, axis, topology)
+        print(steps.candidate("greedy", choices).step.step)
+    """
+
+    def __init__(
+        self,
+        tables: Mapping[str, EmbeddingBagConfig],
+        own: Mapping[str, Topology],
+        axis: ShardAxis,
+        topology: Topology,
+    ) -> None:
+        self.tables, self.own, self.axis, self.topology = tables, own, axis, topology
+        self._kinds: dict[tuple[str, object], dict[str, np.ndarray] | None] = {}
+
+    def candidate(self, name: str, chosen: Mapping[str, Any]) -> PlanCandidate:
+        """The plan of ``chosen`` (table key -> the search's choice), named ``name``."""
+        costs: list[TableCost] = []
+        if not chosen:
+            return PlanCandidate(name, plan_step(costs, self.axis, self.topology), 0.0, 0.0)
+        for key, choice in chosen.items():
+            spec = choice.spec
+            shape = type(spec) if isinstance(spec, (TableWise, TableRowWise)) else spec
+            if (key, shape) not in self._kinds:
+                cost = table_cost(self.tables[key], spec, self.axis, self.own[key])
+                self._kinds[key, shape] = cost.comm
+            priced = TableCost(self.axis.size, with_comm=False)
+            priced.stack, priced.comm = choice.cost.stack, self._kinds[key, shape]
+            costs.append(priced)
+        stack = sum(c.stack for c in costs)
+        time = step_time(stack, self.axis, self.topology)
+        return PlanCandidate(
+            name,
+            plan_step(costs, self.axis, self.topology),
+            float(time.sum()),
+            float(stack[0].max()),
+        )
+
+
+def candidate_lines(compared: Sequence[PlanCandidate]) -> list[str]:
+    """The whole plans the planner compared, one line each, fastest first, the chosen one
+    starred: why it picked that plan (predicted step, communication share, calls)."""
+    if not compared:
+        return []
+    width = max(len(c.name) for c in compared)
+    lines = ["candidate plans (predicted step of the embedding part, communication share, "
+             "collective calls; * chosen):"]  # fmt: skip
+    for c in sorted(compared, key=lambda c: c.key):
+        lines.append(
+            f"  {'*' if c.chosen else ' '} {c.name:<{width}}  {1e3 * c.step.step:10.4f} ms  "
+            f"{c.step.comm_share:4.0%} comm  {c.step.calls} calls"
+        )
+    return lines
+
+
+__all__ = [
+    "PlanCandidate",
+    "PlanStep",
+    "PlanSteps",
+    "candidate_lines",
+    "collective_calls",
+    "plan_step",
+]

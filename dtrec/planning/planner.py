@@ -10,8 +10,16 @@ search, deterministic so every rank computes the same plan:
    also set the table's pooling factor);
 2. greedy: tables from the largest, each takes the candidate that keeps the slowest
    position fastest (then the fullest least full) within every position's memory budget;
-3. local search: revisit every table, move it to a better candidate while the plan's
-   slowest position gets faster; stops when a full pass changes nothing.
+3. whole plans: the greedy plan and one plan per type (every table table-wise, placed
+   greedily; all row-wise; all column-wise; all data-parallel), where each fits, compared
+   by ``plan_step``: their slowest position plus ``Topology.collective_latency`` per
+   collective call, so on a fabric where calls are dear the plan with fewer of them wins
+   (``PlanCandidate``, shown by ``explain``);
+4. local search on the best of them and on the greedy plan: revisit every table, move
+   it to a better candidate while the plan's slowest position gets faster (bytes only,
+   as the greedy step: a table alone does not own its calls); stops when a full pass
+   changes nothing, and is undone if the moves cost more in calls than they saved; the
+   fastest of the results (``plan_step`` again) is the plan.
 
 A table no candidate fits raises ValueError naming it and the bytes missing, unless
 ``Topology.host_memory_per_rank`` offers a second tier: then the device keeps what fits
@@ -54,8 +62,16 @@ from dtrec.planning.cost_model import (
 )
 from dtrec.planning.offload import ids_per_byte, offloaded_spec
 from dtrec.planning.offload_plan import DeviceFull, offload_tables
+from dtrec.planning.plan_step import PlanCandidate, PlanSteps
 
 MAX_PASSES = 8
+SEED_TYPES: dict[str, type] = {
+    "table_wise": TableWise,
+    "row_wise": RowWise,
+    "column_wise": ColumnWise,
+    "data_parallel": DataParallel,
+}
+"""The one-type plans the search compares with its greedy plan, by name."""
 
 
 def candidates(
@@ -176,20 +192,55 @@ class Search:
                 return
 
 
-def _uniform_seed(
-    options: dict[str, list[tuple[TableSpec, TableCost]]], kind: type, search: Search
+def _seed_of_type(
+    options: dict[str, list[tuple[TableSpec, TableCost]]],
+    order: list[str],
+    kind: type,
+    search: Search,
 ) -> dict[str, Choice] | None:
-    """Every table as ``kind`` (e.g. all row-wise), if each has it and it fits."""
-    totals = PositionTotals.zeros(search.axis.size)
+    """Every table as ``kind`` (e.g. all row-wise; table-wise ones placed greedily, largest
+    first), in ``search`` (empty); None if a table lacks the type or it does not fit."""
+    limited = {k: [(s, c) for s, c in options[k] if type(s) is kind] for k in order}
+    if not all(limited.values()):
+        return None
+    axis, topology = search.axis, search.topology
+    least = {k: min(work(c, axis, topology) for _, c in v) for k, v in limited.items()}
+    search.remaining = sum(least.values())
     chosen = {}
-    for key, costs in options.items():
-        match = [(s, c) for s, c in costs if type(s) is kind]
-        if len(match) != 1:
+    for key in order:
+        search.remaining -= least[key]
+        picked = search.best(limited[key])
+        if picked is None:
             return None
-        totals.add(match[0][1])
-        chosen[key] = Choice(match[0][0], costs)
-    fits = np.all(totals.memory <= search.budget)
-    return chosen if fits and np.all(totals.host_memory <= search.host_budget) else None
+        search.totals.add(picked[1])
+        chosen[key] = Choice(picked[0], options[key])
+    search.remaining = 0.0
+    return chosen
+
+
+def _improve(
+    seed: PlanCandidate,
+    chosen: dict[str, Choice],
+    search: Search,
+    order: list[str],
+    steps: PlanSteps,
+) -> PlanCandidate:
+    """Local search on one seed (``Search.improve``, bytes only), kept when ``plan_step``
+    says the whole plan got faster: the moves may save bytes but add dearer calls (a
+    data-parallel table in a sharded plan adds its gradient sync), then they are undone.
+    Returns the plan ``chosen`` now holds."""
+    before = {key: choice.spec for key, choice in chosen.items()}
+    stack = search.totals.stack.copy()
+    search.improve(chosen, order)
+    if all(chosen[key].spec == spec for key, spec in before.items()):
+        return seed
+    improved = steps.candidate(f"{seed.name} + local search", chosen)
+    if improved.key < seed.key:
+        return improved
+    for key, spec in before.items():
+        chosen[key].spec = spec
+    search.totals.stack = stack
+    return seed
 
 
 def _costs(
@@ -221,18 +272,21 @@ def plan_tables(
     axis: ShardAxis,
     constraints: Mapping[str, TableSpec | TableConstraint] | None = None,
     topology: Topology | None = None,
+    compared: list[PlanCandidate] | None = None,
 ) -> tuple[dict[str, Choice], PositionTotals]:
     """Choose a spec per table FQN (see the module doc); the choices and their totals.
 
-    Starts from the greedy plan or, when one scores better, from a plan of one type
-    for every table (all row-wise, all column-wise, all data-parallel), then improves
-    it by local search. When tables do not fit the device budget and the topology has
-    host memory, offloads some (``offload_tables``).
+    Starts from whichever whole plan ``plan_step`` predicts fastest on ``topology`` (the
+    greedy plan, or one type for every table: the planner picks what its step model
+    says runs fastest, collective calls included), then improves it by local search.
+    When tables do not fit the device budget and the topology has host memory, offloads
+    some (``offload_tables``). ``compared``: filled with the whole plans compared
+    (``PlanCandidate``, fastest first), for ``explain``.
     """
     topology = topology or Topology()
     constraints = dict(constraints or {})
     try:
-        return search_plan(tables, axis, constraints, topology)
+        return search_plan(tables, axis, constraints, topology, compared=compared)
     except DeviceFull as exc:
         if topology.host_budget <= 0:
             raise ValueError(str(exc)) from None
@@ -242,7 +296,7 @@ def plan_tables(
         axis,
         topology,
         order,
-        lambda offloaded: search_plan(tables, axis, constraints, topology, offloaded),
+        lambda offloaded: search_plan(tables, axis, constraints, topology, offloaded, compared),
     )
 
 
@@ -252,14 +306,17 @@ def search_plan(
     constraints: Mapping[str, TableSpec | TableConstraint],
     topology: Topology,
     offloaded: Mapping[str, float] | None = None,
+    compared: list[PlanCandidate] | None = None,
 ) -> tuple[dict[str, Choice], PositionTotals]:
     """The search of ``plan_tables`` with the tables in ``offloaded`` behind caches of
     that fraction of their rows (their candidates: each sharding type, offloaded);
-    DeviceFull when a table fits no candidate."""
+    DeviceFull when a table fits no candidate. ``compared``: filled with the whole plans
+    compared, fastest first, the chosen one marked."""
     offloaded = offloaded or {}
     search = Search(axis, topology)
     options: dict[str, list[tuple[TableSpec, TableCost]]] = {}
     least: dict[str, float] = {}
+    own_topologies: dict[str, Topology] = {}
     for key, cfg in tables.items():
         constraint = constraints.get(key)
         specs = candidates(cfg, axis, constraint)
@@ -276,6 +333,7 @@ def search_plan(
             moved = (offloaded_spec(s, cfg, axis, own, offloaded[key], ids) for s in specs)
             specs = [s for s in moved if s is not None]
         options[key] = _costs(cfg, specs, axis, own)
+        own_topologies[key] = own
         least[key] = min(work(c, axis, topology) for _, c in options[key])
     order = sorted(tables, key=lambda k: (-tables[k].num_embeddings * tables[k].embedding_dim, k))
     search.remaining = sum(least.values())
@@ -306,17 +364,28 @@ def search_plan(
         search.totals.add(picked[1])
         chosen[key] = Choice(picked[0], options[key])
     search.remaining = 0.0
-    best_score = search.score()
-    for kind in (RowWise, ColumnWise, DataParallel):
-        seed = _uniform_seed(options, kind, search)
-        if seed is None:
-            continue
+    steps = PlanSteps(tables, own_topologies, axis, topology)
+    seeds = [(steps.candidate("greedy", chosen), chosen, search)]
+    for name, kind in SEED_TYPES.items():
         trial = Search(axis, topology)
-        for choice in seed.values():
-            trial.totals.add(choice.cost)
-        if trial.score() < best_score:
-            chosen, search, best_score = seed, trial, trial.score()
-    search.improve(chosen, order)
+        seed = _seed_of_type(options, order, kind, trial)
+        if seed is not None:
+            seeds.append((steps.candidate(name, seed), seed, trial))
+    # Local search on the fastest seed and on the greedy one (a seed that starts slower
+    # may end faster; every seed would multiply the search's time), then the fastest
+    # whole plan; on equal keys the earlier (greedy first), as min() does.
+    fastest = min(seeds, key=lambda s: s[0].key)
+    ranked, finals = [], []
+    for seed, seed_chosen, seed_search in seeds:
+        ranked.append(seed)
+        if seed is seeds[0][0] or seed is fastest[0]:
+            seed = _improve(seed, seed_chosen, seed_search, order, steps)
+            if seed is not ranked[-1]:
+                ranked.append(seed)
+        finals.append((seed, seed_chosen, seed_search))
+    pick, chosen, search = min(finals, key=lambda f: f[0].key)
+    if compared is not None:
+        compared[:] = sorted((replace(c, chosen=c is pick) for c in ranked), key=lambda c: c.key)
     return {key: chosen[key] for key in tables}, search.totals
 
 
