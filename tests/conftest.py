@@ -1,5 +1,5 @@
 """Run Triton kernels in Triton's CPU interpreter when there is no GPU (must precede triton);
-pin the CPU fused row-wise Adagrad's implementation."""
+pin the CPU fused row-wise Adagrad's implementation; offloaded copies on their worker."""
 
 import os
 
@@ -8,6 +8,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Offloaded tables' background copy jobs run inline on a CPU by default (no gain from a
+# thread there, dtrec/sharded/offload/host.py); tests run them on the worker thread, as on
+# CUDA, so its hand-offs and waits are exercised.
+os.environ.setdefault("DTREC_OFFLOAD_WORKER", "1")
 
 # The CPU fused row-wise Adagrad is chosen by timing when a model is distributed
 # (dtrec/optim/cpu_choice.py): pinned here so that every test run takes the same code,
