@@ -175,9 +175,44 @@ def _whole_tables_sort_nothing(rank: int, world: int) -> dict:
     }
 
 
+def _lru_misses(rank: int, world: int) -> dict:
+    """One table of 64 rows behind 8 slots, trained on one id per batch: per step, the
+    misses the cache counted and those of a least-recently-used cache simulated here."""
+    from collections import OrderedDict
+
+    import torch
+
+    import dtrec
+    from dtrec.placements import TableWise
+
+    table = dtrec.EmbeddingBagConfig("t", 64, DIM, ["f"], "sum")
+    ebc = dtrec.EmbeddingBagCollection([table], device="meta")
+    mesh = dtrec.init_mesh("cpu", world)
+    plan = {"t": TableWise(rank=0, cache_rows=8)}
+    model = dtrec.distribute_module(ebc, mesh, plan, optimizer=dtrec.optim.SGD(lr=0.1))
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 16, (60,), generator=gen).tolist()  # 16 hot rows: hits and misses
+    simulated, counted, cached = [], [], OrderedDict()
+    for i in ids:
+        simulated.append(int(i not in cached))
+        cached[i] = None
+        cached.move_to_end(i)
+        if len(cached) > 8:
+            cached.popitem(last=False)
+        before = model.cache_stats()["t"]["misses"]
+        kjt = dtrec.KeyedJaggedTensor(["f"], torch.tensor([i]), torch.tensor([1]))
+        model(kjt).values().sum().backward()
+        counted.append(model.cache_stats()["t"]["misses"] - before)
+    return {"counted": counted, "simulated": simulated}
+
+
 def _count_all(rank: int, world: int) -> dict:
     counts: dict = {n: _count_step(rank, world, n) for n in TABLE_COUNTS}
-    return {**counts, "whole": _whole_tables_sort_nothing(rank, world)}
+    return {
+        **counts,
+        "whole": _whole_tables_sort_nothing(rank, world),
+        "lru": _lru_misses(rank, world),
+    }
 
 
 _ENV = {"TRITON_INTERPRET": "1", "DTREC_BACKEND": "triton"}
@@ -215,6 +250,14 @@ def test_tables_cached_whole_add_no_sorting(one_rank) -> None:
     assert whole["whole_rows"] > 0
     assert whole["whole_misses"] == 0, whole
     assert 0 < whole["largest_sort"] <= max(4 * CACHE, 8 * BATCH * 2), whole
+
+
+def test_the_cache_evicts_the_least_recently_used_row(one_rank) -> None:
+    """Step by step, the misses of a cache of 8 rows under 60 single-id batches are those
+    of an LRU cache of 8 rows (every row a batch reads is its most recent)."""
+    lru = one_rank["lru"]
+    assert sum(lru["simulated"]) < len(lru["simulated"])  # the sequence has hits
+    assert lru["counted"] == lru["simulated"]
 
 
 def test_two_ranks_read_the_fill_verdict_once() -> None:
