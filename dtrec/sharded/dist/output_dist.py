@@ -49,6 +49,7 @@ class OutputDist:
         self._shard_group = shard_group
         self._dtype = dtype  # of the tables, hence of an output no lookup produced
         self._adds = _source_adds(routing)
+        self._first = _first_writes(self._adds, routing.total_dim)  # once, not per forward
         # The served partials' table-major column runs: (first column in served order, width).
         cols = [0]
         for seg in routing.served:
@@ -99,7 +100,9 @@ class OutputDist:
                 self._qcomms.forward_codec,
                 self._qcomms.backward_codec,
             )
-        return _AddPartials.apply(partials, batch, routing.widths, self._adds, routing.total_dim)
+        return _AddPartials.apply(
+            partials, batch, routing.widths, self._adds, routing.total_dim, self._first
+        )
 
     def _destination_major(self, served: Tensor, peer_batches: list[int], shards: int) -> Tensor:
         """The flat send buffer, per destination p its ``[B_p, served width]`` rows
@@ -181,12 +184,12 @@ class _AddPartials(torch.autograd.Function):
     """The ``[B, total dim]`` output from the received partials (flat, source-major blocks of
     ``[B, width]``): every source's columns added in source order, exactly the sums one
     ``index_add`` over their concatenation makes, without building that concatenation.
-    Backward copies each source's gradient columns into one flat buffer (the exchange's)."""
+    Backward copies each source's gradient columns into one flat buffer (the exchange's).
+    ``first``: ``_first_writes(adds, total_dim)``, computed once per routing."""
 
     @staticmethod
-    def forward(ctx, partials, batch, widths, adds, total_dim):  # type: ignore[override]
+    def forward(ctx, partials, batch, widths, adds, total_dim, first):  # type: ignore[override]
         ctx.batch, ctx.widths, ctx.adds = batch, widths, adds
-        first = _first_writes(adds, total_dim)
         if first is None:  # a column permutation (index_add): from zeros
             out = partials.new_zeros(batch, total_dim)
         else:  # each column's first source is copied (0 + x is x), later ones added
@@ -198,7 +201,7 @@ class _AddPartials(torch.autograd.Function):
                 out.index_add_(1, add.to(out.device), block)
                 continue
             for j, (src, dst, width) in enumerate(add):
-                if first is not None and (i, j) in first[0]:
+                if first is not None and first[0][i][j]:
                     out[:, dst : dst + width] = block[:, src : src + width]
                 else:
                     out[:, dst : dst + width] += block[:, src : src + width]
@@ -213,16 +216,16 @@ class _AddPartials(torch.autograd.Function):
                 continue
             for src, dst, width in add:
                 block[:, src : src + width] = grad[:, dst : dst + width]
-        return grad_in, None, None, None, None
+        return grad_in, None, None, None, None, None
 
 
 def _first_writes(
     adds: list, total_dim: int
-) -> tuple[set[tuple[int, int]], list[tuple[int, int]]] | None:
-    """Which column ranges of ``_AddPartials`` are each column's first write (as (source,
-    range) indices), and the (start, width) spans no range writes; None when a source
-    adds through an index tensor. Ranges that overlap only in part: None as well (then
-    every range adds into zeros, as before)."""
+) -> tuple[tuple[tuple[bool, ...], ...], tuple[tuple[int, int], ...]] | None:
+    """Which column ranges of ``_AddPartials`` are each column's first write (per source,
+    per range: a flag; nested tuples, constants to a compiler), and the (start, width)
+    spans no range writes; None when a source adds through an index tensor. Ranges that
+    overlap only in part: None as well (then every range adds into zeros, as before)."""
     written: dict[tuple[int, int], tuple[int, int]] = {}
     for i, add in enumerate(adds):
         if isinstance(add, Tensor):
@@ -240,7 +243,9 @@ def _first_writes(
         end = dst + width
     if end < total_dim:
         gaps.append((end, total_dim - end))
-    return set(written.values()), gaps
+    firsts = set(written.values())
+    flags = tuple(tuple((i, j) in firsts for j in range(len(add))) for i, add in enumerate(adds))
+    return flags, tuple(gaps)
 
 
 def _blocks(flat: Tensor, batch: int, widths: list[int]) -> list[Tensor]:
