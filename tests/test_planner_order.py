@@ -106,6 +106,21 @@ def test_a_plan_step_pays_the_latency_once_per_collective_call() -> None:
     assert with_latency.comm_share > without.comm_share
 
 
+def test_a_call_pays_the_latency_of_its_op() -> None:
+    """A data-parallel table's step issues an all-reduce (the verdict), an all-gather of
+    counts and the sparse sync's two all-gathers (ids, rows): 4 calls, each at its op's
+    ``Topology.call_latency``; an op without its own latency pays ``collective_latency``."""
+    axis = ShardAxis(4, 1, None)
+    cfg = EmbeddingBagConfig("t", 1000, 16)
+    ops = Topology.cpu(collective_latency=1e-3, reduce_latency=3e-3, gather_latency=5e-3)
+    free = Topology.cpu()
+    step = plan_step([table_cost(cfg, DataParallel(), axis, ops)], axis, ops)
+    base = plan_step([table_cost(cfg, DataParallel(), axis, free)], axis, free)
+    assert step.calls == 4
+    assert step.step == pytest.approx(base.step + 3e-3 + 3 * 5e-3)
+    assert Topology.cpu(collective_latency=1e-3).call_latency("all_gather") == 1e-3
+
+
 # The planner's candidate plans that are the benchmark's configs (its 2D config: row-wise
 # on S=2 x R=2); the planner places table-wise tables itself (balanced, not round-robin).
 PLANNER_NAMES = {
