@@ -14,6 +14,7 @@ right).
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 from dataclasses import replace
@@ -60,9 +61,12 @@ def floor_workload(w: Workload) -> Workload:
     return replace(w, rows=(64,) * len(w.rows), bag_range=(1, 1))
 
 
-def _floor_step_s(rank: int, world: int, w: Workload, steps: int = 8) -> float:
-    """Median seconds of a table-wise dtrec step of ``floor_workload(w)``: what a step costs
-    the host besides the bytes the model prices (Python, autograd, the KJT's small ops)."""
+def _floor_step_s(rank: int, world: int, w: Workload, steps: int = 8) -> tuple[float, float]:
+    """Median wall seconds of a table-wise dtrec step of ``floor_workload(w)`` and the CPU
+    seconds of its thread: what a step costs the host besides the bytes and calls the model
+    prices (Python, autograd, the KJT's small ops). CPU, not wall less the priced calls:
+    the tiny step's calls cost less than calls after real compute, and while its peers wait
+    in them a rank runs alone on a core, faster than in a step where all ranks compute."""
     tiny = floor_workload(w)
     torch.manual_seed(0)  # every rank alike, as distribute_module checks
     model, optimizers, *_ = _build_dtrec(tiny, table_kinds("table_wise", world), world)
@@ -70,10 +74,10 @@ def _floor_step_s(rank: int, world: int, w: Workload, steps: int = 8) -> float:
     for s in range(steps + 2):
         keys, values, lengths, labels = make_batch(tiny, rank, s)
         batches.append((KeyedJaggedTensor(keys=keys, values=values, lengths=lengths), labels))
-    times = []
+    times, cpu = [], []
     for kjt, labels in batches:
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         loss = F.binary_cross_entropy_with_logits(model(kjt), labels)
         for opt in optimizers:
             opt.zero_grad(set_to_none=True)
@@ -82,27 +86,31 @@ def _floor_step_s(rank: int, world: int, w: Workload, steps: int = 8) -> float:
             opt.step()
         loss.item()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[2:])
+        cpu.append(time.thread_time() - start_cpu)
+    return statistics.median(times[2:]), statistics.median(cpu[2:])
 
 
 def _calibrate_rank(rank: int, world: int, w: Workload) -> dict:
     sample = functools.partial(_zipf, s=w.zipf)
     width = len(w.rows) * w.dim
     out = cpu_calibration.measure_rank(rank, world, sample, _dense(w), w.batch, width)
-    out["floor_step_s"] = _floor_step_s(rank, world, w)
+    out["floor_step_s"], out["floor_cpu_s"] = _floor_step_s(rank, world, w)
     return out
 
 
 def calibrate(w: Workload, world: int = 4) -> dict:
     """The constants (``cpu_calibration``), measured by ``world`` ranks at once, with the
     benchmark's id skew, dense arch and rank environment, and the host floor: a tiny step's
-    time less what the model predicts for it (``host_s``); ``wall_s`` what it took."""
+    CPU seconds at the share of a core a rank gets when all ranks compute (``ranks_per_core``:
+    ranks over the cores they share, at least 1), less the compute the model predicts for
+    it (``host_s``); ``wall_s`` what it took."""
     start = time.perf_counter()
     ranks = run_world(world, _calibrate_rank, w, env=MALLOC_ENV)
     out = cpu_calibration.combine(ranks)
     out["host_s"] = 0.0
-    tiny = predict(floor_workload(w), "table_wise", out, world).step
-    out["host_s"] = max(0.0, out["floor_step_s"] - tiny)
+    tiny = predict(floor_workload(w), "table_wise", out, world).compute
+    out["ranks_per_core"] = max(1.0, world / len(os.sched_getaffinity(0)))
+    out["host_s"] = max(0.0, out["floor_cpu_s"] * out["ranks_per_core"] - tiny)
     out["wall_s"] = time.perf_counter() - start
     return out
 
@@ -182,7 +190,9 @@ def check(
     c, k = calibration, cpu_calibration.compute_constants(calibration)
     print(
         f"\npredicted vs measured dtrec step (calibrated in this run, {c['wall_s']:.0f} s: "
-        f"latency {1e3 * c['latency_s']:.2f} ms/call, all-to-all "
+        f"latency {1e3 * c['latency_s']:.2f} ms/call (all-reduce "
+        f"{1e3 * c.get('reduce_latency_s', c['latency_s']):.2f}, all-gather "
+        f"{1e3 * c.get('gather_latency_s', c['latency_s']):.2f}), all-to-all "
         f"{c['a2a_bandwidth'] / 1e9:.2f} GB/s, all-gather {c['gather_bandwidth'] / 1e9:.2f} "
         f"GB/s, lookup + update {k['bandwidth'] / 1e9:.2f} GB/s + {k['id_cost_bytes']:.0f} B "
         f"per id + {k['row_cost_bytes']:.0f} B per row, synced update x"

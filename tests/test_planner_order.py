@@ -5,8 +5,8 @@ table-wise, row-wise, column-wise, data-parallel and 2D row-wise as the same run
 them, each within 30% of its measured step; a wrong topology does not order them; explain
 states the plan's predicted step and communication share. The planner ranks its whole
 candidate plans by that step: its order of table-wise, row-wise, column-wise, data-parallel
-and 2D row-wise is the measured one, it picks the measured fastest, and a dearer call moves
-its pick to the plan with fewer calls. Numbers only: no world, nothing timed."""
+and 2D row-wise is the measured one, it picks the measured fastest, and a dearer
+all-to-all moves its pick to the plan without one. Numbers only: no world, nothing timed."""
 
 from __future__ import annotations
 
@@ -29,9 +29,8 @@ from dtrec.planning.plan_step import PlanCandidate, plan_step
 from dtrec.planning.planner import plan_tables
 from dtrec.planning.topology import Topology
 
-MEASURED = (
-    Path(__file__).resolve().parent.parent / "benchmarks/results/distributed_cpu_2026-11-29.json"
-)
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks/results"
+MEASURED = RESULTS / "distributed_cpu_2026-11-29_predict.json"
 CONFIGS = ("table_wise", "row_wise", "column_wise", "data_parallel", "2d_row_wise")
 
 
@@ -66,8 +65,7 @@ def test_the_calibrated_model_predicts_each_measured_step_within_30_percent(comm
 @pytest.mark.parametrize(
     "key, factor, flipped",
     [
-        ("synced_s_64", 1 / 3, ("row_wise", "column_wise")),  # a synced update 3x faster
-        ("latency_s", 10.0, ("2d_row_wise", "data_parallel")),  # calls 10x dearer
+        ("latency_s", 10.0, ("2d_row_wise", "data_parallel")),  # all-to-alls 10x dearer
     ],
 )
 def test_a_wrong_topology_misorders_them(committed, key, factor, flipped) -> None:
@@ -106,6 +104,21 @@ def test_a_plan_step_pays_the_latency_once_per_collective_call() -> None:
     assert with_latency.calls == plan_step(costs[:1], axis, slow).calls == 4
     assert with_latency.step == pytest.approx(without.step + 4e-3)
     assert with_latency.comm_share > without.comm_share
+
+
+def test_a_call_pays_the_latency_of_its_op() -> None:
+    """A data-parallel table's step issues an all-reduce (the verdict), an all-gather of
+    counts and the sparse sync's two all-gathers (ids, rows): 4 calls, each at its op's
+    ``Topology.call_latency``; an op without its own latency pays ``collective_latency``."""
+    axis = ShardAxis(4, 1, None)
+    cfg = EmbeddingBagConfig("t", 1000, 16)
+    ops = Topology.cpu(collective_latency=1e-3, reduce_latency=3e-3, gather_latency=5e-3)
+    free = Topology.cpu()
+    step = plan_step([table_cost(cfg, DataParallel(), axis, ops)], axis, ops)
+    base = plan_step([table_cost(cfg, DataParallel(), axis, free)], axis, free)
+    assert step.calls == 4
+    assert step.step == pytest.approx(base.step + 3e-3 + 3 * 5e-3)
+    assert Topology.cpu(collective_latency=1e-3).call_latency("all_gather") == 1e-3
 
 
 # The planner's candidate plans that are the benchmark's configs (its 2D config: row-wise
@@ -175,10 +188,12 @@ def test_the_planner_picks_the_measured_fastest_plan(committed) -> None:
     assert pick.step.step == pytest.approx(table_wise.step.step)
 
 
-def test_a_dearer_call_moves_the_pick_to_the_plan_with_fewer_calls(committed) -> None:
-    """Same tables, same bytes: with calls nearly free the pick is table-wise (least
-    bytes on the slowest rank, 4 calls per step); at 1 s per call it is data-parallel
-    (3 calls: no input or output dist, one gradient sync), because of its calls."""
+def test_a_dearer_all_to_all_moves_the_pick_to_the_plan_without_one(committed) -> None:
+    """Same tables, same bytes, the calibrated all-reduce and all-gather calls: with
+    all-to-alls nearly free the pick is table-wise (least bytes on the slowest rank, 4
+    all-to-alls per step); at 1 s per all-to-all it is data-parallel (no input or output
+    dist: the verdict all-reduce, then the gradient sync's counts and its two
+    all-gathers), because of the calls' op."""
     w, calibration, _ = committed
     axis = ShardAxis(4, 1, None)
     picks, ranked = {}, {}
@@ -190,10 +205,11 @@ def test_a_dearer_call_moves_the_pick_to_the_plan_with_fewer_calls(committed) ->
         ranked[latency] = compared
     assert picks[1e-6] == {TableWise} and picks[1.0] == {DataParallel}
     cheap, dear = ranked[1e-6], ranked[1.0]
-    assert min(c.step.calls for c in dear) == next(c for c in dear if c.chosen).step.calls == 3
-    assert next(c for c in cheap if c.chosen).step.calls > 3
+    assert next(c for c in dear if c.chosen).step.calls == 4
+    assert next(c for c in cheap if c.chosen).step.calls == 4
     by_name = {c.name: c for c in cheap}
     assert by_name["table_wise"].step.step < by_name["data_parallel"].step.step
+    assert topology.call_latency("all_gather") == calibration["gather_latency_s"]
 
 
 def test_explain_lists_the_compared_plans_and_stars_the_pick(committed) -> None:
@@ -216,7 +232,7 @@ def test_explain_lists_the_compared_plans_and_stars_the_pick(committed) -> None:
 
 def test_local_search_does_not_buy_bytes_with_dearer_calls() -> None:
     """On a 2D mesh (S=2 x R=2), two tables: by bytes alone row-wise wins; at 1 ms per call
-    all data-parallel (3 calls, against 7) does, and the bytes-only local search from it
+    all data-parallel (4 calls, against 8) does, and the bytes-only local search from it
     (which would move a table back to a sharded spec, adding its input and output dists
     and a replica sync) is undone: the plan stays all data-parallel."""
     tables = {"t0": EmbeddingBagConfig("t0", 17_690, 8, ["f0"]),
@@ -232,8 +248,8 @@ def test_local_search_does_not_buy_bytes_with_dearer_calls() -> None:
         picks[latency] = {type(c.spec) for c in choices.values()}
         chosen[latency] = next(c for c in compared if c.chosen)
     assert picks[0.0] == {RowWise} and picks[1e-3] == {DataParallel}
-    assert chosen[1e-3].name == "data_parallel" and chosen[1e-3].step.calls == 3
-    assert chosen[0.0].step.calls > 3
+    assert chosen[1e-3].name == "data_parallel" and chosen[1e-3].step.calls == 4
+    assert chosen[0.0].step.calls > 4
 
 
 def test_a_printed_plan_lists_the_compared_plans(committed) -> None:

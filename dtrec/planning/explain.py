@@ -13,7 +13,6 @@ rate (and the id distribution assumed), host <-> device bytes, and why it was of
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 import numpy as np
 
@@ -137,7 +136,7 @@ def explain_table(
             )
     # Alone, a table's calls are not its own (a plan's tables share them): no latency here,
     # as in the search; the plan line adds it.
-    bytes_only = replace(topology, collective_latency=0.0)
+    bytes_only = topology.without_latency()
     ranked = sorted(
         ((s, plan_step([c], axis, bytes_only), float(c.memory.max())) for s, c in choice.costs),
         key=lambda o: (o[0] != choice.spec, o[1].step, o[2]),
@@ -214,7 +213,7 @@ def plan_line(
     topology: Topology,
 ) -> str:
     """The whole plan's predicted step (``plan_step``: its slowest position, plus
-    ``Topology.collective_latency`` per collective call) and the share of it spent on
+    ``Topology.call_latency`` per collective call) and the share of it spent on
     communication (the shard and replicate axes' terms and the calls)."""
     costs = [
         table_cost(cfg, choices[key].spec, axis, topology.for_collection(collection_of(key, cfg)))
@@ -226,8 +225,7 @@ def plan_line(
     return (
         f"plan: predicted step {1e3 * step.step:.6g} ms (embedding part, slowest position "
         f"{step.position}), communication {1e3 * step.comm:.6g} ms = {step.comm_share:.2f} of "
-        f"it ({step.calls} collective calls x {1e3 * topology.collective_latency:.3g} ms "
-        "latency included)"
+        f"it ({step.calls} collective calls, their latency included)"
     )
 
 

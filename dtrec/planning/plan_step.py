@@ -1,7 +1,7 @@
 """A whole plan's predicted step: the cost model's slowest position plus what calls cost.
 
 Why: the per-table search (``planner``) prices bytes only, since every table of a plan
-shares its collectives; a plan's step also pays ``Topology.collective_latency`` per call,
+shares its collectives; a plan's step also pays a latency per call (``Topology.call_latency``),
 and on gloo ranks sharing a host's cores that is milliseconds per call, so whether a plan
 issues 5 collectives per step or 9 decides orderings (data-parallel and 2D plans add
 gradient all-gathers). ``plan_step`` is what the planner ranks whole candidate plans by
@@ -43,7 +43,7 @@ class PlanStep:
     compute: float
     """Memory-bound embedding work (and host-link copies) plus ``extra_compute``."""
     comm: float
-    """Bytes over the links plus ``collective_latency`` per call."""
+    """Bytes over the links plus ``Topology.call_latency`` per call."""
     calls: int
     """Collectives per step (one per ``comm_stats`` kind, as dtrec batches them)."""
     position: int
@@ -54,11 +54,30 @@ class PlanStep:
         return self.comm / self.step if self.step > 0 else 0.0
 
 
+def call_op(kind: str) -> tuple[str, int]:
+    """(collective op, calls per step) of a ``comm_by_kind`` kind, as ``dtrec`` issues it:
+    the input dist's verdict, row norms and dense gradient sums are all-reduces, a gradient
+    sync's counts one all-gather and its sparse rows two (ids, then rows); the rest
+    all-to-alls. The census of a real step counts the same (``benchmarks/distributed.py``:
+    ``collectives_per_step``)."""
+    if kind in ("input_dist.verdict", "optim.row_sq_sum") or kind.endswith(".dense"):
+        return "all_reduce", 1
+    if kind.endswith(".counts"):
+        return "all_gather", 1
+    if kind.endswith(".sparse"):
+        return "all_gather", 2
+    return "all_to_all", 1
+
+
+def _calls(costs: Sequence[TableCost], axis: ShardAxis) -> list[tuple[str, int]]:
+    kinds = comm_by_kind(list(costs), axis)
+    return [call_op(k) for k, v in kinds.items() if k not in PARTS_OF_IDS and np.any(v > 0)]
+
+
 def collective_calls(costs: Sequence[TableCost], axis: ShardAxis) -> int:
     """Collectives a plan issues per step: dtrec sends each kind in one call for all tables
-    (``comm_by_kind``'s kinds, the input dist's parts as one)."""
-    kinds = comm_by_kind(list(costs), axis)
-    return sum(1 for k, v in kinds.items() if k not in PARTS_OF_IDS and np.any(v > 0))
+    (``comm_by_kind``'s kinds, the input dist's parts as one; ``call_op``)."""
+    return sum(n for _, n in _calls(costs, axis))
 
 
 def plan_step(
@@ -72,7 +91,8 @@ def plan_step(
     """The step of a plan of ``costs`` (``table_cost(..., with_comm=True)`` per table).
 
     ``extra_*``: what the tables do not show, from the caller (the dense part: its
-    gradient all-reduce's calls and seconds, its forward + backward + optimizer seconds).
+    gradient all-reduce calls and seconds, its forward + backward + optimizer seconds).
+    Each call costs ``Topology.call_latency`` of its op.
 
     Example::
 
@@ -89,8 +109,10 @@ def plan_step(
         compute, link = float(local[position]), float(time[position] - local[position])
     else:
         position, compute, link = 0, 0.0, 0.0
-    calls = collective_calls(costs, axis) + extra_calls
-    comm = link + calls * topology.collective_latency + extra_comm
+    ops = _calls(costs, axis) if costs else []
+    calls = sum(n for _, n in ops) + extra_calls
+    latency = sum(n * topology.call_latency(op) for op, n in ops)
+    comm = link + latency + extra_calls * topology.call_latency("all_reduce") + extra_comm
     compute += extra_compute
     return PlanStep(compute + comm, compute, comm, calls, position)
 
@@ -180,6 +202,7 @@ __all__ = [
     "PlanCandidate",
     "PlanStep",
     "PlanSteps",
+    "call_op",
     "candidate_lines",
     "collective_calls",
     "plan_step",

@@ -46,7 +46,13 @@ class Topology:
     collective_latency: float = 0.0
     """Seconds one collective call costs beyond its bytes: 0 for the per-table search
     (every table shares a plan's calls); what ``plan_step`` adds per call (gloo ranks
-    sharing cores: a few ms, measured by ``benchmarks/probes/cpu_calibration.py``)."""
+    sharing cores: a few ms, measured by ``benchmarks/probes/cpu_calibration.py``): the
+    all-to-all's, and every call's where ``reduce_latency`` / ``gather_latency`` is None."""
+    reduce_latency: float | None = None
+    """Seconds per all-reduce call where it differs from an all-to-all's (gloo on 2 shared
+    cores: about 1.5x, measured); None: ``collective_latency``."""
+    gather_latency: float | None = None
+    """Seconds per all-gather call, likewise; None: ``collective_latency``."""
     node_size: int = 8
     batch_size_per_rank: int = 512
     pooling_factors: Mapping[str, float] = field(default_factory=dict)
@@ -120,6 +126,9 @@ class Topology:
         _check_number("Topology.collective_latency", self.collective_latency)
         _check_number("Topology.id_cost_bytes", self.id_cost_bytes)
         _check_number("Topology.row_cost_bytes", self.row_cost_bytes)
+        for name in ("reduce_latency", "gather_latency"):
+            if getattr(self, name) is not None:
+                _check_number(f"Topology.{name}", getattr(self, name))
         if self.replica_bandwidth is not None:
             _check_number("Topology.replica_bandwidth", self.replica_bandwidth, positive=True)
         if self.memory_headroom >= 1:
@@ -154,6 +163,16 @@ class Topology:
         }
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
+
+    def call_latency(self, op: str) -> float:
+        """Seconds one call of ``op`` ("all_to_all", "all_reduce", "all_gather") costs
+        beyond its bytes."""
+        own = {"all_reduce": self.reduce_latency, "all_gather": self.gather_latency}.get(op)
+        return self.collective_latency if own is None else own
+
+    def without_latency(self) -> Topology:
+        """This topology with free calls (the per-table search's pricing)."""
+        return replace(self, collective_latency=0.0, reduce_latency=None, gather_latency=None)
 
     @property
     def memory_budget(self) -> float:
