@@ -81,3 +81,27 @@ def test_choice_switches_what_auto_runs(restore_choice) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="expected one of"):
         cpu_choice.use_cpu_rowwise_adagrad("numpy")
+
+
+def test_the_timed_lookup_is_served_by_both_implementations_alike() -> None:
+    """What ``_time_both`` (and the benchmark calibration) time is a lookup each
+    implementation serves: the C pass takes it, and it steps the tables as the unfused
+    path does (a wrongly shaped gradient would be declined and time the fallback)."""
+    import dtrec.kernels.cpu as cpu_kernels
+    from dtrec.optim.cpu_choice import RowwiseAdagradLookup
+
+    if not cpu_kernels.available():
+        pytest.skip("dtrec's C kernels are not built here")
+
+    def build() -> RowwiseAdagradLookup:
+        gen = torch.Generator().manual_seed(0)
+        ids = [torch.randint(0, r, (512,), generator=gen) for r in (300, 700)]
+        return RowwiseAdagradLookup.build(ids, (300, 700), 16, 8, gen)
+
+    fused, unfused = build(), build()
+    with torch.no_grad():
+        assert fused.torch_pass()
+        unfused.rows_then_update()
+    for a, b in zip(fused.weights + [s["sum"] for s in fused.states],
+                    unfused.weights + [s["sum"] for s in unfused.states], strict=True):  # fmt: skip
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

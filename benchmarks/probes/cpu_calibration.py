@@ -33,13 +33,10 @@ from torch import Tensor, nn
 
 import dtrec
 from dtrec.ops import embedding_bag
-from dtrec.ops.backends.fbgemm import FbgemmBackend
-from dtrec.ops.backends.torch import TorchBackend
-from dtrec.ops.lookup import Lookup, packed_views
+from dtrec.ops.lookup import packed_views
 from dtrec.ops.op import lookup_backward_rows
 from dtrec.optim import RowUpdate
-from dtrec.optim.cpu_choice import MARGIN
-from dtrec.optim.rules import RowWiseAdagrad
+from dtrec.optim.cpu_choice import MARGIN, RowwiseAdagradLookup
 from dtrec.planning.topology import Topology
 from dtrec.sharded.update.grad_sync import TableRows, sync_rows
 
@@ -138,31 +135,25 @@ def embedding_constants(sample_ids: IdSampler, repeats: int = 9) -> dict[str, fl
 
 
 def _one_width(ids: list[Tensor], dim: int, gen: torch.Generator, repeats: int) -> dict:
-    values = torch.cat(ids)
-    offsets = torch.arange(0, values.numel() + 1, PER_BAG)
-    weights = packed_views([(r, dim) for r in ROWS], torch.float32, torch.device("cpu"))
-    for w in weights:
-        w.uniform_(-0.01, 0.01, generator=gen)
-    sums = packed_views([(r,) for r in ROWS], torch.float32, torch.device("cpu"), zero=True)
-    states = [{"sum": s} for s in sums]
-    lookup = Lookup(weights, [0, 1], values, offsets, [False, False])
-    grad = torch.randn(BAGS, len(ROWS) * dim, generator=gen)
-    rule = RowWiseAdagrad(lr=1e-3)
-    fbgemm = FbgemmBackend(name="fbgemm", lookups=False, fused_rules=("rowwise_adagrad",))
+    # the lookup dtrec's own CPU choice times (dtrec/optim/cpu_choice.py), at this width
+    bench = RowwiseAdagradLookup.build(ids, ROWS, dim, PER_BAG, gen)
+    weights, states, lookup, grad, rule = (
+        bench.weights,
+        bench.states,
+        bench.lookup,
+        bench.grad,
+        bench.rule,
+    )
+    values, offsets = lookup.values, lookup.offsets
 
     def forward() -> None:
         embedding_bag(weights, values, offsets)
 
-    def synced() -> None:
-        rows = TorchBackend().backward_rows(lookup, grad)
-        for w, st, (i, g) in zip(weights, states, rows, strict=True):
-            rule.update_rows(w, st, i, g)
-
-    def one_pass_fbgemm() -> None:
-        fbgemm.backward_update(lookup, grad, rule.step_rule(), states)
-
-    def one_pass_torch() -> bool:  # dtrec.kernels.cpu's fused pass, where it is built
-        return TorchBackend().backward_update(lookup, grad, rule.step_rule(), states)
+    synced, one_pass_fbgemm, one_pass_torch = (
+        bench.rows_then_update,
+        bench.fbgemm_pass,
+        bench.torch_pass,
+    )
 
     # every rank times the same code at once (a barrier before each repeat): the
     # contention the step's compute sees, not ranks drifting through different probes
@@ -194,7 +185,7 @@ def _one_width(ids: list[Tensor], dim: int, gen: torch.Generator, repeats: int) 
         synced()
         t_synced = _median_s(synced, repeats, aligned)
         try:
-            served = fbgemm.backward_update(lookup, grad, rule.step_rule(), states)
+            served = bench.fbgemm_pass()
         except Exception:  # fbgemm does not load here: dtrec runs torch's path
             served = False
         t_fbgemm = _median_s(one_pass_fbgemm, repeats, aligned) if served else float("inf")

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from dtrec.ops.backends.fbgemm import FbgemmBackend
 from dtrec.ops.backends.registry import cpu_fused_rules, set_cpu_fused_rules
@@ -68,6 +71,62 @@ def preferred_cpu_rowwise_adagrad() -> str:
     return "fbgemm" if times["fbgemm"] * MARGIN < times["torch"] else "torch"
 
 
+@dataclass
+class RowwiseAdagradLookup:
+    """A synthetic CPU lookup with row-wise Adagrad state: what ``_time_both`` times the two
+    implementations on, and what ``benchmarks/probes/cpu_calibration.py`` prices updates
+    by (one builder, so both time the same thing)."""
+
+    weights: list[Tensor]
+    states: list[dict[str, Tensor]]
+    lookup: Lookup
+    grad: Tensor
+    rule: RowWiseAdagrad
+    fbgemm: FbgemmBackend
+
+    @classmethod
+    def build(
+        cls,
+        ids: Sequence[Tensor],
+        rows: Sequence[int],
+        dim: int,
+        per_bag: int,
+        gen: torch.Generator,
+    ) -> RowwiseAdagradLookup:
+        """Packed tables of ``rows`` x ``dim`` (small random weights, zero sums) read by
+        ``ids[t]`` of table t (every table the same count), in bags of ``per_bag`` ids, and
+        a random output gradient."""
+        values = torch.cat(list(ids))
+        offsets = torch.arange(0, values.numel() + 1, per_bag)
+        weights = packed_views([(r, dim) for r in rows], torch.float32, torch.device("cpu"))
+        for w in weights:
+            w.uniform_(-0.01, 0.01, generator=gen)
+        sums = packed_views([(r,) for r in rows], torch.float32, torch.device("cpu"), zero=True)
+        lookup = Lookup(weights, list(range(len(rows))), values, offsets, [False] * len(rows))
+        batch = (offsets.numel() - 1) // len(rows)  # bags per table: the output's rows
+        grad = torch.randn(batch, len(rows) * dim, generator=gen)
+        fbgemm = FbgemmBackend(name="fbgemm", lookups=False, fused_rules=("rowwise_adagrad",))
+        return cls(weights, [{"sum": s} for s in sums], lookup, grad, RowWiseAdagrad(lr=1e-3),
+                   fbgemm)  # fmt: skip
+
+    def fbgemm_pass(self) -> bool:
+        """fbgemm's one-pass backward + step (False: it declined the lookup)."""
+        return self.fbgemm.backward_update(self.lookup, self.grad, self.rule.step_rule(),
+                                           self.states)  # fmt: skip
+
+    def torch_pass(self) -> bool:
+        """The torch backend's one-pass backward + step, ``dtrec.kernels.cpu``'s (False:
+        not built)."""
+        return TorchBackend().backward_update(self.lookup, self.grad, self.rule.step_rule(),
+                                              self.states)  # fmt: skip
+
+    def rows_then_update(self) -> None:
+        """Row gradients, then the in-place step per table: the unfused path."""
+        rows = TorchBackend().backward_rows(self.lookup, self.grad)
+        for w, st, (ids, g) in zip(self.weights, self.states, rows, strict=True):
+            self.rule.update_rows(w, st, ids, g)
+
+
 class _NotServed(Exception):
     """fbgemm's backward declined the timing lookup (fbgemm_gpu does not load)."""
 
@@ -79,28 +138,15 @@ def _time_both(repeats: int = 3) -> dict[str, float] | None:
     gen = torch.Generator().manual_seed(0)
     rows, dim, bags, per_bag = (20_000, 60_000), 64, 1024, 20
     ids = [(torch.rand(bags * per_bag, generator=gen) ** 3 * r).long() for r in rows]
-    values = torch.cat(ids)
-    offsets = torch.arange(0, values.numel() + 1, per_bag)
-    weights = packed_views([(r, dim) for r in rows], torch.float32, torch.device("cpu"))
-    for w in weights:
-        w.uniform_(-0.01, 0.01, generator=gen)
-    sums = packed_views([(r,) for r in rows], torch.float32, torch.device("cpu"), zero=True)
-    states = [{"sum": s} for s in sums]
-    lookup = Lookup(weights, [0, 1], values, offsets, [False, False])
-    grad = torch.randn(bags, len(rows) * dim, generator=gen)
-    rule = RowWiseAdagrad(lr=1e-3)
-    fbgemm = FbgemmBackend(name="fbgemm", lookups=False, fused_rules=("rowwise_adagrad",))
+    bench = RowwiseAdagradLookup.build(ids, rows, dim, per_bag, gen)
 
     def run_fbgemm() -> None:
-        if not fbgemm.backward_update(lookup, grad, rule.step_rule(), states):
+        if not bench.fbgemm_pass():
             raise _NotServed
 
     def run_torch() -> None:
-        if TorchBackend().backward_update(lookup, grad, rule.step_rule(), states):
-            return  # dtrec.kernels.cpu's fused pass
-        rows = TorchBackend().backward_rows(lookup, grad)
-        for w, st, (ids, g) in zip(weights, states, rows, strict=True):
-            rule.update_rows(w, st, ids, g)
+        if not bench.torch_pass():  # dtrec.kernels.cpu's fused pass, else the unfused path
+            bench.rows_then_update()
 
     out = {}
     with torch.no_grad():
@@ -118,4 +164,9 @@ def _time_both(repeats: int = 3) -> dict[str, float] | None:
     return out
 
 
-__all__ = ["cpu_rowwise_adagrad", "preferred_cpu_rowwise_adagrad", "use_cpu_rowwise_adagrad"]
+__all__ = [
+    "RowwiseAdagradLookup",
+    "cpu_rowwise_adagrad",
+    "preferred_cpu_rowwise_adagrad",
+    "use_cpu_rowwise_adagrad",
+]
