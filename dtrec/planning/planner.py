@@ -12,7 +12,7 @@ search, deterministic so every rank computes the same plan:
    position fastest (then the fullest least full) within every position's memory budget;
 3. whole plans: the greedy plan and one plan per type (every table table-wise, placed
    greedily; all row-wise; all column-wise; all data-parallel), where each fits, compared
-   by ``plan_step``: their slowest position plus ``Topology.collective_latency`` per
+   by ``plan_step``: their slowest position plus ``Topology.call_latency`` of each
    collective call, so on a fabric where calls are dear the plan with fewer of them wins
    (``PlanCandidate``, shown by ``explain``);
 4. local search on the best of them and on the greedy plan: revisit every table, move
@@ -203,19 +203,33 @@ def _seed_of_type(
     limited = {k: [(s, c) for s, c in options[k] if type(s) is kind] for k in order}
     if not all(limited.values()):
         return None
-    axis, topology = search.axis, search.topology
-    least = {k: min(work(c, axis, topology) for _, c in v) for k, v in limited.items()}
+    chosen, unplaced = _place(limited, options, order, search)
+    return None if unplaced is not None else chosen
+
+
+def _place(
+    offers: Mapping[str, list[tuple[TableSpec, TableCost]]],
+    options: Mapping[str, list[tuple[TableSpec, TableCost]]],
+    order: list[str],
+    search: Search,
+) -> tuple[dict[str, Choice], str | None]:
+    """The greedy step: tables in ``order`` each take the offer ``search.best`` picks (the
+    later tables' least work counted in its score), added to ``search.totals``. Returns
+    the choices (each keeps the table's ``options``, for the local search) and the first
+    table no offer fits (None: every table placed; else ``search`` is as it was then)."""
+    # in the offers' order: the sum of the reserve is the same float as the callers' was
+    least = {k: min(work(c, search.axis, search.topology) for _, c in v) for k, v in offers.items()}
     search.remaining = sum(least.values())
-    chosen = {}
+    chosen: dict[str, Choice] = {}
     for key in order:
         search.remaining -= least[key]
-        picked = search.best(limited[key])
+        picked = search.best(offers[key])
         if picked is None:
-            return None
+            return chosen, key
         search.totals.add(picked[1])
         chosen[key] = Choice(picked[0], options[key])
     search.remaining = 0.0
-    return chosen
+    return chosen, None
 
 
 def _improve(
@@ -315,7 +329,6 @@ def search_plan(
     offloaded = offloaded or {}
     search = Search(axis, topology)
     options: dict[str, list[tuple[TableSpec, TableCost]]] = {}
-    least: dict[str, float] = {}
     own_topologies: dict[str, Topology] = {}
     for key, cfg in tables.items():
         constraint = constraints.get(key)
@@ -334,36 +347,28 @@ def search_plan(
             specs = [s for s in moved if s is not None]
         options[key] = _costs(cfg, specs, axis, own)
         own_topologies[key] = own
-        least[key] = min(work(c, axis, topology) for _, c in options[key])
     order = sorted(tables, key=lambda k: (-tables[k].num_embeddings * tables[k].embedding_dim, k))
-    search.remaining = sum(least.values())
-    chosen: dict[str, Choice] = {}
-    for key in order:
-        search.remaining -= least[key]
-        picked = search.best(options[key])
-        if picked is None:
-            amount, spec = search.missing(options[key])
-            if amount > 0 or math.isinf(search.host_budget):
-                raise DeviceFull(
-                    f"table {key!r} ({tables[key].num_embeddings} x "
-                    f"{tables[key].embedding_dim}) does not fit: even as {spec} it needs "
-                    f"{amount / 2**20:.1f} MiB more on its fullest rank than the budget of "
-                    f"{search.budget / 2**20:.1f} MiB per rank (Topology.memory_per_rank minus "
-                    "headroom)"
-                )
-            over = min(
-                float(np.max(search.totals.host_memory + c.host_memory - search.host_budget))
-                for _, c in options[key]
-            )
+    chosen, key = _place(options, options, order, search)
+    if key is not None:
+        amount, spec = search.missing(options[key])
+        if amount > 0 or math.isinf(search.host_budget):
             raise DeviceFull(
-                f"table {key!r} ({tables[key].num_embeddings} x {tables[key].embedding_dim}) "
-                f"does not fit in host memory: it needs {over / 2**20:.1f} MiB more on its "
-                f"fullest rank than the {search.host_budget / 2**20:.1f} MiB per rank of "
-                "Topology.host_memory_per_rank"
+                f"table {key!r} ({tables[key].num_embeddings} x "
+                f"{tables[key].embedding_dim}) does not fit: even as {spec} it needs "
+                f"{amount / 2**20:.1f} MiB more on its fullest rank than the budget of "
+                f"{search.budget / 2**20:.1f} MiB per rank (Topology.memory_per_rank minus "
+                "headroom)"
             )
-        search.totals.add(picked[1])
-        chosen[key] = Choice(picked[0], options[key])
-    search.remaining = 0.0
+        over = min(
+            float(np.max(search.totals.host_memory + c.host_memory - search.host_budget))
+            for _, c in options[key]
+        )
+        raise DeviceFull(
+            f"table {key!r} ({tables[key].num_embeddings} x {tables[key].embedding_dim}) "
+            f"does not fit in host memory: it needs {over / 2**20:.1f} MiB more on its "
+            f"fullest rank than the {search.host_budget / 2**20:.1f} MiB per rank of "
+            "Topology.host_memory_per_rank"
+        )
     steps = PlanSteps(tables, own_topologies, axis, topology)
     seeds = [(steps.candidate("greedy", chosen), chosen, search)]
     for name, kind in SEED_TYPES.items():
