@@ -25,9 +25,10 @@ from dtrec.planning.cost_model import table_cost
 from dtrec.planning.dry_run import dry_run
 from dtrec.planning.explain import explain
 from dtrec.planning.mesh_choice import compare_shard_group_sizes
-from dtrec.planning.plan_step import PlanCandidate, plan_step
+from dtrec.planning.plan_step import PlanCandidate, call_op, group_shape, plan_step
 from dtrec.planning.planner import plan_tables
-from dtrec.planning.topology import Topology
+from dtrec.planning.step_model import Fabric, collective_time
+from dtrec.planning.topology import HOST_CALL_SECONDS, Topology
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks/results"
 MEASURED = RESULTS / "distributed_cpu_2026-11-29_predict.json"
@@ -86,7 +87,10 @@ def test_explain_states_the_predicted_step_and_comm_share(world: int, shards: in
     assert first.startswith("plan: predicted step ")
     step = float(first.split("predicted step ")[1].split(" ms")[0])
     share = float(first.split(" = ")[1].split(" of it")[0])
-    assert step == pytest.approx(1e3 * float(result["time"].max()), rel=1e-3)
+    chosen = next(c for c in result["compared"] if c.chosen)
+    assert step == pytest.approx(1e3 * chosen.step.step, rel=1e-3)
+    # Topology.h100 prices each call: the step is the bytes' slowest rank plus calls
+    assert step > 1e3 * float(result["time"].max()) and chosen.step.calls > 0
     assert 0.0 <= share <= 1.0
     candidates = [line for line in lines if line.startswith("  other candidates")]
     assert candidates and all("% comm)" in line for line in candidates if "none" not in line)
@@ -271,3 +275,64 @@ def test_compare_shard_group_sizes_refuses_a_size_that_does_not_divide_the_world
     tables = {"t0": EmbeddingBagConfig("t0", 100, 8, ["f0"])}
     with pytest.raises(ValueError, match="shard group size 3"):
         compare_shard_group_sizes(tables, 4, (4, 3), Topology.cpu())
+
+
+@pytest.mark.parametrize("op", ["all_to_all", "all_reduce", "all_gather"])
+@pytest.mark.parametrize("size, per_node", [(8, 8), (64, 8), (8, 1), (4096, 8)])
+def test_h100_call_latency_is_the_scale_models_zero_byte_collective_plus_the_host(
+    op: str, size: int, per_node: int
+) -> None:
+    """``Topology.h100`` prices a call as the scale model prices a collective of no bytes
+    over the same group (NCCL's baseLat + hwLat, ``step_model.collective_time``) plus the
+    host's ``HOST_CALL_SECONDS``; without a group, one node's ranks. CPU: unchanged."""
+    want = HOST_CALL_SECONDS + collective_time(op, 0.0, 1, size, per_node, Fabric())
+    assert Topology.h100().call_latency(op, size, per_node) == pytest.approx(want)
+    assert want > HOST_CALL_SECONDS
+    assert Topology.h100().call_latency("all_to_all") == pytest.approx(20e-6 + 8.4e-6 + 3.4e-6)
+    assert Topology.cpu(collective_latency=1e-3).call_latency(op, size, per_node) == 1e-3
+    assert Topology.h100().without_latency().call_latency(op, size, per_node) == 0.0
+
+
+def test_a_plan_step_prices_each_call_over_its_group() -> None:
+    """A row-wise table on S=8 x R=8 (nodes of 8, replicas on one node, each shard
+    position on its own node): its all-to-alls span 8 nodes, its verdict all-reduce and
+    gradient all-gathers one node's 8 replicas; the step pays each call's latency."""
+    axis = ShardAxis(8, 8, 1)
+    topology = Topology.h100(batch_size_per_rank=64)
+    assert group_shape("shard", axis, topology) == (8, 1)
+    assert group_shape("replicate", axis, topology) == (8, 8)
+    assert group_shape("world", axis, topology) == (64, 8)
+    cost = table_cost(EmbeddingBagConfig("t", 100_000, 64), RowWise(), axis, topology)
+    step = plan_step([cost], axis, topology, extra_calls=1)
+    free = plan_step([cost], axis, topology.without_latency(), extra_calls=1)
+    sync = [k for k in cost.comm if k.startswith("grad_sync.replicate.")]
+    gathers = sum(call_op(k)[1] for k in sync if call_op(k)[0] == "all_gather")
+    reduces = sum(call_op(k)[1] for k in sync if call_op(k)[0] == "all_reduce")
+    want = (
+        4 * topology.call_latency("all_to_all", 8, 1)  # header, ids, output dist, backward
+        + (1 + reduces) * topology.call_latency("all_reduce", 8, 8)  # verdict, dense sync
+        + gathers * topology.call_latency("all_gather", 8, 8)
+        + topology.call_latency("all_reduce", 64, 8)  # the caller's dense all-reduce
+    )
+    assert step.calls == 4 + 1 + gathers + reduces + 1
+    assert step.step - free.step == pytest.approx(want)
+
+
+def test_on_h100_a_plan_of_fewer_calls_wins_once_calls_are_priced() -> None:
+    """Three small tables, 64 samples per rank: by bytes alone column-wise (S=8, one node:
+    5 calls, its row-norm all-reduce included) or a data-parallel + column-wise mix
+    (S=64, 8 nodes: 7 calls) is fastest; with ``Topology.h100``'s call latencies all
+    table-wise (4 calls) is. Fails with the H100 calls free, as they were."""
+    tables = {f"t{i}": EmbeddingBagConfig(f"t{i}", n, 64, [f"f{i}"])
+              for i, n in enumerate((100, 1000, 2_000_000))}  # fmt: skip
+    priced = Topology.h100(batch_size_per_rank=64, default_pooling_factor=1.0)
+    for axis in (ShardAxis(8, 1, 8), ShardAxis(64, 1, 8)):
+        picks = []
+        for topology in (priced, priced.without_latency()):
+            compared: list[PlanCandidate] = []
+            choices, _ = plan_tables(tables, axis, topology=topology, compared=compared)
+            picks.append(({type(c.spec) for c in choices.values()},
+                          next(c for c in compared if c.chosen).step.calls))  # fmt: skip
+        assert picks[0] == ({TableWise}, 4), axis
+        kinds, calls = picks[1]
+        assert kinds != {TableWise} and calls > 4, axis

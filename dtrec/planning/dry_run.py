@@ -202,6 +202,12 @@ def print_dry_run(result: dict) -> None:
     t = result["time"]
     print(f"predicted step time: {1e3 * float(t.max()):.3f} ms (slowest rank), "
           f"imbalance {float(t.max() / t.mean()) if t.mean() > 0 else 1.0:.2f}")  # fmt: skip
+    chosen = next((c for c in result["compared"] if c.chosen), None)
+    if chosen is not None:
+        print(
+            f"with each collective call's latency: {1e3 * chosen.step.step:.3f} ms "
+            f"({chosen.step.calls} calls, {chosen.step.comm_share:.0%} communication)"
+        )
 
 
 def plot_dry_run(result: dict, path: str) -> None:

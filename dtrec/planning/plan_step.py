@@ -26,6 +26,7 @@ from dtrec.planning.cost_model import (
     HOST_LINK,
     TableCost,
     comm_by_kind,
+    node_of_positions,
     step_time,
     table_cost,
 )
@@ -69,15 +70,47 @@ def call_op(kind: str) -> tuple[str, int]:
     return "all_to_all", 1
 
 
-def _calls(costs: Sequence[TableCost], axis: ShardAxis) -> list[tuple[str, int]]:
+def call_group(kind: str, header: bool) -> str:
+    """The mesh group a ``comm_by_kind`` kind's call runs over: "shard", "replicate" or
+    "world" (the verdict: over the replicas with an input-dist ``header``, else the world,
+    as ``comm_by_kind`` sizes it)."""
+    if kind == "input_dist.verdict":
+        return "replicate" if header else "world"
+    if kind.startswith("grad_sync.replicate"):
+        return "replicate"
+    if kind.startswith(("grad_sync.data_parallel", "dense")):
+        return "world"
+    return "shard"
+
+
+def group_shape(group: str, axis: ShardAxis, topology: Topology) -> tuple[int, int]:
+    """(ranks, ranks per node) of one ``group`` of ``axis``'s mesh: what a call's
+    latency grows with (``Topology.call_latency``). Shard positions per node as the cost
+    model places them (``node_of_positions``); replica groups by their stride."""
+    world = axis.size * axis.replicas
+    if group == "shard":
+        return axis.size, int(np.bincount(node_of_positions(axis, topology)).max())
+    if group == "replicate":
+        stride = axis.replica_stride or world  # 0: a hand-made mesh, priced as spread out
+        return axis.replicas, max(1, min(axis.replicas, topology.node_size // stride))
+    return world, min(world, topology.node_size)
+
+
+def _calls(costs: Sequence[TableCost], axis: ShardAxis) -> list[tuple[str, int, str]]:
+    """(op, calls, group) per collective kind the plan sends."""
     kinds = comm_by_kind(list(costs), axis)
-    return [call_op(k) for k, v in kinds.items() if k not in PARTS_OF_IDS and np.any(v > 0)]
+    header = "input_dist.lengths" in kinds
+    return [
+        (*call_op(k), call_group(k, header))
+        for k, v in kinds.items()
+        if k not in PARTS_OF_IDS and np.any(v > 0)
+    ]
 
 
 def collective_calls(costs: Sequence[TableCost], axis: ShardAxis) -> int:
     """Collectives a plan issues per step: dtrec sends each kind in one call for all tables
     (``comm_by_kind``'s kinds, the input dist's parts as one; ``call_op``)."""
-    return sum(n for _, n in _calls(costs, axis))
+    return sum(n for _, n, _ in _calls(costs, axis))
 
 
 def plan_step(
@@ -110,9 +143,11 @@ def plan_step(
     else:
         position, compute, link = 0, 0.0, 0.0
     ops = _calls(costs, axis) if costs else []
-    calls = sum(n for _, n in ops) + extra_calls
-    latency = sum(n * topology.call_latency(op) for op, n in ops)
-    comm = link + latency + extra_calls * topology.call_latency("all_reduce") + extra_comm
+    calls = sum(n for _, n, _ in ops) + extra_calls
+    shapes = {g: group_shape(g, axis, topology) for g in ("shard", "replicate", "world")}
+    latency = sum(n * topology.call_latency(op, *shapes[group]) for op, n, group in ops)
+    dense = extra_calls * topology.call_latency("all_reduce", *shapes["world"])
+    comm = link + latency + dense + extra_comm
     compute += extra_compute
     return PlanStep(compute + comm, compute, comm, calls, position)
 
@@ -202,8 +237,10 @@ __all__ = [
     "PlanCandidate",
     "PlanStep",
     "PlanSteps",
+    "call_group",
     "call_op",
     "candidate_lines",
     "collective_calls",
+    "group_shape",
     "plan_step",
 ]

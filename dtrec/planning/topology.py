@@ -1,8 +1,9 @@
 """The hardware and workload a plan is costed for: ``Topology`` (defaults: H100 nodes of 8).
 
-Bandwidths, memory per rank, node size, batch and pooling factors, the optimizer and the
-quantized-communication precisions (``QCommsConfig``, per collection or for all); checked
-when built. ``cost_model`` prices tables on it.
+Bandwidths, memory per rank, node size, batch and pooling factors, the optimizer, what a
+collective call costs beyond its bytes, and the quantized-communication precisions
+(``QCommsConfig``, per collection or for all); checked when built. ``cost_model`` prices
+tables on it, ``plan_step`` adds the calls.
 """
 
 from __future__ import annotations
@@ -16,12 +17,17 @@ from dataclasses import dataclass, field, replace
 from dtrec.comm.qcomms import QCommsConfig
 from dtrec.interop.qcomms import as_qcomms_config
 from dtrec.modules.config import EmbeddingBagConfig
-from dtrec.planning.step_model import Fabric
+from dtrec.planning.step_model import Fabric, collective_time
 
 # Optimizer state bytes: (per row, per element).
 OPTIMIZER_STATE = {"sgd": (0, 0), "rowwise_adagrad": (4, 0), "adam": (0, 8)}
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 """Bytes per element of each ``QCommsConfig`` precision."""
+HOST_CALL_SECONDS = 20e-6
+"""Host time of one ``torch.distributed`` collective call on CUDA (an assumption, not
+measured here): Python dispatch into c10d, ``ProcessGroupNCCL``'s work object, stream
+events and the NCCL kernel launch cost roughly 10-30 us a call; 20 us is the middle. It is
+paid in full when the step is host-bound, as the H200 run's was (``step_model``)."""
 
 
 @dataclass(frozen=True)
@@ -46,13 +52,20 @@ class Topology:
     collective_latency: float = 0.0
     """Seconds one collective call costs beyond its bytes: 0 for the per-table search
     (every table shares a plan's calls); what ``plan_step`` adds per call (gloo ranks
-    sharing cores: a few ms, measured by ``benchmarks/probes/cpu_calibration.py``): the
-    all-to-all's, and every call's where ``reduce_latency`` / ``gather_latency`` is None."""
+    sharing cores: a few ms, measured by ``benchmarks/probes/cpu_calibration.py``; H100:
+    the host's ``HOST_CALL_SECONDS``, ``fabric`` adding NCCL's): the all-to-all's, and
+    every call's where ``reduce_latency`` / ``gather_latency`` is None."""
     reduce_latency: float | None = None
     """Seconds per all-reduce call where it differs from an all-to-all's (gloo on 2 shared
     cores: about 1.5x, measured); None: ``collective_latency``."""
     gather_latency: float | None = None
     """Seconds per all-gather call, likewise; None: ``collective_latency``."""
+    fabric: Fabric | None = None
+    """NCCL's latency model (``step_model.Fabric``: tuning.cc's baseLat and hwLat), whose
+    zero-byte ``collective_time`` of its op over its group a call pays on top of the
+    latencies above: it grows with the group and the nodes it spans, which ``plan_step``
+    knows per call (ranks per node from ``node_size``; the fabric's own is not read).
+    None (the default, and on CPU): the latencies above only."""
     node_size: int = 8
     batch_size_per_rank: int = 512
     pooling_factors: Mapping[str, float] = field(default_factory=dict)
@@ -129,6 +142,11 @@ class Topology:
         for name in ("reduce_latency", "gather_latency"):
             if getattr(self, name) is not None:
                 _check_number(f"Topology.{name}", getattr(self, name))
+        if self.fabric is not None and not isinstance(self.fabric, Fabric):
+            raise TypeError(
+                f"Topology.fabric must be a dtrec.planning.step_model.Fabric or None, got "
+                f"{self.fabric!r}"
+            )
         if self.replica_bandwidth is not None:
             _check_number("Topology.replica_bandwidth", self.replica_bandwidth, positive=True)
         if self.memory_headroom >= 1:
@@ -139,8 +157,15 @@ class Topology:
     @classmethod
     def h100(cls, **overrides: object) -> Topology:
         """An H100 80 GB per rank, 8 per node, NVLink and one 400 Gb/s NIC per GPU at the
-        bandwidths the scale model uses (``step_model.Fabric``: 360 and 45 GB/s)."""
-        return cls(**overrides)  # type: ignore[arg-type]
+        bandwidths the scale model uses (``step_model.Fabric``: 360 and 45 GB/s), and its
+        calls at the scale model's NCCL latencies plus ``HOST_CALL_SECONDS`` each (an
+        all-to-all inside a node: 20 + 11.8 us; across nodes 20 + 18 us)."""
+        values: dict[str, object] = {
+            "collective_latency": HOST_CALL_SECONDS,
+            "fabric": Fabric(),
+        }
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
 
     @classmethod
     def cpu(cls, **overrides: object) -> Topology:
@@ -164,15 +189,28 @@ class Topology:
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
 
-    def call_latency(self, op: str) -> float:
+    def call_latency(self, op: str, size: int | None = None, per_node: int | None = None) -> float:
         """Seconds one call of ``op`` ("all_to_all", "all_reduce", "all_gather") costs
-        beyond its bytes."""
+        beyond its bytes, over a group of ``size`` ranks, ``per_node`` of them per node
+        (what ``fabric`` prices; default: one node's ranks, ``node_size``).
+
+        Example::
+
+            Topology.h100().call_latency("all_to_all", size=64, per_node=8)  # 38 us
+        """
         own = {"all_reduce": self.reduce_latency, "all_gather": self.gather_latency}.get(op)
-        return self.collective_latency if own is None else own
+        flat = self.collective_latency if own is None else own
+        if self.fabric is None:
+            return flat
+        size = self.node_size if size is None else size
+        per_node = min(size, self.node_size) if per_node is None else per_node
+        return flat + collective_time(op, 0.0, 1, size, per_node, self.fabric)
 
     def without_latency(self) -> Topology:
         """This topology with free calls (the per-table search's pricing)."""
-        return replace(self, collective_latency=0.0, reduce_latency=None, gather_latency=None)
+        return replace(
+            self, collective_latency=0.0, reduce_latency=None, gather_latency=None, fabric=None
+        )
 
     @property
     def memory_budget(self) -> float:
