@@ -225,3 +225,20 @@ def test_collections_on_meshes_of_their_own_share_each_ranks_budget() -> None:
         assert second.topology.memory_per_rank == pytest.approx(1.2e6 - held)
         with pytest.raises(ValueError, match="'b.b0'.*does not fit"):
             dtrec.plan(model(), mesh, topology=topology(0.7e6), meshes={"b": own})
+
+
+@pytest.mark.parametrize("world, shards", [(16, 4), (64, 64), (32, 32), (64, 8)])
+def test_table_wise_candidates_cost_what_table_cost_says_on_every_position(world, shards):
+    """The search prices one table-wise candidate and moves it to the other positions; on a
+    shard axis over several nodes a move by less than a node would carry the owner's
+    intra- and inter-node peers with it (S=64 on nodes of 8: 56 of 64 positions were
+    priced so, before), so it moves only by whole nodes."""
+    from dtrec.placements.mesh import positions_per_node
+    from dtrec.planning.planner import _costs
+
+    cfg = dtrec.EmbeddingBagConfig("t", 10_000, 32, ["f"])
+    axis = ShardAxis(shards, world // shards, positions_per_node(world, shards, 8))
+    topology = Topology.h100(batch_size_per_rank=256, default_pooling_factor=5.0)
+    for spec, cost in _costs(cfg, TableWise().candidates(axis), axis, topology):
+        want = table_cost(cfg, spec, axis, topology, with_comm=False)
+        np.testing.assert_allclose(cost.stack, want.stack, err_msg=str(spec))

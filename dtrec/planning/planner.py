@@ -56,6 +56,7 @@ from dtrec.planning.cost_model import (
     PositionTotals,
     TableCost,
     Topology,
+    node_of_positions,
     step_time,
     table_cost,
     table_ids,
@@ -260,17 +261,28 @@ def _improve(
 def _costs(
     cfg: EmbeddingBagConfig, specs: list[TableSpec], axis: ShardAxis, topology: Topology
 ) -> list[tuple[TableSpec, TableCost]]:
-    """Each candidate's cost; table-wise ones are the first one's, moved to their position."""
+    """Each candidate's cost; table-wise ones are the first one's at the same place in its
+    node, moved to their position (a move by whole nodes keeps each peer on or off the
+    owner's node, so its intra- and inter-node bytes are the same)."""
+    nodes = np.bincount(node_of_positions(axis, topology))
+    if nodes.max() in (1, axis.size):  # every peer off the owner's node, or every one on it
+        place = 1
+    elif (nodes == nodes.max()).all():  # equal nodes: moves by whole nodes
+        place = int(nodes.max())
+    else:
+        place = axis.size  # each position priced apart
     out: list[tuple[TableSpec, TableCost]] = []
-    first_tw: tuple[int, TableCost] | None = None
+    first_tw: dict[int, tuple[int, TableCost]] = {}
     for spec in specs:
-        if isinstance(spec, TableWise) and spec.rank is not None and first_tw is not None:
+        rank = spec.rank if isinstance(spec, TableWise) else None
+        if rank is not None and rank % place in first_tw:
+            first, first_cost = first_tw[rank % place]
             cost = TableCost(axis.size, with_comm=False)
-            cost.stack = np.roll(first_tw[1].stack, spec.rank - first_tw[0], axis=1)
+            cost.stack = np.roll(first_cost.stack, rank - first, axis=1)
         else:
             cost = table_cost(cfg, spec, axis, topology, with_comm=False)
-            if isinstance(spec, TableWise) and spec.rank is not None:
-                first_tw = (spec.rank, cost)
+            if rank is not None:
+                first_tw[rank % place] = (rank, cost)
         out.append((spec, cost))
     return out
 
