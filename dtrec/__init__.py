@@ -23,6 +23,7 @@ from dtrec.modules import (
 )
 from dtrec.placements.mesh import init_mesh
 from dtrec.planning import cost_model
+from dtrec.planning.mesh_choice import choose_shard_group_size
 from dtrec.planning.plan import ShardingPlan, plan
 from dtrec.planning.topology import Topology
 from dtrec.sharded.distribute import distribute_module
@@ -52,6 +53,7 @@ __all__ = [
     "Topology",
     "TrainPipeline",
     "checkpoint",
+    "choose_shard_group_size",
     "cost_model",
     "comm_stats",
     "count_comm",

@@ -4,6 +4,9 @@ per-rank memory, traffic and step time are printed and plotted::
 
     python -m dtrec.planner --config model.json --world-size 4096 \
         --shard-group-size 64 --node-size 8
+
+``--shard-group-size auto`` (the default) first ranks every shard group size of the world
+by the planner's predicted step (``dtrec.planning.mesh_choice``) and dry-runs the fastest.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.embedding import EmbeddingConfig
 from dtrec.placements.mesh import init_mesh, shard_axis
 from dtrec.planning.explain import describe_qcomms, explain
+from dtrec.planning.mesh_choice import MAX_SIZES, rank_shard_group_sizes
 from dtrec.planning.plan import ShardingPlan
 from dtrec.planning.plan_step import PlanCandidate
 from dtrec.planning.planner import plan_tables
@@ -233,6 +237,19 @@ def plot_dry_run(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _shard_group_size(text: str) -> int | str:
+    """``--shard-group-size``: "auto" or an int >= 1."""
+    if text == "auto":
+        return text
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= 1, got {text!r}")
+    return size
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m dtrec.planner",
@@ -249,7 +266,15 @@ def main(argv: list[str] | None = None) -> None:
         '"forward_loss_scale", "backward_loss_scale"} (a dtrec.QCommsConfig; optional)}',
     )
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--shard-group-size", type=int, required=True)
+    parser.add_argument(
+        "--shard-group-size",
+        type=_shard_group_size,
+        default="auto",
+        help="S, the ranks of one sharding group (R = W / S replica groups), or 'auto' (the "
+        "default): plan every S that divides W (its powers of two and W itself when W has "
+        f"more than {MAX_SIZES} divisors), print them ranked by predicted step, dry-run "
+        "the fastest",
+    )
     parser.add_argument("--node-size", type=int, default=None)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--memory-per-rank-gb", type=float, default=None)
@@ -287,9 +312,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.zipf_exponent is not None:
         overrides["zipf_exponent"] = args.zipf_exponent
     topology = base(**overrides)
-    result = dry_run(
-        tables, args.world_size, args.shard_group_size, args.node_size, topology, args.explain
-    )
+    size = args.shard_group_size
+    if size == "auto":
+        named = {cfg.name: cfg for cfg in tables}
+        choice = rank_shard_group_sizes(named, args.world_size, args.node_size, topology)
+        print("\n".join(choice.lines()))
+        size = choice.shard_group_size
+    result = dry_run(tables, args.world_size, size, args.node_size, topology, args.explain)
     print_dry_run(result)
     if args.explain:
         print(result["explanation"])
