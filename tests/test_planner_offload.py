@@ -173,3 +173,19 @@ def test_planner_cli_offloads_with_host_memory(tmp_path, capsys) -> None:
     assert "expected hit rate" in out and "why: offloaded" in out
     with pytest.raises(ValueError, match="'big' .2000000000 x 128. does not fit"):
         main(args)  # no host memory: the device alone
+
+
+def test_an_offloaded_blocks_copies_are_no_collective_call() -> None:
+    """A cache's misses are host <-> device copies (bytes over the host link), not a
+    collective: an offloaded row-wise table issues the calls of one on the device, so on
+    H100, where each call is priced, it pays no extra call latency."""
+    from dtrec.planning.plan_step import plan_step
+
+    axis = ShardAxis(4, 1, None)
+    cfg = dtrec.EmbeddingBagConfig("t", 100_000, 32, ["f"])
+    topology = dtrec.Topology.h100(batch_size_per_rank=256, default_pooling_factor=5.0)
+    device = table_cost(cfg, dtrec.placements.RowWise(), axis, topology)
+    offloaded = table_cost(cfg, dtrec.placements.RowWise(cache_rows=1000), axis, topology)
+    assert offloaded.comm["offload.host_to_device"].sum() > 0
+    on_device = plan_step([device], axis, topology)
+    assert plan_step([offloaded], axis, topology).calls == on_device.calls == 4

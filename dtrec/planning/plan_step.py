@@ -34,6 +34,9 @@ from dtrec.planning.topology import Topology
 
 PARTS_OF_IDS = ("input_dist.lengths", "input_dist.id_values")
 """``comm_by_kind`` entries that travel inside ``input_dist.ids`` (no call of their own)."""
+NOT_COLLECTIVES = ("offload.",)
+"""``comm_by_kind`` kind prefixes that are no collective (an offloaded block's host <-> device
+copies: its cache misses, priced as bytes over the host link)."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ def _calls(costs: Sequence[TableCost], axis: ShardAxis) -> list[tuple[str, int, 
     return [
         (*call_op(k), call_group(k, header))
         for k, v in kinds.items()
-        if k not in PARTS_OF_IDS and np.any(v > 0)
+        if k not in PARTS_OF_IDS and not k.startswith(NOT_COLLECTIVES) and np.any(v > 0)
     ]
 
 
