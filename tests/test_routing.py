@@ -243,6 +243,29 @@ def test_chunks_fbgemm_cannot_bucket_take_the_sort_path() -> None:
     assert fbgemm_runs_of([4], [*five[:2], (0, Block(2, (4, 4), (0, 4)))], [2], 2) is None
 
 
+def test_tables_on_few_positions_of_a_large_axis_take_the_sort_path() -> None:
+    """Table-row-wise over a large shard axis: fbgemm's op would write ``[S * F, B]``
+    lengths, mostly for no segment (S = 1024, 26 tables over 8 positions each: 1.7 GB at
+    B = 16384); the sort path's ``[runs, B]`` is taken instead. Up to ``SPARSE_BUCKETS``
+    rows per segment fbgemm stays (every row-wise table: one per segment)."""
+    from dtrec.placements import Block
+    from dtrec.sharded.dist.row_buckets import SPARSE_BUCKETS, fbgemm_runs_of
+
+    def node_blocks(shards: int, features: int) -> list:
+        # feature f in 8 chunks of 4 rows on positions 8 (f mod nodes) .. + 7
+        nodes = shards // 8
+        return [(f, Block(8 * (f % nodes) + i, (4 * i, 4 * i + 4), (0, 4)))
+                for f in range(features) for i in range(8)]  # fmt: skip
+
+    assert fbgemm_runs_of([32] * 4, node_blocks(8 * SPARSE_BUCKETS, 4), [4] * 4, 8 * SPARSE_BUCKETS)
+    assert (
+        fbgemm_runs_of([32] * 4, node_blocks(16 * SPARSE_BUCKETS, 4), [4] * 4, 16 * SPARSE_BUCKETS)
+        is None
+    )
+    rows = [(f, Block(p, (p, p + 1), (0, 4))) for f in range(4) for p in range(1024)]
+    assert fbgemm_runs_of([1024] * 4, rows, [1] * 4, 1024) is not None
+
+
 @pytest.mark.parametrize("path", ["fbgemm", "sort", "search"])
 def test_ids_outside_their_table_are_laid_out_without_indexing_out_of_range(
     monkeypatch: pytest.MonkeyPatch, path: str

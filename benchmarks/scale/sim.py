@@ -38,6 +38,7 @@ from dtrec.sharded.dense import _buckets
 from dtrec.sharded.dist.groups import column_groups
 from dtrec.sharded.dist.input_dist import InputDist
 from dtrec.sharded.dist.output_dist import OutputDist
+from dtrec.sharded.dist.routed_batch import wire_dtype
 from dtrec.sharded.dist.routing import Routing
 from dtrec.sharded.update.grad_sync import RowsShape, record_sync_rows
 from dtrec.sharded.update.sync_plan import GradSyncPlan
@@ -68,9 +69,11 @@ class Workload:
         ]
 
 
-def make_features(w: Workload, rank: int) -> KeyedJaggedTensor:
+def make_features(w: Workload, rank: int, dtype: torch.dtype = torch.int64) -> KeyedJaggedTensor:
     """Rank ``rank``'s batch: per feature, lengths uniform in [1, 2h - 1], ids uniform over
-    the table's rows (seeded by ``w.seed`` and the rank, so any process can rebuild it)."""
+    the table's rows (seeded by ``w.seed`` and the rank, so any process can rebuild it).
+    ``dtype``: of ids and lengths (the simulation feeds the input dist's wire dtype, so its
+    send buffer is built once, not as int64 and then cast: the same bytes go out)."""
     gen = torch.Generator().manual_seed(w.seed * 1_000_003 + rank)
     lengths, values = [], []
     for rows, hot in zip(w.rows, w.hotness, strict=True):
@@ -78,7 +81,7 @@ def make_features(w: Workload, rank: int) -> KeyedJaggedTensor:
         lengths.append(ls)
         values.append(torch.randint(0, rows, (int(ls.sum()),), generator=gen))
     keys = [f"f{i}" for i in range(len(w.rows))]
-    return KeyedJaggedTensor(keys, torch.cat(values), torch.cat(lengths))
+    return KeyedJaggedTensor(keys, torch.cat(values).to(dtype), torch.cat(lengths).to(dtype))
 
 
 def _feature_ids(kjt: KeyedJaggedTensor, t: int) -> torch.Tensor:
@@ -166,7 +169,7 @@ def simulate_rank(
         routing = Routing(tables, layouts, axis.size, position)
         grid = mesh.mesh  # [S, R] global ranks
         with comm_stats() as stats:
-            own = make_features(w, rank)
+            own = make_features(w, rank, wire_dtype(tables))
             step = RankStep(world, axis.size, rank, {})
             routed = InputDist(tables, routing, mesh)(own, "off")
             if routed.error is not None:

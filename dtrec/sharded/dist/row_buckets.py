@@ -138,16 +138,26 @@ def chunk_rows_of(sizes: list[int], segments: list[FeatureSegment]) -> list[int]
     return out
 
 
+SPARSE_BUCKETS = 8
+"""fbgemm's op writes a ``[S * F, B]`` lengths buffer; past this many of its rows per
+segment served (tables each split over a few positions of a large shard axis: table-row-wise
+over 1024 ranks, 26 features: 128 per segment, 1.7 GB at B = 16384) the sort path's
+``[runs, B]`` is taken instead."""
+
+
 def fbgemm_runs_of(
     sizes: list[int], segments: list[FeatureSegment], chunk_rows: list[int] | None, shards: int
 ) -> tuple[int, ...] | None:
     """Per segment, the row ``b * F + f`` of fbgemm's bucketized ``[S * F, B]`` lengths that
     holds its ids: fbgemm sends feature f's id to bucket ``id // c`` (S buckets), so this
     holds for chunked row blocks of at most S chunks; an empty block takes an empty
-    bucket. None otherwise (the sort path)."""
+    bucket. None otherwise (the sort path), and when most of those ``S * F`` rows would
+    be no segment's (``SPARSE_BUCKETS``)."""
     if chunk_rows is None or not segments:
         return None
     num_features, out = len(sizes), []
+    if shards * num_features > SPARSE_BUCKETS * len(segments):
+        return None
     for f, block in segments:
         c, n = chunk_rows[f], sizes[f]
         if n > shards * c:  # ids past S chunks would wrap around in fbgemm
