@@ -74,7 +74,7 @@ GENERATED = [EXACT_WORLD]  # --generated-batches sets it
 simulated rank's shard group while S <= 16, beyond it the expected distinct rows of the ids
 received (``sim.simulate_rank``): the time of the sweep, not its accuracy (uniform
 ids), sets it."""
-MAX_SEND_LENGTHS = 1 << 26
+MAX_SEND_LENGTHS = 1 << 30
 """The input dist sends every bag's length to every block of its table (row-wise: S x
 tables x B ints): past this many the rank's send buffer (GBs) does not fit this machine;
 such points are reported as not simulated."""
