@@ -33,6 +33,13 @@ PLANS = {  # name -> (shard group size, node size, specs)
         None,
         {"t0": RowWise(), "t1": DataParallel(), "t2": TableWise(rank=1), "t3": ColumnWise()},
     ),  # fmt: skip
+    # replicas average weights and Adagrad state every 2 steps instead of summing gradients
+    "2d_mixed_sync_every_2": (
+        2,
+        None,
+        {"t0": RowWise(), "t1": DataParallel(), "t2": TableWise(rank=1), "t3": ColumnWise()},
+        2,
+    ),  # fmt: skip
 }
 
 
@@ -56,21 +63,25 @@ PLANS_8 = {  # W = 8: a 2D mix with 4 replicas' worth of syncs, table-row-wise o
 
 
 def _real_bytes(rank: int, world_size: int, plans: dict | None = None) -> dict:
-    """Per plan: this rank's comm_stats of its second step (the first may set things up)."""
+    """Per plan: this rank's comm_stats per step of its steps after the first (which may
+    set things up): one step, or ``sync_every`` steps (one replica average among them)."""
     out = {}
-    for name, (shards, node, specs) in (plans or PLANS).items():
+    for name, (shards, node, specs, *every) in (plans or PLANS).items():
+        sync_every = every[0] if every else None
         torch.manual_seed(0)
         mesh = dtrec.init_mesh("cpu", shards, node)
         model = dtrec.distribute_module(
             _Model(), mesh, {f"sparse.{k}": v for k, v in specs.items()},
-            optimizer=dtrec.optim.RowWiseAdagrad(lr=0.01, eps=1e-8),
+            optimizer=dtrec.optim.RowWiseAdagrad(lr=0.01, eps=1e-8), sync_every=sync_every,
         )  # fmt: skip
         kjt = make_features(W, rank)
         model(kjt).sum().backward()
+        steps = sync_every or 1
         with dtrec.comm_stats() as stats:
-            model(kjt).sum().backward()
+            for _ in range(steps):
+                model(kjt).sum().backward()
         out[name] = {k: {"calls": v["calls"], "bytes": v["bytes"]}
-                     for k, v in stats.per_step().items()}  # fmt: skip
+                     for k, v in stats.per_step(steps).items()}  # fmt: skip
     return out
 
 
@@ -81,10 +92,12 @@ def real() -> list[dict]:
 
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_simulated_bytes_equal_a_real_run(real: list[dict], name: str) -> None:
-    shards, node, specs = PLANS[name]
+    shards, node, specs, *every = PLANS[name]
     dense = _Model("meta").dense
     for rank in range(WORLD):
-        sim = simulate_rank(W, specs, WORLD, shards, rank, node, dense)
+        sim = simulate_rank(
+            W, specs, WORLD, shards, rank, node, dense, sync_every=every[0] if every else None
+        )
         assert sim.comm == real[rank][name], f"rank {rank}"
 
 
@@ -112,6 +125,7 @@ def test_every_plan_exercises_its_exchanges(real: list[dict]) -> None:
         "grad_sync.data_parallel.counts",
         "optim.row_sq_sum",
         "dense.grad_sync",
+        "replica_sync.weights",
     }
     assert expected <= kinds
 

@@ -14,7 +14,10 @@ Plans per W = 8, 16, ..., 4096:
   span nodes once R >= 8, and replicas sync over R contiguous ranks);
 - ``2d_R8``, ``2d_R16``, ``2d_R64``: the other reading, replica groups of R = 8, 16, 64
   contiguous ranks (R = 8: one node, the replica sync on NVLink), S = W / R;
-- ``2d_planner``: the one of those the model predicts fastest.
+- ``2d_planner``: the one of those the model predicts fastest;
+- ``2d_*_k100``, ``2d_sync_planner``: the same shapes with ``sync_every=k`` (``--sync-every``,
+  default 100): replicas update their own rows and average weights and row-wise Adagrad
+  state every k steps (TorchRec DMPCollection's periodic sync), 1/k of it per step.
 
 Per configuration: the bytes one rank sends in every collective, from dtrec's own input
 dist, output dist, replica syncs and dense all-reduce run on a mirror world
@@ -159,19 +162,28 @@ def _table_bytes(w: Workload, specs: dict[str, TableSpec], world: int, shards: i
 
 
 def configuration(
-    w: Workload, name: str, world: int, shards: int, specs: dict, rank: int, device: Device
+    w: Workload,
+    name: str,
+    world: int,
+    shards: int,
+    specs: dict,
+    rank: int,
+    device: Device,
+    sync_every: int | None = None,
 ) -> dict:
-    """Simulate one plan at one W and price its step."""
+    """Simulate one plan at one W and price its step (``sync_every``: replicas average
+    weights every k steps instead of summing gradients every step)."""
     started = time.perf_counter()
     dense = DenseArch(len(w.rows) * w.dim, w.dim).to("meta")
     sim: RankStep = simulate_rank(
-        w, specs, world, shards, rank, 8, dense, GENERATED[0], GENERATED[0]
+        w, specs, world, shards, rank, 8, dense, GENERATED[0], GENERATED[0], sync_every
     )
     row = {
         "plan": name,
         "W": world,
         "S": shards,
         "R": world // shards,
+        "sync_every": sync_every,
         "rank": rank,
         "types": _type_counts(specs),
         "table_gb_per_rank": _table_bytes(w, specs, world, shards, rank) / 1e9,
@@ -229,7 +241,8 @@ def anchor(rows: list[dict], batch: int, device: Device) -> dict:
     """W = 8 against NVIDIA's MLPerf v4.0 result: the best plan as modelled, and the same
     with the dense time scaled to MLPerf's DCNv2 by multiply-adds (at this model's TF32
     rate: MLPerf runs its dense part in fp16/bf16)."""
-    at8 = [r for r in rows if r["W"] == 8 and "skipped" not in r and r["plan"] != "2d_planner"]
+    at8 = [r for r in rows if r["W"] == 8 and "skipped" not in r
+           and not r["plan"].endswith("_planner")]  # fmt: skip
     if not at8:
         return {}
     best = max(at8, key=lambda r: r["samples_per_s_per_gpu"])
@@ -254,8 +267,11 @@ def _type_counts(specs: dict[str, TableSpec]) -> dict[str, int]:
     return counts
 
 
-FAMILIES = ("1d_row_wise", "1d_table_row_wise", "1d_planner", "2d")
-"""What ``--plans`` may name: the 1D plans, and every 2D shape (with ``2d_planner``)."""
+FAMILIES = ("1d_row_wise", "1d_table_row_wise", "1d_planner", "2d", "2d_sync")
+"""What ``--plans`` may name: the 1D plans, every 2D shape (with ``2d_planner``), and every
+2D shape whose replicas average weights every ``--sync-every`` steps (TorchRec
+DMPCollection's way; with ``2d_sync_planner``)."""
+SYNC_EVERY = [100]  # --sync-every sets it
 
 
 def _too_big(w: Workload, specs: dict[str, TableSpec], world: int, shards: int) -> str | None:
@@ -286,15 +302,22 @@ def sweep(
                 here.append({"plan": name, "W": world, "S": world, "R": 1, "skipped": why})
                 continue
             here.append(configuration(w, name, world, world, specs, rank, device))
-        if "2d" in families:
+        shapes = [(f"2d_S{g}", g) for g in GROUPS if g <= world]
+        shapes += [(f"2d_R{g}", world // g) for g in GROUPS if g < world]
+        k = SYNC_EVERY[0]
+        for family, every, suffix in (("2d", None, ""), ("2d_sync", k, f"_k{k}")):
+            if family not in families:
+                continue
             twod = []
-            shapes = [(f"2d_S{g}", g) for g in GROUPS if g <= world]
-            shapes += [(f"2d_R{g}", world // g) for g in GROUPS if g < world]
             for name, s in shapes:
+                if every is not None and s == world:
+                    continue  # no replicas: the same step as 2d_S{W}
                 specs, rank = _planned(w, world, s)
-                twod.append(configuration(w, name, world, s, specs, rank, device))
-            best = min(twod, key=lambda r: r["step_ms"])
-            here += twod + [{**best, "plan": "2d_planner", "chosen": best["plan"]}]
+                twod.append(configuration(w, name + suffix, world, s, specs, rank, device, every))
+            if twod:
+                best = min(twod, key=lambda r: r["step_ms"])
+                pick = {**best, "plan": f"{family}_planner", "chosen": best["plan"]}
+                here += twod + [pick]
         for r in here:
             if "skipped" in r:
                 print(f"W={world:5d} {r['plan']:20s} not simulated: {r['skipped']}", flush=True)
@@ -316,11 +339,14 @@ def plot(rows: list[dict], path: str) -> str:
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 8), sharex=True)
-    plans = sorted({r["plan"] for r in rows if "skipped" not in r})
+    # the 1D plans and each 2D family's fastest shape (every shape is in the JSON)
+    shown = [r["plan"] for r in rows if "skipped" not in r]
+    plans = sorted({p for p in shown if p.startswith("1d") or p.endswith("_planner")})
     for plan in plans:
-        pts = sorted((r["W"], r) for r in rows if r["plan"] == plan and "skipped" not in r)
+        pts = sorted(((r["W"], r) for r in rows if r["plan"] == plan and "skipped" not in r),
+                     key=lambda p: p[0])  # fmt: skip
         xs = [p[0] for p in pts]
-        style = "-o" if plan.startswith("1d") else ("-s" if plan == "2d_planner" else "--.")
+        style = "-o" if plan.startswith("1d") else "-s"
         top.plot(xs, [p[1]["samples_per_s_per_gpu"] / 1e6 for p in pts], style, label=plan)
         bottom.plot(xs, [p[1]["comm_share"] for p in pts], style, label=plan)
     top.axhline(MLPERF_H100 / 1e6, color="gray", lw=0.8, ls=":")
@@ -357,6 +383,13 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated, of {FAMILIES} ('2d': every 2D shape and the fastest)",
     )
     parser.add_argument(
+        "--sync-every",
+        type=int,
+        default=SYNC_EVERY[0],
+        help="the 2d_sync plans' k: replicas average weights and optimizer state every k "
+        "steps (dtrec's sync_every; TorchRec DMPCollection's periodic sync)",
+    )
+    parser.add_argument(
         "--reprice",
         nargs="+",
         help="reports of this script (same batch): keep their simulated bytes, merged, and "
@@ -366,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png")
     args = parser.parse_args(argv)
     GENERATED[0] = args.generated_batches
+    SYNC_EVERY[0] = args.sync_every
     gpu_step = json.loads(GPU_STEP.read_text())
     h200 = calibrate(gpu_step)
     h100 = scaled(h200, "H100", H100_COPY)
@@ -441,16 +475,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _choose_2d(rows: list[dict]) -> None:
-    """Re-pick each W's ``2d_planner`` row: the fastest 2D configuration as now priced."""
+    """Re-pick each W's ``2d_planner`` and ``2d_sync_planner`` rows: the fastest 2D
+    configuration of each family as now priced."""
     for world in sorted({r["W"] for r in rows}):
-        twod = [r for r in rows if r["W"] == world and r["plan"].startswith("2d_")
-                and r["plan"] != "2d_planner"]  # fmt: skip
-        if not twod:
-            continue
-        best = min(twod, key=lambda r: r["step_ms"])
-        for i, r in enumerate(rows):
-            if r["W"] == world and r["plan"] == "2d_planner":
-                rows[i] = {**best, "plan": "2d_planner", "chosen": best["plan"]}
+        for family, synced in (("2d", False), ("2d_sync", True)):
+            pick = f"{family}_planner"
+            twod = [r for r in rows if r["W"] == world and r["plan"].startswith("2d_")
+                    and not r["plan"].endswith("_planner")
+                    and (r.get("sync_every") is not None) == synced]  # fmt: skip
+            if not twod:
+                continue
+            best = min(twod, key=lambda r: r["step_ms"])
+            for i, r in enumerate(rows):
+                if r["W"] == world and r["plan"] == pick:
+                    rows[i] = {**best, "plan": pick, "chosen": best["plan"]}
 
 
 if __name__ == "__main__":

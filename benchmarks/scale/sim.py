@@ -150,13 +150,16 @@ def simulate_rank(
     dense: nn.Module | None = None,
     exact_world: int = EXACT_WORLD,
     group_batches: int = EXACT_WORLD,
+    sync_every: int | None = None,
 ) -> RankStep:
     """Run rank ``rank``'s exchanges of one training step (module docstring) and return
     the bytes ``comm_stats`` recorded per kind, with the rank's lookup and update sizes.
     ``exact_world``: up to this many ranks every member's batch is generated;
     ``group_batches``: up to this S the shard group's batches are (beyond, the touched rows
     are the expected distinct count of the ids received: uniform ids, so the same in
-    expectation)."""
+    expectation). ``sync_every=k``: replicas do not sum gradients; every k-th step they
+    average weights and row-wise Adagrad state (``GradSyncPlan.start_average``, the real
+    call on meta blocks), counted as 1/k of it per step."""
     tables = w.tables()
     with mirror_world(rank, world):
         mesh = init_mesh("cpu", shard_group_size, node_size)
@@ -179,14 +182,19 @@ def simulate_rank(
             touched = _sync_rows(
                 w, routing, layouts, grid, coord, position, own, routed, exact_world, group_batches
             )
-            _syncs(routing, layouts, mesh, position, touched, tables, step)
+            _syncs(routing, layouts, mesh, position, touched, tables, step, sync_every)
             _data_parallel_lookups(routing, tables, own, step)
             if dense is not None:
                 for bucket in _buckets(list(dense.parameters())):
                     flat = torch.empty(bucket.numel + len(bucket.params), device="meta")
                     all_reduce_start(flat, None, DENSE_KIND).wait()
+        per_step = stats.per_step()
+        if sync_every is not None:
+            with comm_stats() as every:
+                _average_replicas(routing, layouts, mesh, position, tables)
+            per_step.update(every.per_step(sync_every))
         step.comm = {k: {"calls": v["calls"], "bytes": v["bytes"]} for k, v in
-                     stats.per_step().items()}  # fmt: skip
+                     per_step.items()}  # fmt: skip
         step.groups = _group_sizes(step.comm, axis.size, world // axis.size, world)
     return step
 
@@ -219,6 +227,8 @@ class Touched:
     """The largest count over the sync group's members (what each member sends)."""
     union: int
     """Distinct rows over the group (what the update and the row norms cover)."""
+    own: int
+    """This rank's own (what it updates when replicas sync weights, ``sync_every``)."""
 
 
 def _sync_rows(
@@ -256,13 +266,15 @@ def _sync_rows(
                 if seg.table == t
             )
             n = _expected_distinct(seg_ids, rows)
-            out[t] = Touched(n, _union(n, rows, members))
+            out[t] = Touched(n, _union(n, rows, members), n)
             continue
         padded = max(x.numel() for x in mine)
+        own_key = ("dp", t, me) if t in routing.data_parallel_tables else ("block", t, coord[1])
+        own_rows = sets[own_key].numel() if own_key in sets else mine[0].numel()
         union = torch.unique(torch.cat(mine)).numel() if exact else _union(
             mine[0].numel(), rows, members
         )  # fmt: skip
-        out[t] = Touched(padded, int(union))
+        out[t] = Touched(padded, int(union), own_rows)
     return out
 
 
@@ -273,10 +285,17 @@ def _union(n: int, rows: int, sets: int) -> int:
     return int(round(rows * -math.expm1(sets * math.log1p(-min(n, rows - 0.5) / rows))))
 
 
-def _syncs(routing, layouts, mesh, position, touched, tables, step: RankStep) -> None:
+def _syncs(routing, layouts, mesh, position, touched, tables, step: RankStep, sync_every) -> None:
     """The fused update's exchanges: column peers' row norms, then the replica syncs
-    grouped as ``FusedUpdater._sync_and_update`` groups them."""
+    grouped as ``FusedUpdater._sync_and_update`` groups them (none for routed tables
+    whose replicas average weights instead, ``sync_every``)."""
     plan = GradSyncPlan(mesh, routing)
+    if sync_every is not None:  # each replica updates its own rows; no gradient sum
+        touched = {
+            t: Touched(v.own, v.own, v.own)
+            if t not in routing.data_parallel_tables else v
+            for t, v in touched.items()
+        }  # fmt: skip
     routed_layouts = {
         t: layouts[t] for t in routing.local_tables if t not in routing.data_parallel_tables
     }
@@ -286,7 +305,7 @@ def _syncs(routing, layouts, mesh, position, touched, tables, step: RankStep) ->
         cols = _cols(layouts[t], position) if t in routed_layouts else tables[t].embedding_dim
         step.updated += touched[t].union * cols
         step.rows_touched += touched[t].union
-        sync = plan.table(t, None)
+        sync = plan.table(t, sync_every)
         if sync.group is not None:
             by_group.setdefault(id(sync.group), (sync.group, sync.kind, []))[2].append(t)
     by_columns: dict[int, tuple[object, list[int]]] = {}  # one all-reduce per peer group
@@ -304,6 +323,20 @@ def _syncs(routing, layouts, mesh, position, touched, tables, step: RankStep) ->
             for t in ts
         ]
         record_sync_rows(shapes, [touched[t].padded for t in ts], group, kind)
+
+
+def _average_replicas(routing, layouts, mesh, position, tables) -> None:
+    """``sync_every``'s replica average: each routed block and its row-wise Adagrad state
+    (one float per row), as meta tensors through ``GradSyncPlan.start_average``."""
+
+    def blocks(t: int) -> list[torch.Tensor]:
+        block = next(b for b in layouts[t].blocks if b.position == position)
+        weight = torch.empty(block.num_rows, block.num_cols, device="meta")
+        return [weight, torch.empty(block.num_rows, device="meta")]
+
+    pending = GradSyncPlan(mesh, routing).start_average(blocks)
+    if pending is not None:
+        pending.finish()
 
 
 def _cols(layout, position: int) -> int:

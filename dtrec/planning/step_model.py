@@ -43,6 +43,7 @@ COLLECTIVES = {
     "grad_sync.data_parallel.sparse": ("world", "all_gather"),
     "grad_sync.data_parallel.dense": ("world", "all_reduce"),
     "dense.grad_sync": ("world", "all_reduce"),
+    "replica_sync.weights": ("replicate", "all_reduce"),
 }
 """``comm_stats`` kind (or its prefix: ``output_dist.backward``) -> (mesh axis, pattern)."""
 
@@ -52,6 +53,7 @@ PHASES = {
     "grad_sync": "sync",
     "optim": "sync",
     "dense": "dense",
+    "replica_sync": "sync",
 }
 """Kind prefix -> where the step spends it (``step_time``)."""
 
