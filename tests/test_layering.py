@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dtrec.planning.cost_model",
         "dtrec.planning.offload_plan",
         "dtrec.planning.plan_step",  # a whole plan's step: what the search ranks plans by
+        "dtrec.planning.search",  # the search's state and steps
         "dtrec.planning.planner",
     ),
     ("dtrec.planning",),

@@ -36,7 +36,8 @@ from dtrec.planning.cost_model import (
 )
 from dtrec.planning.offload import block_ids_per_step, expected_misses, row_buckets
 from dtrec.planning.plan_step import PlanCandidate, candidate_lines, plan_step
-from dtrec.planning.planner import Choice, collection_of
+from dtrec.planning.planner import collection_of
+from dtrec.planning.search import Choice
 
 TIME_PARTS = {
     "HBM": (HBM,),
