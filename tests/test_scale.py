@@ -115,6 +115,28 @@ def test_simulated_bytes_equal_a_real_run_at_w8(real_8: list[dict], name: str) -
         assert sim.comm == real_8[rank][name], f"rank {rank}"
 
 
+PLANS_16 = {  # W = 16: S 4 x R 4 (exact sync and sync_every), table-row-wise on 4 nodes
+    "2d_mixed": (4, None, PLANS["2d_mixed"][2]),
+    "2d_mixed_sync_every_2": (4, None, PLANS["2d_mixed"][2], 2),
+    "table_row_wise": (16, 4, {f"t{i}": TableRowWise(node=i % 4) for i in range(4)}),
+}
+
+
+@pytest.fixture(scope="module")
+def real_16() -> list[dict]:
+    return run_world(16, _real_bytes, PLANS_16, timeout=400)
+
+
+@pytest.mark.parametrize("name", sorted(PLANS_16))
+def test_simulated_bytes_equal_a_real_run_at_w16(real_16: list[dict], name: str) -> None:
+    shards, node, specs, *every = PLANS_16[name]
+    dense = _Model("meta").dense
+    for rank in range(16):
+        sim = simulate_rank(W, specs, 16, shards, rank, node, dense,
+                            sync_every=every[0] if every else None)  # fmt: skip
+        assert sim.comm == real_16[rank][name], f"rank {rank}"
+
+
 def test_every_plan_exercises_its_exchanges(real: list[dict]) -> None:
     """The comparison is not vacuous: the plans together run every kind the model prices."""
     kinds = {k for per_rank in real for plan in per_rank.values() for k in plan}
