@@ -14,7 +14,8 @@ Plans per W = 8, 16, ..., 4096:
   span nodes once R >= 8, and replicas sync over R contiguous ranks);
 - ``2d_R8``, ``2d_R16``, ``2d_R64``: the other reading, replica groups of R = 8, 16, 64
   contiguous ranks (R = 8: one node, the replica sync on NVLink), S = W / R;
-- ``2d_planner``: the one of those the model predicts fastest;
+- ``2d_planner``: the one of those the model predicts fastest among those that fit a GPU's
+  80 GB (the planner's memory model: rows, optimizer state, the step's buffers);
 - ``2d_*_k100``, ``2d_sync_planner``: the same shapes with ``sync_every=k`` (``--sync-every``,
   default 100): replicas update their own rows and average weights and row-wise Adagrad
   state every k steps (TorchRec DMPCollection's periodic sync), 1/k of it per step.
@@ -27,8 +28,8 @@ lookups and dense math from this project's H200 step, scaled to H100 by copy ban
 The report checks the one-GPU calibration against every measured ``gpu_step`` config
 (``one_gpu_check``, within 15%) and places W = 8 next to NVIDIA's MLPerf v4.0 result.
 
-    python -m benchmarks.scale --json benchmarks/results/scale_2026-11-27.json \\
-        --png benchmarks/results/scale_2026-11-27.png
+    python -m benchmarks.scale --json benchmarks/results/scale_2026-11-29.json \\
+        --png benchmarks/results/scale_2026-11-29.png --generated-batches 4
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from benchmarks.scale.mirror_world import mirror_world
 from benchmarks.scale.sim import RankStep, Workload, simulate_rank
 from dtrec.placements import RowWise, TableRowWise, TableSpec
 from dtrec.placements.mesh import init_mesh, shard_axis
+from dtrec.planning.cost_model import table_cost
 from dtrec.planning.planner import plan_tables
 from dtrec.planning.step_model import (
     Device,
@@ -123,17 +125,21 @@ def _heaviest_rank(w: Workload, specs: dict[str, TableSpec], axis) -> int:
     return max(range(axis.size), key=lambda p: load[p]) * axis.replicas
 
 
-def _planned(w: Workload, world: int, shards: int) -> tuple[dict[str, TableSpec], int]:
-    """The planner's specs for an (S, R) mesh and the rank to simulate."""
-    with mirror_world(0, world):
-        axis = shard_axis(init_mesh("cpu", shards, 8))
-    topology = Topology.h100(
+def _topology(w: Workload) -> Topology:
+    """The planner's H100 topology for the workload (80 GB per GPU, its batch and hotness)."""
+    return Topology.h100(
         node_size=8,
         batch_size_per_rank=w.batch,
         pooling_factors={f"f{i}": float(h) for i, h in enumerate(w.hotness)},
     )
+
+
+def _planned(w: Workload, world: int, shards: int) -> tuple[dict[str, TableSpec], int]:
+    """The planner's specs for an (S, R) mesh and the rank to simulate."""
+    with mirror_world(0, world):
+        axis = shard_axis(init_mesh("cpu", shards, 8))
     named = {cfg.name: cfg for cfg in w.tables()}
-    choices, _ = plan_tables(named, axis, None, topology)
+    choices, _ = plan_tables(named, axis, None, _topology(w))
     specs = {k: c.spec for k, c in choices.items()}
     return specs, _heaviest_rank(w, specs, axis)
 
@@ -148,17 +154,22 @@ def _one_d(w: Workload, world: int, kind: str) -> tuple[dict[str, TableSpec], in
     return specs, _heaviest_rank(w, specs, axis)
 
 
-def _table_bytes(w: Workload, specs: dict[str, TableSpec], world: int, shards: int, rank: int):
-    """Bytes of table rows + rowwise Adagrad state the simulated rank holds."""
+def _memory(w: Workload, specs: dict[str, TableSpec], world: int, shards: int, rank: int):
+    """Bytes the simulated rank holds: its table rows + row-wise Adagrad state, and all the
+    planner's cost model counts (with the step's buffers: ids received, partials pooled
+    for the shard group's samples), against the budget it plans within."""
     with mirror_world(rank, world):
         axis = shard_axis(init_mesh("cpu", shards, 8))
     position = rank // axis.replicas
-    total = 0
+    rows, topology = 0, _topology(w)
+    planned = 0.0
     for cfg in w.tables():
         for b in specs[cfg.name].layout(cfg, axis).blocks:
             if b.position == position:
-                total += b.num_rows * (b.num_cols + 1) * 4
-    return total
+                rows += b.num_rows * (b.num_cols + 1) * 4
+        planned += float(table_cost(cfg, specs[cfg.name], axis, topology, with_comm=False)
+                         .memory[position])  # fmt: skip
+    return rows, planned, topology.memory_budget
 
 
 def configuration(
@@ -178,6 +189,7 @@ def configuration(
     sim: RankStep = simulate_rank(
         w, specs, world, shards, rank, 8, dense, GENERATED[0], GENERATED[0], sync_every
     )
+    table, held, budget = _memory(w, specs, world, shards, rank)
     row = {
         "plan": name,
         "W": world,
@@ -186,7 +198,9 @@ def configuration(
         "sync_every": sync_every,
         "rank": rank,
         "types": _type_counts(specs),
-        "table_gb_per_rank": _table_bytes(w, specs, world, shards, rank) / 1e9,
+        "table_gb_per_rank": table / 1e9,
+        "memory_gb_per_rank": held / 1e9,
+        "fits_memory": held <= budget,
         "comm": {k: {**v, "group": sim.groups[k]} for k, v in sim.comm.items()},
         "comm_bytes": sum(v["bytes"] for v in sim.comm.values()),
         "embedding_bytes": embedding_bytes(
@@ -241,7 +255,7 @@ def anchor(rows: list[dict], batch: int, device: Device) -> dict:
     """W = 8 against NVIDIA's MLPerf v4.0 result: the best plan as modelled, and the same
     with the dense time scaled to MLPerf's DCNv2 by multiply-adds (at this model's TF32
     rate: MLPerf runs its dense part in fp16/bf16)."""
-    at8 = [r for r in rows if r["W"] == 8 and "skipped" not in r
+    at8 = [r for r in rows if r["W"] == 8 and "skipped" not in r and r["fits_memory"]
            and not r["plan"].endswith("_planner")]  # fmt: skip
     if not at8:
         return {}
@@ -293,10 +307,14 @@ def sweep(
     for world in worlds:
         here = []
         for name in [f for f in families if f.startswith("1d_")]:
-            if name == "1d_planner":
-                specs, rank = _planned(w, world, world)
-            else:
-                specs, rank = _one_d(w, world, name.removeprefix("1d_"))
+            try:
+                if name == "1d_planner":
+                    specs, rank = _planned(w, world, world)
+                else:
+                    specs, rank = _one_d(w, world, name.removeprefix("1d_"))
+            except ValueError as exc:  # no plan fits a GPU's memory (the planner says why)
+                here.append({"plan": name, "W": world, "S": world, "R": 1, "skipped": str(exc)})
+                continue
             why = _too_big(w, specs, world, world)
             if why:
                 here.append({"plan": name, "W": world, "S": world, "R": 1, "skipped": why})
@@ -312,20 +330,29 @@ def sweep(
             for name, s in shapes:
                 if every is not None and s == world:
                     continue  # no replicas: the same step as 2d_S{W}
-                specs, rank = _planned(w, world, s)
+                try:
+                    specs, rank = _planned(w, world, s)
+                except ValueError as exc:
+                    here.append({"plan": name + suffix, "W": world, "S": s,
+                                 "R": world // s, "skipped": str(exc)})  # fmt: skip
+                    continue
                 twod.append(configuration(w, name + suffix, world, s, specs, rank, device, every))
-            if twod:
-                best = min(twod, key=lambda r: r["step_ms"])
+            fit = [r for r in twod if r["fits_memory"]]  # the fastest that fits 80 GB
+            if fit:
+                best = min(fit, key=lambda r: r["step_ms"])
                 pick = {**best, "plan": f"{family}_planner", "chosen": best["plan"]}
                 here += twod + [pick]
         for r in here:
             if "skipped" in r:
                 print(f"W={world:5d} {r['plan']:20s} not simulated: {r['skipped']}", flush=True)
             else:
+                fits = (
+                    "" if r["fits_memory"] else f" DOES NOT FIT ({r['memory_gb_per_rank']:.0f} GB)"
+                )
                 print(f"W={world:5d} {r['plan']:20s} S={r['S']:5d} step {r['step_ms']:8.2f} ms "
                       f"{r['samples_per_s_per_gpu'] / 1e6:6.3f} M samples/s/GPU, comm share "
                       f"{r['comm_share']:.2f}, comm {r['comm_bytes'] / 2**20:10.1f} MiB "
-                      f"({r['simulate_s']:.1f} s)", flush=True)  # fmt: skip
+                      f"({r['simulate_s']:.1f} s){fits}", flush=True)  # fmt: skip
         rows += here
     return rows
 
@@ -347,13 +374,16 @@ def plot(rows: list[dict], path: str) -> str:
                      key=lambda p: p[0])  # fmt: skip
         xs = [p[0] for p in pts]
         style = "-o" if plan.startswith("1d") else "-s"
-        top.plot(xs, [p[1]["samples_per_s_per_gpu"] / 1e6 for p in pts], style, label=plan)
+        line = top.plot(xs, [p[1]["samples_per_s_per_gpu"] / 1e6 for p in pts], style, label=plan)
+        over = [p for p in pts if not p[1].get("fits_memory", True)]
+        top.plot([p[0] for p in over], [p[1]["samples_per_s_per_gpu"] / 1e6 for p in over],
+                 "x", color=line[0].get_color(), ms=12)  # fmt: skip
         bottom.plot(xs, [p[1]["comm_share"] for p in pts], style, label=plan)
     top.axhline(MLPERF_H100 / 1e6, color="gray", lw=0.8, ls=":")
     top.text(8, MLPERF_H100 / 1e6 * 1.1, "MLPerf v4.0 HugeCTR, 8 H100", fontsize=8, color="gray")
     top.set_xscale("log", base=2)
     top.set_yscale("log")
-    top.set_ylabel("M samples/s per GPU (predicted)")
+    top.set_ylabel("M samples/s per GPU (predicted; x: over 80 GB)")
     bottom.set_ylabel("share of the step waiting on comm")
     bottom.set_xlabel("GPUs (W), H100 nodes of 8, NVLink + 8x400 Gb/s IB")
     top.legend(fontsize=8)
@@ -481,7 +511,8 @@ def _choose_2d(rows: list[dict]) -> None:
         for family, synced in (("2d", False), ("2d_sync", True)):
             pick = f"{family}_planner"
             twod = [r for r in rows if r["W"] == world and r["plan"].startswith("2d_")
-                    and not r["plan"].endswith("_planner")
+                    and not r["plan"].endswith("_planner") and "skipped" not in r
+                    and r.get("fits_memory", True)
                     and (r.get("sync_every") is not None) == synced]  # fmt: skip
             if not twod:
                 continue
