@@ -160,3 +160,18 @@ def test_one_gpu_step_within_15_percent_of_h200() -> None:
     assert rows, "no gpu_step configs"
     for row in rows:
         assert abs(row["error"]) <= 0.15, row
+
+
+def test_planner_mesh_choice_orders_2d_shapes_as_the_scale_model() -> None:
+    """``dtrec.choose_shard_group_size``'s ranking (the planner's cost model, its H100 call
+    latencies) orders the sweep's exact-sync 2D shapes of each W <= 256 as the scale
+    model's committed steps do (``scale_2026-11-29.json``; the sweep checks every W up to
+    4096 with ``--mesh-choice``)."""
+    from benchmarks.scale.run import mesh_choices, mlperf
+
+    report = json.loads((RESULTS / "scale_2026-11-29.json").read_text())
+    rows = [r for r in report["configs"] if r["W"] <= 256]
+    checked = mesh_choices(rows, mlperf(report["workload"]["batch_per_gpu"]))
+    assert [c["W"] for c in checked] == [16, 32, 64, 128, 256]
+    for c in checked:
+        assert c["planner_order"] == c["model_order"], c

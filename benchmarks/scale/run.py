@@ -52,6 +52,7 @@ from benchmarks.scale.sim import RankStep, Workload, simulate_rank
 from dtrec.placements import RowWise, TableRowWise, TableSpec
 from dtrec.placements.mesh import init_mesh, shard_axis
 from dtrec.planning.cost_model import table_cost
+from dtrec.planning.mesh_choice import rank_shard_group_sizes
 from dtrec.planning.planner import plan_tables
 from dtrec.planning.step_model import (
     Device,
@@ -274,6 +275,40 @@ def anchor(rows: list[dict], batch: int, device: Device) -> dict:
     }
 
 
+def mesh_choices(rows: list[dict], w: Workload) -> list[dict]:
+    """Per W: the shard group size ``dtrec.planning.mesh_choice`` (what
+    ``dtrec.choose_shard_group_size`` returns) picks among the sweep's exact-sync 2D shapes,
+    against the one this model predicts fastest; ``loss``: the model's step at the
+    planner's pick over its best (1.0: the same shape, or as fast)."""
+    out = []
+    named = {cfg.name: cfg for cfg in w.tables()}
+    for world in sorted({r["W"] for r in rows}):
+        twod = {r["S"]: r for r in rows if r["W"] == world and r["plan"].startswith("2d_")
+                and not r["plan"].endswith("_planner") and r.get("sync_every") is None
+                and "skipped" not in r and r.get("fits_memory", True)}  # fmt: skip
+        if len(twod) < 2:
+            continue
+        started = time.perf_counter()
+        choice = rank_shard_group_sizes(
+            named, world, 8, _topology(w), shard_group_sizes=sorted(twod)
+        )
+        best = min(twod.values(), key=lambda r: r["step_ms"])
+        picked = twod[choice.shard_group_size]
+        out.append({
+            "W": world,
+            "planner_S": choice.shard_group_size,
+            "model_S": best["S"],
+            "planner_order": list(choice.per_size),
+            "model_order": [r["S"] for r in sorted(twod.values(), key=lambda r: r["step_ms"])],
+            "loss": picked["step_ms"] / best["step_ms"],
+            "seconds": time.perf_counter() - started,
+        })  # fmt: skip
+        c = out[-1]
+        print(f"W={world:5d} planner picks S={c['planner_S']}, the model S={c['model_S']}: "
+              f"{c['loss']:.2f}x the model's best step", flush=True)  # fmt: skip
+    return out
+
+
 def _type_counts(specs: dict[str, TableSpec]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for spec in specs.values():
@@ -425,6 +460,12 @@ def main(argv: list[str] | None = None) -> int:
         help="reports of this script (same batch): keep their simulated bytes, merged, and "
         "recompute every time with the current constants (seconds instead of minutes)",
     )
+    parser.add_argument(
+        "--mesh-choice",
+        action="store_true",
+        help="also plan every W's 2D shapes with dtrec's mesh choice and compare its pick "
+        "with this model's fastest (report: planner_mesh_choice; minutes at large W)",
+    )
     parser.add_argument("--json")
     parser.add_argument("--png")
     args = parser.parse_args(argv)
@@ -484,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
             "ok": worst <= TOLERANCE,
         },
         "mlperf_anchor": anchor(rows, w.batch, h100),
+        "planner_mesh_choice": mesh_choices(rows, w) if args.mesh_choice else None,
         "configs": rows,
     }
     a = report["mlperf_anchor"]
