@@ -175,3 +175,18 @@ def test_planner_mesh_choice_orders_2d_shapes_as_the_scale_model() -> None:
     assert [c["W"] for c in checked] == [16, 32, 64, 128, 256]
     for c in checked:
         assert c["planner_order"] == c["model_order"], c
+
+
+def test_one_d_layouts_are_torchrecs_own_plans() -> None:
+    """The sweep's 1D row-wise and table-row-wise plans are TorchRec's
+    (``construct_module_sharding_plan`` with ``row_wise()`` / ``table_row_wise(host_index)``)
+    read by ``dtrec.interop.plans``: the same blocks as dtrec's ``RowWise()`` and
+    ``TableRowWise(node=i mod nodes)``, whose bytes the checks above compare."""
+    pytest.importorskip("torchrec")
+    from benchmarks.scale.run import _one_d
+
+    for kind, want in (("row_wise", lambda i: RowWise()),
+                       ("table_row_wise", lambda i: TableRowWise(node=i % 2))):  # fmt: skip
+        specs, _, source = _one_d(W, 16, kind)
+        assert source == "torchrec plan via dtrec.interop.plans"
+        assert specs == {f"t{i}": want(i) for i in range(4)}

@@ -6,7 +6,8 @@ GPU, uniform ids; the dense arch, rowwise Adagrad and step of ``benchmarks/gpu_s
 Plans per W = 8, 16, ..., 4096:
 
 - ``1d_row_wise``, ``1d_table_row_wise``: TorchRec's row-wise and table-row-wise layouts
-  over all W ranks (dtrec's specs for them; table-row-wise: table i on node i mod nodes);
+  over all W ranks (table-row-wise: table i on node i mod nodes), TorchRec's own plan read
+  by ``dtrec.interop.plans`` (dtrec's specs for them when TorchRec is not installed);
 - ``1d_planner``: dtrec's planner's specs over all W ranks (S = W);
 - ``2d_S8``, ``2d_S16``, ``2d_S64``: dtrec 2D, a model replica sharded over S ranks with
   the planner's specs (``dtrec.planning.planner``), R = W / S replicas (TorchRec's
@@ -49,6 +50,7 @@ from benchmarks.gpu_step import MLPERF_HOTNESS, MLPERF_ROWS, DenseArch
 from benchmarks.probes.machine import processor
 from benchmarks.scale.mirror_world import mirror_world
 from benchmarks.scale.sim import RankStep, Workload, simulate_rank
+from dtrec.interop.plans import from_torchrec_plan
 from dtrec.placements import RowWise, TableRowWise, TableSpec
 from dtrec.placements.mesh import init_mesh, shard_axis
 from dtrec.planning.cost_model import table_cost
@@ -145,14 +147,47 @@ def _planned(w: Workload, world: int, shards: int) -> tuple[dict[str, TableSpec]
     return specs, _heaviest_rank(w, specs, axis)
 
 
-def _one_d(w: Workload, world: int, kind: str) -> tuple[dict[str, TableSpec], int]:
+def _one_d(w: Workload, world: int, kind: str) -> tuple[dict[str, TableSpec], int, str]:
+    """TorchRec's 1D layout of every table (``kind``: "row_wise", or "table_row_wise" with
+    table i on node i mod nodes) over all ``world`` ranks, the rank to simulate, and where
+    the layout came from: TorchRec's own sharding plan (``construct_module_sharding_plan``)
+    read by ``dtrec.interop.plans``, or, without TorchRec installed, dtrec's specs for it."""
     nodes = max(1, world // 8)
-    if kind == "row_wise":
-        return {cfg.name: RowWise() for cfg in w.tables()}, 0
-    specs = {cfg.name: TableRowWise(node=i % nodes) for i, cfg in enumerate(w.tables())}
     with mirror_world(0, world):
-        axis = shard_axis(init_mesh("cpu", world, 8))
-    return specs, _heaviest_rank(w, specs, axis)
+        mesh = init_mesh("cpu", world, 8)
+        axis = shard_axis(mesh)
+        try:
+            specs = _torchrec_layout(w, world, kind, mesh)
+            source = "torchrec plan via dtrec.interop.plans"
+        except ImportError:
+            if kind == "row_wise":
+                specs = {cfg.name: RowWise() for cfg in w.tables()}
+            else:
+                specs = {c.name: TableRowWise(node=i % nodes) for i, c in enumerate(w.tables())}
+            source = "dtrec specs (torchrec not installed)"
+    return specs, _heaviest_rank(w, specs, axis), source
+
+
+def _torchrec_layout(w: Workload, world: int, kind: str, mesh) -> dict[str, TableSpec]:
+    """TorchRec's plan for the workload's tables (meta, nothing allocated), as dtrec specs."""
+    from torchrec.distributed.sharding_plan import (
+        construct_module_sharding_plan,
+        row_wise,
+        table_row_wise,
+    )
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig as TorchRecConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection as TorchRecEBC
+
+    configs = [TorchRecConfig(name=c.name, embedding_dim=c.embedding_dim,
+                              num_embeddings=c.num_embeddings, feature_names=c.feature_names)
+               for c in w.tables()]  # fmt: skip
+    ebc = TorchRecEBC(configs, device=torch.device("meta"))
+    nodes = max(1, world // 8)
+    per_table = {c.name: row_wise() if kind == "row_wise" else table_row_wise(host_index=i % nodes)
+                 for i, c in enumerate(configs)}  # fmt: skip
+    plan = construct_module_sharding_plan(ebc, per_table, local_size=8, world_size=world,
+                                          device_type="cuda")  # fmt: skip
+    return from_torchrec_plan({"": plan}, {c.name: c for c in w.tables()}, mesh)
 
 
 def _memory(w: Workload, specs: dict[str, TableSpec], world: int, shards: int, rank: int):
@@ -345,8 +380,9 @@ def sweep(
             try:
                 if name == "1d_planner":
                     specs, rank = _planned(w, world, world)
+                    source = "dtrec planner"
                 else:
-                    specs, rank = _one_d(w, world, name.removeprefix("1d_"))
+                    specs, rank, source = _one_d(w, world, name.removeprefix("1d_"))
             except ValueError as exc:  # no plan fits a GPU's memory (the planner says why)
                 here.append({"plan": name, "W": world, "S": world, "R": 1, "skipped": str(exc)})
                 continue
@@ -354,7 +390,8 @@ def sweep(
             if why:
                 here.append({"plan": name, "W": world, "S": world, "R": 1, "skipped": why})
                 continue
-            here.append(configuration(w, name, world, world, specs, rank, device))
+            here.append({**configuration(w, name, world, world, specs, rank, device),
+                         "layouts": source})  # fmt: skip
         shapes = [(f"2d_S{g}", g) for g in GROUPS if g <= world]
         shapes += [(f"2d_R{g}", world // g) for g in GROUPS if g < world]
         k = SYNC_EVERY[0]
