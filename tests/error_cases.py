@@ -27,6 +27,7 @@ from dtrec.ops.backends import registry as backend
 from dtrec.optim import SGD, Adam, RowWiseAdagrad
 from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
 from dtrec.planning.dry_run import load_config
+from dtrec.planning.mesh_choice import rank_shard_group_sizes
 from dtrec.planning.plan import ShardingPlan
 from dtrec.planning.planner import TableConstraint
 from tests.fake_world import fake_world
@@ -38,6 +39,10 @@ Case = Callable[[Path], object]
 
 def ids(*xs: int) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int64)
+
+
+def one_table() -> dict[str, dtrec.EmbeddingBagConfig]:
+    return {"t0": dtrec.EmbeddingBagConfig("t0", 100, 8, ["f0"], "sum")}
 
 
 def tables() -> list[dtrec.EmbeddingBagConfig]:
@@ -633,6 +638,10 @@ LOCAL: dict[str, Case] = {
     "E252": lambda tmp: planner_config(
         tmp, {"tables": [], "qcomms": {"forward_precision": "int8"}}
     ),
+    # the mesh choice
+    "E341": lambda tmp: dtrec.choose_shard_group_size(one_table(), 0),
+    "E342": lambda tmp: dtrec.choose_shard_group_size(one_table(), 8, node_size=3),
+    "E343": lambda tmp: rank_shard_group_sizes(one_table(), 8, shard_group_sizes=[3, 5]),
     # fused optimizers
     "E103": lambda tmp: SGD(lr=-0.1),
     "E104": lambda tmp: SGD(lr=float("nan")),
