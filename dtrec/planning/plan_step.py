@@ -30,6 +30,7 @@ from dtrec.planning.cost_model import (
     step_time,
     table_cost,
 )
+from dtrec.planning.step_model import collective_of
 from dtrec.planning.topology import Topology
 
 PARTS_OF_IDS = ("input_dist.lengths", "input_dist.id_values")
@@ -60,30 +61,21 @@ class PlanStep:
 
 def call_op(kind: str) -> tuple[str, int]:
     """(collective op, calls per step) of a ``comm_by_kind`` kind, as ``dtrec`` issues it:
-    the input dist's verdict, row norms and dense gradient sums are all-reduces, a gradient
-    sync's counts one all-gather and its sparse rows two (ids, then rows); the rest
-    all-to-alls. The census of a real step counts the same (``benchmarks/distributed.py``:
+    the op the scale model gives the kind (``step_model.collective_of``: verdict, row norms
+    and dense gradient sums all-reduce, a gradient sync's counts and sparse rows
+    all-gather, the rest all-to-all), a sparse gradient sync in two calls (ids, then rows).
+    The census of a real step counts the same (``benchmarks/distributed.py``:
     ``collectives_per_step``)."""
-    if kind in ("input_dist.verdict", "optim.row_sq_sum") or kind.endswith(".dense"):
-        return "all_reduce", 1
-    if kind.endswith(".counts"):
-        return "all_gather", 1
-    if kind.endswith(".sparse"):
-        return "all_gather", 2
-    return "all_to_all", 1
+    return collective_of(kind)[1], 2 if kind.endswith(".sparse") else 1
 
 
 def call_group(kind: str, header: bool) -> str:
     """The mesh group a ``comm_by_kind`` kind's call runs over: "shard", "replicate" or
-    "world" (the verdict: over the replicas with an input-dist ``header``, else the world,
-    as ``comm_by_kind`` sizes it)."""
-    if kind == "input_dist.verdict":
-        return "replicate" if header else "world"
-    if kind.startswith("grad_sync.replicate"):
-        return "replicate"
-    if kind.startswith(("grad_sync.data_parallel", "dense")):
+    "world", as ``step_model.collective_of`` says, but the verdict: over the replicas with
+    an input-dist ``header``, else the world, as ``comm_by_kind`` sizes it."""
+    if kind == "input_dist.verdict" and not header:
         return "world"
-    return "shard"
+    return collective_of(kind)[0]
 
 
 def group_shape(group: str, axis: ShardAxis, topology: Topology) -> tuple[int, int]:

@@ -34,6 +34,7 @@ COLLECTIVES = {
     "input_dist.ids": ("shard", "all_to_all"),
     "input_dist.weights": ("shard", "all_to_all"),
     "output_dist": ("shard", "all_to_all"),
+    "sequence_output_dist": ("shard", "all_to_all"),
     "optim.row_sq_sum": ("shard", "all_reduce"),
     "input_dist.verdict": ("replicate", "all_reduce"),
     "grad_sync.replicate.counts": ("replicate", "all_gather"),
@@ -50,6 +51,7 @@ COLLECTIVES = {
 PHASES = {
     "input_dist": "input",
     "output_dist": "output",
+    "sequence_output_dist": "output",
     "grad_sync": "sync",
     "optim": "sync",
     "dense": "dense",
