@@ -310,6 +310,15 @@ def anchor(rows: list[dict], batch: int, device: Device) -> dict:
     }
 
 
+def _family(rows: list[dict], world: int, synced: bool) -> list[dict]:
+    """The simulated 2D shapes of one W that fit 80 GB: the exact-sync ones, or (``synced``)
+    the ``sync_every`` ones; not the ``*_planner`` picks."""
+    return [r for r in rows if r["W"] == world and r["plan"].startswith("2d_")
+            and not r["plan"].endswith("_planner") and "skipped" not in r
+            and r.get("fits_memory", True)
+            and (r.get("sync_every") is not None) == synced]  # fmt: skip
+
+
 def mesh_choices(rows: list[dict], w: Workload) -> list[dict]:
     """Per W: the shard group size ``dtrec.planning.mesh_choice`` (what
     ``dtrec.choose_shard_group_size`` returns) picks among the sweep's exact-sync 2D shapes,
@@ -318,9 +327,7 @@ def mesh_choices(rows: list[dict], w: Workload) -> list[dict]:
     out = []
     named = {cfg.name: cfg for cfg in w.tables()}
     for world in sorted({r["W"] for r in rows}):
-        twod = {r["S"]: r for r in rows if r["W"] == world and r["plan"].startswith("2d_")
-                and not r["plan"].endswith("_planner") and r.get("sync_every") is None
-                and "skipped" not in r and r.get("fits_memory", True)}  # fmt: skip
+        twod = {r["S"]: r for r in _family(rows, world, synced=False)}
         if len(twod) < 2:
             continue
         started = time.perf_counter()
@@ -409,11 +416,11 @@ def sweep(
                                  "R": world // s, "skipped": str(exc)})  # fmt: skip
                     continue
                 twod.append(configuration(w, name + suffix, world, s, specs, rank, device, every))
-            fit = [r for r in twod if r["fits_memory"]]  # the fastest that fits 80 GB
+            here += twod
+            fit = _family(twod, world, synced=every is not None)  # the fastest that fits
             if fit:
                 best = min(fit, key=lambda r: r["step_ms"])
-                pick = {**best, "plan": f"{family}_planner", "chosen": best["plan"]}
-                here += twod + [pick]
+                here.append({**best, "plan": f"{family}_planner", "chosen": best["plan"]})
         for r in here:
             if "skipped" in r:
                 print(f"W={world:5d} {r['plan']:20s} not simulated: {r['skipped']}", flush=True)
@@ -589,10 +596,7 @@ def _choose_2d(rows: list[dict]) -> None:
     for world in sorted({r["W"] for r in rows}):
         for family, synced in (("2d", False), ("2d_sync", True)):
             pick = f"{family}_planner"
-            twod = [r for r in rows if r["W"] == world and r["plan"].startswith("2d_")
-                    and not r["plan"].endswith("_planner") and "skipped" not in r
-                    and r.get("fits_memory", True)
-                    and (r.get("sync_every") is not None) == synced]  # fmt: skip
+            twod = _family(rows, world, synced)
             if not twod:
                 continue
             best = min(twod, key=lambda r: r["step_ms"])

@@ -182,7 +182,8 @@ def simulate_rank(
             touched = _sync_rows(
                 w, routing, layouts, grid, coord, position, own, routed, exact_world, group_batches
             )
-            _syncs(routing, layouts, mesh, position, touched, tables, step, sync_every)
+            sync_plan = GradSyncPlan(mesh, routing)
+            _syncs(routing, layouts, sync_plan, mesh, position, touched, tables, step, sync_every)
             _data_parallel_lookups(routing, tables, own, step)
             if dense is not None:
                 for bucket in _buckets(list(dense.parameters())):
@@ -191,7 +192,7 @@ def simulate_rank(
         per_step = stats.per_step()
         if sync_every is not None:
             with comm_stats() as every:
-                _average_replicas(routing, layouts, mesh, position, tables)
+                _average_replicas(layouts, sync_plan, position)
             per_step.update(every.per_step(sync_every))
         step.comm = {k: {"calls": v["calls"], "bytes": v["bytes"]} for k, v in
                      per_step.items()}  # fmt: skip
@@ -285,11 +286,13 @@ def _union(n: int, rows: int, sets: int) -> int:
     return int(round(rows * -math.expm1(sets * math.log1p(-min(n, rows - 0.5) / rows))))
 
 
-def _syncs(routing, layouts, mesh, position, touched, tables, step: RankStep, sync_every) -> None:
+def _syncs(
+    routing, layouts, plan, mesh, position, touched, tables, step: RankStep, sync_every
+) -> None:
     """The fused update's exchanges: column peers' row norms, then the replica syncs
     grouped as ``FusedUpdater._sync_and_update`` groups them (none for routed tables
-    whose replicas average weights instead, ``sync_every``)."""
-    plan = GradSyncPlan(mesh, routing)
+    whose replicas average weights instead, ``sync_every``); ``plan``: the step's
+    ``GradSyncPlan``."""
     if sync_every is not None:  # each replica updates its own rows; no gradient sum
         touched = {
             t: Touched(v.own, v.own, v.own)
@@ -325,7 +328,7 @@ def _syncs(routing, layouts, mesh, position, touched, tables, step: RankStep, sy
         record_sync_rows(shapes, [touched[t].padded for t in ts], group, kind)
 
 
-def _average_replicas(routing, layouts, mesh, position, tables) -> None:
+def _average_replicas(layouts, plan: GradSyncPlan, position: int) -> None:
     """``sync_every``'s replica average: each routed block and its row-wise Adagrad state
     (one float per row), as meta tensors through ``GradSyncPlan.start_average``."""
 
@@ -334,7 +337,7 @@ def _average_replicas(routing, layouts, mesh, position, tables) -> None:
         weight = torch.empty(block.num_rows, block.num_cols, device="meta")
         return [weight, torch.empty(block.num_rows, device="meta")]
 
-    pending = GradSyncPlan(mesh, routing).start_average(blocks)
+    pending = plan.start_average(blocks)
     if pending is not None:
         pending.finish()
 

@@ -86,7 +86,7 @@ class Search:
         if key in self._stacked:
             yield self._stacked[key]
             return
-        per = max(1, PASS_BYTES // max(1, costs[0][1].stack.nbytes))
+        per = max(1, PASS_BYTES // self.totals.stack.nbytes)  # a candidate's stack is as big
         if per >= len(costs):
             self._stacked[key] = np.stack([c.stack for _, c in costs])
             yield self._stacked[key]
