@@ -53,6 +53,21 @@ def _sleep_on_rank1_worker(rank: int, world_size: int) -> int:
     return rank
 
 
+def _birth_worker(rank: int, world_size: int) -> dict:
+    """How this rank was born: forked from the fork server (dtrec already imported) or
+    spawned fresh; and what dtrec reads of its environment."""
+    import sys
+
+    preloaded = "dtrec" in sys.modules
+    from dtrec.ops import get_backend
+
+    return {
+        "preloaded": preloaded,
+        "backend": get_backend(),
+        "var": os.environ.get("DTREC_TEST_VAR"),
+    }
+
+
 def _unpicklable_result_worker(rank: int, world_size: int):
     return lambda: rank
 
@@ -88,6 +103,19 @@ def test_all_reduce_results_in_rank_order():
 # seconds with every core busy), so the bounds below hold under load and still fail if
 # the harness waited for either.
 SLOW_S = 900.0
+
+
+def test_forked_ranks_see_what_spawned_ranks_would():
+    """A world is forked from the fork server when its environment is the server's or read
+    at use (DTREC_BACKEND), and spawned when a variable read at import differs (fbgemm
+    switched off): either way the rank sees the environment it was given."""
+    forked = run_world(2, _birth_worker, env={"DTREC_BACKEND": "torch"})
+    spawned = run_world(1, _birth_worker, env={"DTREC_DISABLE_FBGEMM": "1"})
+    assert [r["preloaded"] for r in forked] == [True, True]
+    assert [r["backend"] for r in forked] == ["torch", "torch"]
+    assert [r["var"] for r in forked] == [None, None]  # an earlier world's is not kept
+    assert spawned[0]["preloaded"] is False
+    assert spawned[0]["backend"] == os.environ.get("DTREC_BACKEND", "auto")
 
 
 def test_exception_reported_and_others_killed_quickly():

@@ -21,7 +21,7 @@ from dtrec.ops.backends.triton import TritonBackend
 _REGISTRY: dict[str, Backend] = {
     b.name: b for b in (TritonBackend(), TorchBackend(), FbgemmBackend())
 }
-_backend = os.environ.get("DTREC_BACKEND", "auto")
+_backend: str | None = None  # set_backend's choice; None: DTREC_BACKEND, read at first use
 # "auto" without Triton: torch's lookups, fbgemm's fused CPU backward + SGD step where it
 # serves; its row-wise Adagrad where it is the faster one on this processor (cpu_choice.py).
 _AUTO_FALLBACK = FbgemmBackend(name="torch", lookups=False, fused_rules=("sgd",))
@@ -76,6 +76,9 @@ def set_backend(name: str) -> None:
 
 def get_backend() -> str:
     """The backend name as set (may be "auto")."""
+    global _backend
+    if _backend is None:  # read when first needed, not at import (a forked process sets it)
+        _backend = os.environ.get("DTREC_BACKEND", "auto")
     if _backend not in _names():
         raise ValueError(f"DTREC_BACKEND={_backend!r} is not one of {_names()}")
     return _backend
