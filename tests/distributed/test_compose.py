@@ -1,0 +1,210 @@
+"""dtrec composed with torch's own parallelisms (FSDP2, HSDP, TP) on 4 gloo ranks.
+
+Every configuration trains a model of three sharded tables (row-, column-, table-wise)
+and an MLP for 3 steps with a torch optimizer, and must end where the unsharded model
+ends when trained on the concatenated *distinct* batches (loss = mean of the per-batch
+losses): the losses of every step and the full weights of every table and dense
+parameter, to 1e-5 relative. Under TP the two ranks of a tp group feed the same batch,
+so the unsharded model sees only the dp groups' batches. One spawned world runs every
+configuration (``tests/multiprocess.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.multiprocess import run_world
+
+TOL = 1e-5
+STEPS = 3
+BATCH = 3
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        import dtrec
+
+        super().__init__()
+        self.sparse = dtrec.EmbeddingBagCollection(
+            [
+                dtrec.EmbeddingBagConfig("rows", 20, 4, ["f0", "f1"]),
+                dtrec.EmbeddingBagConfig("cols", 10, 8, ["f2"], pooling="mean"),
+                dtrec.EmbeddingBagConfig("whole", 12, 4, ["f3"]),
+            ]
+        )
+        self.mlp = nn.Sequential(nn.Linear(20, 8), nn.ReLU(), nn.Linear(8, 4))
+        self.scale = nn.Parameter(torch.ones(1))  # dense, outside the MLP
+
+    def forward(self, kjt):
+        return self.mlp(self.sparse(kjt).values()).mean(1) * self.scale
+
+
+def _plan() -> dict:
+    from dtrec.placements import ColumnWise, RowWise, TableWise
+
+    return {"sparse.rows": RowWise(), "sparse.cols": ColumnWise(), "sparse.whole": TableWise(1)}
+
+
+def _batch(step: int, group: int):
+    """The batch of data-parallel group ``group`` at ``step`` (the same on every rank)."""
+    import torch
+
+    import dtrec
+
+    gen = torch.Generator().manual_seed(1000 * step + group)
+    keys, values, lengths = [], [], []
+    for key, rows in (("f0", 20), ("f1", 20), ("f2", 10), ("f3", 12)):
+        ls = torch.randint(1, 4, (BATCH,), generator=gen)
+        keys.append(key)
+        lengths.append(ls)
+        values.append(torch.randint(0, rows, (int(ls.sum()),), generator=gen))
+    kjt = dtrec.KeyedJaggedTensor(keys, torch.cat(values), torch.cat(lengths))
+    return kjt, torch.randn(BATCH, generator=gen)
+
+
+_MESHES: dict[str, object] = {}
+
+
+def _mesh(name: str):
+    """One mesh per name for the whole world (each new mesh makes process groups)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dtrec
+
+    if name not in _MESHES:
+        _MESHES[name] = {
+            "tables": lambda: dtrec.init_mesh("cpu", 4),
+            "tables_2x2": lambda: dtrec.init_mesh("cpu", 2),
+            "hsdp": lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard")),
+            "dp_tp": lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
+        }[name]()
+    return _MESHES[name]
+
+
+def _compose(kind: str, model: nn.Module) -> tuple[nn.Module, int, int]:
+    """Apply ``kind``'s parallelisms to ``model``, in its order; return the distributed
+    model, this rank's data-parallel group and the number of groups."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    import dtrec
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if kind == "fsdp_before":
+        fully_shard(model.mlp)
+        return dtrec.distribute_module(model, _mesh("tables"), _plan()), rank, world
+    if kind == "hsdp_before":
+        fully_shard(model.mlp, mesh=_mesh("hsdp"))
+        return dtrec.distribute_module(model, _mesh("tables"), _plan()), rank, world
+    if kind == "tp_fsdp_before":
+        mesh = _mesh("dp_tp")
+        parallelize_module(model.mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model.mlp, mesh=mesh["dp"])
+        model = dtrec.distribute_module(model, _mesh("tables"), _plan())
+        return model, mesh["dp"].get_local_rank(), mesh["dp"].size()
+    raise AssertionError(kind)
+
+
+def _full(value):
+    """The full tensor of a parameter (collective on every rank alike)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import dtrec
+
+    if not isinstance(value, DTensor):
+        return value.detach().clone()
+    if value.device_mesh.size() == dist.get_world_size():
+        return value.full_tensor().detach()
+    return dtrec.checkpoint.full_tensor(value)  # a table-wise table's one-rank mesh
+
+
+def _rel(got, want) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+
+
+def _optimizer(name: str, params, foreach: bool | None):
+    import torch
+
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, foreach=foreach)
+    return torch.optim.Adam(params, lr=0.01, foreach=foreach)
+
+
+def _train(kind: str, opt: str, foreach: bool | None = None) -> dict:
+    import copy
+
+    import torch
+
+    torch.manual_seed(0)
+    ref = Net()
+    init = {name: p.detach().clone() for name, p in ref.named_parameters()}
+    model, group, groups = _compose(kind, copy.deepcopy(ref))
+    ref_opt = _optimizer(opt, ref.parameters(), foreach)
+    dist_opt = _optimizer(opt, model.parameters(), foreach)
+    loss_errs = []
+    for step in range(STEPS):
+        batches = [_batch(step, g) for g in range(groups)]
+        kjt, y = batches[group]
+        loss = ((model(kjt) - y) ** 2).mean()
+        loss.backward()
+        dist_opt.step()
+        dist_opt.zero_grad()
+        ref_losses = [((ref(k) - t) ** 2).mean() for k, t in batches]
+        torch.stack(ref_losses).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_errs.append(_rel(loss.detach(), ref_losses[group].detach()))
+    got = dict(model.named_parameters())
+    weight_errs = {name: _rel(_full(got[name]), p.detach()) for name, p in ref.named_parameters()}
+    mlp = list(model.mlp.parameters())
+    return {
+        "loss": max(loss_errs),
+        "weights": weight_errs,
+        "moved": {name: _rel(p.detach(), init[name]) for name, p in ref.named_parameters()},
+        "mlp_local_numel": sum(p.to_local().numel() for p in mlp),
+        "mlp_numel": sum(p.numel() for p in mlp),
+    }
+
+
+CONFIGS = {
+    "fsdp_before_sgd": dict(kind="fsdp_before", opt="sgd"),
+    "fsdp_before_adam_foreach": dict(kind="fsdp_before", opt="adam", foreach=True),
+    "hsdp_before_sgd_foreach": dict(kind="hsdp_before", opt="sgd", foreach=True),
+    "hsdp_before_adam": dict(kind="hsdp_before", opt="adam"),
+    "tp_fsdp_before_sgd": dict(kind="tp_fsdp_before", opt="sgd"),
+    "tp_fsdp_before_adam_foreach": dict(kind="tp_fsdp_before", opt="adam", foreach=True),
+}
+
+
+def _run_all(rank: int, world: int, configs: dict) -> dict:
+    return {name: _train(**cfg) for name, cfg in configs.items()}
+
+
+@pytest.fixture(scope="module")
+def world_results() -> list[dict]:
+    return run_world(4, _run_all, CONFIGS, timeout=600)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_trains_like_the_unsharded_model(world_results, name: str) -> None:
+    for rank, per_rank in enumerate(world_results):
+        r = per_rank[name]
+        assert r["loss"] < TOL, (rank, r)
+        for param, err in r["weights"].items():
+            assert err < TOL, (rank, param, err)
+            assert r["moved"][param] > 1e-3, (rank, param, "did not train")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_mlp_is_sharded(world_results, name: str) -> None:
+    for rank, per_rank in enumerate(world_results):
+        r = per_rank[name]
+        assert r["mlp_local_numel"] < r["mlp_numel"], (rank, r)
