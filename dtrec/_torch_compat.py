@@ -67,6 +67,12 @@ def concatenate_meshes(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
     return DeviceMesh._concatenate(list(meshes))
 
 
+def fsdp_managed(module: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` manages ``module``'s parameters (the flag FSDP2 sets on every
+    module it manages for Dynamo, ``_is_fsdp_managed_module``). Checked: torch 2.13."""
+    return bool(getattr(module, "_is_fsdp_managed_module", False))
+
+
 # --------------------------------------------------------------------------- autograd
 
 

@@ -300,3 +300,13 @@ def test_check_split_sizes_passes_sizes_that_add_up_and_refuses_others() -> None
         compat.check_split_sizes([2, 2], 5)
     with pytest.raises(RuntimeError):
         compat.check_split_sizes([-1, 6], 5)
+
+
+def test_fsdp_managed_reads_fully_shards_flag() -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    with gloo_world_of_one() as mesh:
+        outer = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        assert not compat.fsdp_managed(outer[0])
+        fully_shard(outer, mesh=mesh)
+        assert compat.fsdp_managed(outer) and compat.fsdp_managed(outer[0])
