@@ -61,6 +61,15 @@ def flatten_mesh_dims(mesh: DeviceMesh, name: str) -> DeviceMesh:
     return mesh._flatten(name)
 
 
+def unflatten_mesh_dim(
+    mesh: DeviceMesh, dim: str, sizes: Sequence[int], names: Sequence[str]
+) -> DeviceMesh:
+    """``mesh`` with its dim ``dim`` split into dims of ``sizes`` called ``names``, over the
+    same root (``DeviceMesh._unflatten``; creates the new dims' process groups:
+    collective). Checked: torch 2.13."""
+    return mesh._unflatten(dim, tuple(sizes), tuple(names))
+
+
 def concatenate_meshes(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
     """One mesh whose dims are those of ``meshes`` (all from one root), reusing their
     process groups (``DeviceMesh._concatenate``; no collective). Checked: torch 2.13."""

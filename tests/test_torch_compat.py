@@ -60,6 +60,9 @@ def test_mesh_flatten_concatenate_and_root() -> None:
         assert dist.get_process_group_ranks(view.get_group("ab")) == [0, 2, 4, 6]
         assert dist.get_process_group_ranks(view.get_group("r")) == [6, 7]
         assert compat.root_mesh(view) is root and compat.root_mesh(flat) is root
+        split = compat.unflatten_mesh_dim(flat, "ab", (4, 1), ("s", "one"))
+        assert split.mesh_dim_names == ("s", "one") and split.mesh.shape == (4, 1)
+        assert compat.root_mesh(split) is root
 
 
 def test_local_shape_and_offset() -> None:

@@ -115,7 +115,7 @@ def distribute_module(
     if mesh.size() != dist.get_world_size():
         raise ValueError(
             f"mesh covers {mesh.size()} ranks but the world has {dist.get_world_size()}; "
-            "build it with dtrec.init_mesh"
+            "build it with dtrec.init_mesh, or with dtrec.table_mesh from a world mesh"
         )
     if optimizer is not None and not isinstance(optimizer, FusedOptimizer):
         raise TypeError(

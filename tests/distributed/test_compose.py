@@ -79,6 +79,14 @@ def _mesh(name: str):
             "tables_2x2": lambda: dtrec.init_mesh("cpu", 2),
             "hsdp": lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard")),
             "dp_tp": lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
+            "world": lambda: init_device_mesh(
+                "cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard")
+            ),
+            # the tables' meshes as views of the world meshes (one flatten per root)
+            "world_tables": lambda: dtrec.table_mesh(
+                _mesh("world"), shard="dp_shard", replicate="dp_replicate"
+            ),
+            "dp_tp_tables": lambda: dtrec.table_mesh(_mesh("dp_tp"), shard=("dp", "tp")),
         }[name]()
     return _MESHES[name]
 
@@ -119,6 +127,21 @@ def _compose(kind: str, model: nn.Module) -> tuple[nn.Module, int, int]:
         )
         fully_shard(model.mlp, mesh=mesh, dp_mesh_dims=dims)
         return model, rank, world
+    if kind == "world_hsdp_before":  # one world mesh: HSDP on it, the tables on a view
+        fully_shard(model.mlp, mesh=_mesh("world"))
+        return dtrec.distribute_module(model, _mesh("world_tables"), _plan()), rank, world
+    if kind == "world_hsdp_after":
+        mesh = _mesh("world_tables")
+        model = dtrec.distribute_module(model, mesh, _plan())
+        dims = DataParallelMeshDims(shard="shard", replicate="replicate")
+        fully_shard(model.mlp, mesh=mesh, dp_mesh_dims=dims)
+        return model, rank, world
+    if kind == "world_tp_fsdp_before":  # the tables over dp x tp of the TP world mesh
+        mesh = _mesh("dp_tp")
+        parallelize_module(model.mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model.mlp, mesh=mesh["dp"])
+        model = dtrec.distribute_module(model, _mesh("dp_tp_tables"), _plan())
+        return model, mesh["dp"].get_local_rank(), mesh["dp"].size()
     raise AssertionError(kind)
 
 
@@ -207,6 +230,12 @@ CONFIGS = {
     "hsdp_after_sgd_foreach": dict(kind="hsdp_after", opt="sgd", foreach=True),
     "hsdp_after_adam_clip": dict(kind="hsdp_after", opt="adam", clip=True),
     "tp_fsdp_before_sgd_clip": dict(kind="tp_fsdp_before", opt="sgd", clip=True),
+    "world_hsdp_before_sgd": dict(kind="world_hsdp_before", opt="sgd"),
+    "world_hsdp_after_adam_foreach_clip": dict(
+        kind="world_hsdp_after", opt="adam", foreach=True, clip=True
+    ),
+    "world_hsdp_after_sgd": dict(kind="world_hsdp_after", opt="sgd"),
+    "world_tp_fsdp_before_adam": dict(kind="world_tp_fsdp_before", opt="adam"),
 }
 
 
@@ -227,6 +256,22 @@ def _errors() -> dict:
     out["replaced"] = error_of(lambda: model(_batch(0, 0)[0]))
     model = dtrec.distribute_module(copy.deepcopy(Net()), _mesh("tables"), _plan())
     out["plain_fully_shard_after"] = error_of(lambda: fully_shard(model.mlp))
+    world = _mesh("world")
+    for name, shard, replicate in (
+        ("unknown", "dp_shard", "dp_rep"),
+        ("twice", ("dp_shard", "dp_replicate"), "dp_shard"),
+        ("left_out", "dp_shard", None),
+        ("no_shard", (), "dp_replicate"),
+    ):
+        out[f"table_mesh_{name}"] = error_of(lambda: dtrec.table_mesh(world, shard, replicate))  # noqa: B023
+    tables = _mesh("world_tables")
+    out["table_mesh"] = (tables.mesh_dim_names, tables.mesh.tolist())
+    out["table_mesh_dp_tp"] = (
+        _mesh("dp_tp_tables").mesh_dim_names,
+        _mesh("dp_tp_tables").mesh.tolist(),
+    )
+    half = dtrec.table_mesh(world["dp_shard"], shard="dp_shard")  # 2 of the 4 ranks
+    out["not_the_world"] = error_of(lambda: dtrec.distribute_module(Net(), half, _plan()))
     return out
 
 
@@ -275,6 +320,22 @@ def test_plain_fully_shard_after_distribute_fails_in_torch(world_results) -> Non
     for rank, per_rank in enumerate(world_results):
         err = per_rank["errors"]["plain_fully_shard_after"]
         assert err.startswith("TypeError"), (rank, err)
+
+
+def test_table_mesh_is_a_view_of_the_world_mesh(world_results) -> None:
+    for rank, per_rank in enumerate(world_results):
+        e = per_rank["errors"]
+        # world [[0, 1], [2, 3]] (dp_replicate, dp_shard): shard groups {0, 1}, {2, 3}
+        assert e["table_mesh"] == (("shard", "replicate"), [[0, 2], [1, 3]]), rank
+        assert e["table_mesh_dp_tp"] == (("shard", "replicate"), [[0], [1], [2], [3]]), rank
+        assert (
+            e["table_mesh_unknown"].startswith("ValueError")
+            and "'dp_rep'" in e["table_mesh_unknown"]
+        ), e
+        assert "'dp_shard' is given twice" in e["table_mesh_twice"], e
+        assert "['dp_replicate'] are neither" in e["table_mesh_left_out"], e
+        assert "at least one shard dim" in e["table_mesh_no_shard"], e
+        assert "covers 2 ranks but the world has 4" in e["not_the_world"], e
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
