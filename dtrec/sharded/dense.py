@@ -314,7 +314,7 @@ class ReplicatedDense:
                     for m, c, k in self._aliases.get(id(old), ())]
             for old, p in zip(self._params, new._params, strict=True)
         }  # fmt: skip
-        new._in_root, new._backward, new._next = False, None, 0
+        new._in_root, new._backward, new._next, new._bridged = False, None, 0, set()
         new._hook_params()
         return new
 
