@@ -21,7 +21,7 @@ from dtrec.modules import (
     PositionWeightedModule,
     PositionWeightedModuleCollection,
 )
-from dtrec.placements.mesh import init_mesh
+from dtrec.placements.mesh import init_mesh, table_mesh
 from dtrec.planning import cost_model
 from dtrec.planning.mesh_choice import choose_shard_group_size
 from dtrec.planning.plan import ShardingPlan, plan
@@ -65,4 +65,5 @@ __all__ = [
     "placements",
     "plan",
     "report_failures",
+    "table_mesh",
 ]

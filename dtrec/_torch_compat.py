@@ -61,10 +61,25 @@ def flatten_mesh_dims(mesh: DeviceMesh, name: str) -> DeviceMesh:
     return mesh._flatten(name)
 
 
+def unflatten_mesh_dim(
+    mesh: DeviceMesh, dim: str, sizes: Sequence[int], names: Sequence[str]
+) -> DeviceMesh:
+    """``mesh`` with its dim ``dim`` split into dims of ``sizes`` called ``names``, over the
+    same root (``DeviceMesh._unflatten``; creates the new dims' process groups:
+    collective). Checked: torch 2.13."""
+    return mesh._unflatten(dim, tuple(sizes), tuple(names))
+
+
 def concatenate_meshes(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
     """One mesh whose dims are those of ``meshes`` (all from one root), reusing their
     process groups (``DeviceMesh._concatenate``; no collective). Checked: torch 2.13."""
     return DeviceMesh._concatenate(list(meshes))
+
+
+def fsdp_managed(module: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` manages ``module``'s parameters (the flag FSDP2 sets on every
+    module it manages for Dynamo, ``_is_fsdp_managed_module``). Checked: torch 2.13."""
+    return bool(getattr(module, "_is_fsdp_managed_module", False))
 
 
 # --------------------------------------------------------------------------- autograd

@@ -60,6 +60,9 @@ def test_mesh_flatten_concatenate_and_root() -> None:
         assert dist.get_process_group_ranks(view.get_group("ab")) == [0, 2, 4, 6]
         assert dist.get_process_group_ranks(view.get_group("r")) == [6, 7]
         assert compat.root_mesh(view) is root and compat.root_mesh(flat) is root
+        split = compat.unflatten_mesh_dim(flat, "ab", (4, 1), ("s", "one"))
+        assert split.mesh_dim_names == ("s", "one") and split.mesh.shape == (4, 1)
+        assert compat.root_mesh(split) is root
 
 
 def test_local_shape_and_offset() -> None:
@@ -300,3 +303,13 @@ def test_check_split_sizes_passes_sizes_that_add_up_and_refuses_others() -> None
         compat.check_split_sizes([2, 2], 5)
     with pytest.raises(RuntimeError):
         compat.check_split_sizes([-1, 6], 5)
+
+
+def test_fsdp_managed_reads_fully_shards_flag() -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    with gloo_world_of_one() as mesh:
+        outer = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        assert not compat.fsdp_managed(outer[0])
+        fully_shard(outer, mesh=mesh)
+        assert compat.fsdp_managed(outer) and compat.fsdp_managed(outer[0])

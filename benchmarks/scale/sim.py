@@ -34,7 +34,7 @@ from dtrec.placements import TableSpec
 from dtrec.placements.mesh import SHARD, init_mesh, shard_axis, shard_position
 from dtrec.planning.step_model import collective_of
 from dtrec.sharded.dense import KIND as DENSE_KIND
-from dtrec.sharded.dense import _buckets
+from dtrec.sharded.dense_buckets import make_buckets as _buckets
 from dtrec.sharded.dist.groups import column_groups
 from dtrec.sharded.dist.input_dist import InputDist
 from dtrec.sharded.dist.output_dist import OutputDist

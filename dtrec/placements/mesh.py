@@ -11,7 +11,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from dtrec._torch_compat import concatenate_meshes, flatten_mesh_dims, root_mesh
+from dtrec._torch_compat import (
+    concatenate_meshes,
+    flatten_mesh_dims,
+    root_mesh,
+    unflatten_mesh_dim,
+)
 
 T = TypeVar("T")
 
@@ -76,6 +81,73 @@ def init_mesh(
     )
     shard = flatten_mesh_dims(root[SHARD_NODE, SHARD_LOCAL], SHARD)
     return concatenate_meshes([shard, root[REPLICATE]])
+
+
+def table_mesh(
+    world_mesh: DeviceMesh,
+    shard: str | tuple[str, ...],
+    replicate: str | tuple[str, ...] | None = None,
+) -> DeviceMesh:
+    """The tables' ("shard", "replicate") mesh as a view of the user's ``world_mesh``, so the
+    tables, FSDP and TP work on meshes of one root (``docs/composing.md``).
+
+    ``shard``: the world mesh dim(s) a table's shards are spread over (several are
+    flattened into one, in the world mesh's order); ``replicate``: the dim(s) each shard is
+    replicated over (None: no replicas, a size-1 "replicate" dim). Between them they must
+    name every dim of ``world_mesh`` larger than 1, each once: tables are sharded over
+    the whole world (``distribute_module`` checks that its mesh covers the world). Built
+    with DeviceMesh's own flattening and concatenation (no new ranks layout, the world
+    mesh's process groups where it has them). A ValueError names the dim for an unknown
+    dim, a dim given twice, a dim left out, or a dim already called "shard" /
+    "replicate" in the world mesh given the other role. Collective (flattening creates
+    process groups): every rank calls it alike; call it once per world mesh and layout.
+
+    Example (W=8, the model's MLP under FSDP / TP on the same world mesh)::
+
+        world = init_device_mesh("cuda", (2, 2, 2), mesh_dim_names=("dp_replicate",
+                                                                      "dp_shard", "tp"))
+        mesh = dtrec.table_mesh(world, shard=("dp_shard", "tp"), replicate="dp_replicate")
+        model = dtrec.distribute_module(model, mesh)
+    """
+    if not isinstance(world_mesh, DeviceMesh) or not world_mesh.mesh_dim_names:
+        raise TypeError(f"world_mesh must be a DeviceMesh with dim names, got {world_mesh!r}")
+    dims = world_mesh.mesh_dim_names
+    roles = {SHARD: _dim_names(shard, SHARD), REPLICATE: _dim_names(replicate, REPLICATE)}
+    if not roles[SHARD]:
+        raise ValueError(f"table_mesh needs at least one shard dim of {dims}")
+    named = roles[SHARD] + roles[REPLICATE]
+    for name in named:
+        if name not in dims:
+            raise ValueError(f"table_mesh: {name!r} is not a dim of the world mesh {dims}")
+        if named.count(name) > 1:
+            raise ValueError(f"table_mesh: dim {name!r} is given twice (shard and replicate)")
+    for role, other in ((SHARD, REPLICATE), (REPLICATE, SHARD)):
+        if role in dims and role in roles[other]:
+            raise ValueError(
+                f"table_mesh: the world mesh's dim {role!r} cannot be the tables' {other!r}"
+            )
+    left = [d for d in dims if d not in named and world_mesh.size(dims.index(d)) > 1]
+    if left:
+        raise ValueError(
+            f"table_mesh: world mesh dims {left} are neither shard nor replicate; tables "
+            "are sharded over the whole world, so every dim larger than 1 needs a role"
+        )
+    ordered = {role: tuple(d for d in dims if d in names) for role, names in roles.items()}
+    shard_mesh = flatten_mesh_dims(world_mesh[ordered[SHARD]], SHARD)
+    if not ordered[REPLICATE]:
+        return unflatten_mesh_dim(shard_mesh, SHARD, (shard_mesh.size(), 1), (SHARD, REPLICATE))
+    replicate_mesh = flatten_mesh_dims(world_mesh[ordered[REPLICATE]], REPLICATE)
+    return concatenate_meshes([shard_mesh, replicate_mesh])
+
+
+def _dim_names(value: str | tuple[str, ...] | None, role: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise TypeError(f"table_mesh: {role} must be a dim name or a tuple of them, got {value!r}")
 
 
 def positions_per_node(

@@ -67,46 +67,11 @@ from dtrec._torch_compat import (
     queue_backward_callback,
     traced_broadcast_,
 )
-from dtrec.comm.collectives import PendingTensor, all_reduce_start, broadcast_coalesced
+from dtrec.comm.collectives import all_reduce_start, broadcast_coalesced
+from dtrec.sharded.dense_buckets import Bucket, make_buckets
+from dtrec.sharded.dense_fsdp import bridge_fsdp_modules, taken_over
 
-FIRST_BUCKET_BYTES = 1 << 20
-BUCKET_BYTES = 25 << 20
-"""DDP's defaults: the first bucket small, so the first exchange starts early."""
 KIND = "dense.grad_sync"
-
-
-class _Bucket:
-    """Parameters whose gradients travel in one all-reduce."""
-
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        self.params = params
-        self.sizes = [p.numel() for p in params]
-        self.numel = sum(self.sizes)
-        self.ready: set[int] = set()
-        self.pending: PendingTensor | None = None
-        self.missing = False  # whether this rank sent a zero for a parameter without grad
-        self._counts: Tensor | None = None  # ones, one per parameter (made once)
-
-    def flat_gradients(self, world: int) -> Tensor:
-        """This rank's gradients divided by ``world``, then one 1 per parameter (0 where it
-        has no gradient), as one fp32 buffer: what the all-reduce sums."""
-        grads = [local_block(p.grad) if p.grad is not None else None for p in self.params]
-        self.missing = any(g is None for g in grads)
-        like = next((g for g in grads if g is not None), None)
-        if like is None:
-            like = local_block(self.params[0])
-        if self._counts is None or self._counts.device != like.device:
-            self._counts = torch.ones(len(self.params), dtype=torch.float32, device=like.device)
-        counts = self._counts
-        if self.missing:
-            counts = torch.tensor([float(g is not None) for g in grads], device=like.device)
-        parts = [
-            (g if g is not None else like.new_zeros(n)).reshape(-1).float()
-            for g, n in zip(grads, self.sizes, strict=True)
-        ]
-        flat = torch.cat([*parts, counts])
-        flat[: self.numel].div_(world)
-        return flat
 
 
 class ReplicatedDense:
@@ -136,6 +101,7 @@ class ReplicatedDense:
         self._in_root = False
         self._backward: int | None = None
         self._next = 0
+        self._bridged: set[int] = set()  # ids of the FSDP modules ``dense_fsdp`` hooked
         self._hook_params()
         root.register_forward_pre_hook(self._root_pre_forward, prepend=True)
         root.register_forward_hook(self._root_post_forward, always_call=True)
@@ -151,18 +117,35 @@ class ReplicatedDense:
         """Buckets of the parameters that train (none in a world of one rank: its gradients
         are the averages); leaves and their hooks are made at the first forward, the
         parameters' bucket hooks now."""
-        trained = [p for p in self._params if p.requires_grad]
-        self._buckets = _buckets(trained) if dist.get_world_size() > 1 else []
-        self._slot = {id(p): b for b, bucket in enumerate(self._buckets) for p in bucket.params}
+        self._rebucket()
         self._leaves: dict[int, Tensor] = {}  # id(param) -> its plain leaf
         self._hooked: set[int] = set()  # id(param) of those dtrec put its one hook on
         # Hooked now, not at a first forward: a compiled forward reads ``to_local()`` (its
         # gradient then arrives on the parameter) and cannot register hooks in the graph;
         # an eager forward reads the leaf, which never fires the parameter's own hooks.
-        for p in trained:
+        for p in self._params:
             if id(p) in self._slot:
                 p.register_post_accumulate_grad_hook(self._grad_ready)
                 self._hooked.add(id(p))
+
+    def _rebucket(self) -> None:
+        trained = [p for p in self._params if p.requires_grad]
+        self._buckets = make_buckets(trained) if dist.get_world_size() > 1 else []
+        self._slot = {id(p): b for b, bucket in enumerate(self._buckets) for p in bucket.params}
+
+    def _release_taken_over(self) -> None:
+        """Leave the parameters FSDP took over to it (``dtrec.sharded.dense_fsdp``)."""
+        gone = taken_over(self._root, self._params, self._owners)
+        if not gone:
+            return
+        holders = [m for i in gone for m, _ in self._owners[i]]
+        bridge_fsdp_modules(self._root, holders, self.mesh, self._bridged)
+        self._params = [p for p in self._params if id(p) not in gone]
+        for i in gone:
+            del self._owners[i]
+            self._aliases.pop(i, None)
+            self._leaves.pop(i, None)
+        self._rebucket()
 
     # ------------------------------------------------------------------ forward
 
@@ -200,6 +183,8 @@ class ReplicatedDense:
 
     def _views(self, only: nn.Module | None = None) -> None:
         """Put each parameter's plain input where its module's code reads it."""
+        if not torch.compiler.is_compiling():
+            self._release_taken_over()
         for p in self._params:
             local = self._input(p)
             for module, name in self._owners[id(p)]:
@@ -252,7 +237,9 @@ class ReplicatedDense:
         backward = current_backward_id()
         if backward != self._backward:
             self._start_backward(backward)
-        bucket_id = self._slot[id(param)]
+        bucket_id = self._slot.get(id(param))
+        if bucket_id is None:  # released to FSDP (``_release_taken_over``)
+            return
         bucket = self._buckets[bucket_id]
         bucket.ready.add(id(param))
         while self._next < len(self._buckets):
@@ -276,7 +263,7 @@ class ReplicatedDense:
         self._backward, self._next = backward, 0
         queue_backward_callback(self._finish)
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         with torch.no_grad():
             flat = bucket.flat_gradients(dist.get_world_size())
         bucket.pending = all_reduce_start(flat, None, KIND)
@@ -327,7 +314,7 @@ class ReplicatedDense:
                     for m, c, k in self._aliases.get(id(old), ())]
             for old, p in zip(self._params, new._params, strict=True)
         }  # fmt: skip
-        new._in_root, new._backward, new._next = False, None, 0
+        new._in_root, new._backward, new._next, new._bridged = False, None, 0, set()
         new._hook_params()
         return new
 
@@ -350,25 +337,6 @@ class ReplicatedDense:
                     continue  # another layout: DTensor's copy_ redistributes it
                 value = value.to_local()
             state_dict[name] = _as_replicated_dtensor(value.detach().to(target.device), self.mesh)
-
-
-def _buckets(params: list[nn.Parameter]) -> list[_Bucket]:
-    """Reverse registration order, DDP's caps, one dtype and device per bucket."""
-    out: list[_Bucket] = []
-    current: list[nn.Parameter] = []
-    size, cap = 0, FIRST_BUCKET_BYTES
-    for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
-        if current and (
-            size + nbytes > cap or (p.dtype, p.device) != (current[0].dtype, current[0].device)
-        ):
-            out.append(_Bucket(current))
-            current, size, cap = [], 0, BUCKET_BYTES
-        current.append(p)
-        size += nbytes
-    if current:
-        out.append(_Bucket(current))
-    return out
 
 
 def _grad_like(local: Tensor, like: DTensor) -> DTensor:

@@ -65,7 +65,10 @@ def distribute_module(
     ``is_weighted``); any other TorchRec sparse module is a TypeError naming it. Dense
     parameters become DTensors replicated over ``mesh``, their gradients averaged over
     all W ranks during backward (``dtrec.sharded.dense``), so every parameter is a DTensor
-    and any torch optimizer (``foreach``, ``fused``) steps ``model.parameters()``. With
+    and any torch optimizer (``foreach``, ``fused``) steps ``model.parameters()``. Dense
+    parameters that already are DTensors (``fully_shard`` / ``parallelize_module`` applied
+    first) are left to them, and ``fully_shard(..., mesh=mesh, dp_mesh_dims=...)`` applied
+    after takes over those it wraps (``docs/composing.md``). With
     ``optimizer`` (a ``dtrec.optim`` config) the table update is fused into backward: table
     weights get no ``.grad`` and ``model.fused_optimizer`` holds the state. TorchRec's recipe
     works the same way: tables marked by ``apply_optimizer_in_backward`` (torchrec's or
@@ -115,7 +118,7 @@ def distribute_module(
     if mesh.size() != dist.get_world_size():
         raise ValueError(
             f"mesh covers {mesh.size()} ranks but the world has {dist.get_world_size()}; "
-            "build it with dtrec.init_mesh"
+            "build it with dtrec.init_mesh, or with dtrec.table_mesh from a world mesh"
         )
     if optimizer is not None and not isinstance(optimizer, FusedOptimizer):
         raise TypeError(

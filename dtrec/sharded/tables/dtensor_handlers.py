@@ -271,8 +271,9 @@ def _foreach_mul_(op_call: Any, args: tuple, kwargs: dict) -> None:
         value is not None
         and value.dim() == 0
         and all(isinstance(t, DTensor) for t in tensors)
-        and all(isinstance(p, (Shard, Replicate)) for t in tensors for p in t.placements)
-    ):  # every rank's block times the same scalar, whatever mesh the block is on
+        and not any(p.is_partial() for t in tensors for p in t.placements)
+    ):  # every rank's block times the same scalar, whatever mesh (or _StridedShard of
+        # FSDP + TP) the block is on
         foreach_mul_([t.to_local() for t in tensors], value)
         return
     _foreach_on_own_mesh(op_call, args, kwargs)
