@@ -55,6 +55,7 @@ def distribute_module(
     sync_every: int | None = None,
     qcomms: QCommsConfig | Mapping[str, QCommsConfig | None] | object | None = None,
     meshes: Mapping[str, DeviceMesh] | None = None,
+    same_batch: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard every ``EmbeddingBagCollection`` of ``model`` per ``plan``; replicate the rest.
 
@@ -100,6 +101,19 @@ def distribute_module(
     collection syncs its replicas over its own replicate dim; the plan is made per mesh
     (``model.sharding_plan.reports``).
 
+    ``same_batch``: a 1-D mesh of ranks that feed the same batch, this rank's group of them
+    (``world_mesh["tp"]``: under tensor parallelism a tp group's ranks see one batch, as in
+    torchtitan). Each pooled collection then looks that batch up once per group instead of
+    once per rank: rank i of the group takes samples ``chunk i`` of it
+    (``torch.tensor_split``, uneven allowed) through the input dist, lookup and output dist,
+    and the pooled rows are all-gathered over the group (``dtrec.sharded.dist.batch_split``;
+    its backward scales this rank's rows of the gradient by the group size, so the tables
+    train exactly as without it). Costs one all-gather of the ``[B, sum D]`` pooled rows per
+    collection and step; saves ``(n - 1) / n`` of the ids and pooled rows the all-to-alls
+    carry. Sequence collections (``EmbeddingCollection``) still look the whole batch up on
+    every rank; a variable batch per feature (VBE) is a ValueError. With env
+    ``DTREC_CHECK_SAME_BATCH=1`` each forward checks that the group's batches are equal.
+
     Example::
 
         mesh = dtrec.init_mesh("cpu", shard_group_size=2)
@@ -107,8 +121,12 @@ def distribute_module(
         # W=8: the pooled collection 4 x 2, the sequence one 8 x 1
         model = dtrec.distribute_module(model, dtrec.init_mesh("cuda", 4), meshes={
             "sparse.ec": dtrec.init_mesh("cuda", 8)})
+        # (dp 2, tp 2): a tp group's two ranks split the batch they share
+        model = dtrec.distribute_module(model, dtrec.table_mesh(world, shard=("dp", "tp")),
+                                        same_batch=world["tp"])
     """
     shard_axis(mesh)
+    check_same_batch_mesh(same_batch)
     if plan is not None and not isinstance(plan, Mapping) and not is_torchrec_plan(plan):
         raise TypeError(
             f"plan must be a mapping {{'<collection fqn>.<table>': spec}}, a TorchRec "
@@ -174,7 +192,7 @@ def distribute_module(
             continue
         sharded[fqn] = ShardedEmbeddingBagCollection(
             tables, weights, mesh_of[fqn], specs, rules.get(fqn), ebc.bounds_check,
-            sync_every, seed, ebc.is_weighted, qcomms_of[fqn],
+            sync_every, seed, ebc.is_weighted, qcomms_of[fqn], same_batch,
         )  # fmt: skip
     fused = FusedOptimizerView(sharded, optimizer) if optimizer is not None else None
     register_dtensor_handlers()  # uneven-shard grads, clip_grad_norm_ across meshes
@@ -195,6 +213,21 @@ def distribute_module(
         )
     dense = replicate_dense(model, mesh, ignored=sharded.values())
     return as_distributed(model, DistributedState(full_plan, fused, dense))
+
+
+def check_same_batch_mesh(same_batch: object) -> None:
+    """``same_batch``: None or a 1-D DeviceMesh holding this rank (TypeError / ValueError)."""
+    if same_batch is None:
+        return
+    if not isinstance(same_batch, DeviceMesh) or same_batch.ndim != 1:
+        raise TypeError(
+            "same_batch must be None or a 1-D DeviceMesh of the ranks that feed the same "
+            f"batch (e.g. world_mesh['tp']), got {same_batch!r}"
+        )
+    if same_batch.get_coordinate() is None:
+        raise ValueError(
+            f"same_batch: rank {dist.get_rank()} is not in the same_batch mesh {same_batch}"
+        )
 
 
 _CPU_CHOICE_MADE = False

@@ -38,12 +38,17 @@ from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import SHARD
 from dtrec.sharded.collection import OFFLOADED_STEP, ShardedCollection
+from dtrec.sharded.dist.batch_split import BatchSplit, full_batch_size
 from dtrec.sharded.dist.input_dist import RoutedBatch
 from dtrec.sharded.dist.output_dist import OutputDist
 from dtrec.sharded.lookup.local_path import LocalBatch, LocalPath, serves_locally
 from dtrec.sharded.lookup.pooled import LocalLookup
 from dtrec.sparse import KeyedTensor
 
+SPLIT_STEP = (
+    "dtrec: a collection whose same_batch group splits the batch runs eagerly (its pooled "
+    "rows are all-gathered over the group with a c10d collective; docs/composing.md)"
+)
 EXCHANGED_STEP = (
     "dtrec: a collection whose step exchanges with other ranks runs eagerly (its input "
     "dist reads the batch sizes of its peers on the host; its collectives are c10d ones "
@@ -73,6 +78,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         init_seed: int = 0,
         is_weighted: bool | None = None,
         qcomms: QCommsConfig | None = None,
+        same_batch: DeviceMesh | None = None,
     ) -> None:
         check_weighted(is_weighted)
         super().__init__(
@@ -90,6 +96,10 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             if serves_locally(self._routing, self._layouts)
             else None
         )
+        split = None if same_batch is None else BatchSplit(same_batch)
+        self._batch_split = split if split is not None and split.size > 1 else None
+        """How the ranks of this rank's ``same_batch`` group split the batch they share
+        (``dist/batch_split.py``; None: each rank looks its whole batch up)."""
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         """The table configs, in output order."""
@@ -97,6 +107,8 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
 
     def forward(self, features: object) -> KeyedTensor:
         self._refuse_fx_trace(features)
+        if self._batch_split is not None:
+            return self._split_forward(features)
         if torch.compiler.is_compiling():  # the wrappers cost eager ~1.5 us: only here
             return self._compiled_forward(features)
         if self._local is not None and self._local.world_size == 1:
@@ -140,6 +152,14 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             out = self._output_dist.add_data_parallel(out, own)
         return self._output_dist.keyed(self._with_absent_grads(out), kjt)
 
+    def _split_forward_impl(self, features: object) -> KeyedTensor:
+        """This rank's chunk of the batch ``features`` looked up (its input dist sliced it,
+        ``input_dist``), then every chunk's pooled rows gathered over the group."""
+        assert self._batch_split is not None
+        batch = full_batch_size(features)
+        return self._batch_split.gather(self._exchanged_forward(features), batch)
+
+    _split_forward = torch.compiler.disable(_split_forward_impl, reason=SPLIT_STEP)
     _exchanged_forward_eagerly = torch.compiler.disable(_exchanged_forward, reason=EXCHANGED_STEP)
     _offloaded_forward_eagerly = torch.compiler.disable(_exchanged_forward, reason=OFFLOADED_STEP)
 
@@ -156,7 +176,12 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         sends no ids on any rank: the error is kept for ``forward``, so a prefetch
         does not raise before the step in progress ends, and every rank fails the
         same step before any weight changes.
+
+        With ``same_batch`` (``distribute_module``) only this rank's chunk of the batch is
+        validated and sent (``dist/batch_split.py``), prefetched or not.
         """
+        if self._batch_split is not None:
+            features = self._batch_split.local_part(features)
         if self._local is not None:
             return self._local.start(features, self.bounds_check, self.is_weighted)
         return self._input_dist(features, self.bounds_check, self.is_weighted)

@@ -1,0 +1,210 @@
+"""A batch shared by a group of ranks, looked up once: split by sample, pooled rows gathered.
+
+Under tensor parallelism the ranks of a tp group feed the same batch (torchtitan's
+convention). Looked up as it is, every id of that batch would travel through a pooled
+collection's input all-to-all, lookup and output all-to-all once per rank of the group.
+With ``distribute_module(..., same_batch=world["tp"])`` the group splits it instead:
+
+1. ``local_part``: rank i of the group keeps samples ``chunk i`` of the batch
+   (``torch.tensor_split`` of the samples, uneven allowed; every key's lengths, ids and
+   per-sample weights sliced alike) and runs the collection's ordinary sharded forward
+   on that slice, so each id travels once per group;
+2. ``gather``: the slice's pooled rows ``[B_i, sum D]`` are all-gathered over the group
+   (padded to the largest chunk, trimmed) back into the whole batch ``[B, sum D]``;
+   its backward takes this rank's rows of the output gradient, with no communication,
+   and multiplies them by the group size n.
+
+Why the factor n: the dense part computes the same loss on the same batch on every rank
+of the group, so the pooled output's gradient g is the same on all of them (TP's input
+redistribution all-reduces it), and dtrec averages table gradients over all W ranks.
+Rank i hands its tables ``n * g[chunk i]``; over the group that is ``n * g``, and over
+the world ``sum_d n * g_d / W = mean over the W / n distinct batches of g_d``: each
+distinct sample counted once, as the unsharded model on the distinct batches counts it.
+
+The ranks must really feed the same batch (a split of different batches is silently
+wrong). ``DTREC_CHECK_SAME_BATCH=1`` makes each forward compare a digest of the batch
+across the group (one all-gather of 32 bytes) and refuse mismatched batches with a
+ValueError naming the ranks; the refusal travels in the input dist, so every rank of the
+world fails that step together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from dtrec.comm.collectives import all_gather_flat, collective
+from dtrec.modules.features import RefusedBatch
+from dtrec.placements.mesh import mesh_device
+from dtrec.sparse import KeyedJaggedTensor, KeyedTensor, as_kjt
+
+CHECK_ENV = "DTREC_CHECK_SAME_BATCH"
+"""Set to 1: every split forward checks that the group's ranks feed the same batch."""
+
+
+def chunk_sizes(batch: int, parts: int) -> list[int]:
+    """Samples per chunk of ``torch.tensor_split(range(batch), parts)``: the first
+    ``batch % parts`` chunks one larger."""
+    return [batch // parts + (1 if i < batch % parts else 0) for i in range(parts)]
+
+
+def slice_samples(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedTensor:
+    """Samples ``[start, stop)`` of every key of ``kjt`` (lengths, ids, weights), one mask
+    over the ids on the device (no host read). ValueError naming the features for a
+    variable batch per feature (VBE), whose keys have batches of their own."""
+    if kjt.variable_stride_per_key() or kjt.inverse_indices_or_none() is not None:
+        keys = kjt.keys()
+        if kjt.variable_stride_per_key():
+            strides = kjt.stride_per_key()
+            keys = [k for k, s in zip(keys, strides, strict=True) if s != max(strides)] or keys
+        raise ValueError(
+            f"same_batch: the batch has a variable batch per feature (VBE: features {keys}); "
+            "splitting it over the same_batch group is not supported yet: feed a KJT with "
+            "one batch size for every feature, or distribute without same_batch"
+        )
+    batch, lengths = kjt.stride(), kjt.lengths()
+    num_keys = len(kjt.keys())
+    by_key = lengths.view(num_keys, batch)
+    sample = torch.arange(batch, device=lengths.device).repeat(num_keys)
+    keep = (sample >= start) & (sample < stop)
+    per_id = torch.repeat_interleave(keep, lengths, output_size=kjt.values().shape[0])
+    weights = kjt.weights_or_none()
+    return KeyedJaggedTensor(
+        kjt.keys(),
+        kjt.values()[per_id],
+        by_key[:, start:stop].reshape(-1),
+        None if weights is None else weights[per_id],
+        stride=stop - start,
+    )
+
+
+def batch_digest(kjt: KeyedJaggedTensor) -> bytes:
+    """32 bytes that differ (but for a sha256 collision) when two batches differ: keys,
+    batch size, lengths, ids and per-sample weights."""
+    h = hashlib.sha256(repr((kjt.keys(), kjt.stride())).encode())
+    tensors = [kjt.lengths(), kjt.values()]
+    if kjt.weights_or_none() is not None:
+        tensors.append(kjt.weights())
+    for t in tensors:
+        h.update(str(t.dtype).encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.digest()
+
+
+class BatchSplit:
+    """How the ranks of one ``same_batch`` group split the batch they share (module doc).
+
+    ``check``: compare the group's batches at every forward (default: env
+    ``DTREC_CHECK_SAME_BATCH=1``, read when the collection is built; settable after).
+    """
+
+    def __init__(self, group_mesh: DeviceMesh, check: bool | None = None) -> None:
+        if not isinstance(group_mesh, DeviceMesh) or group_mesh.ndim != 1:
+            raise TypeError(
+                "same_batch must be a 1-D DeviceMesh of the ranks that feed the same batch "
+                f"(e.g. world_mesh['tp']), got {group_mesh!r}"
+            )
+        if group_mesh.get_coordinate() is None:
+            raise ValueError(
+                f"same_batch: rank {dist.get_rank()} is not in the same_batch mesh {group_mesh}"
+            )
+        self.group = group_mesh.get_group()
+        self.ranks: list[int] = dist.get_process_group_ranks(self.group)
+        self.size = len(self.ranks)
+        self.index = group_mesh.get_local_rank()
+        self.check = os.environ.get(CHECK_ENV, "0") == "1" if check is None else check
+        self._device = mesh_device(group_mesh)
+
+    def local_part(self, features: object) -> object:
+        """This rank's chunk of ``features`` (a KJT, or a ``RefusedBatch`` carrying why it
+        cannot be split, so the input dist refuses it on every rank together). With
+        ``check``, first one all-gather of the batches' digests over the group."""
+        if isinstance(features, RefusedBatch):
+            error: Exception | None = features.error
+            kjt = None
+        else:
+            try:
+                kjt, error = as_kjt(features), None
+            except Exception as exc:  # noqa: BLE001 - refused in the input dist
+                kjt, error = None, exc
+        if self.check:
+            error = error or self._different_batches(kjt)
+        if error is None:
+            assert kjt is not None
+            try:
+                sizes = chunk_sizes(kjt.stride(), self.size)
+                start = sum(sizes[: self.index])
+                return slice_samples(kjt, start, start + sizes[self.index])
+            except Exception as exc:  # noqa: BLE001 - refused in the input dist
+                error = exc
+        return RefusedBatch(error)
+
+    def _different_batches(self, kjt: KeyedJaggedTensor | None) -> ValueError | None:
+        """The ValueError for a group whose ranks feed different batches (None: the same).
+        Collective over the group: every rank joins, with a batch or without one."""
+        try:
+            digest = batch_digest(kjt) if kjt is not None else bytes(32)
+        except Exception:  # noqa: BLE001 - a batch that cannot be read differs from any
+            digest = bytes(32)
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.int64).to(self._device)
+        every = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self._device)
+        with collective("same_batch.check", (self.size - 1) * 32, self.group):
+            all_gather_flat(every, mine, self.group)
+        rows = every.view(self.size, -1).tolist()
+        differ = [self.ranks[j] for j, row in enumerate(rows) if row != rows[0]]
+        if not differ:
+            return None
+        return ValueError(
+            f"same_batch: the ranks {self.ranks} of a same_batch group (e.g. a tp group) "
+            f"feed different batches: rank(s) {differ} differ from rank {self.ranks[0]}; "
+            "the ranks of a same_batch group must feed the same batch (splitting different "
+            "batches would train on neither), so this step is refused on every rank"
+        )
+
+    def gather(self, pooled: KeyedTensor, batch: int) -> KeyedTensor:
+        """The whole batch's pooled rows from every rank's chunk (``batch``: the whole
+        batch's size, which every rank of the group knows from its own copy)."""
+        values = _GatherChunks.apply(
+            pooled.values(), chunk_sizes(batch, self.size), self.index, self.group
+        )
+        return KeyedTensor(pooled.keys(), pooled.length_per_key(), values)
+
+
+def full_batch_size(features: object) -> int:
+    """The batch size of ``features`` (0 for what is no batch: its forward raises anyway)."""
+    try:
+        return as_kjt(features).stride()
+    except Exception:  # noqa: BLE001 - refused in the input dist, raised in forward
+        return 0
+
+
+class _GatherChunks(torch.autograd.Function):
+    """``[B_i, D]`` per rank -> ``[B, D]`` on every rank (one padded all-gather);
+    backward: this rank's rows of the gradient times the group size (module doc)."""
+
+    @staticmethod
+    def forward(ctx, local, sizes, index, group):  # type: ignore[override]
+        ctx.start, ctx.sizes, ctx.index = sum(sizes[:index]), sizes, index
+        parts, most = len(sizes), max(sizes)
+        width = local.shape[1]
+        padded = local.new_zeros(most, width)
+        padded[: local.shape[0]] = local
+        out = local.new_empty(parts * most * width)
+        if out.numel():
+            sent = (parts - 1) * most * width * local.element_size()
+            with collective("same_batch.gather", sent, group):
+                all_gather_flat(out, padded.reshape(-1), group)
+        rows = out.view(parts * most, width)
+        if all(s == most for s in sizes):
+            return rows
+        return torch.cat([rows[r * most : r * most + n] for r, n in enumerate(sizes)])
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        mine = grad[ctx.start : ctx.start + ctx.sizes[ctx.index]]
+        return mine * len(ctx.sizes), None, None, None

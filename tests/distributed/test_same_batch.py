@@ -1,0 +1,214 @@
+"""``distribute_module(..., same_batch=world["tp"])`` on 4 gloo ranks, (dp 2) x (tp 2).
+
+The two ranks of a tp group feed the same batch; with ``same_batch`` each looks up half
+of it and the pooled rows are all-gathered (``dtrec.sharded.dist.batch_split``). The MLP
+is tensor parallel over tp (Colwise / Rowwise) and FSDP over dp, the tables over dp x tp
+(``tests/distributed/test_compose.py``'s model and plan). Every configuration trains 3
+steps and must end where the unsharded model ends when trained on the distinct dp
+batches (loss = mean of the per-batch losses), to 1e-5 relative: torch SGD, Adam and a
+fused RowWiseAdagrad, odd (uneven split) and even batches, prefetched input dist. The
+tables' all-to-all bytes with ``same_batch`` are about half of those without, and
+``DTREC_CHECK_SAME_BATCH=1`` refuses a tp group whose ranks feed different batches. One
+spawned world runs everything (``tests/multiprocess.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.test_compose import TOL, Net, _full, _mesh, _optimizer, _plan, _rel
+from tests.multiprocess import run_world
+
+STEPS = 3
+TABLE_KINDS = ("input_dist.ids", "output_dist")  # output_dist.backward counted under it
+
+
+def _batch(step: int, group: int, size: int):
+    """Data-parallel group ``group``'s batch of ``size`` samples at ``step``."""
+    import dtrec
+
+    gen = torch.Generator().manual_seed(1000 * step + group + 7 * size)
+    keys, values, lengths = [], [], []
+    for key, rows in (("f0", 20), ("f1", 20), ("f2", 10), ("f3", 12)):
+        ls = torch.randint(1, 4, (size,), generator=gen)
+        keys.append(key)
+        lengths.append(ls)
+        values.append(torch.randint(0, rows, (int(ls.sum()),), generator=gen))
+    kjt = dtrec.KeyedJaggedTensor(keys, torch.cat(values), torch.cat(lengths))
+    return kjt, torch.randn(size, generator=gen)
+
+
+def _distribute(model, split: bool, fused=None):
+    """TP over tp and FSDP over dp on the MLP, then the tables over dp x tp."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    import dtrec
+
+    mesh = _mesh("dp_tp")
+    parallelize_module(model.mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model.mlp, mesh=mesh["dp"])
+    return dtrec.distribute_module(
+        model,
+        _mesh("dp_tp_tables"),
+        _plan(),
+        optimizer=fused,
+        same_batch=mesh["tp"] if split else None,
+    )
+
+
+def _train(opt: str, batch: int, split: bool = True, fused: str | None = None,
+           prefetch: bool = False) -> dict:  # fmt: skip
+    import copy
+
+    import dtrec
+    from tests.distributed.numerics import fused_reference_update
+
+    torch.manual_seed(0)
+    ref = Net()
+    rule = dtrec.optim.RowWiseAdagrad(lr=0.1) if fused == "rowwise_adagrad" else None
+    model = _distribute(copy.deepcopy(ref), split, rule)
+    mesh = _mesh("dp_tp")
+    group, groups = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    tables = ref.sparse.embedding_bag_configs()
+    table_params = {id(t.weight) for t in ref.sparse.embedding_bags.values()}
+    ref_params = [p for p in ref.parameters() if rule is None or id(p) not in table_params]
+    fused_state = {
+        cfg.name: rule.init_state(ref.sparse.embedding_bags[cfg.name].weight) for cfg in tables
+    } if rule is not None else {}  # fmt: skip
+    ref_opt = _optimizer(opt, ref_params, None)
+    dist_opt = _optimizer(opt, [p for p in model.parameters() if p.requires_grad], None)
+    loss_errs, table_bytes, gather_bytes = [], [], []
+    for step in range(STEPS):
+        batches = [_batch(step, g, batch) for g in range(groups)]
+        kjt, y = batches[group]
+        with dtrec.comm_stats() as stats:
+            if prefetch:
+                model.sparse.prefetch(kjt)
+            loss = ((model(kjt) - y) ** 2).mean()
+            loss.backward()
+        table_bytes.append(sum(n for k, n in stats.bytes_sent.items() if k.startswith(TABLE_KINDS)))
+        gather_bytes.append(stats.bytes_sent.get("same_batch.gather", 0))
+        ref_losses = [((ref(k) - t) ** 2).mean() for k, t in batches]
+        torch.stack(ref_losses).mean().backward()
+        dist_opt.step()
+        dist_opt.zero_grad()
+        if rule is not None:
+            fused_reference_update(ref, tables, rule, fused_state, [k for k, _ in batches])
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_errs.append(_rel(loss.detach(), ref_losses[group].detach()))
+    got = dict(model.named_parameters())
+    return {
+        "loss": max(loss_errs),
+        "weights": {name: _rel(_full(got[name]), p.detach()) for name, p in ref.named_parameters()},
+        "table_bytes": table_bytes,
+        "gather_bytes": gather_bytes,
+        "prefetch_left": model.sparse.is_prefetched(kjt),
+    }
+
+
+CONFIGS = {
+    "sgd_odd": dict(opt="sgd", batch=3),
+    "adam_odd": dict(opt="adam", batch=3),
+    "rowwise_adagrad_odd": dict(opt="sgd", batch=3, fused="rowwise_adagrad"),
+    "adam_even_prefetch": dict(opt="adam", batch=4, prefetch=True),
+    "sgd_even": dict(opt="sgd", batch=4),
+    "sgd_even_whole": dict(opt="sgd", batch=4, split=False),
+    "sgd_odd_whole": dict(opt="sgd", batch=3, split=False),
+}
+
+
+def _errors() -> dict:
+    """The same_batch check on matched and mismatched batches, VBE and a bad mesh."""
+    import copy
+    import os
+
+    import dtrec
+    from tests.multiprocess import error_of
+
+    out: dict = {}
+    mesh = _mesh("dp_tp")
+    group = mesh["dp"].get_local_rank()
+    os.environ["DTREC_CHECK_SAME_BATCH"] = "1"
+    try:
+        model = _distribute(copy.deepcopy(Net()), True)
+    finally:
+        del os.environ["DTREC_CHECK_SAME_BATCH"]
+    with dtrec.comm_stats() as stats:
+        model(_batch(0, group, 3)[0]).sum().backward()  # the same batch: no error
+    out["check_bytes"] = stats.bytes_sent.get("same_batch.check", 0)
+    # rank 3 (dp 1, tp 1) feeds a batch of its own
+    mine = _batch(0, group, 3)[0] if torch.distributed.get_rank() != 3 else _batch(5, 9, 3)[0]
+    out["mismatch"] = error_of(lambda: model(mine))
+    out["after"] = error_of(lambda: model(_batch(1, group, 3)[0]).sum().backward())
+    vbe = dtrec.KeyedJaggedTensor(
+        ["f0", "f1", "f2", "f3"], torch.tensor([1, 2, 3, 4, 5, 6]), torch.ones(6, dtype=torch.long),
+        stride_per_key_per_rank=[[2], [1], [2], [1]],
+    )  # fmt: skip
+    out["vbe"] = error_of(lambda: model(vbe))
+    out["not_1d"] = error_of(
+        lambda: dtrec.distribute_module(Net(), _mesh("dp_tp_tables"), _plan(), same_batch=mesh)
+    )
+    return out
+
+
+def _run_all(rank: int, world: int, configs: dict) -> dict:
+    return {**{name: _train(**cfg) for name, cfg in configs.items()}, "errors": _errors()}
+
+
+@pytest.fixture(scope="module")
+def world_results() -> list[dict]:
+    return run_world(4, _run_all, CONFIGS, timeout=600)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_trains_like_the_unsharded_model_on_the_distinct_batches(world_results, name) -> None:
+    for rank, per_rank in enumerate(world_results):
+        r = per_rank[name]
+        assert r["loss"] < TOL, (rank, r)
+        for param, err in r["weights"].items():
+            assert err < TOL, (rank, param, err)
+        assert not r["prefetch_left"], rank
+
+
+def test_a_tp_group_sends_its_batch_once(world_results) -> None:
+    """Summed over the world, the tables' ids and pooled-row all-to-alls (forward and
+    backward) carry about half the bytes with same_batch: each tp group's batch travels
+    once instead of twice. The gather of the pooled rows is what it costs."""
+    for name, whole in (("sgd_even", "sgd_even_whole"), ("sgd_odd", "sgd_odd_whole")):
+        for step in range(STEPS):
+            split = sum(r[name]["table_bytes"][step] for r in world_results)
+            full = sum(r[whole]["table_bytes"][step] for r in world_results)
+            assert 0.4 * full < split < 0.6 * full, (name, step, split, full)
+            assert all(r[name]["gather_bytes"][step] > 0 for r in world_results), name
+            assert all(r[whole]["gather_bytes"][step] == 0 for r in world_results), whole
+
+
+def test_check_same_batch_refuses_a_group_feeding_different_batches(world_results) -> None:
+    for rank, per_rank in enumerate(world_results):
+        e = per_rank["errors"]
+        assert e["check_bytes"] > 0, rank
+        assert e["mismatch"] != "ok", rank
+        if rank in (2, 3):  # the tp group of rank 3
+            assert e["mismatch"].startswith("ValueError"), (rank, e)
+            assert "feed different batches" in e["mismatch"], (rank, e)
+            assert "[2, 3]" in e["mismatch"] and "rank(s) [3]" in e["mismatch"], (rank, e)
+        assert e["after"] == "ok", (rank, e["after"])  # the next step runs
+
+
+def test_variable_batch_per_feature_is_a_clear_error(world_results) -> None:
+    for rank, per_rank in enumerate(world_results):
+        err = per_rank["errors"]["vbe"]
+        assert err.startswith("ValueError") and "VBE" in err and "'f1'" in err, (rank, err)
+
+
+def test_same_batch_must_be_a_1d_mesh(world_results) -> None:
+    for rank, per_rank in enumerate(world_results):
+        err = per_rank["errors"]["not_1d"]
+        assert err.startswith("TypeError") and "1-D DeviceMesh" in err, (rank, err)
