@@ -652,6 +652,7 @@ LOCAL: dict[str, Case] = {
     "E181": lambda tmp: dtrec.QCommsConfig(backward_precision="fp16", backward_loss_scale=0.0),
     "E182": lambda tmp: dtrec.QCommsConfig(forward_precision="bf16", backward_loss_scale=8.0),
     "E183": on_mesh(2, 2, lambda m: dtrec.distribute_module(Model(), m, qcomms="bf16")),
+    "E344": on_mesh(2, 2, lambda m: dtrec.distribute_module(Model(), m, same_batch=m)),
     "E184": on_mesh(
         2, 2, lambda m: dtrec.distribute_module(Model(), m, qcomms={"spars": dtrec.QCommsConfig()})
     ),
