@@ -6,7 +6,8 @@ is tensor parallel over tp (Colwise / Rowwise) and FSDP over dp, the tables over
 (``tests/distributed/test_compose.py``'s model and plan). Every configuration trains 3
 steps and must end where the unsharded model ends when trained on the distinct dp
 batches (loss = mean of the per-batch losses), to 1e-5 relative: torch SGD, Adam and a
-fused RowWiseAdagrad, odd (uneven split) and even batches, prefetched input dist. The
+fused RowWiseAdagrad, odd (uneven split), even and one-sample batches (an empty chunk),
+prefetched input dist. The
 tables' all-to-all bytes with ``same_batch`` are about half of those without, and
 ``DTREC_CHECK_SAME_BATCH=1`` refuses a tp group whose ranks feed different batches. One
 spawned world runs everything (``tests/multiprocess.py``).
@@ -121,6 +122,7 @@ CONFIGS = {
     "sgd_even": dict(opt="sgd", batch=4),
     "sgd_even_whole": dict(opt="sgd", batch=4, split=False),
     "sgd_odd_whole": dict(opt="sgd", batch=3, split=False),
+    "adam_one_sample": dict(opt="adam", batch=1),  # the tp rank 1 looks up an empty chunk
 }
 
 
