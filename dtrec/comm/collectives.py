@@ -25,7 +25,8 @@ from dtrec.comm.failures import CollectiveError, failed_peers
 
 @dataclass
 class CommStats:
-    """Per collective kind: calls, bytes this rank sent, and host seconds spent in the call.
+    """Per collective kind: calls, bytes this rank sent, and host seconds spent in the call;
+    and the bytes per mesh dim they travelled over (``bytes_per_axis``).
 
     Seconds are wall time around the call: the whole exchange on gloo (which blocks),
     only the launch for NCCL (which runs asynchronously on its stream).
@@ -34,11 +35,18 @@ class CommStats:
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    bytes_per_axis: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Mesh dim name (the group's DeviceMesh dim: "shard", "replicate", "tp", ...; "world"
+    for the default group) -> bytes this rank sent over it."""
 
-    def record(self, kind: str, nbytes: int, seconds: float = 0.0, calls: int = 1) -> None:
+    def record(
+        self, kind: str, nbytes: int, seconds: float = 0.0, calls: int = 1, axis: str = "world"
+    ) -> None:
         self.calls[kind] += calls
         self.bytes_sent[kind] += nbytes
         self.seconds[kind] += seconds
+        if nbytes:
+            self.bytes_per_axis[axis] += nbytes
 
     @property
     def total_bytes(self) -> int:
@@ -131,8 +139,21 @@ def collective(
             f"bounds the wait): {exc}"
         ) from exc
     elapsed = time.perf_counter() - start
-    for stats in _active:
-        stats.record(kind, nbytes, elapsed, calls)
+    if _active:
+        axis = axis_name(group)
+        for stats in _active:
+            stats.record(kind, nbytes, elapsed, calls, axis)
+
+
+def axis_name(group: ProcessGroup | None) -> str:
+    """The mesh dim a group is (DeviceMesh names its groups ``mesh_<dim>``), "world" for
+    the default group, else its ranks."""
+    desc = "default_pg" if group is None else getattr(group, "group_desc", "")
+    if desc == "default_pg" or (group is not None and group == dist.group.WORLD):
+        return "world"
+    if desc.startswith("mesh_"):
+        return desc[len("mesh_") :]
+    return f"ranks {dist.get_process_group_ranks(group)}"
 
 
 def all_to_all(

@@ -84,7 +84,7 @@ def _train(opt: str, batch: int, split: bool = True, fused: str | None = None,
     } if rule is not None else {}  # fmt: skip
     ref_opt = _optimizer(opt, ref_params, None)
     dist_opt = _optimizer(opt, [p for p in model.parameters() if p.requires_grad], None)
-    loss_errs, table_bytes, gather_bytes = [], [], []
+    loss_errs, table_bytes, gather_bytes, axes = [], [], [], []
     for step in range(STEPS):
         batches = [_batch(step, g, batch) for g in range(groups)]
         kjt, y = batches[group]
@@ -95,6 +95,7 @@ def _train(opt: str, batch: int, split: bool = True, fused: str | None = None,
             loss.backward()
         table_bytes.append(sum(n for k, n in stats.bytes_sent.items() if k.startswith(TABLE_KINDS)))
         gather_bytes.append(stats.bytes_sent.get("same_batch.gather", 0))
+        axes.append((dict(stats.bytes_per_axis), stats.total_bytes))
         ref_losses = [((ref(k) - t) ** 2).mean() for k, t in batches]
         torch.stack(ref_losses).mean().backward()
         dist_opt.step()
@@ -110,6 +111,7 @@ def _train(opt: str, batch: int, split: bool = True, fused: str | None = None,
         "weights": {name: _rel(_full(got[name]), p.detach()) for name, p in ref.named_parameters()},
         "table_bytes": table_bytes,
         "gather_bytes": gather_bytes,
+        "axes": axes,
         "prefetch_left": model.sparse.is_prefetched(kjt),
     }
 
@@ -190,6 +192,19 @@ def test_a_tp_group_sends_its_batch_once(world_results) -> None:
             assert 0.4 * full < split < 0.6 * full, (name, step, split, full)
             assert all(r[name]["gather_bytes"][step] > 0 for r in world_results), name
             assert all(r[whole]["gather_bytes"][step] == 0 for r in world_results), whole
+
+
+def test_comm_stats_count_bytes_per_mesh_dim(world_results) -> None:
+    """``comm_stats().bytes_per_axis``: every byte on the mesh dim it crossed: the pooled
+    rows' gather on "tp", the tables' exchanges on the tables' "shard" dim (dp x tp
+    flattened over the whole world: the default group, "world"), none on "replicate"."""
+    for rank, per_rank in enumerate(world_results):
+        for name in ("sgd_even", "sgd_odd_whole"):
+            r = per_rank[name]
+            for step, (axes, total) in enumerate(r["axes"]):
+                assert sum(axes.values()) == total, (rank, name, step, axes)
+                assert axes.get("tp", 0) == r["gather_bytes"][step], (rank, name, step, axes)
+                assert axes.get("world", 0) > 0 and "replicate" not in axes, (rank, axes)
 
 
 def test_check_same_batch_refuses_a_group_feeding_different_batches(world_results) -> None:
