@@ -56,7 +56,7 @@ PLAN = {  # RowWise for the big tables, the small ones whole or split by columns
     "items.genre": TableWise(rank=0),
     "users.user_id": RowWise(),
     "users.interest": TableWise(rank=1),
-    "users.interest_cols": ColumnWise(),
+    "users.interest_genre": ColumnWise(),
 }
 
 
@@ -126,7 +126,7 @@ class HSTURecommender(nn.Module):
             [
                 dtrec.EmbeddingBagConfig("user_id", USERS, 16, ["user_id"]),
                 dtrec.EmbeddingBagConfig("interest", INTERESTS, 16, ["interest"], pooling="mean"),
-                dtrec.EmbeddingBagConfig("interest_cols", GENRES, 16, ["interest_genre"]),
+                dtrec.EmbeddingBagConfig("interest_genre", GENRES, 16, ["interest_genre"]),
             ]
         )
         self.dense = DenseTower(user_dim=48)
@@ -250,7 +250,7 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda" if cuda else "cpu")
     rank = dist.get_rank()
-    world = init_device_mesh(
+    world = init_device_mesh(  # 8 ranks; torchtitan's dim names
         device.type, (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp")
     )
     dp_groups = world["dp_replicate"].size() * world["dp_shard"].size()
