@@ -273,6 +273,7 @@ CONFIGS = {
     "compiled_tp_fsdp_before_sgd": dict(kind="compiled_tp_fsdp_before", opt="sgd"),
     "compiled_tp_fsdp_before_adam": dict(kind="compiled_tp_fsdp_before", opt="adam"),
     "compiled_dense_sgd": dict(kind="compiled_dense", opt="sgd"),
+    "compiled_dense_adam": dict(kind="compiled_dense", opt="adam"),
 }
 
 
@@ -390,7 +391,7 @@ def test_the_compiled_blocks_ran_compiled(world_results, kind: str) -> None:
         assert sum(captured) >= 1 and max(captured) < STEPS, (rank, kind, captured)
 
 
-@pytest.mark.parametrize("name", sorted(n for n in CONFIGS if n != "compiled_dense_sgd"))
+@pytest.mark.parametrize("name", sorted(n for n in CONFIGS if not n.startswith("compiled_dense")))
 def test_the_mlp_is_sharded(world_results, name: str) -> None:
     for rank, per_rank in enumerate(world_results):
         r = per_rank[name]
