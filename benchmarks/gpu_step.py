@@ -6,8 +6,12 @@ Workload (MLPerf DLRM-DCNv2-like): 26 tables, dim 128, MLPerf's row counts cappe
 MLPerf's multi-hot size, mean 214 / 26 = 8.2 per bag) and one-hot. Ids uniform (or
 Zipf(1.1), ``--ids``) over each table's rows. Dense arch: 13 dense features -> MLP 256-D,
 concatenated with the 26 pooled embeddings, one low-rank DCNv2 cross layer (rank 64), MLP
-256-1, BCE with logits; TF32 matmuls. Tables: dtrec's fused row-wise Adagrad, or
-``nn.EmbeddingBag(sparse=True)`` per table + ``torch.optim.Adagrad``; dense: torch Adagrad.
+256-1, BCE with logits; TF32 matmuls. ``--dense mlperf``: MLPerf DLRM-DCNv2's dense arch
+instead (bottom 512-256-128, 3 low-rank cross layers of rank 512, top 1024-1024-512-256-1;
+``benchmarks/dense_arch.py``); ``--dense-dtype bf16`` runs the dense arch under
+``torch.autocast`` to bfloat16 (tables and exchanges unchanged, fp32).
+Tables: dtrec's fused row-wise Adagrad, or ``nn.EmbeddingBag(sparse=True)`` per table +
+``torch.optim.Adagrad``; dense: torch Adagrad.
 
 dtrec runs its sharded path (input dist -> lookup -> output dist -> backward + fused
 update) in a 1-rank world (NCCL on CUDA, gloo on CPU), tables built on the meta device.
@@ -15,6 +19,8 @@ Per config and library the JSON holds: ``step_s`` (mean of back-to-back steps, o
 at the end; dtrec also through ``dtrec.TrainPipeline``), ``stages`` (host and device
 seconds per stage, see ``benchmarks.probes.step.StageTimer``), ``profile`` (kernels, copies and
 host-sync API calls per step: whole step, embedding part alone, dense part alone),
+``samples_per_s`` (batch / ``step_s``), ``dense`` (the arch, its dtype and the dtypes its
+``nn.Linear`` layers output, i.e. what the matmuls computed in),
 ``host_syncs`` (synchronizing calls by source line), ``embedding`` (fwd + bwd + table
 update alone: seconds, modelled bytes, GB/s, fraction of the copy bandwidth measured in
 this run), ``memory`` (peak during a step vs weights + optimizer state + activations)
@@ -45,6 +51,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dtrec
+from benchmarks.dense_arch import (
+    ARCHS,
+    DTYPES,
+    NUM_DENSE,
+    linear_output_dtypes,
+    make_dense_arch,
+)
 from benchmarks.kernels import copy_bandwidth, make_ids
 from benchmarks.probes.machine import processor
 from benchmarks.probes.report import dtrec_source, write_report
@@ -65,7 +78,7 @@ MLPERF_ROWS = (40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000,
                12973, 108, 36)  # fmt: skip
 MLPERF_HOTNESS = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3,
                   1, 1)  # fmt: skip
-NUM_DENSE, CROSS_RANK, LR = 13, 64, 0.01
+LR = 0.01
 
 
 @dataclass(frozen=True)
@@ -114,22 +127,6 @@ def make_batch(w: Workload, size: int, one_hot: bool, ids: str, device, gen) -> 
     return Batch(dense, kjt, labels, per_table, unique)
 
 
-class DenseArch(nn.Module):
-    """Bottom MLP, one low-rank DCNv2 cross layer over [bottom, pooled], top MLP."""
-
-    def __init__(self, pooled_dim: int, dim: int) -> None:
-        super().__init__()
-        self.bottom = nn.Sequential(nn.Linear(NUM_DENSE, 256), nn.ReLU(), nn.Linear(256, dim))
-        width = dim + pooled_dim
-        self.cross_v = nn.Linear(width, CROSS_RANK, bias=False)
-        self.cross_u = nn.Linear(CROSS_RANK, width)
-        self.top = nn.Sequential(nn.Linear(width, 256), nn.ReLU(), nn.Linear(256, 1))
-
-    def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
-        x0 = torch.cat([torch.relu(self.bottom(dense)), pooled], dim=1)
-        return self.top(x0 * self.cross_u(self.cross_v(x0)) + x0).squeeze(1)
-
-
 class TorchTables(nn.Module):
     """Plain PyTorch: one ``nn.EmbeddingBag(sparse=True)`` per table."""
 
@@ -144,7 +141,7 @@ class TorchTables(nn.Module):
 
 
 class DLRM(nn.Module):
-    def __init__(self, sparse: nn.Module, dense_arch: DenseArch) -> None:
+    def __init__(self, sparse: nn.Module, dense_arch: nn.Module) -> None:
         super().__init__()
         self.sparse, self.dense_arch = sparse, dense_arch
 
@@ -186,25 +183,31 @@ class Library:
             self.optimizers[1].zero_grad(set_to_none=True)
 
 
-def dtrec_dlrm(w: Workload, device: torch.device) -> tuple[list, DLRM]:
+def dtrec_dlrm(
+    w: Workload, device: torch.device, arch: str = "small", dtype: str = "fp32"
+) -> tuple[list, DLRM]:
     """The workload's tables (``t<i>``, feature ``f<i>``, sum) and the unsharded DLRM over
-    them: tables on meta, the dense arch on ``device``, from seed 0."""
+    them: tables on meta, the dense arch (``benchmarks.dense_arch``) on ``device``, from
+    seed 0."""
     tables = [
         dtrec.EmbeddingBagConfig(f"t{i}", r, w.dim, [f"f{i}"], "sum") for i, r in enumerate(w.rows)
     ]
     torch.manual_seed(0)
     model = DLRM(
         dtrec.EmbeddingBagCollection(tables, device="meta"),
-        DenseArch(len(tables) * w.dim, w.dim).to(device),
+        make_dense_arch(arch, len(tables) * w.dim, w.dim, dtype).to(device),
     )
     return tables, model
 
 
-def build_dtrec(w: Workload, device: torch.device, plan: str, watch: FullTableWatch | None):
+def build_dtrec(
+    w: Workload, device: torch.device, plan: str, watch: FullTableWatch | None,
+    arch: str = "small", dtype: str = "fp32",
+):  # fmt: skip
     spec = {"table_wise": dtrec.placements.TableWise(rank=0),
             "row_wise": dtrec.placements.RowWise(),
             "data_parallel": dtrec.placements.DataParallel()}[plan]  # fmt: skip
-    tables, model = dtrec_dlrm(w, device)
+    tables, model = dtrec_dlrm(w, device, arch, dtype)
     mesh = dtrec.init_mesh(device.type, 1)
     fused = dtrec.optim.RowWiseAdagrad(lr=LR)
     plan_map = {f"sparse.{t.name}": spec for t in tables}
@@ -230,7 +233,10 @@ def plain_state(module: nn.Module) -> dict[str, Tensor]:
 
 def build_pytorch(w: Workload, device: torch.device, like: DLRM) -> Library:
     """Plain PyTorch with dtrec's weights (1 rank: each local shard is the whole table)."""
-    model = DLRM(TorchTables(w, device), DenseArch(len(w.rows) * w.dim, w.dim).to(device))
+    dense_arch = make_dense_arch(
+        arch_name(like.dense_arch), len(w.rows) * w.dim, w.dim, like.dense_arch.dtype
+    )
+    model = DLRM(TorchTables(w, device), dense_arch.to(device))
     with torch.no_grad():
         for bag, table in zip(model.sparse.bags, like.sparse.embedding_bags.values()):
             bag.weight.copy_(table.weight.to_local())
@@ -240,6 +246,10 @@ def build_pytorch(w: Workload, device: torch.device, like: DLRM) -> Library:
             torch.optim.Adagrad(tables, lr=LR, foreach=False)]  # fmt: skip
     state = sum(w.numel() for w in tables) * 4  # Adagrad's dense state_sum, made at step 1
     return Library("pytorch", model, opts, "per_table", nbytes(tables), state)
+
+
+def arch_name(arch: nn.Module) -> str:
+    return next(name for name, cls in ARCHS.items() if type(arch) is cls)
 
 
 def nbytes(tensors) -> int:
@@ -285,9 +295,9 @@ def profiled(fn, items, device: torch.device) -> dict[str, float]:
 
 def stage_targets(lib: Library) -> list[tuple[str, type, str]]:
     """(stage, class, method) to time: dtrec's stages by the classes that run them."""
-    sparse = type(lib.model.sparse)
+    sparse, arch = type(lib.model.sparse), type(lib.model.dense_arch)
     if lib.name == "pytorch":
-        return [("sparse_fwd", sparse, "forward"), ("dense_fwd", DenseArch, "forward")]
+        return [("sparse_fwd", sparse, "forward"), ("dense_fwd", arch, "_forward")]
     return [
         ("sparse_fwd", sparse, "forward"),
         ("input_dist", sparse, "input_dist"),
@@ -298,7 +308,7 @@ def stage_targets(lib: Library) -> list[tuple[str, type, str]]:
         ("output_dist", OutputDist, "zeros"),
         ("output_dist", OutputDist, "add_data_parallel"),
         ("output_dist", OutputDist, "keyed"),
-        ("dense_fwd", DenseArch, "forward"),
+        ("dense_fwd", arch, "_forward"),
     ]
 
 
@@ -360,6 +370,16 @@ def measure(lib: Library, w: Workload, batches: list[Batch], args, device, copy_
     for b in steps(args.warmup):
         lib.step(b)
     out: dict = {"step_s": back_to_back(lib.step, steps(args.steps), device)}
+    out["samples_per_s"] = batches[0].dense.shape[0] / out["step_s"]
+    one = steps(1)[0]
+    pooled = torch.zeros(one.dense.shape[0], len(w.rows) * w.dim, device=device)
+    out["dense"] = {
+        "arch": arch_name(lib.model.dense_arch),
+        "dtype": lib.model.dense_arch.dtype,
+        "linear_output_dtypes": linear_output_dtypes(lib.model.dense_arch, one.dense, pooled),
+    }
+    with torch.no_grad():
+        out["dense"]["loss"] = lib.loss(lib.model, one).item()  # after the timed steps
     if lib.name == "dtrec":
         pipeline = dtrec.TrainPipeline(lib.model, lib.optimizers[0], lib.loss)
         out["pipelined_step_s"] = (
@@ -437,7 +457,10 @@ class DenseOnly:
     is data parallel: its gradient hooks expect the root forward) and a fixed pooled input."""
 
     def __init__(self, lib: Library, w: Workload, like: Tensor) -> None:
-        self.arch = DenseArch(len(w.rows) * w.dim, w.dim).to(like.device)
+        like_arch = lib.model.dense_arch
+        self.arch = make_dense_arch(
+            arch_name(like_arch), len(w.rows) * w.dim, w.dim, like_arch.dtype
+        ).to(like.device)
         self.arch.load_state_dict(plain_state(lib.model.dense_arch))
         self.opt = torch.optim.Adagrad(self.arch.parameters(), lr=LR)
         self.pooled = like.detach().clone().requires_grad_()
@@ -498,6 +521,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (code-path check)")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--compile", action="store_true", help="also time dtrec's compiled step")
+    p.add_argument("--dense", default="small", choices=sorted(ARCHS),
+                   help="dense arch (benchmarks/dense_arch.py): small or MLPerf's")  # fmt: skip
+    p.add_argument("--dense-dtype", default="fp32", choices=sorted(DTYPES),
+                   help="the dense arch's compute dtype (bf16: torch.autocast)")  # fmt: skip
     p.add_argument("--compile-mode", default="default",
                    choices=["default", "reduce-overhead", "max-autotune"])  # fmt: skip
     args = p.parse_args(argv)
@@ -548,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, w: Workload, sizes: list[int], device, copy_gbps: float) -> dict:
     watched = watched_tables(w, max(sizes))
     build_watch = FullTableWatch(watched, device) if device.type == "cuda" else None
-    libs = [build_dtrec(w, device, args.plan, build_watch)]
+    libs = [build_dtrec(w, device, args.plan, build_watch, args.dense, args.dense_dtype)]
     if not args.no_pytorch:
         libs.append(build_pytorch(w, device, libs[0].model))
     gen = torch.Generator(device=device).manual_seed(0)
@@ -627,6 +654,8 @@ def issue_table(results: dict[str, dict], copy_gbps: float) -> list[dict]:
             "host_syncs_cuda": sum(d["host_syncs"]["cuda_sync_debug"].values()),
             "host_syncs_dispatch": d["counts"]["embedding"]["syncs"],
             "samples_per_s": batch / d["step_s"],
+            "dense_arch": d["dense"]["arch"],
+            "dense_dtype": d["dense"]["dtype"],
             "copy_GBps": copy_gbps,
         })  # fmt: skip
     return rows

@@ -77,6 +77,45 @@ def test_compile_smoke_traces_the_one_rank_step_whole(tmp_path) -> None:
     assert "breaks]" in done.stdout
 
 
+def test_mlperf_dense_arch_in_bf16_smoke(tmp_path) -> None:
+    """``--dense mlperf --dense-dtype bf16`` (issue 47): MLPerf DLRM-DCNv2's dense arch
+    trains under bf16 autocast: its matmuls output bf16, the loss stays finite, and the
+    report names the arch and dtype beside samples/s."""
+    import math
+
+    from benchmarks.dense_arch import MLPerfDenseArch
+
+    out = tmp_path / "gpu_step_mlperf.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, "benchmarks/gpu_step.py", "--smoke", "--no-pytorch", "--dense",
+         "mlperf", "--dense-dtype", "bf16", "--json", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["meta"]["args"]["dense"] == "mlperf"
+    for name, config in report["results"].items():
+        r = config["dtrec"]
+        assert r["dense"]["arch"] == "mlperf" and r["dense"]["dtype"] == "bf16", name
+        assert r["dense"]["linear_output_dtypes"] == ["torch.bfloat16"], (name, r["dense"])
+        assert math.isfinite(r["dense"]["loss"]) and r["samples_per_s"] > 0, (name, r)
+    for row in report["issue_table"]:
+        assert (row["dense_arch"], row["dense_dtype"]) == ("mlperf", "bf16"), row
+    # the arch's shape: MLPerf's layers (bottom 512-256-D, 3 cross layers rank 512, top)
+    arch = MLPerfDenseArch(26 * 16, 16)
+    linears = [m for m in arch.modules() if isinstance(m, torch.nn.Linear)]
+    assert [m.out_features for m in arch.bottom if isinstance(m, torch.nn.Linear)] == [512, 256, 16]
+    assert [m.out_features for m in arch.cross.v] == [512] * 3
+    assert [m.out_features for m in arch.top if isinstance(m, torch.nn.Linear)] == [
+        1024, 1024, 512, 256, 1,
+    ]  # fmt: skip
+    assert len(linears) == 3 + 6 + 5
+    dense, pooled = torch.randn(4, 13), torch.randn(4, 26 * 16)
+    assert arch(dense, pooled).dtype == torch.float32  # fp32: no autocast
+    assert {str(m.weight.dtype) for m in linears} == {"torch.float32"}
+
+
 def test_full_table_watch_flags_new_table_sized_tensors_only() -> None:
     flat = torch.zeros(100 * 8 + 10)
     with FullTableWatch({"t": (100, 8)}) as watch:

@@ -5,8 +5,10 @@ and an MLP for 3 steps with a torch optimizer, and must end where the unsharded 
 ends when trained on the concatenated *distinct* batches (loss = mean of the per-batch
 losses): the losses of every step and the full weights of every table and dense
 parameter, to 1e-5 relative. Under TP the two ranks of a tp group feed the same batch,
-so the unsharded model sees only the dp groups' batches. One spawned world runs every
-configuration (``tests/multiprocess.py``).
+so the unsharded model sees only the dp groups' batches. The ``compiled_*`` configurations
+compile the MLP in torchtitan's order (TP, activation checkpointing,
+``torch.compile(fullgraph=True)``, FSDP, then dtrec) and must train the same. One spawned
+world runs every configuration (``tests/multiprocess.py``).
 """
 
 from __future__ import annotations
@@ -91,6 +93,14 @@ def _mesh(name: str):
     return _MESHES[name]
 
 
+def _compile_block(model: nn.Module) -> None:
+    """torchtitan's per-block steps after TP: activation checkpointing, then
+    ``torch.compile(block, fullgraph=True)`` in place of the block."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model.mlp = torch.compile(checkpoint_wrapper(model.mlp), fullgraph=True)
+
+
 def _compose(kind: str, model: nn.Module) -> tuple[nn.Module, int, int]:
     """Apply ``kind``'s parallelisms to ``model``, in its order; return the distributed
     model, this rank's data-parallel group and the number of groups."""
@@ -105,6 +115,13 @@ def _compose(kind: str, model: nn.Module) -> tuple[nn.Module, int, int]:
     import dtrec
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    compiled = kind.startswith("compiled_")  # AC + compile after TP, before FSDP
+    kind = kind.removeprefix("compiled_")
+    if kind == "dense":  # no FSDP: dtrec replicates the compiled block's parameters
+        _compile_block(model)
+        return dtrec.distribute_module(model, _mesh("tables"), _plan()), rank, world
+    if compiled and kind != "tp_fsdp_before":
+        _compile_block(model)
     if kind == "fsdp_before":
         fully_shard(model.mlp)
         return dtrec.distribute_module(model, _mesh("tables"), _plan()), rank, world
@@ -114,6 +131,8 @@ def _compose(kind: str, model: nn.Module) -> tuple[nn.Module, int, int]:
     if kind == "tp_fsdp_before":
         mesh = _mesh("dp_tp")
         parallelize_module(model.mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        if compiled:
+            _compile_block(model)
         fully_shard(model.mlp, mesh=mesh["dp"])
         model = dtrec.distribute_module(model, _mesh("tables"), _plan())
         return model, mesh["dp"].get_local_rank(), mesh["dp"].size()
@@ -159,6 +178,11 @@ def _full(value):
     return dtrec.checkpoint.full_tensor(value)  # a table-wise table's one-rank mesh
 
 
+def _unwrapped(name: str) -> str:
+    """A parameter's name without the wrappers' modules (``torch.compile``, AC)."""
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+
+
 def _rel(got, want) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
 
@@ -173,11 +197,14 @@ def _optimizer(name: str, params, foreach: bool | None):
 
 def _train(kind: str, opt: str, foreach: bool | None = None, clip: bool = False) -> dict:
     import copy
+    import time
 
     import torch
+    from torch._dynamo.utils import counters
 
     import dtrec
 
+    start, captured = time.perf_counter(), counters["stats"]["calls_captured"]
     torch.manual_seed(0)
     ref = Net()
     init = {name: p.detach().clone() for name, p in ref.named_parameters()}
@@ -203,7 +230,7 @@ def _train(kind: str, opt: str, foreach: bool | None = None, clip: bool = False)
         ref_opt.step()
         ref_opt.zero_grad()
         loss_errs.append(_rel(loss.detach(), ref_losses[group].detach()))
-    got = dict(model.named_parameters())
+    got = {_unwrapped(name): p for name, p in model.named_parameters()}
     weight_errs = {name: _rel(_full(got[name]), p.detach()) for name, p in ref.named_parameters()}
     mlp = list(model.mlp.parameters())
     return {
@@ -215,6 +242,8 @@ def _train(kind: str, opt: str, foreach: bool | None = None, clip: bool = False)
         "moved": {name: _rel(p.detach(), init[name]) for name, p in ref.named_parameters()},
         "mlp_local_numel": sum(p.to_local().numel() for p in mlp),
         "mlp_numel": sum(p.numel() for p in mlp),
+        "captured": counters["stats"]["calls_captured"] - captured,  # graphs dynamo traced
+        "seconds": time.perf_counter() - start,
     }
 
 
@@ -236,6 +265,15 @@ CONFIGS = {
     ),
     "world_hsdp_after_sgd": dict(kind="world_hsdp_after", opt="sgd"),
     "world_tp_fsdp_before_adam": dict(kind="world_tp_fsdp_before", opt="adam"),
+    # torchtitan's order with a compiled block: TP, AC, torch.compile(fullgraph=True), FSDP
+    "compiled_fsdp_before_sgd": dict(kind="compiled_fsdp_before", opt="sgd"),
+    "compiled_fsdp_before_adam": dict(kind="compiled_fsdp_before", opt="adam"),
+    "compiled_fsdp_after_sgd": dict(kind="compiled_fsdp_after", opt="sgd"),
+    "compiled_fsdp_after_adam": dict(kind="compiled_fsdp_after", opt="adam"),
+    "compiled_tp_fsdp_before_sgd": dict(kind="compiled_tp_fsdp_before", opt="sgd"),
+    "compiled_tp_fsdp_before_adam": dict(kind="compiled_tp_fsdp_before", opt="adam"),
+    "compiled_dense_sgd": dict(kind="compiled_dense", opt="sgd"),
+    "compiled_dense_adam": dict(kind="compiled_dense", opt="adam"),
 }
 
 
@@ -338,7 +376,22 @@ def test_table_mesh_is_a_view_of_the_world_mesh(world_results) -> None:
         assert "covers 2 ranks but the world has 4" in e["not_the_world"], e
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+COMPILED = sorted(name for name in CONFIGS if name.startswith("compiled_"))
+
+
+@pytest.mark.parametrize("kind", sorted({CONFIGS[name]["kind"] for name in COMPILED}))
+def test_the_compiled_blocks_ran_compiled(world_results, kind: str) -> None:
+    """The ``compiled_*`` configs trained through dynamo's graphs (``fullgraph=True``: a
+    graph break would have raised): each kind traced its block at least once, and no
+    config traced on every step (a later config of a kind may reuse its graphs: the
+    parameters are graph inputs, so a new model of the same shapes passes the guards)."""
+    names = [name for name in COMPILED if CONFIGS[name]["kind"] == kind]
+    for rank, per_rank in enumerate(world_results):
+        captured = [per_rank[name]["captured"] for name in names]
+        assert sum(captured) >= 1 and max(captured) < STEPS, (rank, kind, captured)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CONFIGS if not n.startswith("compiled_dense")))
 def test_the_mlp_is_sharded(world_results, name: str) -> None:
     for rank, per_rank in enumerate(world_results):
         r = per_rank[name]
