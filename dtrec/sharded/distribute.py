@@ -41,6 +41,7 @@ from dtrec.planning.plan import plan as make_plan
 from dtrec.sharded.collection import ShardedCollection, check_sync_every
 from dtrec.sharded.copies import deepcopy_module
 from dtrec.sharded.dense import ReplicatedDense, replicate_dense
+from dtrec.sharded.dist.batch_split import check_same_batch_mesh
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.sequence import ShardedEmbeddingCollection
 from dtrec.sharded.tables.dtensor_handlers import register_dtensor_handlers
@@ -213,21 +214,6 @@ def distribute_module(
         )
     dense = replicate_dense(model, mesh, ignored=sharded.values())
     return as_distributed(model, DistributedState(full_plan, fused, dense))
-
-
-def check_same_batch_mesh(same_batch: object) -> None:
-    """``same_batch``: None or a 1-D DeviceMesh holding this rank (TypeError / ValueError)."""
-    if same_batch is None:
-        return
-    if not isinstance(same_batch, DeviceMesh) or same_batch.ndim != 1:
-        raise TypeError(
-            "same_batch must be None or a 1-D DeviceMesh of the ranks that feed the same "
-            f"batch (e.g. world_mesh['tp']), got {same_batch!r}"
-        )
-    if same_batch.get_coordinate() is None:
-        raise ValueError(
-            f"same_batch: rank {dist.get_rank()} is not in the same_batch mesh {same_batch}"
-        )
 
 
 _CPU_CHOICE_MADE = False

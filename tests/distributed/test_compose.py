@@ -101,16 +101,29 @@ def _compile_block(model: nn.Module) -> None:
     model.mlp = torch.compile(checkpoint_wrapper(model.mlp), fullgraph=True)
 
 
-def _compose(kind: str, model: nn.Module) -> tuple[nn.Module, int, int]:
-    """Apply ``kind``'s parallelisms to ``model``, in its order; return the distributed
-    model, this rank's data-parallel group and the number of groups."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+def tp_then_fsdp(model: nn.Module, compiled: bool = False):
+    """torchtitan's order on the MLP over the (dp, tp) world mesh: TP (column- then
+    row-wise) over tp, (AC + compile), FSDP over dp; returns the mesh."""
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
+
+    mesh = _mesh("dp_tp")
+    parallelize_module(model.mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    if compiled:
+        _compile_block(model)
+    fully_shard(model.mlp, mesh=mesh["dp"])
+    return mesh
+
+
+def _compose(kind: str, model: nn.Module) -> tuple[nn.Module, int, int]:
+    """Apply ``kind``'s parallelisms to ``model``, in its order; return the distributed
+    model, this rank's data-parallel group and the number of groups."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
 
     import dtrec
 
@@ -129,11 +142,7 @@ def _compose(kind: str, model: nn.Module) -> tuple[nn.Module, int, int]:
         fully_shard(model.mlp, mesh=_mesh("hsdp"))
         return dtrec.distribute_module(model, _mesh("tables"), _plan()), rank, world
     if kind == "tp_fsdp_before":
-        mesh = _mesh("dp_tp")
-        parallelize_module(model.mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        if compiled:
-            _compile_block(model)
-        fully_shard(model.mlp, mesh=mesh["dp"])
+        mesh = tp_then_fsdp(model, compiled)
         model = dtrec.distribute_module(model, _mesh("tables"), _plan())
         return model, mesh["dp"].get_local_rank(), mesh["dp"].size()
     if kind in ("fsdp_after", "hsdp_after"):  # FSDP's SPMD mode on dtrec's dense mesh
@@ -156,9 +165,7 @@ def _compose(kind: str, model: nn.Module) -> tuple[nn.Module, int, int]:
         fully_shard(model.mlp, mesh=mesh, dp_mesh_dims=dims)
         return model, rank, world
     if kind == "world_tp_fsdp_before":  # the tables over dp x tp of the TP world mesh
-        mesh = _mesh("dp_tp")
-        parallelize_module(model.mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        fully_shard(model.mlp, mesh=mesh["dp"])
+        mesh = tp_then_fsdp(model)
         model = dtrec.distribute_module(model, _mesh("dp_tp_tables"), _plan())
         return model, mesh["dp"].get_local_rank(), mesh["dp"].size()
     raise AssertionError(kind)

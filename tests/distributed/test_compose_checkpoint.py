@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_compose import Net, _full, _mesh, _rel
+from tests.distributed.test_compose import Net, _full, _mesh, _rel, tp_then_fsdp
 from tests.multiprocess import run_world
 
 TOL = 1e-5
@@ -57,19 +57,10 @@ def _global_batch(step: int, parts: int, part: int):
 def _tp_fsdp_s4(model):
     """Saved layout: TP on the MLP over tp, FSDP over dp, tables on S=4; (model, dp
     group, dp groups)."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
     import dtrec
     from dtrec.placements import ColumnWise, RowWise, TableWise
 
-    mesh = _mesh("dp_tp")
-    parallelize_module(model.mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    fully_shard(model.mlp, mesh=mesh["dp"])
+    mesh = tp_then_fsdp(model)
     plan = {"sparse.rows": RowWise(), "sparse.cols": ColumnWise(), "sparse.whole": TableWise(1)}
     model = dtrec.distribute_module(model, _mesh("tables"), plan)
     return model, mesh["dp"].get_local_rank(), mesh["dp"].size()
@@ -103,16 +94,35 @@ def _fulls(model) -> dict[str, torch.Tensor]:
     return {name: _full(p).clone() for name, p in model.named_parameters()}
 
 
+def _torch_state(model, opt) -> dict:
+    """torch's distributed state dicts of the model and its optimizer, as DCP takes them."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def _next_step(model, opt, group: int, groups: int) -> tuple[dict, float, dict]:
+    """The full weights now, the loss of step 2 over the global batch (the mean of the dp
+    groups' means) and the full weights after it."""
+    import torch.distributed as dist
+
+    before = _fulls(model)
+    loss = _step(model, opt, 2, group, groups)
+    losses = [None] * dist.get_world_size()
+    dist.all_gather_object(losses, (group, loss))
+    return before, sum(dict(losses).values()) / groups, _fulls(model)
+
+
 def _round_trip(root: str, how: str) -> dict:
     """Train 2 steps under the saved layout, save, take a third step; load into a fresh
     model under the other layout, take the same third step; compare."""
     import copy
 
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
@@ -126,40 +136,22 @@ def _round_trip(root: str, how: str) -> dict:
     for step in range(2):
         _step(saved, opt, step, group, groups)
     if how == "torch":
-        state = {
-            "model": get_model_state_dict(saved),
-            "optim": get_optimizer_state_dict(saved, opt),
-        }
-        dcp.save(state, checkpoint_id=path)
+        dcp.save(_torch_state(saved, opt), checkpoint_id=path)
     else:
         dtrec.checkpoint.save(path, saved, opt)
-    at_save = _fulls(saved)
-    saved_loss = _step(saved, opt, 2, group, groups)
-    after_saved = _fulls(saved)
-    # the saved layout's loss is its dp group's mean: the global mean over the groups
-    losses = [None] * dist.get_world_size()
-    dist.all_gather_object(losses, (group, saved_loss))
-    saved_global = sum(dict(losses).values()) / groups
+    at_save, saved_global, after_saved = _next_step(saved, opt, group, groups)
 
     torch.manual_seed(1)  # another init: every loaded value must come from the checkpoint
     loaded, group, groups = _fsdp_s2r2(copy.deepcopy(Net()))
     opt = torch.optim.Adam(loaded.parameters(), lr=0.01)
     if how == "torch":
-        state = {
-            "model": get_model_state_dict(loaded),
-            "optim": get_optimizer_state_dict(loaded, opt),
-        }
+        state = _torch_state(loaded, opt)
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(loaded, state["model"])
         set_optimizer_state_dict(loaded, opt, state["optim"])
     else:
         dtrec.checkpoint.load(path, loaded, opt)
-    at_load = _fulls(loaded)
-    loaded_loss = _step(loaded, opt, 2, group, groups)
-    after_loaded = _fulls(loaded)
-    losses = [None] * dist.get_world_size()
-    dist.all_gather_object(losses, (group, loaded_loss))
-    loaded_global = sum(dict(losses).values()) / groups
+    at_load, loaded_global, after_loaded = _next_step(loaded, opt, group, groups)
     return {
         "loaded": {n: _rel(at_load[n], at_save[n]) for n in at_save},
         "next_step": {n: _rel(after_loaded[n], after_saved[n]) for n in after_saved},

@@ -18,7 +18,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_compose import TOL, Net, _full, _mesh, _optimizer, _plan, _rel
+from tests.distributed.test_compose import (
+    TOL,
+    Net,
+    _full,
+    _mesh,
+    _optimizer,
+    _plan,
+    _rel,
+    tp_then_fsdp,
+)
 from tests.multiprocess import run_world
 
 STEPS = 3
@@ -42,18 +51,9 @@ def _batch(step: int, group: int, size: int):
 
 def _distribute(model, split: bool, fused=None):
     """TP over tp and FSDP over dp on the MLP, then the tables over dp x tp."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
     import dtrec
 
-    mesh = _mesh("dp_tp")
-    parallelize_module(model.mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    fully_shard(model.mlp, mesh=mesh["dp"])
+    mesh = tp_then_fsdp(model)
     return dtrec.distribute_module(
         model,
         _mesh("dp_tp_tables"),

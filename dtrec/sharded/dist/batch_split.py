@@ -83,6 +83,21 @@ def slice_samples(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedT
     )
 
 
+def check_same_batch_mesh(same_batch: object) -> None:
+    """``same_batch``: None or a 1-D DeviceMesh holding this rank (TypeError / ValueError)."""
+    if same_batch is None:
+        return
+    if not isinstance(same_batch, DeviceMesh) or same_batch.ndim != 1:
+        raise TypeError(
+            "same_batch must be None or a 1-D DeviceMesh of the ranks that feed the same "
+            f"batch (e.g. world_mesh['tp']), got {same_batch!r}"
+        )
+    if same_batch.get_coordinate() is None:
+        raise ValueError(
+            f"same_batch: rank {dist.get_rank()} is not in the same_batch mesh {same_batch}"
+        )
+
+
 def batch_digest(kjt: KeyedJaggedTensor) -> bytes:
     """32 bytes that differ (but for a sha256 collision) when two batches differ: keys,
     batch size, lengths, ids and per-sample weights."""
@@ -104,15 +119,7 @@ class BatchSplit:
     """
 
     def __init__(self, group_mesh: DeviceMesh, check: bool | None = None) -> None:
-        if not isinstance(group_mesh, DeviceMesh) or group_mesh.ndim != 1:
-            raise TypeError(
-                "same_batch must be a 1-D DeviceMesh of the ranks that feed the same batch "
-                f"(e.g. world_mesh['tp']), got {group_mesh!r}"
-            )
-        if group_mesh.get_coordinate() is None:
-            raise ValueError(
-                f"same_batch: rank {dist.get_rank()} is not in the same_batch mesh {group_mesh}"
-            )
+        check_same_batch_mesh(group_mesh)
         self.group = group_mesh.get_group()
         self.ranks: list[int] = dist.get_process_group_ranks(self.group)
         self.size = len(self.ranks)
