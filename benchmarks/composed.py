@@ -361,7 +361,7 @@ MEMORY_KEYS = (
 
 
 def _kb(values: list[float]) -> str:
-    return f"{max(values) / 1024:.0f}"
+    return f"{max(values) / 1e3:.0f}"
 
 
 def print_table(results: dict[str, dict]) -> None:
@@ -383,7 +383,7 @@ def print_table(results: dict[str, dict]) -> None:
     full = next((r for r in results.values() if r["status"] == "ok"), None)
     if full:
         print(
-            f"full dense model: {full['full_dense_bytes'] / 1024:.0f} KB "
+            f"full dense model: {full['full_dense_bytes'] / 1e3:.0f} KB "
             "(params + grads + Adam state)"
         )
     theirs = results.get("torchrec_ddp", {})
