@@ -26,7 +26,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 INDEX = RESULTS / "README.md"
 NOT_RECORDED = "not recorded"
 
-BENCHMARKS = ("checkpoint", "cpu_lookup", "dense_step", "distributed", "dynamic_2d",
+BENCHMARKS = ("checkpoint", "composed", "cpu_lookup", "dense_step", "distributed", "dynamic_2d",
               "gpu_check", "gpu_profile", "gpu_step", "kernels", "loaded_suite", "offload",
               "planner", "qcomms", "scale", "sequence", "soak")  # fmt: skip
 """Benchmark names a report's file name starts with (longest match wins)."""
@@ -100,6 +100,16 @@ def _checkpoint(r: dict) -> str:
                          f"(TorchRec {t['save_s']:.2f} s), load {d['load_s']:.2f} s "
                          f"({t['load_s']:.2f} s)")  # fmt: skip
     return "; ".join(parts) or NOT_RECORDED
+
+
+def _composed(r: dict) -> str:
+    res = r["results"]
+    base = res["torchrec_ddp"]
+    names = {"dtrec_tp_hsdp": "TP+HSDP", "dtrec_fsdp": "FSDP", "torchrec_ddp": "DDP"}
+    step = {names[m]: res[m]["step_ms"] / base["step_ms"] for m in names if m != "torchrec_ddp"}
+    dense = ", ".join(f"{names[m]} {res[m]['dense_bytes_max'] / res[m]['full_dense_bytes']:.2f}"
+                      for m in names)  # fmt: skip
+    return f"step, dtrec / TorchRec: {_ratios(step)}; dense bytes per rank / full: {dense}"
 
 
 def _cpu_lookup(r: dict) -> str:
@@ -196,8 +206,9 @@ def _soak(r: dict) -> str:
 
 
 HEADLINES: dict[str, Callable[[dict], str]] = {
-    "checkpoint": _checkpoint, "cpu_lookup": _cpu_lookup, "dense_step": _dense_step,
-    "distributed": _distributed, "dynamic_2d": _dynamic_2d, "gpu_check": _gpu_check,
+    "checkpoint": _checkpoint, "composed": _composed, "cpu_lookup": _cpu_lookup,
+    "dense_step": _dense_step, "distributed": _distributed, "dynamic_2d": _dynamic_2d,
+    "gpu_check": _gpu_check,
     "gpu_step": _gpu_step, "kernels": _kernels, "loaded_suite": _loaded_suite,
     "offload": _offload, "planner": _planner, "qcomms": _qcomms, "scale": _scale,
     "sequence": _sequence, "soak": _soak,

@@ -215,7 +215,12 @@ def make_batch(step: int, dp_group: int, batch: int, device: torch.device):
 # ---- parallelizing: TP, then FSDP/HSDP, then the tables ------------------------------
 
 
-def parallelize(model: HSTURecommender, world: DeviceMesh) -> HSTURecommender:
+def parallelize(
+    model: HSTURecommender, world: DeviceMesh, optimizer: dtrec.optim.FusedOptimizer | None = None
+) -> HSTURecommender:
+    """TP + HSDP on the dense tower, the tables on ``world`` (``optimizer``: a fused table
+    update, as ``dtrec.distribute_module`` takes it; None leaves the tables to a torch
+    optimizer). ``benchmarks/composed.py`` times this composition."""
     for block in model.dense.blocks:
         # 1. TP first: fully_shard then shards the TP DTensors over dp (torchtitan's order).
         #    Colwise on the projections into the heads/MLP, Rowwise on those out of them:
@@ -232,7 +237,7 @@ def parallelize(model: HSTURecommender, world: DeviceMesh) -> HSTURecommender:
     # 4. The tables over the whole world (after FSDP/TP: dtrec leaves their DTensors
     #    alone); a tp group's pooled lookups are split between its ranks (same_batch).
     tables = dtrec.table_mesh(world, shard=("dp_shard", "tp"), replicate="dp_replicate")
-    return dtrec.distribute_module(model, tables, PLAN, same_batch=world["tp"])
+    return dtrec.distribute_module(model, tables, PLAN, optimizer=optimizer, same_batch=world["tp"])
 
 
 def main() -> None:
