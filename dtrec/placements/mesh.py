@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from dtrec._torch_compat import (
     concatenate_meshes,
@@ -241,6 +242,29 @@ def _replica_stride(mesh: DeviceMesh) -> int:
         return 1
     across = torch.arange(shards * replicas).reshape(replicas, shards).t() + first
     return shards if torch.equal(ranks, across) else 0
+
+
+def check_one_mesh_family(mesh: DeviceMesh, dense: dict[str, DTensor]) -> None:
+    """ValueError naming both meshes when ``mesh`` (the tables') is a view of a user's
+    world mesh (``table_mesh``) and a dense parameter in ``dense`` (FQN -> DTensor,
+    distributed by ``fully_shard`` / ``parallelize_module`` before ``distribute_module``)
+    lies on a mesh of another root: the user asked for one mesh family, and DCP,
+    ``clip_grad_norm_`` and the optimizers should see it. A mesh of ``init_mesh`` (its own
+    root, dtrec's dim names) is not checked: FSDP and TP then build their own meshes."""
+    world = root_mesh(mesh)
+    if set(world.mesh_dim_names or ()) & {SHARD, REPLICATE, SHARD_NODE, SHARD_LOCAL}:
+        return
+    for name, value in dense.items():
+        other = root_mesh(value.device_mesh)
+        if other is not world:
+            raise ValueError(
+                f"dense parameter {name!r} is distributed on a mesh with dims "
+                f"{value.device_mesh.mesh_dim_names} of the world mesh "
+                f"{other.mesh_dim_names} {other.mesh.tolist()}, but the tables' mesh is a "
+                f"view of another world mesh {world.mesh_dim_names} {world.mesh.tolist()} "
+                "(dtrec.table_mesh): build FSDP's and TP's meshes from that world mesh too "
+                "(e.g. fully_shard(..., mesh=world['dp_shard']), docs/composing.md)"
+            )
 
 
 def node_split_mesh(mesh: DeviceMesh) -> DeviceMesh | None:

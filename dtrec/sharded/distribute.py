@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from dtrec.comm.collectives import broadcast_coalesced
 from dtrec.comm.failures import install_excepthook
@@ -27,7 +28,7 @@ from dtrec.optim.cpu_choice import (
     use_cpu_rowwise_adagrad,
 )
 from dtrec.placements import TableSpec
-from dtrec.placements.mesh import shard_axis
+from dtrec.placements.mesh import check_one_mesh_family, shard_axis
 from dtrec.planning.plan import (
     ShardingPlan,
     check_plan_keys,
@@ -155,6 +156,11 @@ def distribute_module(
             "model has no dtrec.EmbeddingBagCollection (or torchrec.EmbeddingBagCollection) "
             "to distribute"
         )
+    in_tables = {id(p) for ebc in collections.values() for p in ebc.parameters()}
+    check_one_mesh_family(mesh, {
+        n: p for n, p in model.named_parameters()
+        if isinstance(p, DTensor) and id(p) not in in_tables
+    })  # fmt: skip
     rules = collection_rules(collections, optimizer)
     optimizer = next(iter(rules.values()), None)
     tables = model_tables(model)

@@ -346,6 +346,11 @@ def _errors() -> dict:
         _mesh("dp_tp_tables").mesh_dim_names,
         _mesh("dp_tp_tables").mesh.tolist(),
     )
+    other_root = copy.deepcopy(Net())  # FSDP on a mesh of another root than the tables'
+    fully_shard(other_root.mlp, mesh=_mesh("hsdp"))
+    out["other_root"] = error_of(
+        lambda: dtrec.distribute_module(other_root, _mesh("world_tables"), _plan())
+    )
     half = dtrec.table_mesh(world["dp_shard"], shard="dp_shard")  # 2 of the 4 ranks
     out["not_the_world"] = error_of(lambda: dtrec.distribute_module(Net(), half, _plan()))
     return out
@@ -425,6 +430,10 @@ def test_table_mesh_is_a_view_of_the_world_mesh(world_results) -> None:
         assert "['dp_replicate'] are neither" in e["table_mesh_left_out"], e
         assert "at least one shard dim" in e["table_mesh_no_shard"], e
         assert "covers 2 ranks but the world has 4" in e["not_the_world"], e
+        # FSDP's mesh not from the world mesh the tables' mesh is a view of: both named
+        assert e["other_root"].startswith("ValueError: dense parameter 'mlp.0.weight'"), e
+        assert "('rep', 'shard')" in e["other_root"], e
+        assert "('dp_replicate', 'dp_shard')" in e["other_root"], e
 
 
 COMPILED = sorted(name for name in CONFIGS if name.startswith("compiled_"))
