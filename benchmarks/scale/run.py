@@ -46,7 +46,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_step import MLPERF_HOTNESS, MLPERF_ROWS, DenseArch
+from benchmarks.dense_arch import DenseArch
+from benchmarks.gpu_step import MLPERF_HOTNESS, MLPERF_ROWS
 from benchmarks.probes.machine import processor
 from benchmarks.scale.mirror_world import mirror_world
 from benchmarks.scale.sim import RankStep, Workload, simulate_rank
