@@ -8,7 +8,7 @@ Example (under torchrun)::
     model = dtrec.distribute_module(model, mesh, {"sparse.t0": dtrec.placements.RowWise()})
 """
 
-from dtrec import checkpoint, ops, optim, placements
+from dtrec import checkpoint, ops, optim, pipelining, placements
 from dtrec.comm.collectives import CommStats, comm_stats, count_comm
 from dtrec.comm.failures import CollectiveError, report_failures
 from dtrec.comm.qcomms import QCommsConfig
@@ -31,6 +31,7 @@ from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.pipeline import TrainPipeline
 from dtrec.sharded.sequence import ShardedEmbeddingCollection
 from dtrec.sharded.tables.tensor import distribute_tensor
+from dtrec.sharded.update.accumulate import accumulate_gradients
 from dtrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "ShardingPlan",
     "Topology",
     "TrainPipeline",
+    "accumulate_gradients",
     "checkpoint",
     "choose_shard_group_size",
     "cost_model",
@@ -62,6 +64,7 @@ __all__ = [
     "init_mesh",
     "ops",
     "optim",
+    "pipelining",
     "placements",
     "plan",
     "report_failures",

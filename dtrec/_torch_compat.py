@@ -91,15 +91,18 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-def traced_broadcast_(tensors: Sequence[Tensor], src: int) -> None:
-    """Copy rank ``src``'s ``tensors`` into every rank's over the default group, as ops
+def traced_broadcast_(
+    tensors: Sequence[Tensor], src: int, group: dist.ProcessGroup | None = None
+) -> None:
+    """Copy rank ``src``'s ``tensors`` into every rank's over ``group`` (None: the
+    default group), as ops
     ``torch.compile`` traces (functional collectives, one per tensor; only under compile:
     eager coalesces them). Checked: torch 2.13
     (``torch.distributed._functional_collectives.broadcast``)."""
     from torch.distributed import _functional_collectives as funcol
 
     for t in tensors:
-        t.copy_(funcol.broadcast(t, src, dist.group.WORLD))
+        t.copy_(funcol.broadcast(t, src, group if group is not None else dist.group.WORLD))
 
 
 def current_backward_id() -> int:

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -67,7 +68,7 @@ from dtrec._torch_compat import (
     queue_backward_callback,
     traced_broadcast_,
 )
-from dtrec.comm.collectives import all_reduce_start, broadcast_coalesced
+from dtrec.comm.collectives import all_reduce_start, broadcast_coalesced, first_rank
 from dtrec.sharded.dense_buckets import Bucket, make_buckets
 from dtrec.sharded.dense_fsdp import bridge_fsdp_modules, taken_over
 
@@ -88,8 +89,10 @@ class ReplicatedDense:
         params: list[nn.Parameter],
         buffers: list[tuple[nn.Module, str]],
         aliases: dict[int, list[tuple[nn.Module, Any, Any]]] | None = None,
+        group: ProcessGroup | None = None,
     ) -> None:
         self.mesh = mesh
+        self.group = group  # the ranks gradients are averaged over (None: the world)
         # id(param) -> [(module, container, key)]: a dict / list attribute of a module that
         # holds the parameter too (TorchRec's PositionWeightedModuleCollection keeps
         # position_weights_dict beside its ParameterDict); it gets the views as well
@@ -130,7 +133,7 @@ class ReplicatedDense:
 
     def _rebucket(self) -> None:
         trained = [p for p in self._params if p.requires_grad]
-        self._buckets = make_buckets(trained) if dist.get_world_size() > 1 else []
+        self._buckets = make_buckets(trained) if dist.get_world_size(self.group) > 1 else []
         self._slot = {id(p): b for b, bucket in enumerate(self._buckets) for p in bucket.params}
 
     def _release_taken_over(self) -> None:
@@ -225,11 +228,12 @@ class ReplicatedDense:
         """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``); one broadcast."""
         tensors = [getattr(m, n) for m, n in self._buffers]
         tensors = [t for t in tensors if isinstance(t, Tensor)]
-        if tensors and dist.get_world_size() > 1:
+        if tensors and dist.get_world_size(self.group) > 1:
+            first = first_rank(self.group)
             if torch.compiler.is_compiling():  # traced: no graph break (docs/compile.md)
-                traced_broadcast_(tensors, 0)
+                traced_broadcast_(tensors, first, self.group)
             else:
-                broadcast_coalesced(tensors, 0, None, "dense.buffers")
+                broadcast_coalesced(tensors, first, self.group, "dense.buffers")
 
     # ------------------------------------------------------------------ backward
 
@@ -265,8 +269,8 @@ class ReplicatedDense:
 
     def _launch(self, bucket: Bucket) -> None:
         with torch.no_grad():
-            flat = bucket.flat_gradients(dist.get_world_size())
-        bucket.pending = all_reduce_start(flat, None, KIND)
+            flat = bucket.flat_gradients(dist.get_world_size(self.group))
+        bucket.pending = all_reduce_start(flat, self.group, KIND)
 
     def _finish(self) -> None:
         """End of backward: send the buckets not yet sent, then write the averages."""
@@ -301,7 +305,7 @@ class ReplicatedDense:
         methods, copied with the modules; the mesh is shared."""
         new = ReplicatedDense.__new__(ReplicatedDense)
         memo[id(self)] = new  # first: copying the modules copies their hooks, bound to new
-        new.mesh = self.mesh
+        new.mesh, new.group = self.mesh, self.group
         new._root = copy.deepcopy(self._root, memo)
         new._params = [copy.deepcopy(p, memo) for p in self._params]
         new._owners = {
@@ -366,12 +370,16 @@ def _as_replicated_dtensor(value: Tensor, mesh: DeviceMesh) -> DTensor:
 
 
 def replicate_dense(
-    model: nn.Module, mesh: DeviceMesh, ignored: Iterable[nn.Module]
+    model: nn.Module,
+    mesh: DeviceMesh,
+    ignored: Iterable[nn.Module],
+    group: ProcessGroup | None = None,
 ) -> ReplicatedDense | None:
     """Make every parameter of ``model`` outside ``ignored`` (and not already a DTensor)
-    a DTensor replicated over ``mesh``, rank 0's values on every rank; install the
-    forward views and the gradient averaging (module docstring). None when there is no
-    such parameter. Collective: every rank calls it with the same model.
+    a DTensor replicated over ``mesh``, the first rank's values on every rank; install the
+    forward views and the gradient averaging over ``group`` (None: the world; a pipeline
+    stage's ranks under pipeline parallelism) (module docstring). None when there is no
+    such parameter. Collective: every rank of ``group`` calls it with the same model.
 
     Example::
 
@@ -395,10 +403,12 @@ def replicate_dense(
         return None
     originals = list(params.values())
     with torch.no_grad():
-        if dist.get_world_size() > 1:  # DDP's start: every rank takes rank 0's values
-            broadcast_coalesced([p.detach() for p in originals], 0, None, "dense.init")
+        if dist.get_world_size(group) > 1:  # DDP's start: every rank takes rank 0's values
+            first = first_rank(group)
+            broadcast_coalesced([p.detach() for p in originals], first, group, "dense.init")
             if buffers:
-                broadcast_coalesced([getattr(m, n) for m, n in buffers], 0, None, "dense.init")
+                bufs = [getattr(m, n) for m, n in buffers]
+                broadcast_coalesced(bufs, first, group, "dense.init")
     aliases = _aliases(model, skip, params)
     replaced = []
     for p in originals:
@@ -411,7 +421,7 @@ def replicate_dense(
         if id(p) in aliases:
             aliases[id(new)] = aliases.pop(id(p))
         replaced.append(new)
-    return ReplicatedDense(model, mesh, owners, replaced, buffers, aliases)
+    return ReplicatedDense(model, mesh, owners, replaced, buffers, aliases, group)
 
 
 def _aliases(

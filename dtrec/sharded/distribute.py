@@ -12,10 +12,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dtrec.comm.collectives import broadcast_coalesced
+from dtrec.comm.collectives import broadcast_coalesced, first_rank
 from dtrec.comm.failures import install_excepthook
 from dtrec.comm.qcomms import QCommsConfig
 from dtrec.interop.in_backward import fused_rules
@@ -28,7 +29,7 @@ from dtrec.optim.cpu_choice import (
     use_cpu_rowwise_adagrad,
 )
 from dtrec.placements import TableSpec
-from dtrec.placements.mesh import check_one_mesh_family, shard_axis
+from dtrec.placements.mesh import check_one_mesh_family, shard_axis, world_group
 from dtrec.planning.plan import (
     ShardingPlan,
     check_plan_keys,
@@ -135,11 +136,7 @@ def distribute_module(
             f"ShardingPlan or None, got {type(plan).__name__}"
         )
     check_sync_every(sync_every)
-    if mesh.size() != dist.get_world_size():
-        raise ValueError(
-            f"mesh covers {mesh.size()} ranks but the world has {dist.get_world_size()}; "
-            "build it with dtrec.init_mesh, or with dtrec.table_mesh from a world mesh"
-        )
+    world = world_group(mesh)  # None, or a pipeline stage's ranks (table_mesh(pipeline=))
     if optimizer is not None and not isinstance(optimizer, FusedOptimizer):
         raise TypeError(
             f"optimizer must be a dtrec.optim fused optimizer (SGD, RowWiseAdagrad, Adam) or "
@@ -178,12 +175,12 @@ def distribute_module(
     qcomms_of = qcomms_per_collection(qcomms, collections)
     check_same_on_every_rank(
         tables, full_plan, rules or None, sync_every, seed, qcomms_of,
-        {fqn: own.mesh.tolist() for fqn, own in mesh_of.items()},
+        {fqn: own.mesh.tolist() for fqn, own in mesh_of.items()}, group=world,
     )  # fmt: skip
     if mesh.device_type == "cpu" and any(
         r.step_rule().kind == "rowwise_adagrad" for r in rules.values()
     ):
-        choose_cpu_rowwise_adagrad()
+        choose_cpu_rowwise_adagrad(world)
     install_excepthook()  # an uncaught exception on a rank names it in its peers' errors
 
     sharded: dict[str, ShardedCollection] = {}
@@ -218,24 +215,26 @@ def distribute_module(
             f"parameters {dense_meta[:5]} are on the meta device: only embedding tables may "
             "be (each rank then creates its own blocks); build the dense part on cpu or cuda"
         )
-    dense = replicate_dense(model, mesh, ignored=sharded.values())
+    dense = replicate_dense(model, mesh, ignored=sharded.values(), group=world)
     return as_distributed(model, DistributedState(full_plan, fused, dense))
 
 
 _CPU_CHOICE_MADE = False
 
 
-def choose_cpu_rowwise_adagrad() -> None:
-    """Rank 0's choice of the CPU fused row-wise Adagrad (``dtrec.ops.backends.cpu_choice``:
-    timed once per process) on every rank: replicas must step rows with the same code.
-    Collective (one small broadcast), the first time only."""
+def choose_cpu_rowwise_adagrad(group: ProcessGroup | None = None) -> None:
+    """The first rank's choice of the CPU fused row-wise Adagrad
+    (``dtrec.ops.backends.cpu_choice``: timed once per process) on every rank of ``group``
+    (None: the world): replicas must step rows with the same code. Collective (one small
+    broadcast), the first time only."""
     global _CPU_CHOICE_MADE
     if _CPU_CHOICE_MADE:
         return
-    choice = preferred_cpu_rowwise_adagrad() if dist.get_rank() == 0 else CHOICES[0]
+    first = first_rank(group)
+    choice = preferred_cpu_rowwise_adagrad() if dist.get_rank() == first else CHOICES[0]
     code = torch.tensor([CHOICES.index(choice)], dtype=torch.int64)
-    if dist.get_world_size() > 1:
-        broadcast_coalesced([code], 0, None, "setup.cpu_choice")
+    if dist.get_world_size(group) > 1:
+        broadcast_coalesced([code], first, group, "setup.cpu_choice")
     use_cpu_rowwise_adagrad(CHOICES[int(code)])
     _CPU_CHOICE_MADE = True
 
@@ -342,9 +341,11 @@ def check_same_on_every_rank(
     init_seed: int = 0,
     qcomms: Mapping[str, object] | None = None,
     meshes: Mapping[str, object] | None = None,
+    group: ProcessGroup | None = None,
 ) -> None:
-    """ValueError on every rank if ranks disagree on the tables, the plan, the optimizer,
-    (meta-device tables) the init seed, the collections' ``qcomms`` or their meshes' ranks.
+    """ValueError on every rank of ``group`` (None: the world) if ranks disagree on the
+    tables, the plan, the optimizer, (meta-device tables) the init seed, the collections'
+    ``qcomms`` or their meshes' ranks.
 
     Ranks that shard different models would otherwise exchange mismatched buffers (or
     hang) at the first step. One small all-gather of a digest; the full descriptions
@@ -361,13 +362,15 @@ def check_same_on_every_rank(
     }
     text = json.dumps(described, sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()
-    digests: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
+    size = dist.get_world_size(group)
+    digests: list[str | None] = [None] * size
+    dist.all_gather_object(digests, digest, group=group)
     if len(set(digests)) == 1:
         return
-    everyone: list[dict | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, described)
-    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    everyone: list[dict | None] = [None] * size
+    dist.all_gather_object(everyone, described, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    differ = [ranks[i] for i, d in enumerate(digests) if d != digests[0]]
     first = everyone[differ[0]]
     assert first is not None and everyone[0] is not None
     detail = ""
@@ -379,9 +382,10 @@ def check_same_on_every_rank(
             keys = sorted(set(mine) | set(theirs))
             key = next(k for k in keys if mine.get(k) != theirs.get(k))
             part, mine, theirs = f"{part} {key!r}", mine.get(key), theirs.get(key)
-        detail = f"{part}: rank 0 has {mine}, rank {differ[0]} has {theirs}"
+        detail = f"{part}: rank {ranks[0]} has {mine}, rank {differ[0]} has {theirs}"
         break
     raise ValueError(
-        f"distribute_module: ranks {differ} disagree with rank 0 on the model or plan ({detail}); "
+        f"distribute_module: ranks {differ} disagree with rank {ranks[0]} on the model or plan "
+        f"({detail}); "
         "every rank must distribute the same model config with the same plan and optimizer"
     )
