@@ -146,6 +146,15 @@ def _compose(kind: str, model: nn.Module) -> tuple[nn.Module, int, int]:
     if kind == "fsdp_before":
         fully_shard(model.mlp)
         return dtrec.distribute_module(model, _mesh("tables"), _plan()), rank, world
+    if kind == "fsdp_before_collection_mesh":  # the collection on a mesh of its own
+        fully_shard(model.mlp)
+        meshes = {"sparse": _mesh("tables_2x2")}
+        return dtrec.distribute_module(model, _mesh("tables"), _plan(), meshes=meshes), rank, world
+    if kind == "tp_fsdp_before_collection_mesh":
+        mesh = tp_then_fsdp(model)
+        meshes = {"sparse": _mesh("tables_2x2")}
+        model = dtrec.distribute_module(model, _mesh("tables"), _plan(), meshes=meshes)
+        return model, mesh["dp"].get_local_rank(), mesh["dp"].size()
     if kind == "fsdp_before_kept":  # unsharded parameters kept from forward to backward
         fully_shard(model.mlp, reshard_after_forward=False)
         return dtrec.distribute_module(model, _mesh("tables"), _plan()), rank, world
@@ -299,6 +308,9 @@ CONFIGS = {
     "world_hsdp_after_sgd": dict(kind="world_hsdp_after", opt="sgd"),
     "world_tp_fsdp_before_adam": dict(kind="world_tp_fsdp_before", opt="adam"),
     "fsdp_before_kept_adam": dict(kind="fsdp_before_kept", opt="adam"),
+    # per-collection meshes beside FSDP / TP: the collection's tables on S=2 x R=2
+    "fsdp_before_collection_mesh_adam": dict(kind="fsdp_before_collection_mesh", opt="adam"),
+    "tp_fsdp_before_collection_mesh_sgd": dict(kind="tp_fsdp_before_collection_mesh", opt="sgd"),
     # bf16 parameters in forward/backward, fp32 gradient reduction: within bf16's error
     # (SGD: Adam's normalised steps turn bf16's noise in tiny gradients into whole steps)
     "fsdp_before_bf16_sgd": dict(kind="fsdp_before_bf16", opt="sgd", tol=BF16_TOL),
