@@ -11,8 +11,8 @@ parallelism (torchtitan's layout):
 - the embedding tables are sharded over the whole world by dtrec, on
   ``dtrec.table_mesh(world, shard=("dp_shard", "tp"), replicate="dp_replicate")``
   (4 shard ranks x 2 replicas), with ``same_batch=world["tp"]``: the two tp ranks of a
-  dp group feed the same batch, so the pooled user features are looked up once per
-  group (each tp rank half of the batch, then all-gathered).
+  dp group feed the same batch, so the item history and the pooled user features are
+  looked up once per group (each tp rank half of the batch, then all-gathered).
 
 The model (HSTU, Zhai et al. 2024, simplified): each sample is a user's item history
 (a sequence feature of a sharded ``dtrec.EmbeddingCollection``, unpooled; each item's
@@ -235,7 +235,7 @@ def parallelize(
     #    Not the model's root: the tables are DTensors of dtrec's, on their own mesh.
     fully_shard(model.dense, mesh=world["dp_replicate", "dp_shard"])
     # 4. The tables over the whole world (after FSDP/TP: dtrec leaves their DTensors
-    #    alone); a tp group's pooled lookups are split between its ranks (same_batch).
+    #    alone); a tp group's lookups are split between its ranks (same_batch).
     tables = dtrec.table_mesh(world, shard=("dp_shard", "tp"), replicate="dp_replicate")
     return dtrec.distribute_module(model, tables, PLAN, optimizer=optimizer, same_batch=world["tp"])
 

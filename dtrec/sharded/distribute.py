@@ -106,15 +106,15 @@ def distribute_module(
 
     ``same_batch``: a 1-D mesh of ranks that feed the same batch, this rank's group of them
     (``world_mesh["tp"]``: under tensor parallelism a tp group's ranks see one batch, as in
-    torchtitan). Each pooled collection then looks that batch up once per group instead of
+    torchtitan). Each collection then looks that batch up once per group instead of
     once per rank: rank i of the group takes samples ``chunk i`` of it
     (``torch.tensor_split``, uneven allowed) through the input dist, lookup and output dist,
-    and the pooled rows are all-gathered over the group (``dtrec.sharded.dist.batch_split``;
+    and the pooled rows (a sequence collection's rows, per feature) are all-gathered over
+    the group (``dtrec.sharded.dist.batch_split``;
     its backward scales this rank's rows of the gradient by the group size, so the tables
     train exactly as without it). Costs one all-gather of the ``[B, sum D]`` pooled rows per
     collection and step; saves ``(n - 1) / n`` of the ids and pooled rows the all-to-alls
-    carry. Sequence collections (``EmbeddingCollection``) still look the whole batch up on
-    every rank; a variable batch per feature (VBE) is a ValueError. With env
+    carry. A variable batch per feature (VBE) is a ValueError. With env
     ``DTREC_CHECK_SAME_BATCH=1`` each forward checks that the group's batches are equal.
 
     Example::
@@ -191,7 +191,7 @@ def distribute_module(
         if not hasattr(ebc, "embedding_bags"):  # a sequence collection (EmbeddingCollection)
             sharded[fqn] = ShardedEmbeddingCollection(
                 tables, weights, mesh_of[fqn], specs, rules.get(fqn), ebc.bounds_check,
-                sync_every, seed, ebc.need_indices, qcomms_of[fqn],
+                sync_every, seed, ebc.need_indices, qcomms_of[fqn], same_batch,
             )  # fmt: skip
             continue
         sharded[fqn] = ShardedEmbeddingBagCollection(

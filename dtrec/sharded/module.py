@@ -38,17 +38,13 @@ from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import SHARD
 from dtrec.sharded.collection import OFFLOADED_STEP, ShardedCollection
-from dtrec.sharded.dist.batch_split import BatchSplit, full_batch_size
+from dtrec.sharded.dist.batch_split import SPLIT_STEP, BatchSplit, full_batch_size
 from dtrec.sharded.dist.input_dist import RoutedBatch
 from dtrec.sharded.dist.output_dist import OutputDist
 from dtrec.sharded.lookup.local_path import LocalBatch, LocalPath, serves_locally
 from dtrec.sharded.lookup.pooled import LocalLookup
 from dtrec.sparse import KeyedTensor
 
-SPLIT_STEP = (
-    "dtrec: a collection whose same_batch group splits the batch runs eagerly (its pooled "
-    "rows are all-gathered over the group with a c10d collective; docs/composing.md)"
-)
 EXCHANGED_STEP = (
     "dtrec: a collection whose step exchanges with other ranks runs eagerly (its input "
     "dist reads the batch sizes of its peers on the host; its collectives are c10d ones "

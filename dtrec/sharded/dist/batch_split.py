@@ -31,6 +31,7 @@ world fails that step together.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 
 import torch
@@ -43,6 +44,10 @@ from dtrec.modules.features import RefusedBatch
 from dtrec.placements.mesh import mesh_device
 from dtrec.sparse import KeyedJaggedTensor, KeyedTensor, as_kjt
 
+SPLIT_STEP = (
+    "dtrec: a collection whose same_batch group splits the batch runs eagerly (its rows "
+    "are all-gathered over the group with a c10d collective; docs/composing.md)"
+)
 CHECK_ENV = "DTREC_CHECK_SAME_BATCH"
 """Set to 1: every split forward checks that the group's ranks feed the same batch."""
 
@@ -215,3 +220,66 @@ class _GatherChunks(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         mine = grad[ctx.start : ctx.start + ctx.sizes[ctx.index]]
         return mine * len(ctx.sizes), None, None, None
+
+
+def gather_sequence_rows(
+    split: BatchSplit, lengths: list[Tensor], rows: list[Tensor]
+) -> list[Tensor]:
+    """A sequence collection's rows of the whole batch, per feature, from every rank's
+    rows of its chunk (``rows[k]``: ``[ids of feature k in this chunk, D_k]``; ``lengths[k]``:
+    feature k's lengths over the whole batch).
+
+    Each chunk's id count per feature is read from the whole batch's lengths, which
+    every rank of the group holds (one host read), so one padded all-gather of every
+    feature's rows, flattened, is the only exchange."""
+    if not lengths:
+        return []
+    batch = lengths[0].shape[0]
+    bounds = [0, *itertools.accumulate(chunk_sizes(batch, split.size))]
+    ends = torch.stack(lengths).cumsum(1)
+    ends = torch.cat([ends.new_zeros(len(lengths), 1), ends], 1)[:, bounds]
+    counts = (ends[:, 1:] - ends[:, :-1]).t().tolist()  # [rank][feature]
+    return list(_GatherSequenceRows.apply(counts, split.index, split.group, *rows))
+
+
+class _GatherSequenceRows(torch.autograd.Function):
+    """Per feature ``[n_k_i, D_k]`` on rank i -> ``[sum_i n_k_i, D_k]`` on every rank, chunks
+    in rank order (one padded all-gather of the flattened rows); backward: this rank's
+    rows of each feature's gradient times the group size (module doc)."""
+
+    @staticmethod
+    def forward(ctx, counts, index, group, *rows):  # type: ignore[override]
+        dims = [r.shape[1] for r in rows]
+        sizes = [sum(n * d for n, d in zip(c, dims, strict=True)) for c in counts]
+        ctx.counts, ctx.index = counts, index
+        most, parts = max(sizes), len(sizes)
+        like = rows[0] if rows else torch.empty(0)
+        flat = like.new_zeros(most)
+        if rows:
+            mine = torch.cat([r.reshape(-1) for r in rows])
+            flat[: mine.numel()] = mine
+        out = like.new_empty(parts * most)
+        if out.numel():
+            sent = (parts - 1) * most * like.element_size()
+            with collective("same_batch.gather", sent, group):
+                all_gather_flat(out, flat, group)
+        per_rank = [
+            out[r * most : r * most + sizes[r]].split(
+                [n * d for n, d in zip(counts[r], dims, strict=True)]
+            )
+            for r in range(parts)
+        ]
+        return tuple(
+            torch.cat([per_rank[r][k].view(-1, d) for r in range(parts)])
+            for k, d in enumerate(dims)
+        )
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        counts, index = ctx.counts, ctx.index
+        parts = len(counts)
+        mine = []
+        for k, grad in enumerate(grads):
+            start = sum(counts[r][k] for r in range(index))
+            mine.append(grad[start : start + counts[index][k]] * parts)
+        return (None, None, None, *mine)
