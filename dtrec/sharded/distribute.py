@@ -42,7 +42,12 @@ from dtrec.planning.plan import plan as make_plan
 from dtrec.sharded.collection import ShardedCollection, check_sync_every
 from dtrec.sharded.copies import deepcopy_module
 from dtrec.sharded.dense import ReplicatedDense, replicate_dense
-from dtrec.sharded.dist.batch_split import check_same_batch_mesh
+from dtrec.sharded.dist.batch_split import (
+    check_same_batch_mesh,
+    describe_same_batch,
+    inconsistent_groups,
+    same_batch_ranks,
+)
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.sequence import ShardedEmbeddingCollection
 from dtrec.sharded.tables.dtensor_handlers import register_dtensor_handlers
@@ -178,7 +183,7 @@ def distribute_module(
     qcomms_of = qcomms_per_collection(qcomms, collections)
     check_same_on_every_rank(
         tables, full_plan, rules or None, sync_every, seed, qcomms_of,
-        {fqn: own.mesh.tolist() for fqn, own in mesh_of.items()},
+        {fqn: own.mesh.tolist() for fqn, own in mesh_of.items()}, same_batch,
     )  # fmt: skip
     if mesh.device_type == "cpu" and any(
         r.step_rule().kind == "rowwise_adagrad" for r in rules.values()
@@ -342,9 +347,12 @@ def check_same_on_every_rank(
     init_seed: int = 0,
     qcomms: Mapping[str, object] | None = None,
     meshes: Mapping[str, object] | None = None,
+    same_batch: DeviceMesh | None = None,
 ) -> None:
     """ValueError on every rank if ranks disagree on the tables, the plan, the optimizer,
-    (meta-device tables) the init seed, the collections' ``qcomms`` or their meshes' ranks.
+    (meta-device tables) the init seed, the collections' ``qcomms``, their meshes' ranks
+    or the ``same_batch`` mesh (given or not, its dim names and size, and whether the
+    members of each group name the same group: their ranks ride the digest's gather).
 
     Ranks that shard different models would otherwise exchange mismatched buffers (or
     hang) at the first step. One small all-gather of a digest; the full descriptions
@@ -358,12 +366,17 @@ def check_same_on_every_rank(
         "meta-device init seed (torch.initial_seed(); seed every rank alike)": repr(init_seed),
         "qcomms": {k: repr(v) for k, v in sorted((qcomms or {}).items())},
         "meshes": {k: repr(v) for k, v in sorted((meshes or {}).items())},
+        "same_batch": describe_same_batch(same_batch),
     }
     text = json.dumps(described, sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()
-    digests: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
+    gathered: list[tuple[str, list[int] | None] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (digest, same_batch_ranks(same_batch)))
+    digests = [g[0] for g in gathered if g is not None]
     if len(set(digests)) == 1:
+        why = inconsistent_groups([g[1] for g in gathered if g is not None])
+        if why is not None:
+            raise ValueError(f"distribute_module: {why}")
         return
     everyone: list[dict | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, described)

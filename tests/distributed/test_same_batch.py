@@ -159,6 +159,22 @@ def _errors() -> dict:
     out["not_1d"] = error_of(
         lambda: dtrec.distribute_module(Net(), _mesh("dp_tp_tables"), _plan(), same_batch=mesh)
     )
+    # ranks that disagree on same_batch: refused by distribute_module's agreement check
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = torch.distributed.get_rank()
+    transposed = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))  # tp: [0, 2]
+    disagree = {
+        "missing": None if rank == 1 else mesh["tp"],  # rank 1 passes none
+        "other_dim": mesh["dp"] if rank == 3 else mesh["tp"],  # rank 3: its dp group
+        "other_groups": mesh["tp"] if rank == 0 else transposed["tp"],  # [0, 1] vs [1, 3]
+    }
+    for case, same_batch in disagree.items():
+        out[f"disagree_{case}"] = error_of(
+            lambda s=same_batch: dtrec.distribute_module(
+                Net(), _mesh("dp_tp_tables"), _plan(), same_batch=s
+            )
+        )
     return out
 
 
@@ -229,3 +245,20 @@ def test_same_batch_must_be_a_1d_mesh(world_results) -> None:
     for rank, per_rank in enumerate(world_results):
         err = per_rank["errors"]["not_1d"]
         assert err.startswith("TypeError") and "1-D DeviceMesh" in err, (rank, err)
+
+
+def test_ranks_that_disagree_on_same_batch_are_refused_by_distribute_module(
+    world_results,
+) -> None:
+    """``same_batch`` given on some ranks only, or a mesh of another dim, or of the same
+    name but other groups: a ValueError on every rank naming the ranks, never a hang."""
+    for rank, per_rank in enumerate(world_results):
+        e = per_rank["errors"]
+        missing, other_dim = e["disagree_missing"], e["disagree_other_dim"]
+        assert missing.startswith("ValueError") and "ranks [1] disagree" in missing, (rank, e)
+        assert "same_batch" in missing and "None" in missing, (rank, missing)
+        assert other_dim.startswith("ValueError") and "ranks [3] disagree" in other_dim, rank
+        assert "('dp',)" in other_dim and "('tp',)" in other_dim, (rank, other_dim)
+        groups = e["disagree_other_groups"]
+        assert groups.startswith("ValueError"), (rank, groups)
+        assert "rank 0's group is ranks [0, 1] but rank 1's is [1, 3]" in groups, (rank, groups)

@@ -98,6 +98,37 @@ def check_same_batch_mesh(same_batch: object) -> None:
         )
 
 
+def describe_same_batch(same_batch: DeviceMesh | None) -> str:
+    """What every rank must agree on about its ``same_batch`` mesh (the same text on every
+    rank of a consistent world): its dim names and its group size ("None": no mesh).
+    Which ranks form the groups differs per group: ``inconsistent_groups`` compares them."""
+    if same_batch is None:
+        return "None"
+    return f"dims {same_batch.mesh_dim_names} of {same_batch.size()} ranks"
+
+
+def same_batch_ranks(same_batch: DeviceMesh | None) -> list[int] | None:
+    """This rank's ``same_batch`` group, as world ranks (None: no mesh)."""
+    return None if same_batch is None else same_batch.mesh.flatten().tolist()
+
+
+def inconsistent_groups(groups: list[list[int] | None]) -> str | None:
+    """Why the ranks' ``same_batch`` groups (``groups[r]``: rank r's, from
+    ``same_batch_ranks``) do not partition the world into groups every member agrees on
+    (None: they do); ranks whose groups differ would wait in each other's gathers."""
+    for rank, group in enumerate(groups):
+        if group is None:
+            continue
+        for member in group:
+            if groups[member] != group:
+                return (
+                    f"same_batch: rank {rank}'s group is ranks {group} but rank {member}'s "
+                    f"is {groups[member]}; every rank of a same_batch group must pass a mesh "
+                    "of that same group (e.g. world_mesh['tp'] of one world mesh on every rank)"
+                )
+    return None
+
+
 def batch_digest(kjt: KeyedJaggedTensor) -> bytes:
     """32 bytes that differ (but for a sha256 collision) when two batches differ: keys,
     batch size, lengths, ids and per-sample weights."""
