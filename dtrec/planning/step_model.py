@@ -47,6 +47,7 @@ COLLECTIVES = {
     "replica_sync.weights": ("replicate", "all_reduce"),
     "same_batch.gather": ("same_batch", "all_gather"),
     "same_batch.check": ("same_batch", "all_gather"),
+    "same_batch.sizes": ("same_batch", "all_gather"),
 }
 """``comm_stats`` kind (or its prefix: ``output_dist.backward``) -> (mesh axis, pattern).
 "same_batch": a ``distribute_module(..., same_batch=world["tp"])`` group (its pooled rows'

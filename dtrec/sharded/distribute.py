@@ -118,7 +118,10 @@ def distribute_module(
     train exactly as without it). Costs one all-gather of the ``[B, sum D]`` pooled rows per
     collection and step; saves ``(n - 1) / n`` of the ids and pooled rows the all-to-alls
     carry. Sequence collections (``EmbeddingCollection``) still look the whole batch up on
-    every rank; a variable batch per feature (VBE) is a ValueError. With env
+    every rank; a variable batch per feature (VBE) is a ValueError. A group whose ranks
+    feed batches of different sizes fails the step on every rank (a ValueError naming the
+    ranks and sizes): the sizes ride the input dist's header where it reaches the world,
+    else one 8-byte all-gather over the group per step (``same_batch.sizes``). With env
     ``DTREC_CHECK_SAME_BATCH=1`` each forward checks that the group's batches are equal.
 
     Example::
