@@ -76,6 +76,16 @@ def concatenate_meshes(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
     return DeviceMesh._concatenate(list(meshes))
 
 
+def composable_state_count() -> int:
+    """How many modules hold a composable state (``fully_shard`` registers its
+    ``FSDPState`` on each module it is applied to: ``_composable_state._insert_module_state``
+    into ``_module_state_mapping``, a WeakKeyDictionary): grows when ``fully_shard`` runs.
+    O(1). Checked: torch 2.13."""
+    from torch.distributed import _composable_state
+
+    return len(_composable_state._module_state_mapping)
+
+
 def fsdp_managed(module: torch.nn.Module) -> bool:
     """Whether ``fully_shard`` manages ``module``'s parameters (the flag FSDP2 sets on every
     module it manages for Dynamo, ``_is_fsdp_managed_module``). Checked: torch 2.13."""

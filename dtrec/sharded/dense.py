@@ -70,7 +70,7 @@ from dtrec._torch_compat import (
 )
 from dtrec.comm.collectives import all_reduce_start, broadcast_coalesced, first_rank
 from dtrec.sharded.dense_buckets import Bucket, make_buckets
-from dtrec.sharded.dense_fsdp import bridge_fsdp_modules, taken_over
+from dtrec.sharded.dense_fsdp import bridge_fsdp_modules, taken_over, takeover_signature
 
 KIND = "dense.grad_sync"
 
@@ -123,6 +123,7 @@ class ReplicatedDense:
         self._rebucket()
         self._leaves: dict[int, Tensor] = {}  # id(param) -> its plain leaf
         self._hooked: set[int] = set()  # id(param) of those dtrec put its one hook on
+        self._checked: tuple[int, int] | None = None  # takeover_signature() at the last check
         # Hooked now, not at a first forward: a compiled forward reads ``to_local()`` (its
         # gradient then arrives on the parameter) and cannot register hooks in the graph;
         # an eager forward reads the leaf, which never fires the parameter's own hooks.
@@ -137,8 +138,13 @@ class ReplicatedDense:
         self._slot = {id(p): b for b, bucket in enumerate(self._buckets) for p in bucket.params}
 
     def _release_taken_over(self) -> None:
-        """Leave the parameters FSDP took over to it (``dtrec.sharded.dense_fsdp``)."""
+        """Leave the parameters FSDP took over to it (``dtrec.sharded.dense_fsdp``); checked
+        again only when ``takeover_signature`` says a parameter may have changed hands."""
+        signature = takeover_signature()
+        if signature == self._checked:
+            return
         gone = taken_over(self._root, self._params, self._owners)
+        self._checked = signature
         if not gone:
             return
         holders = [m for i in gone for m, _ in self._owners[i]]

@@ -43,7 +43,12 @@ from dtrec.planning.plan import plan as make_plan
 from dtrec.sharded.collection import ShardedCollection, check_sync_every
 from dtrec.sharded.copies import deepcopy_module
 from dtrec.sharded.dense import ReplicatedDense, replicate_dense
-from dtrec.sharded.dist.batch_split import check_same_batch_mesh
+from dtrec.sharded.dist.batch_split import (
+    check_same_batch_mesh,
+    describe_same_batch,
+    inconsistent_groups,
+    same_batch_ranks,
+)
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.sequence import ShardedEmbeddingCollection
 from dtrec.sharded.tables.dtensor_handlers import register_dtensor_handlers
@@ -114,7 +119,10 @@ def distribute_module(
     its backward scales this rank's rows of the gradient by the group size, so the tables
     train exactly as without it). Costs one all-gather of the ``[B, sum D]`` pooled rows per
     collection and step; saves ``(n - 1) / n`` of the ids and pooled rows the all-to-alls
-    carry. A variable batch per feature (VBE) is a ValueError. With env
+    carry. A variable batch per feature (VBE) is a ValueError. A group whose ranks
+    feed batches of different sizes fails the step on every rank (a ValueError naming the
+    ranks and sizes): the sizes ride the input dist's header where it reaches the world,
+    else one 8-byte all-gather over the group per step (``same_batch.sizes``). With env
     ``DTREC_CHECK_SAME_BATCH=1`` each forward checks that the group's batches are equal.
 
     Example::
@@ -175,7 +183,7 @@ def distribute_module(
     qcomms_of = qcomms_per_collection(qcomms, collections)
     check_same_on_every_rank(
         tables, full_plan, rules or None, sync_every, seed, qcomms_of,
-        {fqn: own.mesh.tolist() for fqn, own in mesh_of.items()}, group=world,
+        {fqn: own.mesh.tolist() for fqn, own in mesh_of.items()}, same_batch, world,
     )  # fmt: skip
     if mesh.device_type == "cpu" and any(
         r.step_rule().kind == "rowwise_adagrad" for r in rules.values()
@@ -341,11 +349,14 @@ def check_same_on_every_rank(
     init_seed: int = 0,
     qcomms: Mapping[str, object] | None = None,
     meshes: Mapping[str, object] | None = None,
+    same_batch: DeviceMesh | None = None,
     group: ProcessGroup | None = None,
 ) -> None:
     """ValueError on every rank of ``group`` (None: the world) if ranks disagree on the
     tables, the plan, the optimizer, (meta-device tables) the init seed, the collections'
-    ``qcomms`` or their meshes' ranks.
+    ``qcomms``, their meshes' ranks or the ``same_batch`` mesh (given or not, its dim names
+    and size, and whether the members of each group name the same group: their ranks ride
+    the digest's gather).
 
     Ranks that shard different models would otherwise exchange mismatched buffers (or
     hang) at the first step. One small all-gather of a digest; the full descriptions
@@ -359,19 +370,25 @@ def check_same_on_every_rank(
         "meta-device init seed (torch.initial_seed(); seed every rank alike)": repr(init_seed),
         "qcomms": {k: repr(v) for k, v in sorted((qcomms or {}).items())},
         "meshes": {k: repr(v) for k, v in sorted((meshes or {}).items())},
+        "same_batch": describe_same_batch(same_batch),
     }
     text = json.dumps(described, sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()
     size = dist.get_world_size(group)
-    digests: list[str | None] = [None] * size
-    dist.all_gather_object(digests, digest, group=group)
+    gathered: list[tuple[str, list[int] | None] | None] = [None] * size
+    dist.all_gather_object(gathered, (digest, same_batch_ranks(same_batch)), group=group)
+    digests = [g[0] for g in gathered if g is not None]
     if len(set(digests)) == 1:
+        why = inconsistent_groups([g[1] for g in gathered if g is not None])
+        if why is not None:
+            raise ValueError(f"distribute_module: {why}")
         return
     everyone: list[dict | None] = [None] * size
     dist.all_gather_object(everyone, described, group=group)
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
-    differ = [ranks[i] for i, d in enumerate(digests) if d != digests[0]]
-    first = everyone[differ[0]]
+    positions = [i for i, d in enumerate(digests) if d != digests[0]]
+    differ = [ranks[i] for i in positions]
+    first = everyone[positions[0]]
     assert first is not None and everyone[0] is not None
     detail = ""
     for part, mine in everyone[0].items():

@@ -94,6 +94,10 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         )
         split = None if same_batch is None else BatchSplit(same_batch)
         self._batch_split = split if split is not None and split.size > 1 else None
+        split = self._batch_split
+        if split is not None and self._local is None and self._input_dist.can_carry_full_batch():
+            self._input_dist.carry_full_batch(split.ranks[0])  # sizes checked in the header
+            split.sizes_in_header = True
         """How the ranks of this rank's ``same_batch`` group split the batch they share
         (``dist/batch_split.py``; None: each rank looks its whole batch up)."""
 
@@ -176,11 +180,13 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         With ``same_batch`` (``distribute_module``) only this rank's chunk of the batch is
         validated and sent (``dist/batch_split.py``), prefetched or not.
         """
+        full_batch = 0
         if self._batch_split is not None:
+            full_batch = full_batch_size(features)
             features = self._batch_split.local_part(features)
         if self._local is not None:
             return self._local.start(features, self.bounds_check, self.is_weighted)
-        return self._input_dist(features, self.bounds_check, self.is_weighted)
+        return self._input_dist(features, self.bounds_check, self.is_weighted, full_batch)
 
     def _start(self, features: object) -> RoutedBatch | LocalBatch:
         return self.input_dist(features)
