@@ -42,7 +42,8 @@ from dtrec.planning.plan import (
 from dtrec.planning.plan import plan as make_plan
 from dtrec.sharded.collection import ShardedCollection, check_sync_every
 from dtrec.sharded.copies import deepcopy_module
-from dtrec.sharded.dense import ReplicatedDense, replicate_dense
+from dtrec.sharded.dense import ReplicatedDense
+from dtrec.sharded.dense_setup import replicate_dense
 from dtrec.sharded.dist.batch_split import (
     check_same_batch_mesh,
     describe_same_batch,
