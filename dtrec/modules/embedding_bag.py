@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -104,6 +105,10 @@ class EmbeddingBagCollection(nn.Module):
         if not self._tables:
             return None
         return self.embedding_bags[self._tables[0].name].weight.device
+
+    def table_init_fn(self, table: str) -> Callable[[torch.Tensor], Any] | None:
+        """The ``init_fn`` of table ``table``'s TorchRec config (None: the default init)."""
+        return self._init_fns.get(table)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         """The table configs, in output order."""

@@ -152,6 +152,7 @@ def find_collections(model: nn.Module) -> dict[str, nn.Module]:
         is_torchrec_sequence_collection,
     )
     from dtrec.modules import EmbeddingBagCollection, EmbeddingCollection
+    from dtrec.modules.mc_collection import MANAGED_COLLISION_MODULES
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -162,6 +163,13 @@ def find_collections(model: nn.Module) -> dict[str, nn.Module]:
         error = unsupported_module(fqn, module)
         if error is not None:
             raise error
+        if isinstance(module, MANAGED_COLLISION_MODULES):
+            where = repr(fqn) if fqn else "the model itself"
+            raise TypeError(
+                f"module {where} is a dtrec {type(module).__name__}: managed-collision "
+                "tables are not distributed yet (issue 45: the remap must be shared by "
+                "the shard and replica ranks); train it unsharded for now"
+            )
         if isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
             found[fqn] = module
         elif is_torchrec_bag_collection(module):
