@@ -80,10 +80,17 @@ class EvictionPolicy:
     """Base of the policies: what per-row metadata a remapper keeps, and the score."""
 
     #: drops rare ids of a window before scoring (None: every id competes)
-    threshold_filter: ThresholdFilter | None = None
+    threshold_filter: ThresholdFilter | None = dataclasses.field(default=None, kw_only=True)
 
     #: per-row metadata the remapper keeps for this policy (buffer ``_mch_<name>``)
     metadata: tuple[str, ...] = dataclasses.field(default=(), init=False)
+
+    def __post_init__(self) -> None:
+        if self.threshold_filter is not None and not callable(self.threshold_filter):
+            raise TypeError(
+                f"{type(self).__name__}: threshold_filter must be a function of the window's "
+                f"id counts, got {self.threshold_filter!r}"
+            )
 
     def scores(self, current_iter: int, counts: Counts, last_access: Counts) -> Tensor:
         """One score per candidate (kept rows first, then the window's new ids); the
@@ -112,6 +119,7 @@ class LRU(EvictionPolicy):
     metadata: tuple[str, ...] = dataclasses.field(default=("last_access_iter",), init=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_decay("LRU", self.decay_exponent)
 
     def scores(self, current_iter: int, counts: Counts, last_access: Counts) -> Tensor:
@@ -131,6 +139,7 @@ class DistanceLFU(EvictionPolicy):
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_decay("DistanceLFU", self.decay_exponent)
 
     def scores(self, current_iter: int, counts: Counts, last_access: Counts) -> Tensor:

@@ -99,6 +99,9 @@ def test_bad_ids_and_configs_are_clear_errors():
         MCHManagedCollisionModule(4, eviction_policy="lfu", eviction_interval=1)
     with pytest.raises(ValueError, match="decay_exponent"):
         LRU(decay_exponent=-1.0)
+    with pytest.raises(TypeError, match="threshold_filter"):
+        LFU(threshold_filter=0.5)
+    assert DistanceLFU(0.5).decay_exponent == 0.5  # TorchRec's positional order
 
 
 def test_state_round_trip_keeps_the_map():
