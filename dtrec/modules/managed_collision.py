@@ -30,7 +30,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
+from dtrec.comm.collectives import all_gather_varied
 from dtrec.modules.eviction import INT64_MAX, EvictionPolicy, as_policy, select_evictions
 from dtrec.modules.features import check_bounds_mode
 from dtrec.sparse import JaggedTensor
@@ -112,7 +114,17 @@ class MCHManagedCollisionModule(nn.Module):
         self._last_eviction_iter = -1
         self._history: list[tuple[Tensor, int]] = []
         self._evicted_rows: Tensor | None = None
+        # set by share_window: the ranks whose batches form one global batch
+        self._window_shared = False
+        self._window_group: ProcessGroup | None = None
         self.register_load_state_dict_post_hook(_after_load)
+
+    def share_window(self, group: ProcessGroup | None) -> None:
+        """Evict over the ids every rank of ``group`` (None: the default group) saw, not
+        only this rank's: each rank then makes the decisions the unsharded module makes on
+        the global batch. Every rank of ``group`` must step it in lockstep: an eviction
+        step all-gathers each rank's window summary (unique ids, counts, last access)."""
+        self._window_shared, self._window_group = True, group
 
     # -- what it is --------------------------------------------------------------------
 
@@ -224,6 +236,8 @@ class MCHManagedCollisionModule(nn.Module):
             access = torch.zeros_like(counts).scatter_reduce_(
                 0, inverse, iters, reduce="amax", include_self=False
             )
+        if self._window_shared:
+            uniq, counts, access = merge_windows(uniq, counts, access, self._window_group)
         threshold = self._eviction_policy.threshold_filter
         if threshold is not None:
             mask, _ = threshold(counts)
@@ -283,6 +297,27 @@ class MCHManagedCollisionModule(nn.Module):
         )
 
 
+@torch.no_grad()
+def merge_windows(
+    uniq: Tensor, counts: Tensor, access: Tensor | None, group: ProcessGroup | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Every rank's window summary merged: (sorted unique ids, summed counts, latest
+    access) of all ranks' ids together, as ``torch.unique`` over the global window gives.
+    One all-gather of ``[n, 2 or 3]`` int64 per rank (plus its sizes)."""
+    parts = [uniq, counts] if access is None else [uniq, counts, access]
+    packed = torch.stack(parts, dim=1).flatten()
+    gathered = torch.cat(all_gather_varied(packed, group, "managed_collision.window"))
+    gathered = gathered.view(-1, len(parts))
+    merged, inverse = torch.unique(gathered[:, 0], return_inverse=True)
+    total = torch.zeros_like(merged).scatter_add_(0, inverse, gathered[:, 1])
+    if access is None:
+        return merged, total, None
+    latest = torch.zeros_like(merged).scatter_reduce_(
+        0, inverse, gathered[:, 2], reduce="amax", include_self=False
+    )
+    return merged, total, latest
+
+
 def _after_load(module: nn.Module, incompatible: object) -> None:
     """A loaded map is re-sorted and its step re-read; the old window is dropped."""
     assert isinstance(module, MCHManagedCollisionModule)
@@ -292,4 +327,4 @@ def _after_load(module: nn.Module, incompatible: object) -> None:
     module._evicted_rows = None
 
 
-__all__ = ["MCHManagedCollisionModule", "remap_ids"]
+__all__ = ["MCHManagedCollisionModule", "merge_windows", "remap_ids"]

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
 from dtrec.modules.config import as_bag_config
@@ -152,6 +153,9 @@ class ManagedCollisionEmbeddingBagCollection(nn.Module):
         self._reset_seed = reset_seed
         # an OrderedDict: RemovableHandle holds it by weak reference, as torch's hooks
         self._eviction_hooks: OrderedDict[int, EvictionHook] = OrderedDict()
+        self._init_fns = {
+            cfg.name: embedding_bag_collection.table_init_fn(cfg.name) for cfg in ebc_tables
+        }
 
     def table_weight(self, table: str) -> Tensor:
         """Table ``table``'s weight parameter (KeyError naming it if absent)."""
@@ -173,31 +177,45 @@ class ManagedCollisionEmbeddingBagCollection(nn.Module):
         pooled = self._embedding_module(remapped)
         return pooled, remapped if self._return_remapped_features else None
 
-    @torch.no_grad()
+    def share_windows(self, group: ProcessGroup | None) -> None:
+        """Evict over every rank of ``group``'s ids (``MCHManagedCollisionModule.share_window``):
+        what ``distribute_module`` sets, so that every rank makes the unsharded decisions."""
+        for mc in self._managed_collision_collection._managed_collision_modules.values():
+            mc.share_window(group)
+
+    def tables_with_init_fn(self) -> list[str]:
+        """Tables reset by a TorchRec ``init_fn`` (torch's global generator: not the same
+        draws on every rank, so such tables cannot be distributed)."""
+        return [name for name, fn in self._init_fns.items() if fn is not None]
+
     def _reset_evicted(self, evictions: Mapping[str, Tensor | None]) -> None:
-        mcc = self._managed_collision_collection
         for table, rows in evictions.items():
             if rows is None or rows.numel() == 0:
                 continue
-            weight = self.table_weight(table)
-            init_fn = self._embedding_module.table_init_fn(table)
-            if init_fn is not None:  # a TorchRec config's init: torch's global generator
-                fresh = weight.new_empty(rows.numel(), weight.shape[1])
-                values = init_fn(fresh)
-                values = fresh if values is None else values
-            else:
-                values = reset_rows_init(
-                    table,
-                    weight.shape[0],
-                    weight.shape[1],
-                    rows,
-                    mcc._managed_collision_modules[table].current_iter,
-                    self._reset_seed,
-                    dtype=weight.dtype,
-                )
-            weight[rows] = values.to(weight.device)
+            self._embedding_module.reset_rows(table, rows, self._row_values(table))
             for hook in list(self._eviction_hooks.values()):
                 hook(table, rows)
+
+    def _row_values(self, table: str) -> Callable[[Tensor, tuple[int, int]], Tensor]:
+        """The values evicted rows of ``table`` get at this step: (rows, cols) -> values."""
+        weight = self.table_weight(table)
+        num_rows, dim, dtype = weight.shape[0], weight.shape[1], weight.dtype
+        init_fn = self._init_fns.get(table)
+        if init_fn is not None:  # a TorchRec config's init: torch's global generator
+
+            def drawn(rows: Tensor, cols: tuple[int, int]) -> Tensor:
+                fresh = torch.empty(rows.numel(), dim, dtype=dtype, device=rows.device)
+                out = init_fn(fresh)
+                return (fresh if out is None else out)[:, cols[0] : cols[1]]
+
+            return drawn
+        mc = self._managed_collision_collection._managed_collision_modules[table]
+        step, seed = mc.current_iter, self._reset_seed
+
+        def hashed(rows: Tensor, cols: tuple[int, int]) -> Tensor:
+            return reset_rows_init(table, num_rows, dim, rows, step, seed, cols, dtype)
+
+        return hashed
 
 
 MANAGED_COLLISION_MODULES = (

@@ -203,18 +203,25 @@ def test_mismatched_tables_are_clear_errors():
         mcc(KeyedJaggedTensor(["x"], torch.tensor([1]), torch.tensor([1])))
 
 
-def test_distribute_module_refuses_it_by_name():
+def test_distribute_module_refuses_what_is_not_supported_by_name():
     import dtrec
     from dtrec.planning.plan import find_collections
     from tests.fake_world import fake_world
 
+    alone = torch.nn.Module()
+    alone.remap = MCHManagedCollisionModule(5, eviction_policy=LFU(), eviction_interval=1)
+    with pytest.raises(TypeError, match="'remap' is a dtrec MCHManagedCollisionModule outside"):
+        find_collections(alone)
     model = torch.nn.Module()
     model.sparse = _dtrec_module()
-    with pytest.raises(
-        TypeError, match="'sparse' is a dtrec ManagedCollisionEmbeddingBag.*issue 45"
-    ):
-        find_collections(model)
+    assert list(find_collections(model)) == ["sparse._embedding_module"]
     with fake_world(0, 2):
         mesh = dtrec.init_mesh("cpu", 2)
-        with pytest.raises(TypeError, match="'sparse' is a dtrec ManagedCollision"):
+        with pytest.raises(ValueError, match="'sparse' needs a fused optimizer"):
             dtrec.distribute_module(model, mesh)
+        sgd = dtrec.optim.SGD(lr=0.1)
+        plan = {"sparse._embedding_module.item": dtrec.placements.TableWise(rank=0)}
+        with pytest.raises(ValueError, match="'sparse._embedding_module.item': only RowWise"):
+            dtrec.distribute_module(model, mesh, plan, optimizer=sgd)
+        with pytest.raises(ValueError, match="same_batch"):
+            dtrec.distribute_module(model, mesh, optimizer=sgd, same_batch=mesh["shard"])
