@@ -5,7 +5,8 @@ every rank's window (``dtrec.sharded.managed_collision``). Over a stream of batc
 with evictions, on a 1D (S=4) and a 2x2 mesh, with fused SGD and Adam: each rank's
 remapped ids are the unsharded module's for its part of the global batch, every
 rank's remapper state equals the unsharded one after every step, the evicted rows
-are the same, and the weights and fused state end within 1e-5 (``zch_size`` 37 and
+are the same, only eviction steps add collectives (one window all-gather per evicting
+table), and the weights and fused state end within 1e-5 (``zch_size`` 37 and
 10: not multiples of the shard count).
 """
 
@@ -114,13 +115,29 @@ def _one(rank, world, shard, opt_name):
     opt = torch.optim.SGD(sharded.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(1)
     hot = torch.randint(0, 2**62, (60,), generator=gen)
-    out = {"remap_mismatch": [], "state_mismatch": [], "evicted_mismatch": [], "evictions": 0}
+    out = {
+        "remap_mismatch": [],
+        "state_mismatch": [],
+        "evicted_mismatch": [],
+        "window_calls": [],
+        "evictions": 0,
+    }
     for step in range(STEPS):
         batches = _batches(world, gen, hot)
         ref_evicted.clear()
         evicted.clear()
         kjt, target = batches[rank]
-        pred, remapped = sharded(kjt)
+        with dtrec.comm_stats() as stats:
+            pred, remapped = sharded(kjt)
+        # an eviction step gathers each evicting table's window once (sizes, then data);
+        # "item" evicts every step, "user" every third: no other step talks for the remap
+        evicting = 1 + ((step + 1) % 3 == 0)
+        calls = (
+            stats.calls["managed_collision.window"],
+            stats.calls["managed_collision.window.sizes"],
+        )
+        if calls != (evicting, evicting):
+            out["window_calls"].append((step, calls))
         _loss(pred, target).backward()
         opt.step()
         opt.zero_grad()
@@ -198,6 +215,7 @@ def test_sharded_equals_unsharded(world_results, name):
         assert got["state_mismatch"] == [], (rank, got["state_mismatch"][:5])
         assert got["evicted_mismatch"] == [], (rank, got["evicted_mismatch"][:5])
         assert got["evictions"] >= 10, (rank, got["evictions"])
+        assert got["window_calls"] == [], (rank, got["window_calls"][:5])
         assert got["weight_diff"] <= 1e-5, (rank, got["weight_diff"])
         assert got["state_diff"] <= 1e-5, (rank, got["state_diff"])
         assert got["dense_diff"] <= 1e-5, (rank, got["dense_diff"])
