@@ -18,8 +18,12 @@ from dtrec.modules import (
     EmbeddingCollection,
     EmbeddingConfig,
     FeatureProcessedEmbeddingBagCollection,
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    MCHManagedCollisionModule,
     PositionWeightedModule,
     PositionWeightedModuleCollection,
+    eviction,
 )
 from dtrec.placements.mesh import init_mesh, table_mesh
 from dtrec.planning import cost_model
@@ -45,6 +49,9 @@ __all__ = [
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",
+    "MCHManagedCollisionModule",
+    "ManagedCollisionCollection",
+    "ManagedCollisionEmbeddingBagCollection",
     "PositionWeightedModule",
     "PositionWeightedModuleCollection",
     "QCommsConfig",
@@ -61,6 +68,7 @@ __all__ = [
     "count_comm",
     "distribute_module",
     "distribute_tensor",
+    "eviction",
     "init_mesh",
     "ops",
     "optim",

@@ -50,6 +50,7 @@ from dtrec.sharded.dist.batch_split import (
     inconsistent_groups,
     same_batch_ranks,
 )
+from dtrec.sharded.managed_collision import pin_row_wise, remapped_collections, share_windows
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.sequence import ShardedEmbeddingCollection
 from dtrec.sharded.tables.dtensor_handlers import register_dtensor_handlers
@@ -169,6 +170,9 @@ def distribute_module(
     })  # fmt: skip
     rules = collection_rules(collections, optimizer)
     optimizer = next(iter(rules.values()), None)
+    remapped = remapped_collections(model)  # managed collision: dtrec.sharded.managed_collision
+    if remapped:
+        plan = pin_row_wise(plan, remapped, rules, same_batch)  # type: ignore[arg-type]
     tables = model_tables(model)
     if not meshes:  # per-collection meshes: each mesh's part is mapped onto it by plan()
         plan = from_torchrec(plan, tables, mesh)
@@ -224,7 +228,10 @@ def distribute_module(
             f"parameters {dense_meta[:5]} are on the meta device: only embedding tables may "
             "be (each rank then creates its own blocks); build the dense part on cpu or cuda"
         )
-    dense = replicate_dense(model, mesh, ignored=sharded.values(), group=world)
+    share_windows(remapped, world)
+    # a remapper's buffers are the same on every rank by construction: not broadcast
+    ignored = [*sharded.values(), *remapped.values()]
+    dense = replicate_dense(model, mesh, ignored=ignored, group=world)
     return as_distributed(model, DistributedState(full_plan, fused, dense))
 
 
