@@ -29,6 +29,7 @@ from dtrec.planning.topology import Topology
 from dtrec.sharded.distribute import distribute_module
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.pipeline import TrainPipeline
+from dtrec.sharded.reshard import reshard
 from dtrec.sharded.sequence import ShardedEmbeddingCollection
 from dtrec.sharded.tables.tensor import distribute_tensor
 from dtrec.sharded.update.accumulate import accumulate_gradients
@@ -68,5 +69,6 @@ __all__ = [
     "placements",
     "plan",
     "report_failures",
+    "reshard",
     "table_mesh",
 ]
