@@ -23,7 +23,7 @@ import random
 
 import pytest
 
-from tests.multiprocess import run_world
+from tests.multiprocess import error_of, run_world
 
 WORLD = 4
 BATCH = 3
@@ -297,15 +297,97 @@ def _one_case(meshes: dict, shard: int, a: list[str], b: list[str], rule_name: s
     }
 
 
+def _refused(model, plan, before: dict, prepare=None, **kwargs) -> dict:
+    """What ``reshard(model, plan)`` raised (type, message) and whether the model is
+    unchanged: its weights and state, plan, collection and fused optimizer's tables."""
+    import dtrec
+
+    plan_before = dict(model.sharding_plan)
+    params = list(model.fused_optimizer.param_groups[0]["params"])
+    if prepare is not None:
+        prepare()
+    error = error_of(lambda: dtrec.reshard(model, plan, **kwargs))
+    now = model.fused_optimizer.param_groups[0]["params"]
+    unchanged = (
+        _max_rel(_full_state(model), before) == 0.0
+        and dict(model.sharding_plan) == plan_before
+        and len(now) == len(params)
+        and all(x is y for x, y in zip(now, params, strict=True))
+    )
+    return {"error": error, "unchanged": unchanged}
+
+
+def _errors(meshes: dict) -> dict:
+    """Refused reshards, each before anything moved; the model then still trains."""
+    import torch.distributed as dist
+    from torch.optim.lr_scheduler import StepLR
+
+    import dtrec
+    import dtrec.sharded.reshard.exchange as exchange
+    from dtrec.placements import RowWise, TableRowWise, TableWise
+
+    rank = dist.get_rank()
+    a = ["TW(0)", "RW", "CW", "DP"]
+    model = dtrec.distribute_module(_model(), meshes[4], _plan(a), optimizer=_rule("adam"))
+    scheduler = StepLR(model.fused_optimizer, step_size=1, gamma=0.5)
+    _train(model, range(1), scheduler)
+    before = _full_state(model)
+    out = {
+        "unknown": _refused(model, {"sparse.t9": RowWise(), "sparse.t0": RowWise()}, before),
+        "rank_off_mesh": _refused(model, {"sparse.t1": TableWise(rank=4)}, before),
+        "unresolved": _refused(model, {"sparse.t1": TableWise()}, before),
+        "node_aware": _refused(model, {"sparse.t3": TableRowWise(node=0)}, before),
+        "offloaded": _refused(model, {"sparse.t0": RowWise(cache_rows=4)}, before),
+        "not_a_spec": _refused(model, {"sparse.t0": "RW"}, before),
+        "disagree": _refused(model, {"sparse.t0": TableWise(rank=rank % 2)}, before),
+    }
+    kjt, target = _batches(1)[rank]
+    out["prefetched"] = _refused(
+        model, {"sparse.t0": RowWise()}, before, lambda: model.sparse.prefetch(kjt)
+    )
+    _loss(model(kjt), target).backward()  # consumes the prefetched batch
+    scheduler.step()
+    before = _full_state(model)
+
+    calls = []
+
+    def failing(*args, **kwargs):  # a collective error in the middle of the move
+        calls.append(1)
+        if len(calls) == 2:
+            raise dtrec.CollectiveError("rank died (simulated)")
+        return real(*args, **kwargs)
+
+    real, exchange.all_to_all = exchange.all_to_all, failing
+    try:
+        out["mid_move"] = _refused(
+            model, {"sparse.t0": RowWise(), "sparse.t1": TableWise(rank=2)}, before,
+            chunk_bytes=64,
+        )  # fmt: skip
+    finally:
+        exchange.all_to_all = real
+    # still trains, and a reshard after the failures works
+    kjt, target = _batches(2)[rank]
+    _loss(model(kjt), target).backward()
+    dtrec.reshard(model, {"sparse.t0": RowWise()})
+    out["after"] = str(model.sharding_plan["sparse.t0"])
+
+    plain = dtrec.distribute_module(_model(), meshes[4], _plan(a))
+    out["no_fused"] = {"error": error_of(lambda: dtrec.reshard(plain, {"sparse.t0": RowWise()}))}
+    out["not_distributed"] = {"error": error_of(lambda: dtrec.reshard(_model(), {}))}
+    return out
+
+
 def _run_all(rank: int, world_size: int) -> dict:
     import dtrec
 
     meshes = {4: dtrec.init_mesh("cpu", 4), 2: dtrec.init_mesh("cpu", 2)}
-    return {
+    out = {
         f"{name}-{rule}": _one_case(meshes, shard, a, b, rule)
         for name, (shard, a, b) in CASES.items()
         for rule in RULES
     }
+    out["errors"] = _errors(meshes)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -341,3 +423,28 @@ def test_small_chunks_take_rounds(results):
         got = results[0][f"{case}-adam"]
         if shard == 2 and got["bytes"]:
             assert got["rounds"] >= got["bytes"] / (WORLD * 48), (case, got)  # world bytes
+
+
+ERRORS = {  # case -> words its error names
+    "unknown": ["KeyError", "sparse.t9"],
+    "rank_off_mesh": ["ValueError", "sparse.t1", "TableWise(rank=4)"],
+    "unresolved": ["ValueError", "sparse.t1", "resolved"],
+    "node_aware": ["ValueError", "sparse.t3", "node-aware"],
+    "offloaded": ["ValueError", "sparse.t0", "offloaded"],
+    "not_a_spec": ["TypeError", "sparse.t0"],
+    "disagree": ["ValueError", "another plan"],
+    "prefetched": ["ValueError", "prefetched batch"],
+    "mid_move": ["CollectiveError", "simulated"],
+    "no_fused": ["ValueError", "sparse.t0", "torch optimizer"],
+    "not_distributed": ["TypeError", "distribute_module"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_refusals_leave_the_model_as_it_was(results, case):
+    for rank, per_rank in enumerate(results):
+        got = per_rank["errors"][case]
+        for word in ERRORS[case]:
+            assert word in got["error"], (rank, case, got["error"])
+        assert got.get("unchanged", True), (rank, case)
+        assert per_rank["errors"]["after"] == "RW"

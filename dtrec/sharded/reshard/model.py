@@ -143,7 +143,10 @@ def _changes(
                 f"reshard: plan entry {key!r}: {spec!r} leaves a choice to the planner; "
                 "give it resolved (e.g. TableWise(rank=1))"
             )
-        spec.layout(cfg, shard_axis(collections[fqn].mesh))  # ValueError naming the table
+        try:
+            spec.layout(cfg, shard_axis(collections[fqn].mesh))
+        except ValueError as exc:
+            raise ValueError(f"reshard: plan entry {key!r}: {exc}") from exc
         current = collections[fqn].specs()
         if spec != current[cfg.name]:
             changes.setdefault(fqn, dict(current))[cfg.name] = spec
