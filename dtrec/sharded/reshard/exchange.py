@@ -49,9 +49,12 @@ def move(
     position: int,
     group: ProcessGroup,
     size: int,
+    device: torch.device,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> int:
-    """Copy this rank's pieces into ``new``: its own locally, the others' over ``group``.
+    """Copy the pieces this rank receives into ``new``: its own locally, the others from
+    their ``src`` over ``group`` (of ``size`` members; buffers on ``device``, where the
+    group's collectives run).
 
     Collective over ``group`` (every member passes the same ``pieces``). Returns the bytes
     this rank sent.
@@ -61,7 +64,6 @@ def move(
             if piece.src == piece.dst == position:
                 _view(new, piece).copy_(_view(old, piece))
     sent = 0
-    device = next(iter(new.values()))[0].device if new else torch.device("cpu")
     for round_pieces in rounds(pieces, size, chunk_bytes):
         outgoing = [
             [p for p in round_pieces if p.src == position and p.dst == d] for d in range(size)
@@ -72,11 +74,8 @@ def move(
         in_splits = [sum(p.nbytes for p in ps) for ps in outgoing]
         out_splits = [sum(p.nbytes for p in ps) for ps in incoming]
         parts = [_as_bytes(_view(old, p)) for ps in outgoing for p in ps]
-        send = (
-            torch.cat(parts).to(device)
-            if parts
-            else torch.empty(0, dtype=torch.uint8, device=device)
-        )
+        empty = torch.empty(0, dtype=torch.uint8, device=device)
+        send = torch.cat(parts).to(device) if parts else empty
         received = all_to_all(send, out_splits, in_splits, group, ROWS_KIND)
         sent += sum(in_splits)
         offset = 0

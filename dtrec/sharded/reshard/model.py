@@ -24,7 +24,7 @@ from dtrec._torch_compat import local_block
 from dtrec.comm.collectives import all_reduce
 from dtrec.placements import Grid, TableLayout, TableRowWise, TableSpec
 from dtrec.placements.layout import Block
-from dtrec.placements.mesh import mesh_device, shard_axis, shard_position, world_group
+from dtrec.placements.mesh import SHARD, mesh_device, shard_axis, shard_position, world_group
 from dtrec.planning.plan import ShardingPlan, table_fqn
 from dtrec.sharded.collection import ShardedCollection
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
@@ -84,8 +84,10 @@ def reshard(
         dtrec.reshard(model, {"sparse.t0": RowWise()})
         ...  # train on: same weights, same Adam state, new owners
     """
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"reshard: chunk_bytes must be a positive int, got {chunk_bytes!r}")
     collections = _collections(model)
-    changes = _changes(model, collections, plan)
+    changes = _changes(collections, plan)
     _agree(collections, changes, _refusal(collections, changes))
     built = []
     for fqn, specs in changes.items():
@@ -110,7 +112,7 @@ def _collections(model: nn.Module) -> dict[str, ShardedCollection]:
 
 
 def _changes(
-    model: nn.Module, collections: Mapping[str, ShardedCollection], plan: object
+    collections: Mapping[str, ShardedCollection], plan: object
 ) -> dict[str, dict[str, TableSpec]]:
     """Collection FQN -> every table's new spec, for the collections with a changed spec.
     KeyError / TypeError / ValueError for a plan naming unknown tables, a value that is
@@ -179,7 +181,8 @@ def _refusal(
         if collection._prefetched:
             return ValueError(
                 f"reshard: collection {fqn!r} has a prefetched batch in flight (prefetch "
-                "without its forward); run its forward, or reshard before prefetching"
+                "without its forward yet, e.g. a dtrec.TrainPipeline's next batch); run its "
+                "forward first (drain the pipeline), or reshard before prefetching"
             )
         updater = collection._updater
         if updater._pending or updater.accumulating:
@@ -275,7 +278,7 @@ def _rebuilt(
     axis = shard_axis(old.mesh)
     move(
         pieces, _locals(old, kinds, position), _locals(new, kinds, position), position,
-        old.mesh.get_group("shard"), axis.size, chunk_bytes,
+        old.mesh.get_group(SHARD), axis.size, mesh_device(old.mesh), chunk_bytes,
     )  # fmt: skip
     _agree_scalars(old, new, [k for k, kind in kinds.items() if kind == "scalar"])
     return new
