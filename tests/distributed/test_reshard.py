@@ -377,6 +377,66 @@ def _errors(meshes: dict) -> dict:
     return out
 
 
+def _shapes(meshes: dict) -> dict:
+    """Models of other shapes: the collection itself distributed (the model is the
+    collection), and two collections of which only the second moves (its param group)."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import dtrec
+    from dtrec.placements import ColumnWise, RowWise, TableWise
+
+    rank = dist.get_rank()
+    out = {}
+    torch.manual_seed(0)
+    ebc = dtrec.EmbeddingBagCollection(_configs())
+    root = dtrec.distribute_module(
+        ebc, meshes[4], {"t0": TableWise(rank=1)}, optimizer=_rule("rowwise_adagrad")
+    )
+    kjt, target = _batches(0)[rank]
+    _loss(root(kjt).values(), target).backward()
+    root.eval()
+    before = _full_state(root)
+    dtrec.reshard(root, {"t0": RowWise(), "t2": ColumnWise()})
+    out["root_exact"] = _max_rel(_full_state(root), before) == 0.0
+    out["root_plan"] = str(root.sharding_plan["t0"]) + " " + str(root.sharding_plan["t2"])
+    out["root_eval"] = not root.training and not any(m.training for m in root.modules())
+    root.train()
+    _loss(root(kjt).values(), target).backward()  # still trains
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sparse = dtrec.EmbeddingBagCollection(_configs()[:2])
+            self.other = dtrec.EmbeddingBagCollection(_configs()[2:])
+
+        def forward(self, kjt):
+            return torch.cat([self.sparse(kjt).values(), self.other(kjt).values()], 1)
+
+    torch.manual_seed(0)
+    two = dtrec.distribute_module(Two(), meshes[2], optimizer=_rule("adam"))
+    _loss(two(kjt), target).backward()
+    first = list(two.fused_optimizer.param_groups[0]["params"])
+    dtrec.reshard(two, {"other.t3": TableWise(rank=1), "other.t2": RowWise()})
+    groups = two.fused_optimizer.param_groups
+    tables = two.other.embedding_bags
+    out["two_groups"] = all(
+        a is b for a, b in zip(groups[0]["params"], first, strict=True)
+    ) and all(
+        a is b
+        for a, b in zip(
+            groups[1]["params"], [tables["t2"].weight, tables["t3"].weight], strict=True
+        )
+    )
+    out["two_state"] = all(
+        two.fused_optimizer.state[w]["exp_avg"] is two.other.fused_optimizer_state()[n]["exp_avg"]
+        for n, w in (("t2", tables["t2"].weight), ("t3", tables["t3"].weight))
+    )
+    _loss(two(kjt), target).backward()
+    return out
+
+
 def _run_all(rank: int, world_size: int) -> dict:
     import dtrec
 
@@ -387,6 +447,7 @@ def _run_all(rank: int, world_size: int) -> dict:
         for rule in RULES
     }
     out["errors"] = _errors(meshes)
+    out["shapes"] = _shapes(meshes)
     return out
 
 
@@ -448,3 +509,11 @@ def test_refusals_leave_the_model_as_it_was(results, case):
             assert word in got["error"], (rank, case, got["error"])
         assert got.get("unchanged", True), (rank, case)
         assert per_rank["errors"]["after"] == "RW"
+
+
+def test_model_shapes(results):
+    for rank, per_rank in enumerate(results):
+        got = per_rank["shapes"]
+        assert got["root_exact"] and got["root_eval"], (rank, got)
+        assert got["root_plan"] == "RW CW", (rank, got)
+        assert got["two_groups"] and got["two_state"], (rank, got)
