@@ -87,8 +87,12 @@ def reshard(
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"reshard: chunk_bytes must be a positive int, got {chunk_bytes!r}")
     collections = _collections(model)
-    changes = _changes(collections, plan)
-    _agree(collections, changes, _refusal(collections, changes))
+    try:  # a rank that refuses still joins the agreement, so no peer waits on it
+        changes = _changes(collections, plan)
+        refusal = _refusal(collections, changes)
+    except (KeyError, TypeError, ValueError) as exc:
+        changes, refusal = {}, exc
+    _agree(collections, changes, refusal)
     built = []
     for fqn, specs in changes.items():
         built.append((fqn, _rebuilt(collections[fqn], specs, chunk_bytes)))
@@ -214,10 +218,11 @@ def _unsupported(spec: TableSpec, layout: TableLayout) -> str | None:
 def _agree(
     collections: Mapping[str, ShardedCollection],
     changes: Mapping[str, Mapping[str, TableSpec]],
-    refusal: ValueError | None,
+    refusal: Exception | None,
 ) -> None:
     """Raise on every rank unless every rank has the same changes and none refuses (one
-    small all-gather, before anything is built)."""
+    small all-gather, before anything is built): a refusing rank raises its own error,
+    the others a ValueError naming it."""
     if not collections:
         return
     group = world_group(next(iter(collections.values())).mesh)
