@@ -33,6 +33,7 @@ from dtrec.planning.topology import Topology
 from dtrec.sharded.distribute import distribute_module
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.pipeline import TrainPipeline
+from dtrec.sharded.reshard import reshard
 from dtrec.sharded.sequence import ShardedEmbeddingCollection
 from dtrec.sharded.tables.tensor import distribute_tensor
 from dtrec.sharded.update.accumulate import accumulate_gradients
@@ -76,5 +77,6 @@ __all__ = [
     "placements",
     "plan",
     "report_failures",
+    "reshard",
     "table_mesh",
 ]

@@ -85,7 +85,7 @@ class ShardedCollection(nn.Module):
         optimizer: FusedOptimizer | None,
         bounds_check: str,
         sync_every: int | None,
-        init_seed: int,
+        init_seed: int | None,
         qcomms: QCommsConfig | None,
         routing_type: type[Routing] = Routing,
     ) -> None:

@@ -71,7 +71,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         optimizer: FusedOptimizer | None = None,
         bounds_check: str = "on",
         sync_every: int | None = None,
-        init_seed: int = 0,
+        init_seed: int | None = 0,
         is_weighted: bool | None = None,
         qcomms: QCommsConfig | None = None,
         same_batch: DeviceMesh | None = None,
