@@ -52,18 +52,10 @@ def _plan() -> dict:
 
 def _batch(step: int, group: int):
     """The batch of data-parallel group ``group`` at ``step`` (the same on every rank)."""
-    import torch
-
-    import dtrec
+    from tests.batches import random_kjt
 
     gen = torch.Generator().manual_seed(1000 * step + group)
-    keys, values, lengths = [], [], []
-    for key, rows in (("f0", 20), ("f1", 20), ("f2", 10), ("f3", 12)):
-        ls = torch.randint(1, 4, (BATCH,), generator=gen)
-        keys.append(key)
-        lengths.append(ls)
-        values.append(torch.randint(0, rows, (int(ls.sum()),), generator=gen))
-    kjt = dtrec.KeyedJaggedTensor(keys, torch.cat(values), torch.cat(lengths))
+    kjt = random_kjt(gen, (("f0", 20), ("f1", 20), ("f2", 10), ("f3", 12)), BATCH, (1, 4))
     return kjt, torch.randn(BATCH, generator=gen)
 
 

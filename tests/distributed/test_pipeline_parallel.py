@@ -18,10 +18,12 @@ import pytest
 import torch
 from torch import nn
 
+from tests.batches import random_kjt
 from tests.multiprocess import run_world
 
 TOL = 1e-5
 STEPS = 3
+FEATURES = (("f0", 20), ("f1", 20), ("f2", 10), ("f3", 12))  # (feature, table rows)
 BATCH = 4  # per dp group
 MICRO = 2
 
@@ -69,16 +71,8 @@ def _plan() -> dict:
 
 def _batch(step: int, group: int):
     """Dp group ``group``'s batch at ``step``: (kjt, dense features, labels)."""
-    import dtrec
-
     gen = torch.Generator().manual_seed(1000 * step + group)
-    keys, values, lengths = [], [], []
-    for key, rows in (("f0", 20), ("f1", 20), ("f2", 10), ("f3", 12)):
-        ls = torch.randint(0, 4, (BATCH,), generator=gen)
-        keys.append(key)
-        lengths.append(ls)
-        values.append(torch.randint(0, rows, (int(ls.sum()),), generator=gen))
-    kjt = dtrec.KeyedJaggedTensor(keys, torch.cat(values), torch.cat(lengths))
+    kjt = random_kjt(gen, FEATURES, BATCH)
     return kjt, torch.randn(BATCH, 3, generator=gen), torch.randn(BATCH, generator=gen)
 
 

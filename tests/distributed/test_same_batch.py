@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.batches import random_kjt
 from tests.distributed.test_compose import (
     TOL,
     Net,
@@ -31,21 +32,14 @@ from tests.distributed.test_compose import (
 from tests.multiprocess import run_world
 
 STEPS = 3
+FEATURES = (("f0", 20), ("f1", 20), ("f2", 10), ("f3", 12))  # (feature, table rows)
 TABLE_KINDS = ("input_dist.ids", "output_dist")  # output_dist.backward counted under it
 
 
 def _batch(step: int, group: int, size: int):
     """Data-parallel group ``group``'s batch of ``size`` samples at ``step``."""
-    import dtrec
-
     gen = torch.Generator().manual_seed(1000 * step + group + 7 * size)
-    keys, values, lengths = [], [], []
-    for key, rows in (("f0", 20), ("f1", 20), ("f2", 10), ("f3", 12)):
-        ls = torch.randint(1, 4, (size,), generator=gen)
-        keys.append(key)
-        lengths.append(ls)
-        values.append(torch.randint(0, rows, (int(ls.sum()),), generator=gen))
-    kjt = dtrec.KeyedJaggedTensor(keys, torch.cat(values), torch.cat(lengths))
+    kjt = random_kjt(gen, FEATURES, size, (1, 4))
     return kjt, torch.randn(size, generator=gen)
 
 

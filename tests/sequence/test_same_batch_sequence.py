@@ -15,10 +15,12 @@ import pytest
 import torch
 from torch import nn
 
+from tests.batches import random_kjt
 from tests.multiprocess import run_world
 
 TOL = 1e-5
 STEPS = 3
+FEATURES = (("f0", 20), ("f1", 20), ("f2", 10), ("f3", 12))  # (feature, table rows)
 
 
 class SeqNet(nn.Module):
@@ -58,17 +60,8 @@ def _plan() -> dict:
 
 
 def _batch(step: int, group: int, size: int):
-    import dtrec
-
     gen = torch.Generator().manual_seed(1000 * step + group + 7 * size)
-    keys, values, lengths = [], [], []
-    for key, rows in (("f0", 20), ("f1", 20), ("f2", 10), ("f3", 12)):
-        ls = torch.randint(0, 4, (size,), generator=gen)
-        keys.append(key)
-        lengths.append(ls)
-        values.append(torch.randint(0, rows, (int(ls.sum()),), generator=gen))
-    kjt = dtrec.KeyedJaggedTensor(keys, torch.cat(values), torch.cat(lengths))
-    return kjt, torch.randn(size, generator=gen)
+    return random_kjt(gen, FEATURES, size), torch.randn(size, generator=gen)
 
 
 _MESH: list = []
