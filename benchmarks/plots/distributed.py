@@ -1,8 +1,8 @@
 """Plot ``benchmarks/distributed.py`` JSON: step time per config and where it goes.
 
     python -m benchmarks.plots.distributed \\
-        benchmarks/results/distributed_cpu_2026-11-25_final.json \\
-        -o benchmarks/results/distributed_cpu_2026-11-25_final.png
+        benchmarks/results/distributed_cpu_2026-11-29_session_end.json \\
+        -o /tmp/distributed.png
 
 Left: median step (ms) of dtrec and TorchRec per config, dtrec/TorchRec ratio on top.
 Right: CPU ms per step by stage (``benchmarks/probes/stages.py``), stacked, dtrec and TorchRec

@@ -1,7 +1,7 @@
 """Plot ``benchmarks/sequence.py`` JSON: step time, bytes and where the step goes.
 
     python -m benchmarks.plots.sequence benchmarks/results/sequence_cpu_2026-11-25_final.json \\
-        -o benchmarks/results/sequence_cpu_2026-11-25_final.png
+        -o /tmp/sequence.png
 
 Left: median step (ms) of dtrec and TorchRec per config; middle: bytes sent per step and
 rank; both with dtrec/TorchRec on top. Right: CPU ms per step by stage

@@ -1,7 +1,7 @@
 """Plot a ``benchmarks/soak/run.py`` report: loss and step time over the run, faults marked.
 
     python -m benchmarks.soak.plot benchmarks/results/soak_cpu_2026-11-26.json \\
-        -o benchmarks/results/soak_cpu_2026-11-26.png
+        -o /tmp/soak.png
 
 Top: the mean loss over the 4 ranks of every executed step (steps later rolled back by a
 restart included, in grey) against wall time. Bottom: each step's time (slowest rank).
