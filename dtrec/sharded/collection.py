@@ -29,6 +29,7 @@ from dtrec.placements.mesh import shard_axis, shard_position
 from dtrec.sharded.copies import deepcopy_module
 from dtrec.sharded.dist.groups import column_groups
 from dtrec.sharded.dist.input_dist import InputDist
+from dtrec.sharded.dist.replica_slices import OwnerSlices
 from dtrec.sharded.dist.routing import Routing
 from dtrec.sharded.offload import OffloadedTables, offload_tables
 from dtrec.sharded.tables.storage import pack_local_shards, shard_tables, state_dtensors
@@ -110,6 +111,7 @@ class ShardedCollection(nn.Module):
         self._tables = tables
         self._dtype = weights[tables[0].name].dtype if tables else torch.float32
         self._layouts = [specs[cfg.name].layout(cfg, axis) for cfg in tables]
+        self._check_fully_sharded(optimizer, sync_every)
         stored = shard_tables(
             tables, weights, mesh, specs, self._layouts, position, init_seed, optimizer is None
         )
@@ -181,11 +183,53 @@ class ShardedCollection(nn.Module):
                 shards[t], sync.group, columns.get(t), self._tables[t].embedding_dim,
                 sync.scale, sync.kind, sync.codec,
             )  # fmt: skip
+        for t, update in updates.items():
+            update.owner = self._owner_slices(t, update, position)
         state = dict(zip(local, optimizer.init_states([shards[t] for t in local]), strict=True))
         for t in range(len(self._tables)):
             if t not in updates:
                 state[t] = optimizer.init_state(shards[t])
         return FusedUpdater(optimizer, updates, state)
+
+    #: Whether this kind of collection serves fully sharded tables (pooled ones do).
+    serves_fully_sharded: bool = False
+
+    def _check_fully_sharded(
+        self, optimizer: FusedOptimizer | None, sync_every: int | None
+    ) -> None:
+        """ValueError naming the fully sharded tables this increment does not serve yet."""
+        names = [
+            cfg.name for cfg, layout in zip(self._tables, self._layouts) if layout.replica_sliced
+        ]
+        if not names:
+            return
+        if not self.serves_fully_sharded:
+            raise ValueError(
+                f"table(s) {names}: fully sharded 2D (fully_sharded=True) serves pooled "
+                f"collections (EmbeddingBagCollection) only so far, not {type(self).__name__}"
+            )
+        if optimizer is None:
+            raise ValueError(
+                f"table(s) {names}: fully sharded 2D (fully_sharded=True) needs a fused "
+                "optimizer (distribute_module(..., optimizer=dtrec.optim.SGD / RowWiseAdagrad "
+                "/ Adam)); torch optimizers on fully sharded tables are not served yet"
+            )
+        if sync_every is not None:
+            raise ValueError(
+                f"table(s) {names}: fully sharded 2D (fully_sharded=True) keeps one owner per "
+                f"row, so replicas have nothing to average: sync_every={sync_every} expects "
+                "whole replicated shards; use sync_every=None"
+            )
+
+    def _owner_slices(self, t: int, update: TableUpdate, position: int) -> OwnerSlices | None:
+        """Local table t's owner slices over its replica group (None: not fully sharded,
+        or one replica, whose slice is the whole shard)."""
+        layout, group = self._layouts[t], update.replica_group
+        if not layout.replica_sliced or group is None or dist.get_world_size(group) == 1:
+            return None
+        block = layout.block_at(position)
+        assert block is not None
+        return OwnerSlices(block.num_rows, group)
 
     def fused_optimizer_state(self) -> dict[str, dict[str, Tensor]]:
         """Table name -> its fused optimizer state (local tensors, shaped like the shard)."""

@@ -65,6 +65,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     """
 
     tables_attr = "embedding_bags"
+    serves_fully_sharded = True
 
     def __init__(
         self,
@@ -94,6 +95,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         self._local = (
             LocalPath(tables, self._routing, self._updater, mesh, self._offload)
             if serves_locally(self._routing, self._layouts)
+            and not any(layout.replica_sliced for layout in self._layouts)  # fetched rows
             else None
         )
         split = None if same_batch is None else BatchSplit(same_batch)

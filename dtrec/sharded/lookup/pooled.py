@@ -23,6 +23,7 @@ from torch import Tensor
 
 from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.sharded.dist.input_dist import RoutedBatch
+from dtrec.sharded.dist.replica_slices import fetch_touched
 from dtrec.sharded.dist.routing import Routing
 from dtrec.sharded.update.fused_update import FusedUpdater, fused_lookup
 from dtrec.sparse import KeyedJaggedTensor
@@ -101,6 +102,13 @@ class LocalLookup:
         entry_table = [index[t] for t in entry_tables]
         mean = [False] * len(entry_tables)
         if self._updater is not None:
+            owners = {
+                i: owner
+                for i, t in enumerate(table_ids)
+                if (u := self._updater.tables.get(t)) is not None and (owner := u.owner)
+            }
+            if owners:  # fully sharded tables: read compact tables of their touched rows
+                tables, values = fetch_touched(owners, tables, entry_table, values, offsets)
             return fused_lookup(
                 self._updater, table_ids, tables, entry_table, mean, values, offsets, psw
             )

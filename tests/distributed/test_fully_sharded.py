@@ -1,0 +1,248 @@
+"""Fully sharded 2D (``fully_sharded=True``): exact training, owner slices at rest.
+
+One 4-rank world on a 2 x 2 mesh (S=2, R=2) runs every case; the tests assert on its
+results. The unit tests at the end need no world.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
+from dtrec.placements.fully_sharded import replica_slice
+from dtrec.placements.layout import Block
+from dtrec.placements.mesh import ShardAxis
+from tests.distributed.numerics import TABLES
+from tests.multiprocess import run_world
+
+TOLERANCE = 1e-5
+PLANS = {
+    "row_wise": {t[0]: RowWise(fully_sharded=True) for t in TABLES},
+    "table_wise": {t[0]: TableWise(rank=None, fully_sharded=True) for t in TABLES},
+    # beside exact 2D and data-parallel tables in one collection
+    "mixed": {
+        "t0": RowWise(fully_sharded=True),
+        "t1": TableWise(rank=0, fully_sharded=True),
+        "t2": RowWise(),
+        "t3": DataParallel(),
+    },
+}
+OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
+
+
+def _fused(name: str):
+    import dtrec
+
+    return {
+        "sgd": dtrec.optim.SGD(lr=0.5),
+        "rowwise_adagrad": dtrec.optim.RowWiseAdagrad(lr=0.1),
+        "adam": dtrec.optim.Adam(lr=0.05),
+    }[name]
+
+
+def _numerics(mesh) -> dict:
+    from tests.distributed.numerics import check_numerics
+
+    out = {}
+    for plan_name, plan in PLANS.items():
+        for opt in OPTIMIZERS:
+            r = check_numerics(mesh, plan, False, steps=3, fused=_fused(opt))
+            out[(plan_name, opt, False)] = (r.max_weight_diff, r.max_output_diff, r.notes)
+    r = check_numerics(mesh, PLANS["row_wise"], True, steps=3, fused=_fused("rowwise_adagrad"))
+    out[("row_wise", "rowwise_adagrad", True)] = (r.max_weight_diff, r.max_output_diff, r.notes)
+    return out
+
+
+def _at_rest(mesh) -> dict:
+    """Placements, local shapes, ``full_tensor``, optimizer state sizes, collectives."""
+    import dtrec
+    from tests.distributed.numerics import TinyModel, make_batch, make_tables, rank_loss
+
+    tables = make_tables(False)
+    torch.manual_seed(0)
+    reference = TinyModel(tables)
+    plan = {f"sparse.{k}": v for k, v in PLANS["mixed"].items()}
+    model = dtrec.distribute_module(
+        TinyModel(tables), mesh, plan, optimizer=dtrec.optim.Adam(lr=0.05)
+    )
+    model.load_state_dict(reference.state_dict())
+    out: dict = {"tables": {}}
+    state = model.sparse.fused_optimizer_state()
+    full_states = dtrec.checkpoint.full_state_dict(model)
+    for name, table in model.sparse.embedding_bags.items():
+        weight = table.weight
+        member = weight.device_mesh.get_coordinate() is not None  # torch's: members only
+        full = weight.full_tensor() if member else None
+        out["tables"][name] = {
+            "placements": tuple(str(p) for p in weight.placements),
+            "local_rows": weight.to_local().shape[0],
+            "block": table.block,
+            "full_equal": full is None
+            or torch.equal(full, reference.sparse.embedding_bags[name].weight),
+            "full_state_equal": torch.equal(
+                full_states[f"sparse.embedding_bags.{name}.weight"],
+                reference.sparse.embedding_bags[name].weight,
+            ),
+            "state_rows": {k: tuple(v.shape) for k, v in state[name].items()},
+        }
+    gen = torch.Generator().manual_seed(3)
+    batches = [make_batch(tables, 4, False, gen) for _ in range(mesh.size())]
+    kjt, target = batches[dtrec.placements.mesh.shard_position(mesh) * 2 + mesh.get_coordinate()[1]]
+    with dtrec.comm_stats() as stats:
+        rank_loss(model(kjt), target).backward()
+    out["calls"] = dict(stats.calls)
+    return out
+
+
+def _errors(mesh) -> dict:
+    import dtrec
+    from tests.distributed.numerics import TinyModel, make_tables
+
+    tables = make_tables(False)
+    plan = {f"sparse.{k}": v for k, v in PLANS["row_wise"].items()}
+    cases = {
+        "torch_optimizer": lambda: dtrec.distribute_module(TinyModel(tables), mesh, plan),
+        "sync_every": lambda: dtrec.distribute_module(
+            TinyModel(tables), mesh, plan, optimizer=dtrec.optim.SGD(lr=0.1), sync_every=2
+        ),
+        "column_wise": lambda: dtrec.distribute_module(
+            TinyModel(tables),
+            mesh,
+            {"sparse.t0": ColumnWise(fully_sharded=True)},
+            optimizer=dtrec.optim.SGD(lr=0.1),
+        ),
+        "sequence": lambda: dtrec.distribute_module(
+            torch.nn.ModuleDict(
+                {"seq": dtrec.EmbeddingCollection([dtrec.EmbeddingConfig("s0", 10, 4, ["g0"])])}
+            ),
+            mesh,
+            {"seq.s0": RowWise(fully_sharded=True)},
+            optimizer=dtrec.optim.SGD(lr=0.1),
+        ),
+    }
+    out = {}
+    for name, make in cases.items():
+        try:
+            make()
+            out[name] = None
+        except Exception as exc:  # noqa: BLE001  (the type and text are what is tested)
+            out[name] = (type(exc).__name__, str(exc))
+    return out
+
+
+def _world(rank: int, world: int) -> dict:
+    import dtrec
+
+    mesh = dtrec.init_mesh("cpu", 2)
+    return {"numerics": _numerics(mesh), "at_rest": _at_rest(mesh), "errors": _errors(mesh)}
+
+
+@functools.cache
+def _results() -> list[dict]:
+    return run_world(4, _world)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [(p, o, False) for p in PLANS for o in OPTIMIZERS] + [("row_wise", "rowwise_adagrad", True)],
+    ids=lambda c: f"{c[0]}-{c[1]}{'-weighted' if c[2] else ''}",
+)
+def test_trains_like_unsharded(case):
+    """3 steps on a 2 x 2 mesh equal the unsharded model on the global batch."""
+    for rank, result in enumerate(_results()):
+        weight_diff, output_diff, notes = result["numerics"][case]
+        assert not notes, (rank, notes)
+        assert weight_diff < TOLERANCE, (rank, case, weight_diff)
+        assert output_diff < TOLERANCE, (rank, case, output_diff)
+
+
+def test_tables_at_rest_are_owner_slices():
+    """Placements say the truth, ``full_tensor()`` is the table, the replicas of a shard
+    hold disjoint slices covering it, and fused state is sized like the slice."""
+    results = [r["at_rest"]["tables"] for r in _results()]
+    want = {"t0": ("S(0)", "S(0)"), "t1": ("R", "S(0)"), "t2": ("S(0)", "R"), "t3": ("R", "R")}
+    for rank, tables in enumerate(results):
+        for name, info in tables.items():
+            assert info["placements"] == want[name], (rank, name, info["placements"])
+            assert info["full_equal"], (rank, name)
+            assert info["full_state_equal"], (rank, name)
+    for name in ("t0", "t1"):  # fully sharded: R=2 replicas (ranks 2p, 2p + 1) split a shard
+        for position in range(2):
+            blocks = [results[2 * position + r][name]["block"] for r in range(2)]
+            if blocks[0] is None:  # table-wise t1 lives on position 0 only
+                assert name == "t1" and position == 1 and blocks[1] is None
+                continue
+            assert blocks[0].rows[1] == blocks[1].rows[0]  # contiguous, disjoint
+            shard_rows = blocks[1].rows[1] - blocks[0].rows[0]
+            assert shard_rows == {"t0": 25, "t1": 3}[name]
+            for r, block in enumerate(blocks):
+                info = results[2 * position + r][name]
+                assert info["local_rows"] == block.num_rows
+                assert block.num_rows <= -(-shard_rows // 2)  # about 1/R of the shard
+                assert info["state_rows"]["exp_avg"][0] == block.num_rows
+                assert info["state_rows"]["exp_avg_sq"][0] == block.num_rows
+    for tables in results:  # exact 2D: the whole shard on every replica
+        assert tables["t2"]["local_rows"] == tables["t2"]["state_rows"]["exp_avg"][0]
+        assert tables["t2"]["local_rows"] in (49, 48)
+
+
+def test_rows_travel_to_and_from_owners():
+    """A step fetches rows from the owners and sends gradients back over "replicate"."""
+    for rank, result in enumerate(_results()):
+        calls = result["at_rest"]["calls"]
+        for kind in (
+            "replica_slices.fetch.ids",
+            "replica_slices.fetch.rows",
+            "replica_slices.grads.rows",
+            "replica_slices.grads.values",
+        ):
+            assert calls.get(kind) == 1, (rank, kind, calls)
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("torch_optimizer", ["t0", "fused optimizer", "torch optimizers"]),
+        ("sync_every", ["t0", "sync_every=2", "sync_every=None"]),
+        ("column_wise", ["'t0'", "splits columns", "RowWise(fully_sharded=True)"]),
+        ("sequence", ["s0", "EmbeddingBagCollection", "ShardedEmbeddingCollection"]),
+    ],
+)
+def test_unserved_is_a_clear_error(case, words):
+    for rank, result in enumerate(_results()):
+        got = result["errors"][case]
+        assert got is not None and got[0] == "ValueError", (rank, case, got)
+        for word in words:
+            assert word in got[1], (rank, case, word, got[1])
+
+
+def test_spec_option():
+    from dtrec.modules.config import EmbeddingBagConfig
+
+    assert repr(RowWise(fully_sharded=True)) == "RowWise(fully_sharded=True)"
+    assert repr(RowWise()) == "RowWise()"
+    assert str(TableWise(rank=1, fully_sharded=True)) == "TW(1)+FS"
+    assert RowWise(fully_sharded=True) != RowWise()
+    with pytest.raises(TypeError, match="fully_sharded must be a bool"):
+        RowWise(fully_sharded=1)
+    table = EmbeddingBagConfig("big", 10, 4, ["f"])
+    layout = RowWise(fully_sharded=True).layout(table, ShardAxis(2, 2, None))
+    assert (
+        layout.replica_sliced
+        and layout.blocks == RowWise().layout(table, ShardAxis(2, 2, None)).blocks
+    )
+    with pytest.raises(ValueError, match="'big'.*offloaded and fully sharded"):
+        RowWise(cache_rows=2, fully_sharded=True).layout(table, ShardAxis(2, 2, None))
+    with pytest.raises(ValueError, match="'big'.*splits columns"):
+        ColumnWise(fully_sharded=True).layout(table, ShardAxis(2, 2, None))
+
+
+def test_replica_slice_is_torch_chunk():
+    block = Block(1, (10, 15), (0, 4))
+    assert [replica_slice(block, r, 2).rows for r in range(2)] == [(10, 13), (13, 15)]
+    assert [replica_slice(Block(0, (0, 5), (0, 4)), r, 4).rows for r in range(4)] == [
+        (0, 2), (2, 4), (4, 5), (5, 5)
+    ]  # fmt: skip
