@@ -6,7 +6,7 @@ results. The unit tests at the end need no world.
 
 from __future__ import annotations
 
-import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +44,7 @@ def _fused(name: str):
 
 
 def _numerics(mesh) -> dict:
+    import dtrec
     from tests.distributed.numerics import check_numerics
 
     out = {}
@@ -53,6 +54,11 @@ def _numerics(mesh) -> dict:
             out[(plan_name, opt, False)] = (r.max_weight_diff, r.max_output_diff, r.notes)
     r = check_numerics(mesh, PLANS["row_wise"], True, steps=3, fused=_fused("rowwise_adagrad"))
     out[("row_wise", "rowwise_adagrad", True)] = (r.max_weight_diff, r.max_output_diff, r.notes)
+    # S=1, R=4: every rank a replica of the one shard, uneven and empty slices (3 rows / 4)
+    one_shard = dtrec.init_mesh("cpu", 1)
+    for opt in ("sgd", "adam"):
+        r = check_numerics(one_shard, PLANS["row_wise"], False, steps=3, fused=_fused(opt))
+        out[("row_wise_1x4", opt, False)] = (r.max_weight_diff, r.max_output_diff, r.notes)
     return out
 
 
@@ -133,36 +139,79 @@ def _errors(mesh) -> dict:
     return out
 
 
-def _world(rank: int, world: int) -> dict:
+def _checkpoints(root: Path) -> dict:
+    """DCP save and load, both ways, between fully sharded 2D, exact 2D and 1D: what was
+    saved loads exactly (weights and fused state), and training continues like the
+    uninterrupted run (tests/distributed/test_checkpoint.py's helpers)."""
+    from dtrec.checkpoint import dcp as checkpoint
+    from tests.distributed import test_checkpoint as ckpt
+
+    fully_sharded = PLANS["mixed"]
+    exact = {"t0": RowWise(), "t1": TableWise(rank=0), "t2": RowWise(), "t3": DataParallel()}
+    one_d = ckpt._other_s4()
+    out = {}
+    for opt in ("rowwise_adagrad", "adam"):
+        for source, plan, targets in (
+            ("fully_sharded", fully_sharded, {"exact": (exact, 2), "one_d": (one_d, 4),
+                                              "fully_sharded": (fully_sharded, 2)}),
+            ("exact", exact, {"fully_sharded": (fully_sharded, 2)}),
+            ("one_d", one_d, {"fully_sharded": (fully_sharded, 2)}),
+        ):  # fmt: skip
+            shards = 4 if source == "one_d" else 2
+            model, dense = ckpt._build(plan, shards, seed=0, fused=_fused(opt))
+            ckpt._train(model, dense, ckpt.SAVE_AFTER, 0)
+            where = root / f"{opt}_{source}"
+            checkpoint.save(where, model, dense)
+            ref = {
+                "saved": checkpoint.full_state_dict(model),
+                "saved_fused": ckpt._full_fused(model),
+            }
+            ref["ref_losses"] = ckpt._train(model, dense, ckpt.CONTINUE, ckpt.SAVE_AFTER)
+            ref["ref_after"] = checkpoint.full_state_dict(model)
+            for target, (target_plan, target_shards) in targets.items():
+                run = ckpt._continue_from(where, target_plan, target_shards, _fused(opt))
+                out[(opt, source, target)] = (ref, run)
+    return out
+
+
+def _world(rank: int, world: int, root: str) -> dict:
     import dtrec
 
     mesh = dtrec.init_mesh("cpu", 2)
-    return {"numerics": _numerics(mesh), "at_rest": _at_rest(mesh), "errors": _errors(mesh)}
+    return {
+        "numerics": _numerics(mesh),
+        "at_rest": _at_rest(mesh),
+        "errors": _errors(mesh),
+        "checkpoints": _checkpoints(Path(root)),
+    }
 
 
-@functools.cache
-def _results() -> list[dict]:
-    return run_world(4, _world)
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    return run_world(4, _world, str(tmp_path_factory.mktemp("fully_sharded")))
 
 
 @pytest.mark.parametrize(
     "case",
-    [(p, o, False) for p in PLANS for o in OPTIMIZERS] + [("row_wise", "rowwise_adagrad", True)],
+    [(p, o, False) for p in PLANS for o in OPTIMIZERS]
+    + [("row_wise", "rowwise_adagrad", True)]
+    + [("row_wise_1x4", o, False) for o in ("sgd", "adam")],
     ids=lambda c: f"{c[0]}-{c[1]}{'-weighted' if c[2] else ''}",
 )
-def test_trains_like_unsharded(case):
-    """3 steps on a 2 x 2 mesh equal the unsharded model on the global batch."""
-    for rank, result in enumerate(_results()):
+def test_trains_like_unsharded(results, case):
+    """3 steps on a 2 x 2 mesh (and a 1 x 4 one) equal the unsharded model on the global
+    batch."""
+    for rank, result in enumerate(results):
         weight_diff, output_diff, notes = result["numerics"][case]
         assert not notes, (rank, notes)
         assert weight_diff < TOLERANCE, (rank, case, weight_diff)
         assert output_diff < TOLERANCE, (rank, case, output_diff)
 
 
-def test_tables_at_rest_are_owner_slices():
+def test_tables_at_rest_are_owner_slices(results):
     """Placements say the truth, ``full_tensor()`` is the table, the replicas of a shard
     hold disjoint slices covering it, and fused state is sized like the slice."""
-    results = [r["at_rest"]["tables"] for r in _results()]
+    results = [r["at_rest"]["tables"] for r in results]
     want = {"t0": ("S(0)", "S(0)"), "t1": ("R", "S(0)"), "t2": ("S(0)", "R"), "t3": ("R", "R")}
     for rank, tables in enumerate(results):
         for name, info in tables.items():
@@ -189,9 +238,9 @@ def test_tables_at_rest_are_owner_slices():
         assert tables["t2"]["local_rows"] in (49, 48)
 
 
-def test_rows_travel_to_and_from_owners():
+def test_rows_travel_to_and_from_owners(results):
     """A step fetches rows from the owners and sends gradients back over "replicate"."""
-    for rank, result in enumerate(_results()):
+    for rank, result in enumerate(results):
         calls = result["at_rest"]["calls"]
         for kind in (
             "replica_slices.fetch.ids",
@@ -211,12 +260,29 @@ def test_rows_travel_to_and_from_owners():
         ("sequence", ["s0", "EmbeddingBagCollection", "ShardedEmbeddingCollection"]),
     ],
 )
-def test_unserved_is_a_clear_error(case, words):
-    for rank, result in enumerate(_results()):
+def test_unserved_is_a_clear_error(results, case, words):
+    for rank, result in enumerate(results):
         got = result["errors"][case]
         assert got is not None and got[0] == "ValueError", (rank, case, got)
         for word in words:
             assert word in got[1], (rank, case, word, got[1])
+
+
+@pytest.mark.parametrize(
+    "case",
+    [(o, "fully_sharded", t) for o in ("rowwise_adagrad", "adam")
+     for t in ("exact", "one_d", "fully_sharded")]
+    + [(o, s, "fully_sharded") for o in ("rowwise_adagrad", "adam") for s in ("exact", "one_d")],
+    ids="-".join,
+)  # fmt: skip
+def test_checkpoints_reshard_both_ways(results, case):
+    """Saved fully sharded, loaded exact 2D or 1D (and back): the same weights and fused
+    state, then the same training as the uninterrupted run."""
+    from tests.distributed.test_checkpoint import _check_continuation
+
+    for rank, result in enumerate(results):
+        ref, run = result["checkpoints"][case]
+        _check_continuation(ref, run, f"{case}, rank {rank}")
 
 
 def test_spec_option():
