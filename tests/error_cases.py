@@ -857,7 +857,6 @@ LOCAL: dict[str, Case] = {
     "E347": on_mesh(
         4, 2, lambda m: distributed(m, {"sparse.t0": ColumnWise(fully_sharded=True)}, SGD(0.1))
     ),
-    "E348": on_mesh(4, 2, lambda m: distributed(m, {"sparse.t0": RowWise(fully_sharded=True)})),
     "E349": on_mesh(
         4,
         2,

@@ -86,7 +86,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             tables, weights, mesh, specs, optimizer, bounds_check, sync_every, init_seed, qcomms
         )
         self.is_weighted = is_weighted
-        self._lookup = LocalLookup(self._routing, self._updater, self._offload)
+        self._lookup = LocalLookup(self._routing, self._updater, self._offload, self._owners)
         self._output_dist = OutputDist(
             tables, self._routing, mesh.get_group(SHARD), self._dtype, self.qcomms
         )

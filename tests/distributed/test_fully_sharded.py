@@ -31,6 +31,7 @@ PLANS = {
     },
 }
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
+TORCH_OPTIMIZERS = ("sgd", "adagrad", "adam")  # optimizer=None: torch's on the DTensors
 
 
 def _fused(name: str):
@@ -51,15 +52,32 @@ def _numerics(mesh) -> dict:
     for plan_name, plan in PLANS.items():
         for opt in OPTIMIZERS:
             r = check_numerics(mesh, plan, False, steps=3, fused=_fused(opt))
-            out[(plan_name, opt, False)] = (r.max_weight_diff, r.max_output_diff, r.notes)
+            out[(plan_name, opt, False)] = _summary(r)
     r = check_numerics(mesh, PLANS["row_wise"], True, steps=3, fused=_fused("rowwise_adagrad"))
-    out[("row_wise", "rowwise_adagrad", True)] = (r.max_weight_diff, r.max_output_diff, r.notes)
+    out[("row_wise", "rowwise_adagrad", True)] = _summary(r)
+    # torch optimizers on the DTensor slices (autograd's gradients summed at the owners)
+    for plan_name, plan in PLANS.items():
+        for opt in TORCH_OPTIMIZERS:
+            r = check_numerics(mesh, plan, False, steps=3, optimizer=opt)
+            out[(plan_name, f"torch_{opt}", False)] = _summary(r)
+    r = check_numerics(mesh, PLANS["mixed"], True, steps=3, clip={"max_norm": 0.1})
+    out[("mixed", "torch_sgd_clip", True)] = _summary(r)
     # S=1, R=4: every rank a replica of the one shard, uneven and empty slices (3 rows / 4)
     one_shard = dtrec.init_mesh("cpu", 1)
     for opt in ("sgd", "adam"):
         r = check_numerics(one_shard, PLANS["row_wise"], False, steps=3, fused=_fused(opt))
-        out[("row_wise_1x4", opt, False)] = (r.max_weight_diff, r.max_output_diff, r.notes)
+        out[("row_wise_1x4", opt, False)] = _summary(r)
+    r = check_numerics(one_shard, PLANS["row_wise"], False, steps=3, optimizer="adam")
+    out[("row_wise_1x4", "torch_adam", False)] = _summary(r)
     return out
+
+
+def _summary(r) -> tuple:
+    notes = list(r.notes)
+    if not r.grads_sharded_like_weights:
+        notes.append("grads not placed like weights")
+    worst = max(r.max_weight_diff, r.max_output_diff, r.max_grad_diff, r.max_norm_diff)
+    return (worst, r.max_output_diff, notes)
 
 
 def _at_rest(mesh) -> dict:
@@ -110,7 +128,6 @@ def _errors(mesh) -> dict:
     tables = make_tables(False)
     plan = {f"sparse.{k}": v for k, v in PLANS["row_wise"].items()}
     cases = {
-        "torch_optimizer": lambda: dtrec.distribute_module(TinyModel(tables), mesh, plan),
         "sync_every": lambda: dtrec.distribute_module(
             TinyModel(tables), mesh, plan, optimizer=dtrec.optim.SGD(lr=0.1), sync_every=2
         ),
@@ -195,16 +212,19 @@ def results(tmp_path_factory) -> list[dict]:
     "case",
     [(p, o, False) for p in PLANS for o in OPTIMIZERS]
     + [("row_wise", "rowwise_adagrad", True)]
-    + [("row_wise_1x4", o, False) for o in ("sgd", "adam")],
+    + [(p, f"torch_{o}", False) for p in PLANS for o in TORCH_OPTIMIZERS]
+    + [("mixed", "torch_sgd_clip", True)]
+    + [("row_wise_1x4", o, False) for o in ("sgd", "adam", "torch_adam")],
     ids=lambda c: f"{c[0]}-{c[1]}{'-weighted' if c[2] else ''}",
 )
 def test_trains_like_unsharded(results, case):
     """3 steps on a 2 x 2 mesh (and a 1 x 4 one) equal the unsharded model on the global
-    batch."""
+    batch: weights, outputs, and with torch optimizers each rank's slice gradients and the
+    clipped norm."""
     for rank, result in enumerate(results):
-        weight_diff, output_diff, notes = result["numerics"][case]
+        worst, output_diff, notes = result["numerics"][case]
         assert not notes, (rank, notes)
-        assert weight_diff < TOLERANCE, (rank, case, weight_diff)
+        assert worst < TOLERANCE, (rank, case, worst)
         assert output_diff < TOLERANCE, (rank, case, output_diff)
 
 
@@ -254,7 +274,6 @@ def test_rows_travel_to_and_from_owners(results):
 @pytest.mark.parametrize(
     "case, words",
     [
-        ("torch_optimizer", ["t0", "fused optimizer", "torch optimizers"]),
         ("sync_every", ["t0", "sync_every=2", "sync_every=None"]),
         ("column_wise", ["'t0'", "splits columns", "RowWise(fully_sharded=True)"]),
         ("sequence", ["s0", "EmbeddingBagCollection", "ShardedEmbeddingCollection"]),

@@ -38,7 +38,10 @@ _BLOCK_ROWS = "_dtrec_block_rows"
 class OwnerSlices:
     """One fully sharded table's shard as owner slices over a replica group."""
 
-    def __init__(self, block_rows: int, group: ProcessGroup) -> None:
+    def __init__(self, block_rows: int, group: ProcessGroup, grad_scale: float = 1.0) -> None:
+        self.grad_scale = grad_scale
+        """1 / ranks whose batches the gradient sums (autograd's gradients are averaged with
+        it before they reach the owners; the fused updater scales its own)."""
         self.block_rows = block_rows
         """Rows of the whole shard (block); ids after the input dist index them."""
         self.group = group
@@ -185,3 +188,36 @@ def route_to_owners(
         )
         out[t] = sum_by_row(ids - owner.start, values, max(owner.slice_rows, 1))
     return out
+
+
+class FetchTouched(torch.autograd.Function):
+    """``fetch_touched`` for tables trained by autograd (torch optimizers): forward builds
+    the compact tables; backward sends their gradients (averaged by ``grad_scale``) to
+    the owners, which sum the replicas' and return them as their slices' gradients (dense,
+    like exact 2D's summed gradients: zero on rows no replica touched)."""
+
+    @staticmethod
+    def forward(ctx, owners, entry_table, values, offsets, *tables):  # type: ignore[override]
+        out, values = fetch_touched(owners, list(tables), entry_table, values, offsets)
+        ctx.owners = owners
+        ctx.touched = {i: getattr(out[i], _BLOCK_ROWS) for i in owners}
+        ctx.shapes = [t.shape for t in tables]
+        ctx.mark_non_differentiable(values)
+        return (values, *out)
+
+    @staticmethod
+    def backward(ctx, _values_grad, *grads):  # type: ignore[override]
+        merged = {}
+        for i, owner in ctx.owners.items():
+            rows = ctx.touched[i]
+            grad = grads[i]
+            if grad is None:
+                grad = torch.zeros(rows.numel(), ctx.shapes[i][1], device=rows.device)
+            merged[i] = (rows, grad.float() * owner.grad_scale)
+        summed = route_to_owners(ctx.owners, merged)
+        out = list(grads)
+        for i, (rows, grad) in summed.items():
+            dense = torch.zeros(ctx.shapes[i], dtype=grads[i].dtype if grads[i] is not None
+                                else grad.dtype, device=grad.device)  # fmt: skip
+            out[i] = dense.index_add_(0, rows, grad.to(dense.dtype))
+        return (None, None, None, None, *out)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.sharded.dist.input_dist import RoutedBatch
-from dtrec.sharded.dist.replica_slices import fetch_touched
+from dtrec.sharded.dist.replica_slices import FetchTouched, OwnerSlices, fetch_touched
 from dtrec.sharded.dist.routing import Routing
 from dtrec.sharded.update.fused_update import FusedUpdater, fused_lookup
 from dtrec.sparse import KeyedJaggedTensor
@@ -32,9 +32,16 @@ from dtrec.sparse import KeyedJaggedTensor
 class LocalLookup:
     """Pooled lookups on local shards, plain (autograd grads) or fused (``updater``)."""
 
-    def __init__(self, routing: Routing, updater: FusedUpdater | None, offload: Any = None) -> None:
+    def __init__(
+        self,
+        routing: Routing,
+        updater: FusedUpdater | None,
+        offload: Any = None,
+        owners: dict[int, OwnerSlices] | None = None,
+    ) -> None:
         self._routing = routing
         self._updater = updater
+        self._owners = owners or {}  # fully sharded tables' owner slices, by table index
         self._offload = offload  # offloaded tables' caches (``OffloadedTables``), or None
         served, shards = routing.served, routing.shard_size
         # The received (source, segment) blocks in table-major order, as runs of
@@ -101,14 +108,13 @@ class LocalLookup:
         tables = [local[t] for t in table_ids]
         entry_table = [index[t] for t in entry_tables]
         mean = [False] * len(entry_tables)
+        # fully sharded tables: read compact tables of their touched rows
+        owners = {i: self._owners[t] for i, t in enumerate(table_ids) if t in self._owners}
+        if owners and self._updater is None:  # their gradients reach the owners by autograd
+            values, *tables = FetchTouched.apply(owners, entry_table, values, offsets, *tables)
+        elif owners:  # the fused updater sends their row gradients to the owners
+            tables, values = fetch_touched(owners, tables, entry_table, values, offsets)
         if self._updater is not None:
-            owners = {
-                i: owner
-                for i, t in enumerate(table_ids)
-                if (u := self._updater.tables.get(t)) is not None and (owner := u.owner)
-            }
-            if owners:  # fully sharded tables: read compact tables of their touched rows
-                tables, values = fetch_touched(owners, tables, entry_table, values, offsets)
             return fused_lookup(
                 self._updater, table_ids, tables, entry_table, mean, values, offsets, psw
             )
