@@ -208,6 +208,52 @@ def results(tmp_path_factory) -> list[dict]:
     return run_world(4, _world, str(tmp_path_factory.mktemp("fully_sharded")))
 
 
+EIGHT_RANKS = [  # (S, plan, optimizer): R = 4 and R = 2 on 8 ranks
+    (2, "mixed", "adam"),
+    (2, "row_wise", "torch_adagrad"),
+    (4, "mixed", "rowwise_adagrad"),
+    (4, "table_wise", "torch_adam"),
+]
+
+
+def _world8(rank: int, world: int) -> dict:
+    import dtrec
+    from tests.distributed.numerics import check_numerics
+
+    out = {}
+    for shards, plan, opt in EIGHT_RANKS:
+        mesh = dtrec.init_mesh("cpu", shards)
+        if opt.startswith("torch_"):
+            r = check_numerics(mesh, PLANS[plan], False, steps=3, optimizer=opt[6:])
+        else:
+            r = check_numerics(mesh, PLANS[plan], False, steps=3, fused=_fused(opt))
+        out[(shards, plan, opt)] = _summary(r)
+    # torch's Adagrad turns float reassociation into larger differences (its first step
+    # is lr * g / |g|): at S 2 x R 4 exact 2D itself ends 1.5e-5 from the unsharded model
+    # here, so that case is held to exact 2D's own difference
+    exact = {t[0]: RowWise() for t in TABLES}
+    r = check_numerics(dtrec.init_mesh("cpu", 2), exact, False, steps=3, optimizer="adagrad")
+    out["exact_2x4_torch_adagrad"] = _summary(r)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results8() -> list[dict]:
+    return run_world(8, _world8)
+
+
+@pytest.mark.parametrize("case", EIGHT_RANKS, ids=lambda c: f"S{c[0]}-{c[1]}-{c[2]}")
+def test_trains_like_unsharded_on_8_ranks(results8, case):
+    """S 2 x R 4 and S 4 x R 2: the same contract on 8 gloo ranks."""
+    for rank, result in enumerate(results8):
+        worst, _, notes = result[case]
+        assert not notes, (rank, notes)
+        bound = TOLERANCE
+        if case[2] == "torch_adagrad":
+            bound = max(bound, 1.01 * result["exact_2x4_torch_adagrad"][0])
+        assert worst < bound, (rank, case, worst, bound)
+
+
 @pytest.mark.parametrize(
     "case",
     [(p, o, False) for p in PLANS for o in OPTIMIZERS]
