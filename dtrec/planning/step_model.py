@@ -45,6 +45,7 @@ COLLECTIVES = {
     "grad_sync.data_parallel.dense": ("world", "all_reduce"),
     "dense.grad_sync": ("world", "all_reduce"),
     "replica_sync.weights": ("replicate", "all_reduce"),
+    "replica_slices": ("replicate", "all_to_all"),  # fully sharded 2D's rows and grads
 }
 """``comm_stats`` kind (or its prefix: ``output_dist.backward``) -> (mesh axis, pattern)."""
 
@@ -56,6 +57,7 @@ PHASES = {
     "optim": "sync",
     "dense": "dense",
     "replica_sync": "sync",
+    "replica_slices": "sync",
 }
 """Kind prefix -> where the step spends it (``step_time``)."""
 
