@@ -6,6 +6,7 @@ results. The unit tests at the end need no world.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -115,9 +116,19 @@ def _at_rest(mesh) -> dict:
     gen = torch.Generator().manual_seed(3)
     batches = [make_batch(tables, 4, False, gen) for _ in range(mesh.size())]
     kjt, target = batches[dtrec.placements.mesh.shard_position(mesh) * 2 + mesh.get_coordinate()[1]]
+    with torch.no_grad():  # an evaluation forward fetches rows too, and trains nothing
+        want = reference.sparse(kjt).values()
+        out["no_grad_diff"] = (model.sparse(kjt).values() - want).abs().max().item()
+    copied = copy.deepcopy(model)  # its own slices and state, the same process groups
     with dtrec.comm_stats() as stats:
         rank_loss(model(kjt), target).backward()
+    rank_loss(copied(kjt), target).backward()
     out["calls"] = dict(stats.calls)
+    after, copy_after = (dtrec.checkpoint.full_state_dict(m) for m in (model, copied))
+    out["copy_diff"] = max((after[k] - copy_after[k]).abs().max().item() for k in after)
+    out["trained"] = not torch.equal(
+        after["sparse.embedding_bags.t0.weight"], full_states["sparse.embedding_bags.t0.weight"]
+    )
     return out
 
 
@@ -302,6 +313,15 @@ def test_tables_at_rest_are_owner_slices(results):
     for tables in results:  # exact 2D: the whole shard on every replica
         assert tables["t2"]["local_rows"] == tables["t2"]["state_rows"]["exp_avg"][0]
         assert tables["t2"]["local_rows"] in (49, 48)
+
+
+def test_no_grad_forward_and_deepcopy(results):
+    """An evaluation forward equals the unsharded one; a deep copy trains like the
+    original (its own slices and state)."""
+    for rank, result in enumerate(results):
+        at_rest = result["at_rest"]
+        assert at_rest["no_grad_diff"] < TOLERANCE, rank
+        assert at_rest["trained"] and at_rest["copy_diff"] == 0.0, (rank, at_rest["copy_diff"])
 
 
 def test_rows_travel_to_and_from_owners(results):
