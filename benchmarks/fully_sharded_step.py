@@ -54,6 +54,7 @@ def _rank(rank: int, world: int, shards: int, scale: float, batch: int, steps: i
         models[name] = (model, torch.optim.Adagrad(dense, lr=LR))
     times: dict[str, list[float]] = {name: [] for name in models}
     axes: dict[str, dict[str, float]] = {}
+    comm_ms: dict[str, dict[str, float]] = {}  # host ms inside each collective kind
     for step in range(steps + 2):  # two warm-up steps
         keys, values, lengths, labels = make_batch(w, rank, step)
         kjt = dtrec.KeyedJaggedTensor(keys, values, lengths)
@@ -71,11 +72,15 @@ def _rank(rank: int, world: int, shards: int, scale: float, batch: int, steps: i
                 for axis, nbytes in stats.bytes_per_axis.items():
                     per = axes.setdefault(name, {})
                     per[axis] = per.get(axis, 0.0) + nbytes / steps
+                for kind, seconds in stats.seconds.items():
+                    per = comm_ms.setdefault(name, {})
+                    per[kind] = per.get(kind, 0.0) + 1e3 * seconds / steps
     return {
         name: {
             "at_rest_bytes": _at_rest_bytes(model),
             "step_ms": statistics.median(times[name]),
             "bytes_per_axis": axes.get(name, {}),
+            "comm_ms": comm_ms.get(name, {}),
         }
         for name, (model, _) in models.items()
     }
