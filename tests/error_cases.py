@@ -864,18 +864,6 @@ LOCAL: dict[str, Case] = {
             Model(), m, {"sparse.t0": RowWise(fully_sharded=True)}, SGD(0.1), sync_every=2
         ),
     ),
-    "E350": on_mesh(
-        4,
-        2,
-        lambda m: dtrec.distribute_module(
-            nn.ModuleDict(
-                {"seq": dtrec.EmbeddingCollection([dtrec.EmbeddingConfig("s0", 10, 4, ["g0"])])}
-            ),
-            m,
-            {"seq.s0": RowWise(fully_sharded=True)},
-            SGD(0.1),
-        ),
-    ),
     "E330": lambda tmp: dtrec.Topology(host_memory_per_rank=-1.0),
     "E331": lambda tmp: TableConstraint(cache_fraction=0),
     "E332": on_mesh(

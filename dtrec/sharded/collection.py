@@ -193,9 +193,6 @@ class ShardedCollection(nn.Module):
                 state[t] = optimizer.init_state(shards[t])
         return FusedUpdater(optimizer, updates, state)
 
-    #: Whether this kind of collection serves fully sharded tables (pooled ones do).
-    serves_fully_sharded: bool = False
-
     def _check_fully_sharded(self, sync_every: int | None) -> None:
         """ValueError naming the fully sharded tables this increment does not serve yet."""
         names = [
@@ -203,11 +200,6 @@ class ShardedCollection(nn.Module):
         ]
         if not names:
             return
-        if not self.serves_fully_sharded:
-            raise ValueError(
-                f"table(s) {names}: fully sharded 2D (fully_sharded=True) serves pooled "
-                f"collections (EmbeddingBagCollection) only so far, not {type(self).__name__}"
-            )
         if sync_every is not None:
             raise ValueError(
                 f"table(s) {names}: fully sharded 2D (fully_sharded=True) keeps one owner per "

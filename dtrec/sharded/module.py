@@ -65,7 +65,6 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
     """
 
     tables_attr = "embedding_bags"
-    serves_fully_sharded = True
 
     def __init__(
         self,

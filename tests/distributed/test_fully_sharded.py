@@ -31,6 +31,11 @@ PLANS = {
         "t3": DataParallel(),
     },
 }
+# the sequence harness builds the sharded collection itself: table-wise ranks resolved
+SEQUENCE_PLANS = {
+    **PLANS,
+    "table_wise": {t[0]: TableWise(rank=i % 2, fully_sharded=True) for i, t in enumerate(TABLES)},
+}
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
 TORCH_OPTIMIZERS = ("sgd", "adagrad", "adam")  # optimizer=None: torch's on the DTensors
 
@@ -132,6 +137,20 @@ def _at_rest(mesh) -> dict:
     return out
 
 
+def _sequence(mesh) -> dict:
+    """Sequence collections (``EmbeddingCollection``): rows fetched, gradients routed."""
+    from tests.sequence.numerics import check_sequence_numerics
+
+    out = {}
+    for plan_name, plan in SEQUENCE_PLANS.items():
+        for opt in (*OPTIMIZERS, "torch_sgd"):
+            fused = None if opt == "torch_sgd" else _fused(opt)
+            r = check_sequence_numerics(mesh, plan, fused)
+            worst = max(r.max_weight_diff, r.max_output_diff, r.max_grad_diff)
+            out[(plan_name, opt)] = (worst, r.keys_match and r.lengths_match)
+    return out
+
+
 def _errors(mesh) -> dict:
     import dtrec
     from tests.distributed.numerics import TinyModel, make_tables
@@ -146,14 +165,6 @@ def _errors(mesh) -> dict:
             TinyModel(tables),
             mesh,
             {"sparse.t0": ColumnWise(fully_sharded=True)},
-            optimizer=dtrec.optim.SGD(lr=0.1),
-        ),
-        "sequence": lambda: dtrec.distribute_module(
-            torch.nn.ModuleDict(
-                {"seq": dtrec.EmbeddingCollection([dtrec.EmbeddingConfig("s0", 10, 4, ["g0"])])}
-            ),
-            mesh,
-            {"seq.s0": RowWise(fully_sharded=True)},
             optimizer=dtrec.optim.SGD(lr=0.1),
         ),
     }
@@ -210,6 +221,7 @@ def _world(rank: int, world: int, root: str) -> dict:
         "numerics": _numerics(mesh),
         "at_rest": _at_rest(mesh),
         "errors": _errors(mesh),
+        "sequence": _sequence(mesh),
         "checkpoints": _checkpoints(Path(root)),
     }
 
@@ -315,6 +327,18 @@ def test_tables_at_rest_are_owner_slices(results):
         assert tables["t2"]["local_rows"] in (49, 48)
 
 
+@pytest.mark.parametrize(
+    "case", [(p, o) for p in PLANS for o in (*OPTIMIZERS, "torch_sgd")], ids="-".join
+)
+def test_sequence_collections_train_like_unsharded(results, case):
+    """``EmbeddingCollection`` tables fully sharded: rows, slice gradients and weights
+    equal the unsharded collection's on the global batch."""
+    for rank, result in enumerate(results):
+        worst, layout_ok = result["sequence"][case]
+        assert layout_ok, (rank, case)
+        assert worst < TOLERANCE, (rank, case, worst)
+
+
 def test_no_grad_forward_and_deepcopy(results):
     """An evaluation forward equals the unsharded one; a deep copy trains like the
     original (its own slices and state)."""
@@ -342,7 +366,6 @@ def test_rows_travel_to_and_from_owners(results):
     [
         ("sync_every", ["t0", "sync_every=2", "sync_every=None"]),
         ("column_wise", ["'t0'", "splits columns", "RowWise(fully_sharded=True)"]),
-        ("sequence", ["s0", "EmbeddingBagCollection", "ShardedEmbeddingCollection"]),
     ],
 )
 def test_unserved_is_a_clear_error(results, case, words):

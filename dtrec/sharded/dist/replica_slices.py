@@ -82,29 +82,35 @@ def _by_destination(parts: Sequence[Tensor], counts: Tensor) -> tuple[Tensor, li
     return flat, (counts * width[:, None]).sum(0).tolist()
 
 
-def fetch_touched(
-    owners: dict[int, OwnerSlices],
-    tables: list[Tensor],
-    entry_table: list[int],
-    values: Tensor,
-    offsets: Tensor,
-) -> tuple[list[Tensor], Tensor]:
-    """(tables, values) of a pooled lookup with each fully sharded table replaced by the
-    compact table of its touched rows (fetched from their owners) and its ids remapped.
-
-    ``owners``: position in ``tables`` -> that table's slices (``tables[i]`` is its own
-    slice); the lookup layout is ``dtrec.ops.lookup``'s. Collective over the replica
-    group: every replica calls it with the same tables, in the same order.
-    """
-    keys = sorted(owners)
-    group = owners[keys[0]].group
-    device = values.device
+def entry_value_tables(entry_table: list[int], offsets: Tensor) -> Tensor:
+    """The table (index into the lookup's tables) of every id of a pooled lookup in
+    ``dtrec.ops.lookup``'s layout (entry-major bags, ``E * B + 1`` offsets)."""
     entries = len(entry_table)
     batch = (offsets.numel() - 1) // entries
     per_entry = offsets[::batch].diff() if batch else offsets.new_zeros(entries)
-    value_table = torch.tensor(entry_table, dtype=torch.long, device=device).repeat_interleave(
-        per_entry
-    )
+    tables = torch.tensor(entry_table, dtype=torch.long, device=offsets.device)
+    return tables.repeat_interleave(per_entry)
+
+
+def run_value_tables(run_table: list[int], run_counts: Tensor) -> Tensor:
+    """The table of every id of a sequence lookup's runs (``lookup.sequence.IdRuns``)."""
+    tables = torch.tensor(run_table, dtype=torch.long, device=run_counts.device)
+    return tables.repeat_interleave(run_counts)
+
+
+def fetch_touched(
+    owners: dict[int, OwnerSlices], tables: list[Tensor], value_table: Tensor, values: Tensor
+) -> tuple[list[Tensor], Tensor]:
+    """(tables, values) of a lookup with each fully sharded table replaced by the compact
+    table of its touched rows (fetched from their owners) and its ids remapped.
+
+    ``owners``: position in ``tables`` -> that table's slices (``tables[i]`` is its own
+    slice); ``value_table``: each id's position in ``tables`` (``entry_value_tables``,
+    ``run_value_tables``). Collective over the replica group: every replica calls it with
+    the same tables, in the same order.
+    """
+    keys = sorted(owners)
+    group = owners[keys[0]].group
     values = values.clone()
     masks, uniques, counts = [], [], []
     for i in keys:
@@ -197,8 +203,8 @@ class FetchTouched(torch.autograd.Function):
     like exact 2D's summed gradients: zero on rows no replica touched)."""
 
     @staticmethod
-    def forward(ctx, owners, entry_table, values, offsets, *tables):  # type: ignore[override]
-        out, values = fetch_touched(owners, list(tables), entry_table, values, offsets)
+    def forward(ctx, owners, value_table, values, *tables):  # type: ignore[override]
+        out, values = fetch_touched(owners, list(tables), value_table, values)
         ctx.owners = owners
         ctx.touched = {i: getattr(out[i], _BLOCK_ROWS) for i in owners}
         ctx.shapes = [t.shape for t in tables]
@@ -220,4 +226,4 @@ class FetchTouched(torch.autograd.Function):
             dense = torch.zeros(ctx.shapes[i], dtype=grads[i].dtype if grads[i] is not None
                                 else grad.dtype, device=grad.device)  # fmt: skip
             out[i] = dense.index_add_(0, rows, grad.to(dense.dtype))
-        return (None, None, None, None, *out)
+        return (None, None, None, *out)

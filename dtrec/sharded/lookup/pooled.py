@@ -23,7 +23,12 @@ from torch import Tensor
 
 from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.sharded.dist.input_dist import RoutedBatch
-from dtrec.sharded.dist.replica_slices import FetchTouched, OwnerSlices, fetch_touched
+from dtrec.sharded.dist.replica_slices import (
+    FetchTouched,
+    OwnerSlices,
+    entry_value_tables,
+    fetch_touched,
+)
 from dtrec.sharded.dist.routing import Routing
 from dtrec.sharded.update.fused_update import FusedUpdater, fused_lookup
 from dtrec.sparse import KeyedJaggedTensor
@@ -110,10 +115,12 @@ class LocalLookup:
         mean = [False] * len(entry_tables)
         # fully sharded tables: read compact tables of their touched rows
         owners = {i: self._owners[t] for i, t in enumerate(table_ids) if t in self._owners}
+        if owners:
+            value_table = entry_value_tables(entry_table, offsets)
         if owners and self._updater is None:  # their gradients reach the owners by autograd
-            values, *tables = FetchTouched.apply(owners, entry_table, values, offsets, *tables)
+            values, *tables = FetchTouched.apply(owners, value_table, values, *tables)
         elif owners:  # the fused updater sends their row gradients to the owners
-            tables, values = fetch_touched(owners, tables, entry_table, values, offsets)
+            tables, values = fetch_touched(owners, tables, value_table, values)
         if self._updater is not None:
             return fused_lookup(
                 self._updater, table_ids, tables, entry_table, mean, values, offsets, psw
