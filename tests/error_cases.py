@@ -854,9 +854,6 @@ LOCAL: dict[str, Case] = {
             m, {"sparse.t0": RowWise(cache_rows=4, fully_sharded=True)}, SGD(0.1)
         ),
     ),
-    "E347": on_mesh(
-        4, 2, lambda m: distributed(m, {"sparse.t0": ColumnWise(fully_sharded=True)}, SGD(0.1))
-    ),
     "E349": on_mesh(
         4,
         2,

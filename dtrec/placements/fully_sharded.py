@@ -5,11 +5,12 @@ of its optimizer state). ``fully_sharded=True`` keeps only one *owner slice* of 
 shard per replica at rest: the shard's rows split into R contiguous chunks (torch's
 chunk semantics) along the "replicate" axis, so the table's DTensor is
 ``(Shard(0), Shard(0))`` for row-wise (rows over "shard", then each shard's rows over
-"replicate") and ``(Replicate(), Shard(0))`` on a table-wise table's one-position
-sub-mesh. A step fetches the rows its lookups touch from their owners and sends their
-gradients back (``dtrec.sharded.dist.replica_slices``); only an owner updates a row and
-its optimizer state, so training stays exact. docs/fully_sharded_2d.md has the design
-and its bytes::
+"replicate"), ``(Replicate(), Shard(0))`` on a table-wise table's one-position sub-mesh,
+``(Shard(1), Shard(0))`` for column-wise (each column block's rows split). A step
+fetches the rows its lookups touch from their owners and sends their gradients back
+(``dtrec.sharded.dist.replica_slices``); only an owner updates a row and its optimizer
+state, so training stays exact. Every spec but ``DataParallel`` takes the option;
+docs/fully_sharded_2d.md has the design and its bytes::
 
     RowWise(fully_sharded=True)
     TableWise(rank=1, fully_sharded=True)
@@ -57,12 +58,6 @@ class ReplicaSliceable:
                 f"table {table.name!r}: {self!r} is both offloaded and fully sharded; "
                 "fully sharded 2D does not serve offloaded tables yet: drop cache_rows / "
                 "cache_fraction or fully_sharded"
-            )
-        if any(block.cols != (0, table.embedding_dim) for block in layout.blocks):
-            raise ValueError(
-                f"table {table.name!r}: {self!r} splits columns; fully sharded 2D serves "
-                "row-wise and table-wise tables (RowWise(fully_sharded=True), "
-                "TableWise(fully_sharded=True)) so far"
             )
         *shard, _replicate = layout.placements
         return replace(layout, placements=(*shard, Shard(0)), replica_sliced=True)

@@ -211,7 +211,7 @@ class ColumnWise(ReplicaSliceable, Offloadable, TableSpec):
 
 
 @dataclass(frozen=True, repr=False)
-class TableRowWise(Offloadable, TableSpec):
+class TableRowWise(ReplicaSliceable, Offloadable, TableSpec):
     """Table on one node (``node``), rows split over that node's shard positions."""
 
     node: int | None = None
@@ -248,7 +248,8 @@ class TableRowWise(Offloadable, TableSpec):
         per_node = axis.per_node
         assert per_node is not None
         positions = [self.node * per_node + i for i in range(per_node)]
-        return self._with_cache(
+        return self._with_layout_options(
+            table,
             TableLayout(
                 positions=tuple(positions),
                 mesh_shape=(per_node,),
@@ -259,12 +260,12 @@ class TableRowWise(Offloadable, TableSpec):
                     chunk_bounds(table.num_embeddings, per_node),
                     [(0, table.embedding_dim)] * per_node,
                 ),
-            )
+            ),
         )
 
 
 @dataclass(frozen=True, repr=False)
-class Grid(Offloadable, TableSpec):
+class Grid(ReplicaSliceable, Offloadable, TableSpec):
     """Columns split across nodes, rows split across the shard positions inside a node."""
 
     short = "GRID"
@@ -282,7 +283,8 @@ class Grid(Offloadable, TableSpec):
         row_chunks = chunk_bounds(table.num_embeddings, per_node)
         positions = list(range(axis.size))
         placements: tuple[Placement, ...] = (Shard(1), Shard(0), Replicate())
-        return self._with_cache(
+        return self._with_layout_options(
+            table,
             TableLayout(
                 positions=tuple(positions),
                 mesh_shape=(nodes, per_node),
@@ -293,5 +295,5 @@ class Grid(Offloadable, TableSpec):
                     [row_chunks[p % per_node] for p in positions],
                     [col_chunks[p // per_node] for p in positions],
                 ),
-            )
+            ),
         )

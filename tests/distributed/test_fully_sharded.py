@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
-from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
+from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
 from dtrec.placements.fully_sharded import replica_slice
 from dtrec.placements.layout import Block
 from dtrec.placements.mesh import ShardAxis
@@ -22,6 +23,9 @@ from tests.multiprocess import run_world
 TOLERANCE = 1e-5
 PLANS = {
     "row_wise": {t[0]: RowWise(fully_sharded=True) for t in TABLES},
+    # column blocks' rows split over the replicas (exact row-wise Adagrad's row norms
+    # summed over column peers holding the same owner rows)
+    "column_wise": {t[0]: ColumnWise(fully_sharded=True) for t in TABLES},
     "table_wise": {t[0]: TableWise(rank=None, fully_sharded=True) for t in TABLES},
     # beside exact 2D and data-parallel tables in one collection
     "mixed": {
@@ -68,6 +72,12 @@ def _numerics(mesh) -> dict:
             out[(plan_name, f"torch_{opt}", False)] = _summary(r)
     r = check_numerics(mesh, PLANS["mixed"], True, steps=3, clip={"max_norm": 0.1})
     out[("mixed", "torch_sgd_clip", True)] = _summary(r)
+    # node-aware types: one node of 2 positions (TRW = RW) and 2 nodes of 1 (Grid = CW)
+    for node in (1, 2):
+        node_mesh = dtrec.init_mesh("cpu", 2, node_size=node)
+        for plan_name, plan in _node_plans(2 // node).items():
+            r = check_numerics(node_mesh, plan, False, steps=3, fused=_fused("rowwise_adagrad"))
+            out[(f"{plan_name}_node{node}", "rowwise_adagrad", False)] = _summary(r)
     # S=1, R=4: every rank a replica of the one shard, uneven and empty slices (3 rows / 4)
     one_shard = dtrec.init_mesh("cpu", 1)
     for opt in ("sgd", "adam"):
@@ -76,6 +86,15 @@ def _numerics(mesh) -> dict:
     r = check_numerics(one_shard, PLANS["row_wise"], False, steps=3, optimizer="adam")
     out[("row_wise_1x4", "torch_adam", False)] = _summary(r)
     return out
+
+
+def _node_plans(nodes: int) -> dict:
+    return {
+        "table_row_wise": {
+            t[0]: TableRowWise(node=i % nodes, fully_sharded=True) for i, t in enumerate(TABLES)
+        },
+        "grid": {t[0]: Grid(fully_sharded=True) for t in TABLES},
+    }
 
 
 def _summary(r) -> tuple:
@@ -161,12 +180,6 @@ def _errors(mesh) -> dict:
         "sync_every": lambda: dtrec.distribute_module(
             TinyModel(tables), mesh, plan, optimizer=dtrec.optim.SGD(lr=0.1), sync_every=2
         ),
-        "column_wise": lambda: dtrec.distribute_module(
-            TinyModel(tables),
-            mesh,
-            {"sparse.t0": ColumnWise(fully_sharded=True)},
-            optimizer=dtrec.optim.SGD(lr=0.1),
-        ),
     }
     out = {}
     for name, make in cases.items():
@@ -236,6 +249,10 @@ EIGHT_RANKS = [  # (S, plan, optimizer): R = 4 and R = 2 on 8 ranks
     (2, "row_wise", "torch_adagrad"),
     (4, "mixed", "rowwise_adagrad"),
     (4, "table_wise", "torch_adam"),
+    (4, "column_wise", "rowwise_adagrad"),
+    (4, "table_row_wise", "rowwise_adagrad"),  # 2 nodes of 2 shard positions
+    (4, "grid", "rowwise_adagrad"),
+    (4, "grid", "torch_adam"),
 ]
 
 
@@ -244,13 +261,29 @@ def _world8(rank: int, world: int) -> dict:
     from tests.distributed.numerics import check_numerics
 
     out = {}
-    for shards, plan, opt in EIGHT_RANKS:
-        mesh = dtrec.init_mesh("cpu", shards)
+    for shards, plan_name, opt in EIGHT_RANKS:
+        node_aware = plan_name in ("table_row_wise", "grid")
+        mesh = dtrec.init_mesh("cpu", shards, node_size=2 if node_aware else None)
+        plan = _node_plans(2)[plan_name] if node_aware else PLANS[plan_name]
         if opt.startswith("torch_"):
-            r = check_numerics(mesh, PLANS[plan], False, steps=3, optimizer=opt[6:])
+            r = check_numerics(mesh, plan, False, steps=3, optimizer=opt[6:])
         else:
-            r = check_numerics(mesh, PLANS[plan], False, steps=3, fused=_fused(opt))
-        out[(shards, plan, opt)] = _summary(r)
+            r = check_numerics(mesh, plan, False, steps=3, fused=_fused(opt))
+        out[(shards, plan_name, opt)] = _summary(r)
+    # full_state_dict of a grid table split three ways ((Shard(1), Shard(0), Shard(0)))
+    from tests.distributed.numerics import TinyModel, make_tables
+
+    torch.manual_seed(0)
+    reference = TinyModel(make_tables(False))
+    grid = dtrec.distribute_module(
+        copy.deepcopy(reference),
+        dtrec.init_mesh("cpu", 4, node_size=2),
+        {f"sparse.{k}": v for k, v in _node_plans(2)["grid"].items()},
+        optimizer=dtrec.optim.SGD(lr=0.1),
+    )
+    full = dtrec.checkpoint.full_state_dict(grid)
+    out["grid_full_state"] = all(torch.equal(full[k], v) for k, v in reference.state_dict().items())
+    out["grid_placements"] = str(grid.sparse.embedding_bags["t0"].weight.placements)
     # torch's Adagrad turns float reassociation into larger differences (its first step
     # is lr * g / |g|): at S 2 x R 4 exact 2D itself ends 1.5e-5 from the unsharded model
     # here, so that case is held to exact 2D's own difference
@@ -263,6 +296,12 @@ def _world8(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def results8() -> list[dict]:
     return run_world(8, _world8)
+
+
+def test_grid_on_8_ranks_is_split_three_ways(results8):
+    for rank, result in enumerate(results8):
+        assert result["grid_full_state"], rank
+        assert result["grid_placements"] == "(Shard(dim=1), Shard(dim=0), Shard(dim=0))"
 
 
 @pytest.mark.parametrize("case", EIGHT_RANKS, ids=lambda c: f"S{c[0]}-{c[1]}-{c[2]}")
@@ -283,7 +322,12 @@ def test_trains_like_unsharded_on_8_ranks(results8, case):
     + [("row_wise", "rowwise_adagrad", True)]
     + [(p, f"torch_{o}", False) for p in PLANS for o in TORCH_OPTIMIZERS]
     + [("mixed", "torch_sgd_clip", True)]
-    + [("row_wise_1x4", o, False) for o in ("sgd", "adam", "torch_adam")],
+    + [("row_wise_1x4", o, False) for o in ("sgd", "adam", "torch_adam")]
+    + [
+        (f"{p}_node{n}", "rowwise_adagrad", False)
+        for p in ("table_row_wise", "grid")
+        for n in (1, 2)
+    ],
     ids=lambda c: f"{c[0]}-{c[1]}{'-weighted' if c[2] else ''}",
 )
 def test_trains_like_unsharded(results, case):
@@ -365,7 +409,6 @@ def test_rows_travel_to_and_from_owners(results):
     "case, words",
     [
         ("sync_every", ["t0", "sync_every=2", "sync_every=None"]),
-        ("column_wise", ["'t0'", "splits columns", "RowWise(fully_sharded=True)"]),
     ],
 )
 def test_unserved_is_a_clear_error(results, case, words):
@@ -410,8 +453,8 @@ def test_spec_option():
     )
     with pytest.raises(ValueError, match="'big'.*offloaded and fully sharded"):
         RowWise(cache_rows=2, fully_sharded=True).layout(table, ShardAxis(2, 2, None))
-    with pytest.raises(ValueError, match="'big'.*splits columns"):
-        ColumnWise(fully_sharded=True).layout(table, ShardAxis(2, 2, None))
+    placements = ColumnWise(fully_sharded=True).layout(table, ShardAxis(2, 2, None)).placements
+    assert placements == (Shard(1), Shard(0))
 
 
 def test_replica_slice_is_torch_chunk():
