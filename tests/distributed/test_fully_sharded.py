@@ -223,7 +223,42 @@ def _checkpoints(root: Path) -> dict:
             for target, (target_plan, target_shards) in targets.items():
                 run = ckpt._continue_from(where, target_plan, target_shards, _fused(opt))
                 out[(opt, source, target)] = (ref, run)
+    # torch's Adam on the DTensor tables (no fused optimizer): its state is saved with it
+    for source, plan, target, target_plan in (
+        ("fully_sharded", fully_sharded, "exact", exact),
+        ("exact", exact, "fully_sharded", fully_sharded),
+    ):
+        model, adam = _torch_adam_model(plan, seed=0)
+        ckpt._train(model, adam, ckpt.SAVE_AFTER, 0)
+        where = root / f"torch_adam_{source}"
+        checkpoint.save(where, model, adam)
+        none = {"no fused state": torch.zeros(1)}  # (what _check_continuation compares)
+        ref = {"saved": checkpoint.full_state_dict(model), "saved_fused": none}
+        ref["ref_losses"] = ckpt._train(model, adam, ckpt.CONTINUE, ckpt.SAVE_AFTER)
+        ref["ref_after"] = checkpoint.full_state_dict(model)
+        loaded, loaded_adam = _torch_adam_model(target_plan, seed=99)
+        checkpoint.load(where, loaded, loaded_adam)
+        run = {
+            "loaded": {"weights": checkpoint.full_state_dict(loaded), "fused": none},
+            "losses": ckpt._train(loaded, loaded_adam, ckpt.CONTINUE, ckpt.SAVE_AFTER),
+        }
+        run["after"] = checkpoint.full_state_dict(loaded)
+        out[("torch_adam", source, target)] = (ref, run)
     return out
+
+
+def _torch_adam_model(plan: dict, seed: int):
+    """TinyModel on a 2 x 2 mesh, tables trained by torch's Adam with the dense part."""
+    import dtrec
+    from tests.distributed.numerics import TinyModel, make_tables
+
+    torch.manual_seed(seed)
+    model = dtrec.distribute_module(
+        TinyModel(make_tables(False)),
+        dtrec.init_mesh("cpu", 2),
+        {f"sparse.{k}": v for k, v in plan.items()},
+    )
+    return model, torch.optim.Adam(model.parameters(), lr=0.05)
 
 
 def _world(rank: int, world: int, root: str) -> dict:
@@ -423,7 +458,8 @@ def test_unserved_is_a_clear_error(results, case, words):
     "case",
     [(o, "fully_sharded", t) for o in ("rowwise_adagrad", "adam")
      for t in ("exact", "one_d", "fully_sharded")]
-    + [(o, s, "fully_sharded") for o in ("rowwise_adagrad", "adam") for s in ("exact", "one_d")],
+    + [(o, s, "fully_sharded") for o in ("rowwise_adagrad", "adam") for s in ("exact", "one_d")]
+    + [("torch_adam", "fully_sharded", "exact"), ("torch_adam", "exact", "fully_sharded")],
     ids="-".join,
 )  # fmt: skip
 def test_checkpoints_reshard_both_ways(results, case):
