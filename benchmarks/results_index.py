@@ -28,7 +28,7 @@ NOT_RECORDED = "not recorded"
 
 BENCHMARKS = ("checkpoint", "composed", "cpu_lookup", "dense_step", "distributed", "dynamic_2d",
               "gpu_check", "gpu_profile", "gpu_step", "kernels", "loaded_suite", "offload",
-              "planner", "qcomms", "scale", "sequence", "soak")  # fmt: skip
+              "planner", "qcomms", "replan", "scale", "sequence", "soak")  # fmt: skip
 """Benchmark names a report's file name starts with (longest match wins)."""
 
 NAME = re.compile(
@@ -205,12 +205,22 @@ def _soak(r: dict) -> str:
     )
 
 
+def _replan(r: dict) -> str:
+    x = r["result"]
+    return (
+        f"reshard {x['reshard_s']:.2f} s, {x['reshard_bytes_sent'] / 1e6:.0f} MB sent; "
+        f"DCP round trip {x['round_trip_s']:.2f} s, {x['round_trip_bytes_written'] / 1e6:.0f} "
+        f"MB written; same state: {x['same_as_round_trip']}"
+    )
+
+
 HEADLINES: dict[str, Callable[[dict], str]] = {
     "checkpoint": _checkpoint, "composed": _composed, "cpu_lookup": _cpu_lookup,
     "dense_step": _dense_step, "distributed": _distributed, "dynamic_2d": _dynamic_2d,
     "gpu_check": _gpu_check,
     "gpu_step": _gpu_step, "kernels": _kernels, "loaded_suite": _loaded_suite,
-    "offload": _offload, "planner": _planner, "qcomms": _qcomms, "scale": _scale,
+    "offload": _offload, "planner": _planner, "qcomms": _qcomms, "replan": _replan,
+    "scale": _scale,
     "sequence": _sequence, "soak": _soak,
 }  # fmt: skip
 """Per benchmark: the report's headline figure, read from its JSON."""

@@ -8,7 +8,7 @@ Example (under torchrun)::
     model = dtrec.distribute_module(model, mesh, {"sparse.t0": dtrec.placements.RowWise()})
 """
 
-from dtrec import checkpoint, ops, optim, placements
+from dtrec import checkpoint, ops, optim, pipelining, placements
 from dtrec.comm.collectives import CommStats, comm_stats, count_comm
 from dtrec.comm.failures import CollectiveError, report_failures
 from dtrec.comm.qcomms import QCommsConfig
@@ -18,8 +18,12 @@ from dtrec.modules import (
     EmbeddingCollection,
     EmbeddingConfig,
     FeatureProcessedEmbeddingBagCollection,
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    MCHManagedCollisionModule,
     PositionWeightedModule,
     PositionWeightedModuleCollection,
+    eviction,
 )
 from dtrec.placements.mesh import init_mesh, table_mesh
 from dtrec.planning import cost_model
@@ -29,8 +33,10 @@ from dtrec.planning.topology import Topology
 from dtrec.sharded.distribute import distribute_module
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.pipeline import TrainPipeline
+from dtrec.sharded.reshard import reshard
 from dtrec.sharded.sequence import ShardedEmbeddingCollection
 from dtrec.sharded.tables.tensor import distribute_tensor
+from dtrec.sharded.update.accumulate import accumulate_gradients
 from dtrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 __all__ = [
@@ -44,6 +50,9 @@ __all__ = [
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",
+    "MCHManagedCollisionModule",
+    "ManagedCollisionCollection",
+    "ManagedCollisionEmbeddingBagCollection",
     "PositionWeightedModule",
     "PositionWeightedModuleCollection",
     "QCommsConfig",
@@ -52,6 +61,7 @@ __all__ = [
     "ShardingPlan",
     "Topology",
     "TrainPipeline",
+    "accumulate_gradients",
     "checkpoint",
     "choose_shard_group_size",
     "cost_model",
@@ -59,11 +69,14 @@ __all__ = [
     "count_comm",
     "distribute_module",
     "distribute_tensor",
+    "eviction",
     "init_mesh",
     "ops",
     "optim",
+    "pipelining",
     "placements",
     "plan",
     "report_failures",
+    "reshard",
     "table_mesh",
 ]

@@ -76,6 +76,16 @@ def concatenate_meshes(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
     return DeviceMesh._concatenate(list(meshes))
 
 
+def composable_state_count() -> int:
+    """How many modules hold a composable state (``fully_shard`` registers its
+    ``FSDPState`` on each module it is applied to: ``_composable_state._insert_module_state``
+    into ``_module_state_mapping``, a WeakKeyDictionary): grows when ``fully_shard`` runs.
+    O(1). Checked: torch 2.13."""
+    from torch.distributed import _composable_state
+
+    return len(_composable_state._module_state_mapping)
+
+
 def fsdp_managed(module: torch.nn.Module) -> bool:
     """Whether ``fully_shard`` manages ``module``'s parameters (the flag FSDP2 sets on every
     module it manages for Dynamo, ``_is_fsdp_managed_module``). Checked: torch 2.13."""
@@ -91,15 +101,18 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-def traced_broadcast_(tensors: Sequence[Tensor], src: int) -> None:
-    """Copy rank ``src``'s ``tensors`` into every rank's over the default group, as ops
+def traced_broadcast_(
+    tensors: Sequence[Tensor], src: int, group: dist.ProcessGroup | None = None
+) -> None:
+    """Copy rank ``src``'s ``tensors`` into every rank's over ``group`` (None: the
+    default group), as ops
     ``torch.compile`` traces (functional collectives, one per tensor; only under compile:
     eager coalesces them). Checked: torch 2.13
     (``torch.distributed._functional_collectives.broadcast``)."""
     from torch.distributed import _functional_collectives as funcol
 
     for t in tensors:
-        t.copy_(funcol.broadcast(t, src, dist.group.WORLD))
+        t.copy_(funcol.broadcast(t, src, group if group is not None else dist.group.WORLD))
 
 
 def current_backward_id() -> int:

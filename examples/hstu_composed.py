@@ -11,8 +11,8 @@ parallelism (torchtitan's layout):
 - the embedding tables are sharded over the whole world by dtrec, on
   ``dtrec.table_mesh(world, shard=("dp_shard", "tp"), replicate="dp_replicate")``
   (4 shard ranks x 2 replicas), with ``same_batch=world["tp"]``: the two tp ranks of a
-  dp group feed the same batch, so the pooled user features are looked up once per
-  group (each tp rank half of the batch, then all-gathered).
+  dp group feed the same batch, so the item history and the pooled user features are
+  looked up once per group (each tp rank half of the batch, then all-gathered).
 
 The model (HSTU, Zhai et al. 2024, simplified): each sample is a user's item history
 (a sequence feature of a sharded ``dtrec.EmbeddingCollection``, unpooled; each item's
@@ -27,7 +27,9 @@ generate the same one).
 
 Rank 0 prints the loss (averaged over the world) every ``--log-every`` steps and global
 samples/s at the end. ``--check`` also trains an unsharded copy on rank 0 on all the dp
-groups' batches and prints how far each rank's loss is from it (the last section).
+groups' batches and prints how far each rank's loss is from it, and how far the weights
+of a second composed copy trained with SGD are from the unsharded model's (the last
+section).
 Runs on CUDA with nccl, else on CPU with gloo.
 """
 
@@ -235,7 +237,7 @@ def parallelize(
     #    Not the model's root: the tables are DTensors of dtrec's, on their own mesh.
     fully_shard(model.dense, mesh=world["dp_replicate", "dp_shard"])
     # 4. The tables over the whole world (after FSDP/TP: dtrec leaves their DTensors
-    #    alone); a tp group's pooled lookups are split between its ranks (same_batch).
+    #    alone); a tp group's lookups are split between its ranks (same_batch).
     tables = dtrec.table_mesh(world, shard=("dp_shard", "tp"), replicate="dp_replicate")
     return dtrec.distribute_module(model, tables, PLAN, optimizer=optimizer, same_batch=world["tp"])
 
@@ -295,39 +297,65 @@ def main() -> None:
             print(f"{samples / elapsed:.1f} samples/s ({samples} samples in {elapsed:.2f} s)")
 
     if args.check:
-        check(reference, torch.stack(losses), dp_group, dp_groups, args, device)
+        check(reference, torch.stack(losses), dp_group, dp_groups, args, world)
     dist.barrier()
     dist.destroy_process_group()
 
 
 # ---- --check: the same steps on one unsharded copy -----------------------------------
 
-CHECK_STEPS = 2
+CHECK_STEPS = 3
 
 
-def check(reference, losses: Tensor, dp_group: int, groups: int, args, device) -> None:
+def check(reference, losses: Tensor, dp_group: int, groups: int, args, world) -> None:
     """Rank 0 trains ``reference`` (the model before parallelizing) on every dp group's
     batch, loss = the mean of the groups' losses (what the composed model optimizes),
     and prints the largest relative difference of any rank's loss from the reference's
-    on that rank's dp group, over the first ``CHECK_STEPS`` steps."""
-    steps = min(CHECK_STEPS, args.steps)
+    on that rank's dp group, over the first ``CHECK_STEPS`` steps. Then a second composed
+    copy of the initial model and an unsharded one train ``CHECK_STEPS`` steps with SGD,
+    and rank 0 prints the largest difference of their weights, relative to each
+    parameter's largest value. (Not with Adam: its normalised step turns float noise in
+    gradients near its eps, ~1e-8 here, into whole steps.)"""
+    steps, device = min(CHECK_STEPS, args.steps), losses.device
     mine = torch.cat([torch.tensor([float(dp_group)], device=device), losses[:steps]])
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)  # each rank's (dp group, losses)
+    torch.manual_seed(0)  # the initial model again, on every rank
+    composed = parallelize(HSTURecommender().to(device), world)
+    sgd = torch.optim.SGD(composed.parameters(), lr=args.lr)
+    for step in range(steps):
+        seq, user, labels = make_batch(step, dp_group, args.batch_size, device)
+        sgd.zero_grad()
+        F.binary_cross_entropy_with_logits(composed(seq, user), labels).backward()
+        sgd.step()
+    trained = dtrec.checkpoint.full_state_dict(composed)  # collective: full CPU tensors
     if dist.get_rank() != 0:
         return
-    opt = torch.optim.Adam(reference.parameters(), lr=args.lr)
+    torch.manual_seed(0)
+    unsharded = HSTURecommender().to(device)
+    runs = ((reference, torch.optim.Adam(reference.parameters(), lr=args.lr)),
+            (unsharded, torch.optim.SGD(unsharded.parameters(), lr=args.lr)))  # fmt: skip
     worst = 0.0
     for step in range(steps):
         batches = [make_batch(step, g, args.batch_size, device) for g in range(groups)]
-        want = [F.binary_cross_entropy_with_logits(reference(s, u), y) for s, u, y in batches]
-        opt.zero_grad()
-        torch.stack(want).mean().backward()
-        opt.step()
-        for got in gathered:
-            ref = want[int(got[0])].detach()
-            worst = max(worst, ((got[1 + step] - ref).abs() / ref.abs()).item())
+        for model, opt in runs:
+            want = [F.binary_cross_entropy_with_logits(model(s, u), y) for s, u, y in batches]
+            opt.zero_grad()
+            torch.stack(want).mean().backward()
+            opt.step()
+            for got in gathered if model is reference else ():
+                ref = want[int(got[0])].detach()
+                worst = max(worst, ((got[1 + step] - ref).abs() / ref.abs()).item())
     print(f"check: max relative loss difference vs the unsharded model, {steps} steps: {worst:.2e}")
+    errors = {
+        key: ((trained[key] - want.cpu()).abs().max() / want.abs().max()).item()
+        for key, want in unsharded.state_dict().items()
+    }
+    key = max(errors, key=errors.__getitem__)
+    print(
+        f"check: max relative weight difference vs the unsharded model, sgd, {steps} steps: "
+        f"{errors[key]:.2e} ({key})"
+    )
 
 
 if __name__ == "__main__":

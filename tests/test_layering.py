@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dtrec.planning.planner",
     ),
     ("dtrec.planning",),
-    ("dtrec.sharded",),
+    ("dtrec.sharded", "dtrec.pipelining"),  # with the microbatches of pipeline stages
     ("dtrec.checkpoint",),
     ("dtrec", "dtrec.planner"),  # the public API (dtrec/__init__.py) and the CLI entry point
 )

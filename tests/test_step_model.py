@@ -52,3 +52,37 @@ def test_the_input_dist_hides_behind_compute_and_the_output_dist_does_not() -> N
     timed = step_time(out, 8, 1, 16384, emb, device, FABRIC)
     assert timed.step == pytest.approx(quiet + timed.comm["output_dist"])
     assert timed.comm_share == pytest.approx(timed.comm["output_dist"] / timed.step)
+
+
+def test_a_same_batch_groups_collectives_are_priced_over_that_group() -> None:
+    """``distribute_module(..., same_batch=world["tp"])`` records ``same_batch.gather``
+    (and, checked, ``same_batch.check``): all-gathers over the tp group, on the critical
+    path; a step priced without the group's size is a ValueError, not a KeyError."""
+    assert collective_of("same_batch.gather") == ("same_batch", "all_gather")
+    assert collective_of("same_batch.check") == ("same_batch", "all_gather")
+    device = Device("d", 1e12, 1e-7, 0.0, 0.0, 1e12)
+    quiet = step_time({}, 4, 2, 64, 1e6, device, FABRIC).step
+    comm = {"same_batch.gather": {"calls": 1, "bytes": 6144.0}}
+    timed = step_time(comm, 4, 2, 64, 1e6, device, FABRIC, same_batch=2)
+    expected = collective_time("all_gather", 6144.0, 1, 2, 2, FABRIC)
+    assert timed.comm["same_batch.gather"] == pytest.approx(expected) and expected > 0
+    assert timed.step == pytest.approx(quiet + expected)  # not hidden behind compute
+    wider = step_time(comm, 4, 2, 64, 1e6, device, FABRIC, same_batch=4)
+    assert wider.comm["same_batch.gather"] > expected
+    with pytest.raises(ValueError, match="same_batch="):
+        step_time(comm, 4, 2, 64, 1e6, device, FABRIC)
+
+
+def test_every_kind_a_composed_step_records_is_priced() -> None:
+    """The kinds of ``benchmarks/composed.py``'s dtrec + FSDP2 + TP step (same_batch over
+    tp 2) as ``comm_stats().per_step()`` gave them: the step model prices every one."""
+    kinds = [
+        "grad_sync.replicate.counts", "grad_sync.replicate.dense", "grad_sync.replicate.sparse",
+        "input_dist.header", "input_dist.ids", "input_dist.verdict", "optim.row_sq_sum",
+        "output_dist", "output_dist.backward", "same_batch.gather", "sequence_output_dist",
+        "sequence_output_dist.backward",
+    ]  # fmt: skip
+    comm = {k: {"calls": 1.0, "bytes": 1000.0} for k in kinds}
+    device = Device("d", 1e12, 1e-7, 0.0, 0.0, 1e12)
+    t = step_time(comm, 4, 2, 64, 1e6, device, FABRIC, same_batch=2)
+    assert set(t.comm) == set(kinds) and all(s > 0 for s in t.comm.values()), t.comm

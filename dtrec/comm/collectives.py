@@ -220,6 +220,12 @@ def all_reduce_coalesced(tensors: Sequence[Tensor], group: ProcessGroup, kind: s
     return all_reduce_coalesced_start(tensors, group, kind).wait()
 
 
+def first_rank(group: ProcessGroup | None) -> int:
+    """The lowest global rank of ``group`` (None: the world, so 0): the source of its
+    broadcasts of what one rank decides."""
+    return 0 if group is None else min(dist.get_process_group_ranks(group))
+
+
 def broadcast_coalesced(
     tensors: Sequence[Tensor], src: int, group: ProcessGroup | None, kind: str
 ) -> None:

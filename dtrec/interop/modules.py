@@ -37,8 +37,9 @@ _SEQUENCE_COLLECTION = ("torchrec.modules.embedding_modules", "EmbeddingCollecti
 
 _ADVICE = {
     "torchrec.modules.mc_": (
-        "managed-collision modules are not supported; remap ids to rows before the model "
-        "and use a torchrec.EmbeddingBagCollection"
+        "TorchRec's managed-collision modules are not supported as drop-ins yet; build "
+        "dtrec.ManagedCollisionEmbeddingBagCollection from the same configs and load this "
+        "module's state_dict into it (same keys)"
     ),
     "torchrec.modules.hash_mc_": (
         "managed-collision modules are not supported; remap ids to rows before the model "

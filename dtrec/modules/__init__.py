@@ -1,7 +1,8 @@
 """Unsharded modules and their configs: what a user builds before distributing.
 
 ``EmbeddingBagCollection`` is also the reference every sharded result is checked
-against; ``features`` turns a batch into the collection's feature order.
+against; ``features`` turns a batch into the collection's feature order; ``managed_collision``,
+``eviction`` and ``mc_collection`` remap unbounded ids into a table's rows.
 """
 
 from dtrec.modules.config import EmbeddingBagConfig
@@ -12,6 +13,12 @@ from dtrec.modules.feature_processor import (
     PositionWeightedModule,
     PositionWeightedModuleCollection,
 )
+from dtrec.modules.managed_collision import MCHManagedCollisionModule
+from dtrec.modules.mc_collection import (
+    ManagedCollisionCollection,
+    ManagedCollisionEmbeddingBagCollection,
+    reset_torch_optimizer_rows,
+)
 
 __all__ = [
     "EmbeddingBagCollection",
@@ -19,6 +26,10 @@ __all__ = [
     "EmbeddingCollection",
     "EmbeddingConfig",
     "FeatureProcessedEmbeddingBagCollection",
+    "MCHManagedCollisionModule",
+    "ManagedCollisionCollection",
+    "ManagedCollisionEmbeddingBagCollection",
     "PositionWeightedModule",
     "PositionWeightedModuleCollection",
+    "reset_torch_optimizer_rows",
 ]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -104,6 +105,22 @@ class EmbeddingBagCollection(nn.Module):
         if not self._tables:
             return None
         return self.embedding_bags[self._tables[0].name].weight.device
+
+    @torch.no_grad()
+    def reset_rows(
+        self,
+        table: str,
+        rows: torch.Tensor,
+        values: Callable[[torch.Tensor, tuple[int, int]], torch.Tensor],
+    ) -> None:
+        """Rows ``rows`` of ``table`` to ``values(rows, (0, embedding_dim))`` in place (a
+        managed-collision table's evicted rows; the sharded collection has the same method)."""
+        weight = self.embedding_bags[table].weight
+        weight[rows] = values(rows, (0, weight.shape[1])).to(weight.dtype)
+
+    def table_init_fn(self, table: str) -> Callable[[torch.Tensor], Any] | None:
+        """The ``init_fn`` of table ``table``'s TorchRec config (None: the default init)."""
+        return self._init_fns.get(table)
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         """The table configs, in output order."""

@@ -51,3 +51,49 @@ def table_block(
         a, b = max(lo, r0), min(hi, r1)
         out[a - r0 : b - r0] = values[a - lo : b - lo, c0:c1]
     return out
+
+
+_MIX1 = 0xFF51AFD7ED558CCD - (1 << 64)  # murmur3's 64-bit finaliser constants, as int64
+_MIX2 = 0xC4CEB9FE1A85EC53 - (1 << 64)
+
+
+def _shift_right(x: Tensor, bits: int) -> Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: Tensor) -> Tensor:
+    """murmur3 fmix64 on int64 tensors (multiplication wraps)."""
+    x = x ^ _shift_right(x, 33)
+    x = x * _MIX1
+    x = x ^ _shift_right(x, 33)
+    x = x * _MIX2
+    return x ^ _shift_right(x, 33)
+
+
+def reset_rows_init(
+    table: str,
+    num_embeddings: int,
+    embedding_dim: int,
+    rows: Tensor,
+    iteration: int,
+    seed: int,
+    cols: tuple[int, int] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Fresh default-init values (uniform in +-sqrt(1 / rows)) for ``rows`` of ``table``,
+    reset at step ``iteration``: ``[len(rows), cols]`` on ``rows``' device.
+
+    A counter-based hash of (seed, table, iteration, row, column), not a generator: any
+    subset of rows or columns, on any rank, in any order, gets the values the whole table
+    would, so a sharded table's owners reset their rows exactly as the unsharded table.
+    """
+    c0, c1 = (0, embedding_dim) if cols is None else cols
+    digest = hashlib.sha256(f"{seed}/{table}/reset/{iteration}".encode()).digest()
+    base = int.from_bytes(digest[:8], "little") - (1 << 63)
+    row_keys = _mix(rows.to(torch.int64) * embedding_dim + base)
+    col = torch.arange(c0, c1, dtype=torch.int64, device=rows.device)
+    bits = _shift_right(_mix(row_keys[:, None] + col[None, :]), 11)  # 53 random bits
+    unit = bits.to(torch.float64) * (1.0 / (1 << 53))
+    bound = math.sqrt(1.0 / num_embeddings)
+    return ((2.0 * unit - 1.0) * bound).to(dtype)

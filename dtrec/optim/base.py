@@ -80,6 +80,18 @@ class FusedOptimizer(ABC):
                 st[key] = view
         return states
 
+    @torch.no_grad()
+    def reset_rows(self, weight: Tensor, state: dict[str, Tensor], rows: Tensor) -> None:
+        """Per-row state of ``rows`` (local row indices of ``weight``) back to its init, as
+        for a row whose id a managed-collision table evicted; per-table scalars (Adam's
+        step) stay."""
+        if rows.numel() == 0:
+            return
+        fresh = self.init_state(weight[rows])
+        for key, value in fresh.items():
+            if value.dim() and key in state:
+                state[key][rows] = value.to(state[key].dtype)
+
     def update_rows(
         self,
         weight: Tensor,

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -88,6 +89,7 @@ def table_mesh(
     world_mesh: DeviceMesh,
     shard: str | tuple[str, ...],
     replicate: str | tuple[str, ...] | None = None,
+    pipeline: str | None = None,
 ) -> DeviceMesh:
     """The tables' ("shard", "replicate") mesh as a view of the user's ``world_mesh``, so the
     tables, FSDP and TP work on meshes of one root (``docs/composing.md``).
@@ -98,7 +100,13 @@ def table_mesh(
     name every dim of ``world_mesh`` larger than 1, each once: tables are sharded over
     the whole world (``distribute_module`` checks that its mesh covers the world). Built
     with DeviceMesh's own flattening and concatenation (no new ranks layout, the world
-    mesh's process groups where it has them). A ValueError names the dim for an unknown
+    mesh's process groups where it has them).
+
+    ``pipeline``: the world mesh's pipeline-parallel dim. The tables then live on this
+    rank's pipeline stage only (its slice of the other dims), and ``distribute_module``
+    on that stage's module runs every world-wide step (the dense parameters' sync, the
+    check that ranks agree) over the stage's ranks, not the whole world
+    (``docs/composing.md``, "Pipeline stages"). A ValueError names the dim for an unknown
     dim, a dim given twice, a dim left out, or a dim already called "shard" /
     "replicate" in the world mesh given the other role. Collective (flattening creates
     process groups): every rank calls it alike; call it once per world mesh and layout.
@@ -127,7 +135,15 @@ def table_mesh(
             raise ValueError(
                 f"table_mesh: the world mesh's dim {role!r} cannot be the tables' {other!r}"
             )
-    left = [d for d in dims if d not in named and world_mesh.size(dims.index(d)) > 1]
+    if pipeline is not None and (pipeline not in dims or pipeline in named):
+        raise ValueError(
+            f"table_mesh: pipeline {pipeline!r} must be a dim of the world mesh {dims} "
+            "that is neither shard nor replicate"
+        )
+    left = [
+        d for d in dims
+        if d not in named and d != pipeline and world_mesh.size(dims.index(d)) > 1
+    ]  # fmt: skip
     if left:
         raise ValueError(
             f"table_mesh: world mesh dims {left} are neither shard nor replicate; tables "
@@ -136,9 +152,36 @@ def table_mesh(
     ordered = {role: tuple(d for d in dims if d in names) for role, names in roles.items()}
     shard_mesh = flatten_mesh_dims(world_mesh[ordered[SHARD]], SHARD)
     if not ordered[REPLICATE]:
-        return unflatten_mesh_dim(shard_mesh, SHARD, (shard_mesh.size(), 1), (SHARD, REPLICATE))
-    replicate_mesh = flatten_mesh_dims(world_mesh[ordered[REPLICATE]], REPLICATE)
-    return concatenate_meshes([shard_mesh, replicate_mesh])
+        mesh = unflatten_mesh_dim(shard_mesh, SHARD, (shard_mesh.size(), 1), (SHARD, REPLICATE))
+    else:
+        replicate_mesh = flatten_mesh_dims(world_mesh[ordered[REPLICATE]], REPLICATE)
+        mesh = concatenate_meshes([shard_mesh, replicate_mesh])
+    if pipeline is not None and mesh.size() < dist.get_world_size():
+        stage = tuple(d for d in dims if d in named)
+        sub = world_mesh[stage]
+        group = (sub if sub.ndim == 1 else flatten_mesh_dims(sub, "_".join(stage))).get_group()
+        mesh_cache.get(mesh, (_STAGE,), lambda: group)
+    return mesh
+
+
+_STAGE = "pipeline stage"
+
+
+def world_group(mesh: DeviceMesh) -> ProcessGroup | None:
+    """The group dtrec's world-wide steps of a model on ``mesh`` run over: None (the
+    default group) when ``mesh`` covers the world; a pipeline stage's group for a
+    ``table_mesh(..., pipeline=...)`` mesh. ValueError for any other mesh of a part of
+    the world."""
+    if mesh.size() == dist.get_world_size():
+        return None
+    group = mesh_cache.peek(mesh, (_STAGE,))
+    if group is None:
+        raise ValueError(
+            f"mesh covers {mesh.size()} ranks but the world has {dist.get_world_size()}; "
+            "build it with dtrec.init_mesh, or with dtrec.table_mesh from a world mesh "
+            "(with pipeline=<dim> for the tables of one pipeline stage)"
+        )
+    return group
 
 
 def _dim_names(value: str | tuple[str, ...] | None, role: str) -> tuple[str, ...]:
@@ -306,6 +349,10 @@ class MeshCache:
         if key not in subs:
             subs[key] = make()
         return subs[key]
+
+    def peek(self, parent: DeviceMesh, key: tuple) -> Any:
+        """What ``get`` made for ``parent`` and ``key``, or None."""
+        return self._by_parent.get(id(parent), {}).get(key)
 
 
 mesh_cache = MeshCache()

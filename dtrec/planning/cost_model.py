@@ -139,13 +139,16 @@ def node_of_positions(axis: ShardAxis, topology: Topology) -> np.ndarray:
     """Which node each shard position's ranks sit on (position p: ranks p R .. p R + R - 1,
     or p, p + S, ... with replicas across nodes, where the sharding group of replica 0
     tells); positions spanning several nodes get a node each (no peer shares it)."""
+    return np.arange(axis.size) // positions_per_node(axis, topology)
+
+
+def positions_per_node(axis: ShardAxis, topology: Topology) -> int:
+    """Consecutive shard positions one node holds (``node_of_positions``)."""
     if axis.per_node is not None:
-        per_node = axis.per_node
-    elif axis.replica_stride > 1:
-        per_node = topology.node_size  # a sharding group is contiguous ranks
-    else:
-        per_node = max(1, topology.node_size // axis.replicas)
-    return np.arange(axis.size) // per_node
+        return axis.per_node
+    if axis.replica_stride > 1:
+        return topology.node_size  # a sharding group is contiguous ranks
+    return max(1, topology.node_size // axis.replicas)
 
 
 class TableCost(PerPosition):
@@ -187,7 +190,8 @@ def table_cost(
     for block in layout.blocks:
         peers[block.rows] = peers.get(block.rows, 0) + 1
         peer_positions.setdefault(block.rows, []).append(block.position)
-    node = node_of_positions(axis, topology)
+    per_node = positions_per_node(axis, topology)
+    node = np.arange(s_size) // per_node
     # A sequence table returns one row per id, not one pooled row per (sample, feature):
     # its output bytes grow with the ids a block serves, not with the batch.
     sequence = isinstance(cfg, EmbeddingConfig)
@@ -197,7 +201,8 @@ def table_cost(
     sliced = layout.replica_sliced and not layout.batch_local and axis.replicas > 1
     for i, block in enumerate(layout.blocks):
         p, rows, cols = block.position, block.num_rows, block.num_cols
-        mass = 1.0 if layout.batch_local else ids.mass(*block.rows)
+        block_mass = ids.mass(*block.rows)
+        mass = 1.0 if layout.batch_local else block_mass
         out_rows = batch * pooling * mass if sequence else batch * features
         state = rows * per_row + rows * cols * per_element
         if layout.batch_local:  # own batch, own full copy; gradients summed over the world
@@ -205,24 +210,25 @@ def table_cost(
             touched = ids.unique(n_ids, *block.rows)
             sync_group, sync_kind = world, "grad_sync.data_parallel"
         else:
-            n_ids = s_size * batch * pooling * ids.mass(*block.rows)
+            n_ids = s_size * batch * pooling * block_mass
             touched = ids.unique(s_size * batch * pooling, *block.rows)
             sync_group, sync_kind = axis.replicas, "grad_sync.replicate"
-            others = np.arange(s_size) != p
-            near = others & (node == node[p])  # peers on p's node
-            far = others & (node != node[p])
             wire = 4 if cfg.num_embeddings < 2**31 else 8  # the input dist's int32 buffer
             lengths = wire * batch * features
-            id_bytes = wire * batch * pooling * ids.mass(*block.rows)
+            id_bytes = wire * batch * pooling * block_mass
             partials, partial_grads = out_rows * cols * forward_elt, out_rows * cols * backward_elt
             # To the block's owner: ids (input-dist) and the partials' gradients (backward);
-            # from it: the partials (output-dist forward).
-            _exchange(cost.stack, p, near, far, lengths + id_bytes + partial_grads, partials)
-            cost.add("input_dist.lengths", others, lengths)
-            cost.add("input_dist.header", others, wire * features)  # an id count per segment
-            cost.add("input_dist.id_values", others, id_bytes)
-            cost.add(out_kind, p, (s_size - 1) * partials)
-            cost.add(f"{out_kind}.backward", others, partial_grads)
+            # from it: the partials (output-dist forward). Peers on p's node: [lo, hi) but p.
+            lo = int(node[p]) * per_node
+            hi = min(lo + per_node, s_size)
+            _exchange(cost.stack, p, lo, hi, lengths + id_bytes + partial_grads, partials)
+            if cost.comm is not None:  # the bytes per kind, peers (every position but p)
+                others = np.arange(s_size) != p
+                cost.add("input_dist.lengths", others, lengths)
+                cost.add("input_dist.header", others, wire * features)  # an id count each
+                cost.add("input_dist.id_values", others, id_bytes)
+                cost.add(out_kind, p, (s_size - 1) * partials)
+                cost.add(f"{out_kind}.backward", others, partial_grads)
             c = peers[block.rows]
             if c > 1 and per_row:  # exact row-wise Adagrad: row norms over column peers
                 union = ids.unique(world * batch * pooling, *block.rows)
@@ -283,8 +289,9 @@ def table_cost(
         cost.hbm_bytes[p] += backward * (1.0 if one_pass else topology.synced_update_factor)
         if sync_group > 1:
             (cost.world_bytes if layout.batch_local else cost.replica_bytes)[p] += sent
-            cost.add(f"{sync_kind}.{path}", p, sent)
-            cost.add(f"{sync_kind}.counts", p, (sync_group - 1) * 8)
+            if cost.comm is not None:
+                cost.add(f"{sync_kind}.{path}", p, sent)
+                cost.add(f"{sync_kind}.counts", p, (sync_group - 1) * 8)
     return cost
 
 
@@ -316,20 +323,21 @@ def gradient_sum_bytes(
     return path, 2 * (group - 1) * rows * (cols + 1) * wire / group
 
 
-def _exchange(
-    stack: np.ndarray, p: int, near: np.ndarray, far: np.ndarray, to_p: float, from_p: float
-) -> None:
-    """Every peer (``near``: same node, ``far``: other nodes) sends ``to_p`` bytes to
-    position p, and p sends ``from_p`` bytes to each of them."""
-    n_near, n_far = int(near.sum()), int(far.sum())
-    stack[SENT_INTRA, near] += to_p
-    stack[SENT_INTER, far] += to_p
+def _exchange(stack: np.ndarray, p: int, lo: int, hi: int, to_p: float, from_p: float) -> None:
+    """Every peer (on p's node: positions [lo, hi) but p; the others off it) sends ``to_p``
+    bytes to position p, and p sends ``from_p`` bytes to each of them. Slices, not masks:
+    the planner prices tens of thousands of blocks (each element gets the same sums)."""
+    n_near, n_far = hi - lo - 1, stack.shape[-1] - (hi - lo)
+    for kind, value in ((SENT_INTRA, to_p), (RECEIVED_INTRA, from_p)):
+        stack[kind, lo:p] += value
+        stack[kind, p + 1 : hi] += value
+    for kind, value in ((SENT_INTER, to_p), (RECEIVED_INTER, from_p)):
+        stack[kind, :lo] += value
+        stack[kind, hi:] += value
     stack[RECEIVED_INTRA, p] += n_near * to_p
     stack[RECEIVED_INTER, p] += n_far * to_p
     stack[SENT_INTRA, p] += n_near * from_p
     stack[SENT_INTER, p] += n_far * from_p
-    stack[RECEIVED_INTRA, near] += from_p
-    stack[RECEIVED_INTER, far] += from_p
 
 
 def link_bandwidth(group_span: int, topology: Topology) -> float:

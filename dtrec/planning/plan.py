@@ -152,16 +152,32 @@ def find_collections(model: nn.Module) -> dict[str, nn.Module]:
         is_torchrec_sequence_collection,
     )
     from dtrec.modules import EmbeddingBagCollection, EmbeddingCollection
+    from dtrec.modules.mc_collection import (
+        MANAGED_COLLISION_MODULES,
+        ManagedCollisionEmbeddingBagCollection,
+    )
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     found: dict[str, nn.Module] = {}
+    remapped: list[str] = []  # managed-collision collections: their EBC is found inside
     for fqn, module in model.named_modules():
         if any(fqn.startswith(f + ".") or f == "" for f in found):
             continue
         error = unsupported_module(fqn, module)
         if error is not None:
             raise error
+        if isinstance(module, ManagedCollisionEmbeddingBagCollection):
+            remapped.append(fqn)
+        elif isinstance(module, MANAGED_COLLISION_MODULES) and not any(
+            fqn.startswith(f + ".") or f == "" for f in remapped
+        ):
+            where = repr(fqn) if fqn else "the model itself"
+            raise TypeError(
+                f"module {where} is a dtrec {type(module).__name__} outside a "
+                "ManagedCollisionEmbeddingBagCollection: distribute_module shards managed "
+                "collision only as that collection (its remap shared by every rank)"
+            )
         if isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
             found[fqn] = module
         elif is_torchrec_bag_collection(module):

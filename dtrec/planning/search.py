@@ -43,6 +43,31 @@ def work(cost: TableCost, axis: ShardAxis, topology: Topology) -> float:
     return float(step_time(cost.stack, axis, topology).sum())
 
 
+class Work:
+    """``work`` of the search's candidates, each computed once (the greedy step runs once
+    per seed over the same candidates). A moved table-wise candidate's per-position time is
+    its base's rolled: ``step_time`` is per position, so the same floats, summed alike."""
+
+    def __init__(self, axis: ShardAxis, topology: Topology) -> None:
+        self.axis, self.topology = axis, topology
+        self._done: dict[int, float] = {}
+        self._times: dict[int, np.ndarray] = {}  # id(base cost) -> its per-position time
+
+    def __call__(self, cost: TableCost) -> float:
+        done = self._done.get(id(cost))
+        if done is None:
+            if isinstance(cost, MovedCost):
+                base = self._times.get(id(cost.base))
+                if base is None:
+                    base = step_time(cost.base.stack, self.axis, self.topology)
+                    self._times[id(cost.base)] = base
+                done = float(rolled(base, cost.shift).sum())
+            else:
+                done = work(cost, self.axis, self.topology)
+            self._done[id(cost)] = done
+        return done
+
+
 class Search:
     """The greedy + local search state: per-position totals and each table's choice.
 
@@ -59,6 +84,7 @@ class Search:
         self.host_budget = topology.host_budget or math.inf  # 0: not planned, not checked
         self.remaining = 0.0  # least work of the tables not placed yet
         self._stacked: dict[int, np.ndarray] = {}  # id(candidate list) -> their stacks
+        self.work = Work(axis, topology)
 
     def score(self, cost: TableCost | None = None) -> tuple[float, float, float]:
         stack = self.totals.stack if cost is None else self.totals.stack + cost.stack
@@ -153,7 +179,7 @@ def place_greedily(
     the choices (each keeps the table's ``options``, for the local search) and the first
     table no offer fits (None: every table placed; else ``search`` is as it was then)."""
     # in the offers' order: the sum of the reserve is the same float as the callers' was
-    least = {k: min(work(c, search.axis, search.topology) for _, c in v) for k, v in offers.items()}
+    least = {k: min(search.work(c) for _, c in v) for k, v in offers.items()}
     search.remaining = sum(least.values())
     chosen: dict[str, Choice] = {}
     for key in order:
@@ -202,4 +228,13 @@ class MovedCost(TableCost):
 
     @property
     def stack(self) -> np.ndarray:  # type: ignore[override]
-        return np.roll(self.base.stack, self.shift, axis=1)
+        return rolled(self.base.stack, self.shift)
+
+
+def rolled(values: np.ndarray, shift: int) -> np.ndarray:
+    """``np.roll(values, shift, axis=-1)`` without its generic overhead (the search reads
+    tens of thousands of moved candidates)."""
+    k = shift % values.shape[-1]
+    if k == 0:
+        return values.copy()
+    return np.concatenate((values[..., -k:], values[..., :-k]), axis=-1)

@@ -45,9 +45,14 @@ COLLECTIVES = {
     "grad_sync.data_parallel.dense": ("world", "all_reduce"),
     "dense.grad_sync": ("world", "all_reduce"),
     "replica_sync.weights": ("replicate", "all_reduce"),
+    "same_batch.gather": ("same_batch", "all_gather"),
+    "same_batch.check": ("same_batch", "all_gather"),
+    "same_batch.sizes": ("same_batch", "all_gather"),
     "replica_slices": ("replicate", "all_to_all"),  # fully sharded 2D's rows and grads
 }
-"""``comm_stats`` kind (or its prefix: ``output_dist.backward``) -> (mesh axis, pattern)."""
+"""``comm_stats`` kind (or its prefix: ``output_dist.backward``) -> (mesh axis, pattern).
+"same_batch": a ``distribute_module(..., same_batch=world["tp"])`` group (its pooled rows'
+gather, ``DTREC_CHECK_SAME_BATCH``'s digests), sized by ``step_time``'s ``same_batch``."""
 
 PHASES = {
     "input_dist": "input",
@@ -57,9 +62,11 @@ PHASES = {
     "optim": "sync",
     "dense": "dense",
     "replica_sync": "sync",
+    "same_batch": "output",
     "replica_slices": "sync",
 }
-"""Kind prefix -> where the step spends it (``step_time``)."""
+"""Kind prefix -> where the step spends it (``step_time``). A same_batch group's gather
+waits on the output dist and the dense forward waits on it: on the critical path."""
 
 
 def collective_of(kind: str) -> tuple[str, str]:
@@ -94,12 +101,28 @@ class Fabric:
     max_tree_bandwidth: float = 80e9
     """NCCL caps a tree's bus bandwidth at 80 GB/s beyond 2 nodes (tuning.cc)."""
 
-    def members_per_node(self, axis: str, shards: int, replicas: int) -> int:
+    def members_per_node(
+        self, axis: str, shards: int, replicas: int, same_batch: int | None = None
+    ) -> int:
         """Members of one ``axis`` group on a node, for the mesh ``arange(W).reshape(S, R)``
-        (replica groups are contiguous ranks, sharding groups strided by R)."""
-        size = {"shard": shards, "replicate": replicas, "world": shards * replicas}[axis]
+        (replica groups are contiguous ranks, sharding groups strided by R); a
+        ``same_batch`` group of that many ranks is contiguous too (tp, the innermost dim of
+        a torchtitan world mesh)."""
+        sizes = {"shard": shards, "replicate": replicas, "world": shards * replicas}
+        size = _same_batch_size(same_batch) if axis == "same_batch" else sizes[axis]
         stride = replicas if axis == "shard" else 1
         return max(1, min(size, self.node_size // stride))
+
+
+def _same_batch_size(same_batch: int | None) -> int:
+    """The ranks of a same_batch group, or a ValueError when a step that has its collectives
+    was priced without it (a size of 1 would price them at nothing)."""
+    if same_batch is None:
+        raise ValueError(
+            "the step has same_batch collectives (distribute_module(..., same_batch=...)): "
+            "pass step_time(..., same_batch=<ranks of a same_batch group, e.g. the tp size>)"
+        )
+    return same_batch
 
 
 def collective_time(
@@ -243,14 +266,18 @@ def step_time(
     embedding_bytes_moved: float,
     device: Device,
     fabric: Fabric,
+    same_batch: int | None = None,
 ) -> StepTime:
     """One rank's step from its per-kind ``comm`` ({"calls", "bytes"} per step, as
-    ``comm_stats().per_step()``), its embedding bytes and its batch (module docstring)."""
+    ``comm_stats().per_step()``), its embedding bytes and its batch (module docstring).
+    ``same_batch``: the ranks of the model's same_batch group (``distribute_module``), if
+    ``comm`` has its kinds (``same_batch.*``; ValueError without it)."""
     seconds: dict[str, float] = {}
+    sizes = {"shard": shards, "replicate": replicas, "world": shards * replicas}
     for kind, v in comm.items():
         axis, pattern = collective_of(kind)
-        size = {"shard": shards, "replicate": replicas, "world": shards * replicas}[axis]
-        per_node = fabric.members_per_node(axis, shards, replicas)
+        size = _same_batch_size(same_batch) if axis == "same_batch" else sizes[axis]
+        per_node = fabric.members_per_node(axis, shards, replicas, same_batch)
         seconds[kind] = collective_time(pattern, v["bytes"], v["calls"], size, per_node, fabric)
     phase = {"input": 0.0, "output": 0.0, "sync": 0.0, "dense": 0.0}
     for kind, t in seconds.items():

@@ -32,6 +32,7 @@ from dtrec.sharded.dist.input_dist import InputDist
 from dtrec.sharded.dist.replica_slices import OwnerSlices
 from dtrec.sharded.dist.routing import Routing
 from dtrec.sharded.offload import OffloadedTables, offload_tables
+from dtrec.sharded.tables.reset import RowValues, reset_block_rows
 from dtrec.sharded.tables.storage import pack_local_shards, shard_tables, state_dtensors
 from dtrec.sharded.tables.tensor import like_dtensor
 from dtrec.sharded.update.fused_update import FusedUpdater, TableUpdate
@@ -85,7 +86,7 @@ class ShardedCollection(nn.Module):
         optimizer: FusedOptimizer | None,
         bounds_check: str,
         sync_every: int | None,
-        init_seed: int,
+        init_seed: int | None,
         qcomms: QCommsConfig | None,
         routing_type: type[Routing] = Routing,
     ) -> None:
@@ -158,6 +159,22 @@ class ShardedCollection(nn.Module):
                 like_dtensor(local, weight), requires_grad=weight.requires_grad
             )
         return deepcopy_module(self, memo)
+
+    def reset_rows(self, table: str, rows: Tensor, values: RowValues) -> None:
+        """Rows ``rows`` (global, the same list on every rank) of ``table`` to
+        ``values(rows, cols)`` where this rank holds them, their fused optimizer state to
+        its init (a managed-collision table's evicted rows). Offloaded tables: ValueError."""
+        t = [cfg.name for cfg in self._tables].index(table)
+        if self._offload is not None and t in self._offload.caches:
+            raise ValueError(
+                f"table {table!r}: resetting rows of an offloaded table is not supported"
+            )
+        self._settle()
+        block = self._layouts[t].block_at(shard_position(self.mesh))  # type: ignore[arg-type]
+        state = None if self._updater is None else self._updater.state[t]
+        with torch.no_grad():
+            local = self._stored()[table].device_rows()
+        reset_block_rows(local, block, rows, values, self.optimizer, state)
 
     def _stored(self) -> nn.ModuleDict:
         return getattr(self, self.tables_attr)

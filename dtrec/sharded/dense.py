@@ -48,12 +48,12 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -67,9 +67,9 @@ from dtrec._torch_compat import (
     queue_backward_callback,
     traced_broadcast_,
 )
-from dtrec.comm.collectives import all_reduce_start, broadcast_coalesced
+from dtrec.comm.collectives import all_reduce_start, broadcast_coalesced, first_rank
 from dtrec.sharded.dense_buckets import Bucket, make_buckets
-from dtrec.sharded.dense_fsdp import bridge_fsdp_modules, taken_over
+from dtrec.sharded.dense_fsdp import bridge_fsdp_modules, taken_over, takeover_signature
 
 KIND = "dense.grad_sync"
 
@@ -77,7 +77,7 @@ KIND = "dense.grad_sync"
 class ReplicatedDense:
     """The dense parameters of one distributed model: their views, hooks and buckets.
 
-    Built by :func:`replicate_dense`; kept in the model's ``DistributedState``.
+    Built by ``dense_setup.replicate_dense``; kept in the model's ``DistributedState``.
     """
 
     def __init__(
@@ -88,8 +88,10 @@ class ReplicatedDense:
         params: list[nn.Parameter],
         buffers: list[tuple[nn.Module, str]],
         aliases: dict[int, list[tuple[nn.Module, Any, Any]]] | None = None,
+        group: ProcessGroup | None = None,
     ) -> None:
         self.mesh = mesh
+        self.group = group  # the ranks gradients are averaged over (None: the world)
         # id(param) -> [(module, container, key)]: a dict / list attribute of a module that
         # holds the parameter too (TorchRec's PositionWeightedModuleCollection keeps
         # position_weights_dict beside its ParameterDict); it gets the views as well
@@ -120,6 +122,7 @@ class ReplicatedDense:
         self._rebucket()
         self._leaves: dict[int, Tensor] = {}  # id(param) -> its plain leaf
         self._hooked: set[int] = set()  # id(param) of those dtrec put its one hook on
+        self._checked: tuple[int, int] | None = None  # takeover_signature() at the last check
         # Hooked now, not at a first forward: a compiled forward reads ``to_local()`` (its
         # gradient then arrives on the parameter) and cannot register hooks in the graph;
         # an eager forward reads the leaf, which never fires the parameter's own hooks.
@@ -130,12 +133,17 @@ class ReplicatedDense:
 
     def _rebucket(self) -> None:
         trained = [p for p in self._params if p.requires_grad]
-        self._buckets = make_buckets(trained) if dist.get_world_size() > 1 else []
+        self._buckets = make_buckets(trained) if dist.get_world_size(self.group) > 1 else []
         self._slot = {id(p): b for b, bucket in enumerate(self._buckets) for p in bucket.params}
 
     def _release_taken_over(self) -> None:
-        """Leave the parameters FSDP took over to it (``dtrec.sharded.dense_fsdp``)."""
+        """Leave the parameters FSDP took over to it (``dtrec.sharded.dense_fsdp``); checked
+        again only when ``takeover_signature`` says a parameter may have changed hands."""
+        signature = takeover_signature()
+        if signature == self._checked:
+            return
         gone = taken_over(self._root, self._params, self._owners)
+        self._checked = signature
         if not gone:
             return
         holders = [m for i in gone for m, _ in self._owners[i]]
@@ -225,11 +233,12 @@ class ReplicatedDense:
         """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``); one broadcast."""
         tensors = [getattr(m, n) for m, n in self._buffers]
         tensors = [t for t in tensors if isinstance(t, Tensor)]
-        if tensors and dist.get_world_size() > 1:
+        if tensors and dist.get_world_size(self.group) > 1:
+            first = first_rank(self.group)
             if torch.compiler.is_compiling():  # traced: no graph break (docs/compile.md)
-                traced_broadcast_(tensors, 0)
+                traced_broadcast_(tensors, first, self.group)
             else:
-                broadcast_coalesced(tensors, 0, None, "dense.buffers")
+                broadcast_coalesced(tensors, first, self.group, "dense.buffers")
 
     # ------------------------------------------------------------------ backward
 
@@ -265,8 +274,8 @@ class ReplicatedDense:
 
     def _launch(self, bucket: Bucket) -> None:
         with torch.no_grad():
-            flat = bucket.flat_gradients(dist.get_world_size())
-        bucket.pending = all_reduce_start(flat, None, KIND)
+            flat = bucket.flat_gradients(dist.get_world_size(self.group))
+        bucket.pending = all_reduce_start(flat, self.group, KIND)
 
     def _finish(self) -> None:
         """End of backward: send the buckets not yet sent, then write the averages."""
@@ -301,7 +310,7 @@ class ReplicatedDense:
         methods, copied with the modules; the mesh is shared."""
         new = ReplicatedDense.__new__(ReplicatedDense)
         memo[id(self)] = new  # first: copying the modules copies their hooks, bound to new
-        new.mesh = self.mesh
+        new.mesh, new.group = self.mesh, self.group
         new._root = copy.deepcopy(self._root, memo)
         new._params = [copy.deepcopy(p, memo) for p in self._params]
         new._owners = {
@@ -336,7 +345,7 @@ class ReplicatedDense:
                 if not all(isinstance(p, Replicate) for p in value.placements):
                     continue  # another layout: DTensor's copy_ redistributes it
                 value = value.to_local()
-            state_dict[name] = _as_replicated_dtensor(value.detach().to(target.device), self.mesh)
+            state_dict[name] = as_replicated_dtensor(value.detach().to(target.device), self.mesh)
 
 
 def _grad_like(local: Tensor, like: DTensor) -> DTensor:
@@ -357,81 +366,9 @@ def _take_param_grad(p: nn.Parameter, leaf: Tensor, grad: Tensor) -> None:
         leaf.grad = current
 
 
-def _as_replicated_dtensor(value: Tensor, mesh: DeviceMesh) -> DTensor:
+def as_replicated_dtensor(value: Tensor, mesh: DeviceMesh) -> DTensor:
     """A tensor the same on every rank as a DTensor replicated over ``mesh`` (no copy)."""
     return DTensor.from_local(
         value, mesh, [Replicate()] * mesh.ndim, shape=value.shape, stride=value.stride(),
         run_check=False,
     )  # fmt: skip
-
-
-def replicate_dense(
-    model: nn.Module, mesh: DeviceMesh, ignored: Iterable[nn.Module]
-) -> ReplicatedDense | None:
-    """Make every parameter of ``model`` outside ``ignored`` (and not already a DTensor)
-    a DTensor replicated over ``mesh``, rank 0's values on every rank; install the
-    forward views and the gradient averaging (module docstring). None when there is no
-    such parameter. Collective: every rank calls it with the same model.
-
-    Example::
-
-        dense = replicate_dense(model, mesh, ignored=sharded_collections)
-        torch.optim.Adam(model.parameters(), foreach=True)  # every parameter a DTensor
-    """
-    skip = {id(m) for root in ignored for m in root.modules()}
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    params: dict[int, nn.Parameter] = {}
-    buffers: list[tuple[nn.Module, str]] = []
-    for module in model.modules():
-        if id(module) in skip:
-            continue
-        for name, p in module._parameters.items():
-            if p is None or isinstance(p, DTensor):
-                continue
-            params.setdefault(id(p), p)
-            owners.setdefault(id(p), []).append((module, name))
-        buffers += [(module, n) for n, b in module._buffers.items() if b is not None]
-    if not params:
-        return None
-    originals = list(params.values())
-    with torch.no_grad():
-        if dist.get_world_size() > 1:  # DDP's start: every rank takes rank 0's values
-            broadcast_coalesced([p.detach() for p in originals], 0, None, "dense.init")
-            if buffers:
-                broadcast_coalesced([getattr(m, n) for m, n in buffers], 0, None, "dense.init")
-    aliases = _aliases(model, skip, params)
-    replaced = []
-    for p in originals:
-        new = nn.Parameter(_as_replicated_dtensor(p.detach(), mesh), requires_grad=p.requires_grad)
-        for module, name in owners[id(p)]:
-            module._parameters[name] = new
-        owners[id(new)] = owners.pop(id(p))
-        for _, container, key in aliases.get(id(p), ()):
-            container[key] = new
-        if id(p) in aliases:
-            aliases[id(new)] = aliases.pop(id(p))
-        replaced.append(new)
-    return ReplicatedDense(model, mesh, owners, replaced, buffers, aliases)
-
-
-def _aliases(
-    model: nn.Module, skip: set[int], params: dict[int, nn.Parameter]
-) -> dict[int, list[tuple[nn.Module, Any, Any]]]:
-    """Where a module's own dict or list attribute holds one of ``params`` too."""
-    found: dict[int, list[tuple[nn.Module, Any, Any]]] = {}
-    bookkeeping = set(vars(nn.Module()))  # _parameters, _buffers, hooks, ...
-    for module in model.modules():
-        if id(module) in skip:
-            continue
-        for name, value in vars(module).items():
-            if name in bookkeeping:
-                continue
-            items = (
-                value.items()
-                if isinstance(value, dict)
-                else (enumerate(value) if isinstance(value, list) else ())
-            )
-            for key, x in items:
-                if isinstance(x, nn.Parameter) and id(x) in params:
-                    found.setdefault(id(x), []).append((module, value, key))
-    return found

@@ -25,7 +25,30 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
-from dtrec._torch_compat import fsdp_managed
+from dtrec._torch_compat import composable_state_count, fsdp_managed
+
+_registered = [0]  # parameters registered on any module since the hook below was installed
+_HOOK: list[Any] = []  # that hook's handle, once installed
+
+
+def _count_registration(module: nn.Module, name: str, param: Tensor) -> None:
+    _registered[0] += 1
+
+
+def takeover_signature() -> tuple[int, int]:
+    """What changes when a dense parameter may have been taken over or replaced since the
+    last ``taken_over`` check: parameters registered on any module (``setattr`` of a
+    Parameter, ``register_parameter``, ``load_state_dict(assign=True)``: torch's global
+    registration hook, installed at the first call) and modules ``fully_shard`` was
+    applied to (FSDP writes ``_parameters`` directly, no hook fires). Two reads, so the
+    per-forward check (``ReplicatedDense._release_taken_over``) costs nothing while the
+    model is unchanged. Not seen: a parameter set to None, deleted or written into
+    ``_parameters`` by hand (checked at the next change of the signature)."""
+    if not _HOOK:
+        _HOOK.append(nn.modules.module.register_module_parameter_registration_hook(
+            _count_registration
+        ))  # fmt: skip
+    return _registered[0], composable_state_count()
 
 
 def taken_over(

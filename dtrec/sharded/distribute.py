@@ -12,10 +12,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dtrec.comm.collectives import broadcast_coalesced
+from dtrec.comm.collectives import broadcast_coalesced, first_rank
 from dtrec.comm.failures import install_excepthook
 from dtrec.comm.qcomms import QCommsConfig
 from dtrec.interop.in_backward import fused_rules
@@ -28,7 +29,7 @@ from dtrec.optim.cpu_choice import (
     use_cpu_rowwise_adagrad,
 )
 from dtrec.placements import TableSpec
-from dtrec.placements.mesh import check_one_mesh_family, shard_axis
+from dtrec.placements.mesh import check_one_mesh_family, shard_axis, world_group
 from dtrec.planning.plan import (
     ShardingPlan,
     check_plan_keys,
@@ -41,8 +42,15 @@ from dtrec.planning.plan import (
 from dtrec.planning.plan import plan as make_plan
 from dtrec.sharded.collection import ShardedCollection, check_sync_every
 from dtrec.sharded.copies import deepcopy_module
-from dtrec.sharded.dense import ReplicatedDense, replicate_dense
-from dtrec.sharded.dist.batch_split import check_same_batch_mesh
+from dtrec.sharded.dense import ReplicatedDense
+from dtrec.sharded.dense_setup import replicate_dense
+from dtrec.sharded.dist.batch_split import (
+    check_same_batch_mesh,
+    describe_same_batch,
+    inconsistent_groups,
+    same_batch_ranks,
+)
+from dtrec.sharded.managed_collision import pin_row_wise, remapped_collections, share_windows
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.sequence import ShardedEmbeddingCollection
 from dtrec.sharded.tables.dtensor_handlers import register_dtensor_handlers
@@ -105,15 +113,18 @@ def distribute_module(
 
     ``same_batch``: a 1-D mesh of ranks that feed the same batch, this rank's group of them
     (``world_mesh["tp"]``: under tensor parallelism a tp group's ranks see one batch, as in
-    torchtitan). Each pooled collection then looks that batch up once per group instead of
+    torchtitan). Each collection then looks that batch up once per group instead of
     once per rank: rank i of the group takes samples ``chunk i`` of it
     (``torch.tensor_split``, uneven allowed) through the input dist, lookup and output dist,
-    and the pooled rows are all-gathered over the group (``dtrec.sharded.dist.batch_split``;
+    and the pooled rows (a sequence collection's rows, per feature) are all-gathered over
+    the group (``dtrec.sharded.dist.batch_split``;
     its backward scales this rank's rows of the gradient by the group size, so the tables
     train exactly as without it). Costs one all-gather of the ``[B, sum D]`` pooled rows per
     collection and step; saves ``(n - 1) / n`` of the ids and pooled rows the all-to-alls
-    carry. Sequence collections (``EmbeddingCollection``) still look the whole batch up on
-    every rank; a variable batch per feature (VBE) is a ValueError. With env
+    carry. A variable batch per feature (VBE) is a ValueError. A group whose ranks
+    feed batches of different sizes fails the step on every rank (a ValueError naming the
+    ranks and sizes): the sizes ride the input dist's header where it reaches the world,
+    else one 8-byte all-gather over the group per step (``same_batch.sizes``). With env
     ``DTREC_CHECK_SAME_BATCH=1`` each forward checks that the group's batches are equal.
 
     Example::
@@ -135,11 +146,7 @@ def distribute_module(
             f"ShardingPlan or None, got {type(plan).__name__}"
         )
     check_sync_every(sync_every)
-    if mesh.size() != dist.get_world_size():
-        raise ValueError(
-            f"mesh covers {mesh.size()} ranks but the world has {dist.get_world_size()}; "
-            "build it with dtrec.init_mesh, or with dtrec.table_mesh from a world mesh"
-        )
+    world = world_group(mesh)  # None, or a pipeline stage's ranks (table_mesh(pipeline=))
     if optimizer is not None and not isinstance(optimizer, FusedOptimizer):
         raise TypeError(
             f"optimizer must be a dtrec.optim fused optimizer (SGD, RowWiseAdagrad, Adam) or "
@@ -163,6 +170,9 @@ def distribute_module(
     })  # fmt: skip
     rules = collection_rules(collections, optimizer)
     optimizer = next(iter(rules.values()), None)
+    remapped = remapped_collections(model)  # managed collision: dtrec.sharded.managed_collision
+    if remapped:
+        plan = pin_row_wise(plan, remapped, rules, same_batch)  # type: ignore[arg-type]
     tables = model_tables(model)
     if not meshes:  # per-collection meshes: each mesh's part is mapped onto it by plan()
         plan = from_torchrec(plan, tables, mesh)
@@ -178,12 +188,12 @@ def distribute_module(
     qcomms_of = qcomms_per_collection(qcomms, collections)
     check_same_on_every_rank(
         tables, full_plan, rules or None, sync_every, seed, qcomms_of,
-        {fqn: own.mesh.tolist() for fqn, own in mesh_of.items()},
+        {fqn: own.mesh.tolist() for fqn, own in mesh_of.items()}, same_batch, world,
     )  # fmt: skip
     if mesh.device_type == "cpu" and any(
         r.step_rule().kind == "rowwise_adagrad" for r in rules.values()
     ):
-        choose_cpu_rowwise_adagrad()
+        choose_cpu_rowwise_adagrad(world)
     install_excepthook()  # an uncaught exception on a rank names it in its peers' errors
 
     sharded: dict[str, ShardedCollection] = {}
@@ -194,7 +204,7 @@ def distribute_module(
         if not hasattr(ebc, "embedding_bags"):  # a sequence collection (EmbeddingCollection)
             sharded[fqn] = ShardedEmbeddingCollection(
                 tables, weights, mesh_of[fqn], specs, rules.get(fqn), ebc.bounds_check,
-                sync_every, seed, ebc.need_indices, qcomms_of[fqn],
+                sync_every, seed, ebc.need_indices, qcomms_of[fqn], same_batch,
             )  # fmt: skip
             continue
         sharded[fqn] = ShardedEmbeddingBagCollection(
@@ -218,24 +228,29 @@ def distribute_module(
             f"parameters {dense_meta[:5]} are on the meta device: only embedding tables may "
             "be (each rank then creates its own blocks); build the dense part on cpu or cuda"
         )
-    dense = replicate_dense(model, mesh, ignored=sharded.values())
+    share_windows(remapped, world)
+    # a remapper's buffers are the same on every rank by construction: not broadcast
+    ignored = [*sharded.values(), *remapped.values()]
+    dense = replicate_dense(model, mesh, ignored=ignored, group=world)
     return as_distributed(model, DistributedState(full_plan, fused, dense))
 
 
 _CPU_CHOICE_MADE = False
 
 
-def choose_cpu_rowwise_adagrad() -> None:
-    """Rank 0's choice of the CPU fused row-wise Adagrad (``dtrec.ops.backends.cpu_choice``:
-    timed once per process) on every rank: replicas must step rows with the same code.
-    Collective (one small broadcast), the first time only."""
+def choose_cpu_rowwise_adagrad(group: ProcessGroup | None = None) -> None:
+    """The first rank's choice of the CPU fused row-wise Adagrad
+    (``dtrec.ops.backends.cpu_choice``: timed once per process) on every rank of ``group``
+    (None: the world): replicas must step rows with the same code. Collective (one small
+    broadcast), the first time only."""
     global _CPU_CHOICE_MADE
     if _CPU_CHOICE_MADE:
         return
-    choice = preferred_cpu_rowwise_adagrad() if dist.get_rank() == 0 else CHOICES[0]
+    first = first_rank(group)
+    choice = preferred_cpu_rowwise_adagrad() if dist.get_rank() == first else CHOICES[0]
     code = torch.tensor([CHOICES.index(choice)], dtype=torch.int64)
-    if dist.get_world_size() > 1:
-        broadcast_coalesced([code], 0, None, "setup.cpu_choice")
+    if dist.get_world_size(group) > 1:
+        broadcast_coalesced([code], first, group, "setup.cpu_choice")
     use_cpu_rowwise_adagrad(CHOICES[int(code)])
     _CPU_CHOICE_MADE = True
 
@@ -342,9 +357,14 @@ def check_same_on_every_rank(
     init_seed: int = 0,
     qcomms: Mapping[str, object] | None = None,
     meshes: Mapping[str, object] | None = None,
+    same_batch: DeviceMesh | None = None,
+    group: ProcessGroup | None = None,
 ) -> None:
-    """ValueError on every rank if ranks disagree on the tables, the plan, the optimizer,
-    (meta-device tables) the init seed, the collections' ``qcomms`` or their meshes' ranks.
+    """ValueError on every rank of ``group`` (None: the world) if ranks disagree on the
+    tables, the plan, the optimizer, (meta-device tables) the init seed, the collections'
+    ``qcomms``, their meshes' ranks or the ``same_batch`` mesh (given or not, its dim names
+    and size, and whether the members of each group name the same group: their ranks ride
+    the digest's gather).
 
     Ranks that shard different models would otherwise exchange mismatched buffers (or
     hang) at the first step. One small all-gather of a digest; the full descriptions
@@ -358,17 +378,25 @@ def check_same_on_every_rank(
         "meta-device init seed (torch.initial_seed(); seed every rank alike)": repr(init_seed),
         "qcomms": {k: repr(v) for k, v in sorted((qcomms or {}).items())},
         "meshes": {k: repr(v) for k, v in sorted((meshes or {}).items())},
+        "same_batch": describe_same_batch(same_batch),
     }
     text = json.dumps(described, sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()
-    digests: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
+    size = dist.get_world_size(group)
+    gathered: list[tuple[str, list[int] | None] | None] = [None] * size
+    dist.all_gather_object(gathered, (digest, same_batch_ranks(same_batch)), group=group)
+    digests = [g[0] for g in gathered if g is not None]
     if len(set(digests)) == 1:
+        why = inconsistent_groups([g[1] for g in gathered if g is not None])
+        if why is not None:
+            raise ValueError(f"distribute_module: {why}")
         return
-    everyone: list[dict | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, described)
-    differ = [r for r, d in enumerate(digests) if d != digests[0]]
-    first = everyone[differ[0]]
+    everyone: list[dict | None] = [None] * size
+    dist.all_gather_object(everyone, described, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    positions = [i for i, d in enumerate(digests) if d != digests[0]]
+    differ = [ranks[i] for i in positions]
+    first = everyone[positions[0]]
     assert first is not None and everyone[0] is not None
     detail = ""
     for part, mine in everyone[0].items():
@@ -379,9 +407,10 @@ def check_same_on_every_rank(
             keys = sorted(set(mine) | set(theirs))
             key = next(k for k in keys if mine.get(k) != theirs.get(k))
             part, mine, theirs = f"{part} {key!r}", mine.get(key), theirs.get(key)
-        detail = f"{part}: rank 0 has {mine}, rank {differ[0]} has {theirs}"
+        detail = f"{part}: rank {ranks[0]} has {mine}, rank {differ[0]} has {theirs}"
         break
     raise ValueError(
-        f"distribute_module: ranks {differ} disagree with rank 0 on the model or plan ({detail}); "
+        f"distribute_module: ranks {differ} disagree with rank {ranks[0]} on the model or plan "
+        f"({detail}); "
         "every rank must distribute the same model config with the same plan and optimizer"
     )

@@ -38,17 +38,13 @@ from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import SHARD
 from dtrec.sharded.collection import OFFLOADED_STEP, ShardedCollection
-from dtrec.sharded.dist.batch_split import BatchSplit, full_batch_size
+from dtrec.sharded.dist.batch_split import SPLIT_STEP, BatchSplit, full_batch_size
 from dtrec.sharded.dist.input_dist import RoutedBatch
 from dtrec.sharded.dist.output_dist import OutputDist
 from dtrec.sharded.lookup.local_path import LocalBatch, LocalPath, serves_locally
 from dtrec.sharded.lookup.pooled import LocalLookup
 from dtrec.sparse import KeyedTensor
 
-SPLIT_STEP = (
-    "dtrec: a collection whose same_batch group splits the batch runs eagerly (its pooled "
-    "rows are all-gathered over the group with a c10d collective; docs/composing.md)"
-)
 EXCHANGED_STEP = (
     "dtrec: a collection whose step exchanges with other ranks runs eagerly (its input "
     "dist reads the batch sizes of its peers on the host; its collectives are c10d ones "
@@ -75,7 +71,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         optimizer: FusedOptimizer | None = None,
         bounds_check: str = "on",
         sync_every: int | None = None,
-        init_seed: int = 0,
+        init_seed: int | None = 0,
         is_weighted: bool | None = None,
         qcomms: QCommsConfig | None = None,
         same_batch: DeviceMesh | None = None,
@@ -99,6 +95,10 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         )
         split = None if same_batch is None else BatchSplit(same_batch)
         self._batch_split = split if split is not None and split.size > 1 else None
+        split = self._batch_split
+        if split is not None and self._local is None and self._input_dist.can_carry_full_batch():
+            self._input_dist.carry_full_batch(split.ranks[0])  # sizes checked in the header
+            split.sizes_in_header = True
         """How the ranks of this rank's ``same_batch`` group split the batch they share
         (``dist/batch_split.py``; None: each rank looks its whole batch up)."""
 
@@ -181,11 +181,13 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         With ``same_batch`` (``distribute_module``) only this rank's chunk of the batch is
         validated and sent (``dist/batch_split.py``), prefetched or not.
         """
+        full_batch = 0
         if self._batch_split is not None:
+            full_batch = full_batch_size(features)
             features = self._batch_split.local_part(features)
         if self._local is not None:
             return self._local.start(features, self.bounds_check, self.is_weighted)
-        return self._input_dist(features, self.bounds_check, self.is_weighted)
+        return self._input_dist(features, self.bounds_check, self.is_weighted, full_batch)
 
     def _start(self, features: object) -> RoutedBatch | LocalBatch:
         return self.input_dist(features)

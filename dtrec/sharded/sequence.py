@@ -29,6 +29,7 @@ from dtrec.optim import FusedOptimizer
 from dtrec.placements import TableSpec
 from dtrec.placements.mesh import SHARD, mesh_device
 from dtrec.sharded.collection import OFFLOADED_STEP, ShardedCollection
+from dtrec.sharded.dist.batch_split import SPLIT_STEP, BatchSplit, gather_sequence_rows
 from dtrec.sharded.dist.input_dist import RoutedBatch
 from dtrec.sharded.dist.sequence_dist import (
     ReturnPlan,
@@ -78,6 +79,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
         init_seed: int = 0,
         need_indices: bool = False,
         qcomms: QCommsConfig | None = None,
+        same_batch: DeviceMesh | None = None,
     ) -> None:
         dtypes = {cfg.name: weights[cfg.name].dtype for cfg in tables if cfg.name in weights}
         if len(set(dtypes.values())) > 1:
@@ -100,6 +102,10 @@ class ShardedEmbeddingCollection(ShardedCollection):
         # eagerly (``forward``).
         self._device = mesh_device(mesh)
         self._traced_locally = mesh.size() == 1 and serves_locally(self._routing, self._layouts)
+        split = None if same_batch is None else BatchSplit(same_batch)
+        self._batch_split = split if split is not None and split.size > 1 else None
+        """How the ranks of this rank's ``same_batch`` group split the batch they share
+        (``dist/batch_split.py``; None: each rank looks its whole batch up)."""
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
         """The table configs, in output order."""
@@ -107,6 +113,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
 
     def forward(self, features: object) -> dict[str, JaggedTensor]:
         self._refuse_fx_trace(features)
+        if self._batch_split is not None:
+            return self._split_forward(features)
         if torch.compiler.is_compiling():  # the wrappers cost eager ~1.5 us: only here
             if not self._traced_locally:
                 return self._forward_eagerly(features)
@@ -176,6 +184,21 @@ class ShardedEmbeddingCollection(ShardedCollection):
         )
         return sequence_outputs(kjt, rows, self.need_indices)
 
+    def _split_forward_impl(self, features: object) -> dict[str, JaggedTensor]:
+        """This rank's chunk of the batch ``features`` looked up (``_start`` sliced it), then
+        every chunk's rows gathered over the ``same_batch`` group, feature by feature."""
+        assert self._batch_split is not None
+        chunk = self._forward(features)
+        whole = as_kjt(features)  # the chunk was cut from it: a valid fixed-size batch
+        names = list(chunk)
+        lengths = [whole[f].lengths() for f in names]
+        rows = gather_sequence_rows(self._batch_split, lengths, [chunk[f].values() for f in names])
+        return {
+            f: JaggedTensor._trusted(r, n, whole[f].values() if self.need_indices else None)
+            for f, r, n in zip(names, rows, lengths, strict=True)
+        }
+
+    _split_forward = torch.compiler.disable(_split_forward_impl, reason=SPLIT_STEP)
     _forward_eagerly = torch.compiler.disable(_forward, reason=SEQUENCE_STEP)
     _offloaded_forward_eagerly = torch.compiler.disable(_forward, reason=OFFLOADED_STEP)
     _prefetched_forward_eagerly = torch.compiler.disable(_forward, reason=PREFETCHED_STEP)
@@ -188,6 +211,8 @@ class ShardedEmbeddingCollection(ShardedCollection):
 
         A variable-batch KJT (``check_fixed_batch``), or anything that fails here, is fed
         to the input dist as a ``RefusedBatch``, so peers fail the same step."""
+        if self._batch_split is not None:
+            features = self._batch_split.local_part(features)
         if not isinstance(features, RefusedBatch):
             try:
                 check_fixed_batch(as_kjt(features), self._tables, dist.get_rank())

@@ -311,6 +311,18 @@ class KeyedJaggedTensor:
             self._values[start:end], self._lengths[lo:hi], slice_or_none(self._weights, start, end)
         )
 
+    def with_values(self, values: Tensor) -> KeyedJaggedTensor:
+        """This batch (keys, lengths, weights, strides) with other ``values``, one per id:
+        e.g. ids remapped by a managed-collision module. Not re-validated."""
+        if values.shape[0] != self._values.shape[0]:
+            raise ValueError(
+                f"with_values: {values.shape[0]} values for {self._values.shape[0]} ids"
+            )
+        return self._derived(
+            self._keys, values, self._lengths, self._weights, self._length_per_key,
+            self._stride_per_key_per_rank, self._inverse_indices,
+        )  # fmt: skip
+
     def to_dict(self) -> dict[str, JaggedTensor]:
         return {k: self._jagged(i) for i, k in enumerate(self._keys)}
 

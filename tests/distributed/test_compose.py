@@ -146,6 +146,15 @@ def _compose(kind: str, model: nn.Module) -> tuple[nn.Module, int, int]:
     if kind == "fsdp_before":
         fully_shard(model.mlp)
         return dtrec.distribute_module(model, _mesh("tables"), _plan()), rank, world
+    if kind == "fsdp_before_collection_mesh":  # the collection on a mesh of its own
+        fully_shard(model.mlp)
+        meshes = {"sparse": _mesh("tables_2x2")}
+        return dtrec.distribute_module(model, _mesh("tables"), _plan(), meshes=meshes), rank, world
+    if kind == "tp_fsdp_before_collection_mesh":
+        mesh = tp_then_fsdp(model)
+        meshes = {"sparse": _mesh("tables_2x2")}
+        model = dtrec.distribute_module(model, _mesh("tables"), _plan(), meshes=meshes)
+        return model, mesh["dp"].get_local_rank(), mesh["dp"].size()
     if kind == "fsdp_before_kept":  # unsharded parameters kept from forward to backward
         fully_shard(model.mlp, reshard_after_forward=False)
         return dtrec.distribute_module(model, _mesh("tables"), _plan()), rank, world
@@ -235,6 +244,7 @@ def _train(
     import dtrec
 
     start, captured = time.perf_counter(), counters["stats"]["calls_captured"]
+    checks = _TAKEOVER_CHECKS[0]
     torch.manual_seed(0)
     ref = Net()
     init = {name: p.detach().clone() for name, p in ref.named_parameters()}
@@ -277,7 +287,23 @@ def _train(
         "param_dtypes": sorted({str(p.dtype) for p in mlp}),
         "captured": counters["stats"]["calls_captured"] - captured,  # graphs dynamo traced
         "seconds": time.perf_counter() - start,
+        "takeover_checks": _TAKEOVER_CHECKS[0] - checks,
     }
+
+
+_TAKEOVER_CHECKS = [0]  # calls of dense_fsdp.taken_over (counted by _count_takeover_checks)
+
+
+def _count_takeover_checks() -> None:
+    """Count ``ReplicatedDense``'s full takeover checks in this rank."""
+    from dtrec.sharded import dense
+
+    def counted(*args, **kwargs):
+        _TAKEOVER_CHECKS[0] += 1
+        return real(*args, **kwargs)
+
+    real = dense.taken_over
+    dense.taken_over = counted
 
 
 CONFIGS = {
@@ -299,6 +325,9 @@ CONFIGS = {
     "world_hsdp_after_sgd": dict(kind="world_hsdp_after", opt="sgd"),
     "world_tp_fsdp_before_adam": dict(kind="world_tp_fsdp_before", opt="adam"),
     "fsdp_before_kept_adam": dict(kind="fsdp_before_kept", opt="adam"),
+    # per-collection meshes beside FSDP / TP: the collection's tables on S=2 x R=2
+    "fsdp_before_collection_mesh_adam": dict(kind="fsdp_before_collection_mesh", opt="adam"),
+    "tp_fsdp_before_collection_mesh_sgd": dict(kind="tp_fsdp_before_collection_mesh", opt="sgd"),
     # bf16 parameters in forward/backward, fp32 gradient reduction: within bf16's error
     # (SGD: Adam's normalised steps turn bf16's noise in tiny gradients into whole steps)
     "fsdp_before_bf16_sgd": dict(kind="fsdp_before_bf16", opt="sgd", tol=BF16_TOL),
@@ -353,10 +382,43 @@ def _errors() -> dict:
     )
     half = dtrec.table_mesh(world["dp_shard"], shard="dp_shard")  # 2 of the 4 ranks
     out["not_the_world"] = error_of(lambda: dtrec.distribute_module(Net(), half, _plan()))
+    out.update(_changed_after_a_step())
+    return out
+
+
+def _changed_after_a_step() -> dict:
+    """The dense part changed after steps ran (the per-forward takeover check is cached,
+    ``dense_fsdp.takeover_signature``): FSDP's SPMD mode then takes the MLP's gradient
+    sync over; a replaced parameter is still a TypeError."""
+    import copy
+
+    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+
+    import dtrec
+    from tests.multiprocess import error_of
+
+    def step(model) -> int:
+        with dtrec.comm_stats() as stats:
+            ((model(_batch(0, 0)[0]) - 1) ** 2).mean().backward()
+        model.zero_grad(set_to_none=True)
+        return stats.bytes_sent.get("dense.grad_sync", 0)
+
+    out = {}
+    mesh = _mesh("tables_2x2")
+    model = dtrec.distribute_module(copy.deepcopy(Net()), mesh, _plan())
+    out["before_fully_shard_bytes"] = [step(model), step(model)]
+    dims = DataParallelMeshDims(shard=("shard", "replicate"))
+    fully_shard(model.mlp, mesh=mesh, dp_mesh_dims=dims)
+    out["after_fully_shard_bytes"] = [step(model), step(model)]
+    model = dtrec.distribute_module(copy.deepcopy(Net()), _mesh("tables"), _plan())
+    step(model)
+    model.mlp[2].bias = nn.Parameter(torch.zeros(1))
+    out["replaced_after_a_step"] = error_of(lambda: model(_batch(0, 0)[0]))
     return out
 
 
 def _run_all(rank: int, world: int, configs: dict) -> dict:
+    _count_takeover_checks()
     return {"errors": _errors(), **{name: _train(**cfg) for name, cfg in configs.items()}}
 
 
@@ -405,6 +467,30 @@ def test_replacing_a_dense_parameter_after_distribute_is_a_clear_error(world_res
         err = per_rank["errors"]["replaced"]
         assert err.startswith("TypeError") and "'mlp.0.weight'" in err, (rank, err)
         assert "dp_mesh_dims" in err, (rank, err)
+        err = per_rank["errors"]["replaced_after_a_step"]  # the check is cached, not skipped
+        assert err.startswith("TypeError") and "'mlp.2.bias'" in err, (rank, err)
+
+
+def test_the_takeover_check_runs_once_while_the_model_is_unchanged(world_results) -> None:
+    """``ReplicatedDense`` checks whether FSDP took dense parameters over at the first
+    forward, then only when a parameter was registered or ``fully_shard`` applied
+    somewhere (``dense_fsdp.takeover_signature``): once in 3 steps (the process's first
+    ``torch.compile`` registers parameters of its own once: one more check then)."""
+    for rank, per_rank in enumerate(world_results):
+        counts = {name: per_rank[name]["takeover_checks"] for name in CONFIGS}
+        eager = {n: c for n, c in counts.items() if not n.startswith("compiled_") and c != 1}
+        assert not eager, (rank, eager)
+        compiled = [c for n, c in counts.items() if n.startswith("compiled_")]
+        assert all(c >= 1 for c in compiled) and sum(compiled) <= len(compiled) + 1, (rank, counts)
+
+
+def test_fully_shard_after_steps_ran_takes_the_mlp_sync_over(world_results) -> None:
+    """``fully_shard`` (SPMD mode) applied after two steps: the next forward notices it and
+    dtrec syncs only ``scale``, as when FSDP came before the first step."""
+    for rank, per_rank in enumerate(world_results):
+        e, kept = per_rank["errors"], per_rank["fsdp_before_sgd"]["dense_sync_bytes"]
+        assert all(b > kept for b in e["before_fully_shard_bytes"]), (rank, e, kept)
+        assert e["after_fully_shard_bytes"] == [kept, kept], (rank, e, kept)
 
 
 def test_plain_fully_shard_after_distribute_fails_in_torch(world_results) -> None:

@@ -84,7 +84,7 @@ def _train(opt: str, batch: int, split: bool = True, fused: str | None = None,
     } if rule is not None else {}  # fmt: skip
     ref_opt = _optimizer(opt, ref_params, None)
     dist_opt = _optimizer(opt, [p for p in model.parameters() if p.requires_grad], None)
-    loss_errs, table_bytes, gather_bytes, axes = [], [], [], []
+    loss_errs, table_bytes, gather_bytes, axes, calls = [], [], [], [], []
     for step in range(STEPS):
         batches = [_batch(step, g, batch) for g in range(groups)]
         kjt, y = batches[group]
@@ -96,6 +96,7 @@ def _train(opt: str, batch: int, split: bool = True, fused: str | None = None,
         table_bytes.append(sum(n for k, n in stats.bytes_sent.items() if k.startswith(TABLE_KINDS)))
         gather_bytes.append(stats.bytes_sent.get("same_batch.gather", 0))
         axes.append((dict(stats.bytes_per_axis), stats.total_bytes))
+        calls.append(dict(stats.calls))
         ref_losses = [((ref(k) - t) ** 2).mean() for k, t in batches]
         torch.stack(ref_losses).mean().backward()
         dist_opt.step()
@@ -112,6 +113,7 @@ def _train(opt: str, batch: int, split: bool = True, fused: str | None = None,
         "table_bytes": table_bytes,
         "gather_bytes": gather_bytes,
         "axes": axes,
+        "calls": calls,
         "prefetch_left": model.sparse.is_prefetched(kjt),
     }
 
@@ -159,6 +161,56 @@ def _errors() -> dict:
     out["not_1d"] = error_of(
         lambda: dtrec.distribute_module(Net(), _mesh("dp_tp_tables"), _plan(), same_batch=mesh)
     )
+    out.update(_different_sizes())
+    # ranks that disagree on same_batch: refused by distribute_module's agreement check
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = torch.distributed.get_rank()
+    transposed = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))  # tp: [0, 2]
+    disagree = {
+        "missing": None if rank == 1 else mesh["tp"],  # rank 1 passes none
+        "other_dim": mesh["dp"] if rank == 3 else mesh["tp"],  # rank 3: its dp group
+        "other_groups": mesh["tp"] if rank == 0 else transposed["tp"],  # [0, 1] vs [1, 3]
+    }
+    for case, same_batch in disagree.items():
+        out[f"disagree_{case}"] = error_of(
+            lambda s=same_batch: dtrec.distribute_module(
+                Net(), _mesh("dp_tp_tables"), _plan(), same_batch=s
+            )
+        )
+    return out
+
+
+def _different_sizes() -> dict:
+    """Rank 3 feeds 4 samples, its tp peer rank 2 feeds 3 (no DTREC_CHECK_SAME_BATCH):
+    with the tables over dp x tp (the header reaches the world, and carries the sizes)
+    and over tp with dp replicas (one all-gather of the sizes over the tp group)."""
+    import copy
+
+    import dtrec
+    from tests.multiprocess import error_of
+
+    out: dict = {}
+    mesh = _mesh("dp_tp")
+    rank, group = torch.distributed.get_rank(), mesh["dp"].get_local_rank()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # its own flatten
+    layouts = {
+        "header": (_mesh("dp_tp_tables"), mesh["tp"]),
+        "gathered": (dtrec.table_mesh(other, shard="tp", replicate="dp"), other["tp"]),
+    }
+    for layout, (tables, tp) in layouts.items():
+        model = dtrec.distribute_module(copy.deepcopy(Net()), tables, _plan(), same_batch=tp)
+        with dtrec.comm_stats() as stats:
+            model(_batch(0, group, 3)[0]).sum().backward()  # the same batch: no error
+        out[f"sizes_{layout}_calls"] = dict(stats.calls)
+        out[f"sizes_{layout}_bytes"] = stats.bytes_sent.get("same_batch.sizes", 0)
+        mine = _batch(0, group, 4 if rank == 3 else 3)[0]
+        out[f"sizes_{layout}"] = error_of(lambda m=model, b=mine: m(b))
+        out[f"sizes_{layout}_after"] = error_of(
+            lambda m=model: m(_batch(1, group, 3)[0]).sum().backward()
+        )
     return out
 
 
@@ -229,3 +281,59 @@ def test_same_batch_must_be_a_1d_mesh(world_results) -> None:
     for rank, per_rank in enumerate(world_results):
         err = per_rank["errors"]["not_1d"]
         assert err.startswith("TypeError") and "1-D DeviceMesh" in err, (rank, err)
+
+
+def test_ranks_that_disagree_on_same_batch_are_refused_by_distribute_module(
+    world_results,
+) -> None:
+    """``same_batch`` given on some ranks only, or a mesh of another dim, or of the same
+    name but other groups: a ValueError on every rank naming the ranks, never a hang."""
+    for rank, per_rank in enumerate(world_results):
+        e = per_rank["errors"]
+        missing, other_dim = e["disagree_missing"], e["disagree_other_dim"]
+        assert missing.startswith("ValueError") and "ranks [1] disagree" in missing, (rank, e)
+        assert "same_batch" in missing and "None" in missing, (rank, missing)
+        assert other_dim.startswith("ValueError") and "ranks [3] disagree" in other_dim, rank
+        assert "('dp',)" in other_dim and "('tp',)" in other_dim, (rank, other_dim)
+        groups = e["disagree_other_groups"]
+        assert groups.startswith("ValueError"), (rank, groups)
+        assert "rank 0's group is ranks [0, 1] but rank 1's is [1, 3]" in groups, (rank, groups)
+
+
+def test_a_group_feeding_batches_of_different_sizes_is_refused_on_every_rank(
+    world_results,
+) -> None:
+    """Without DTREC_CHECK_SAME_BATCH: a ValueError on every rank of the world in the same
+    step (none hangs, none trains on a wrong split), and the next step runs. Where the
+    header carries the sizes every rank names the group's ranks and sizes; with the
+    all-gather the group's ranks do, and the others name the rank that refused."""
+    for rank, per_rank in enumerate(world_results):
+        e = per_rank["errors"]
+        for layout in ("header", "gathered"):
+            err = e[f"sizes_{layout}"]
+            assert err.startswith("ValueError"), (rank, layout, err)
+            if layout == "gathered" and rank not in (2, 3):
+                assert "rank 2 rejected its input batch" in err, (rank, layout, err)
+                continue
+            assert "different sizes [3, 4]" in err and "[2, 3]" in err, (rank, layout, err)
+            assert "2: 3, 3: 4" in err, (rank, layout, err)
+            assert e[f"sizes_{layout}_after"] == "ok", (rank, layout, e)
+
+
+def test_the_size_check_adds_no_collective_where_the_header_reaches_the_world(
+    world_results,
+) -> None:
+    """Tables over dp x tp (no replicas): the sizes ride the input dist's header, so a
+    same_batch step issues the collectives of a whole-batch step plus the pooled rows'
+    gather, nothing else. Tables over tp with dp replicas: one 8-byte all-gather more."""
+    for rank, per_rank in enumerate(world_results):
+        for step in range(STEPS):
+            split, whole = (
+                per_rank["sgd_even"]["calls"][step],
+                per_rank["sgd_even_whole"]["calls"][step],
+            )
+            assert split == {**whole, "same_batch.gather": 1}, (rank, step, split, whole)
+        e = per_rank["errors"]
+        assert "same_batch.sizes" not in e["sizes_header_calls"], (rank, e["sizes_header_calls"])
+        assert e["sizes_gathered_calls"]["same_batch.sizes"] == 1, (rank, e)
+        assert e["sizes_gathered_bytes"] == 8, (rank, e)

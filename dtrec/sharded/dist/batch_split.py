@@ -21,16 +21,30 @@ Rank i hands its tables ``n * g[chunk i]``; over the group that is ``n * g``, an
 the world ``sum_d n * g_d / W = mean over the W / n distinct batches of g_d``: each
 distinct sample counted once, as the unsharded model on the distinct batches counts it.
 
-The ranks must really feed the same batch (a split of different batches is silently
-wrong). ``DTREC_CHECK_SAME_BATCH=1`` makes each forward compare a digest of the batch
-across the group (one all-gather of 32 bytes) and refuse mismatched batches with a
-ValueError naming the ranks; the refusal travels in the input dist, so every rank of the
-world fails that step together.
+The ranks must really feed the same batch. Batches of different sizes are always
+refused, a ValueError naming the ranks and their sizes, on every rank of the world in
+the same step (never a hang, never a split of mismatched chunks):
+
+* where the input dist's header reaches the whole world (the tables' sharding group is
+  the world: no replicas), each rank's size before the split and its group ride in the
+  header (``InputDist.carry_full_batch``): no collective of its own, 16 bytes more per
+  peer in the header;
+* elsewhere (replicas, one shard position, data-parallel tables only), one tiny
+  all-gather of the size over the group before the input dist (``same_batch.sizes``: 8
+  bytes from each rank; the one collective this check adds to a step), and the refusal
+  travels in the input dist.
+
+Batches of one size but different ids are silently wrong unless checked:
+``DTREC_CHECK_SAME_BATCH=1`` makes each forward compare a digest of the batch across the
+group (one all-gather of 40 bytes, the size with it: ``same_batch.check``) and refuse
+mismatched batches with a ValueError naming the ranks; the refusal travels in the input
+dist, so every rank of the world fails that step together.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 
 import torch
@@ -43,6 +57,10 @@ from dtrec.modules.features import RefusedBatch
 from dtrec.placements.mesh import mesh_device
 from dtrec.sparse import KeyedJaggedTensor, KeyedTensor, as_kjt
 
+SPLIT_STEP = (
+    "dtrec: a collection whose same_batch group splits the batch runs eagerly (its rows "
+    "are all-gathered over the group with a c10d collective; docs/composing.md)"
+)
 CHECK_ENV = "DTREC_CHECK_SAME_BATCH"
 """Set to 1: every split forward checks that the group's ranks feed the same batch."""
 
@@ -98,6 +116,48 @@ def check_same_batch_mesh(same_batch: object) -> None:
         )
 
 
+def describe_same_batch(same_batch: DeviceMesh | None) -> str:
+    """What every rank must agree on about its ``same_batch`` mesh (the same text on every
+    rank of a consistent world): its dim names and its group size ("None": no mesh).
+    Which ranks form the groups differs per group: ``inconsistent_groups`` compares them."""
+    if same_batch is None:
+        return "None"
+    return f"dims {same_batch.mesh_dim_names} of {same_batch.size()} ranks"
+
+
+def same_batch_ranks(same_batch: DeviceMesh | None) -> list[int] | None:
+    """This rank's ``same_batch`` group, as world ranks (None: no mesh)."""
+    return None if same_batch is None else same_batch.mesh.flatten().tolist()
+
+
+def inconsistent_groups(groups: list[list[int] | None]) -> str | None:
+    """Why the ranks' ``same_batch`` groups (``groups[r]``: rank r's, from
+    ``same_batch_ranks``) do not partition the world into groups every member agrees on
+    (None: they do); ranks whose groups differ would wait in each other's gathers."""
+    for rank, group in enumerate(groups):
+        if group is None:
+            continue
+        for member in group:
+            if groups[member] != group:
+                return (
+                    f"same_batch: rank {rank}'s group is ranks {group} but rank {member}'s "
+                    f"is {groups[member]}; every rank of a same_batch group must pass a mesh "
+                    "of that same group (e.g. world_mesh['tp'] of one world mesh on every rank)"
+                )
+    return None
+
+
+def different_sizes(ranks: list[int], sizes: list[int]) -> ValueError:
+    """The refusal of a same_batch group whose ranks feed batches of different sizes."""
+    return ValueError(
+        f"same_batch: the ranks {ranks} of a same_batch group (e.g. a tp group) feed "
+        f"batches of different sizes {sizes} (rank: size "
+        + ", ".join(f"{r}: {n}" for r, n in zip(ranks, sizes, strict=True))
+        + "); the ranks of a same_batch group must feed the same batch (each looks up its "
+        "part of it), so this step is refused on every rank"
+    )
+
+
 def batch_digest(kjt: KeyedJaggedTensor) -> bytes:
     """32 bytes that differ (but for a sha256 collision) when two batches differ: keys,
     batch size, lengths, ids and per-sample weights."""
@@ -126,11 +186,15 @@ class BatchSplit:
         self.index = group_mesh.get_local_rank()
         self.check = os.environ.get(CHECK_ENV, "0") == "1" if check is None else check
         self._device = mesh_device(group_mesh)
+        self.sizes_in_header = False
+        """True: the input dist's header compares the group's batch sizes
+        (``InputDist.carry_full_batch``); else ``local_part`` all-gathers them."""
 
     def local_part(self, features: object) -> object:
         """This rank's chunk of ``features`` (a KJT, or a ``RefusedBatch`` carrying why it
-        cannot be split, so the input dist refuses it on every rank together). With
-        ``check``, first one all-gather of the batches' digests over the group."""
+        cannot be split, so the input dist refuses it on every rank together). First one
+        all-gather over the group of the batch sizes (unless ``sizes_in_header``) and with
+        ``check`` of the batches' digests (module doc)."""
         if isinstance(features, RefusedBatch):
             error: Exception | None = features.error
             kjt = None
@@ -139,7 +203,7 @@ class BatchSplit:
                 kjt, error = as_kjt(features), None
             except Exception as exc:  # noqa: BLE001 - refused in the input dist
                 kjt, error = None, exc
-        if self.check:
+        if self.check or not self.sizes_in_header:
             error = error or self._different_batches(kjt)
         if error is None:
             assert kjt is not None
@@ -152,17 +216,27 @@ class BatchSplit:
         return RefusedBatch(error)
 
     def _different_batches(self, kjt: KeyedJaggedTensor | None) -> ValueError | None:
-        """The ValueError for a group whose ranks feed different batches (None: the same).
-        Collective over the group: every rank joins, with a batch or without one."""
-        try:
-            digest = batch_digest(kjt) if kjt is not None else bytes(32)
-        except Exception:  # noqa: BLE001 - a batch that cannot be read differs from any
-            digest = bytes(32)
-        mine = torch.frombuffer(bytearray(digest), dtype=torch.int64).to(self._device)
+        """The ValueError for a group whose ranks feed batches of different sizes or, with
+        ``check``, different batches (None: the same). Collective over the group: every
+        rank joins, with a batch or without one (size -1)."""
+        digest = b""
+        if self.check:
+            try:
+                digest = batch_digest(kjt) if kjt is not None else bytes(32)
+            except Exception:  # noqa: BLE001 - a batch that cannot be read differs from any
+                digest = bytes(32)
+        words = [kjt.stride() if kjt is not None else -1]
+        if digest:
+            words += torch.frombuffer(bytearray(digest), dtype=torch.int64).tolist()
+        mine = torch.tensor(words, dtype=torch.int64).to(self._device)
         every = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self._device)
-        with collective("same_batch.check", (self.size - 1) * 32, self.group):
+        kind = "same_batch.check" if self.check else "same_batch.sizes"
+        with collective(kind, (self.size - 1) * mine.numel() * 8, self.group):
             all_gather_flat(every, mine, self.group)
         rows = every.view(self.size, -1).tolist()
+        sizes = [row[0] for row in rows]
+        if len(set(sizes)) > 1 and -1 not in sizes:  # -1: refused, said in the input dist
+            return different_sizes(self.ranks, sizes)
         differ = [self.ranks[j] for j, row in enumerate(rows) if row != rows[0]]
         if not differ:
             return None
@@ -215,3 +289,66 @@ class _GatherChunks(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         mine = grad[ctx.start : ctx.start + ctx.sizes[ctx.index]]
         return mine * len(ctx.sizes), None, None, None
+
+
+def gather_sequence_rows(
+    split: BatchSplit, lengths: list[Tensor], rows: list[Tensor]
+) -> list[Tensor]:
+    """A sequence collection's rows of the whole batch, per feature, from every rank's
+    rows of its chunk (``rows[k]``: ``[ids of feature k in this chunk, D_k]``; ``lengths[k]``:
+    feature k's lengths over the whole batch).
+
+    Each chunk's id count per feature is read from the whole batch's lengths, which
+    every rank of the group holds (one host read), so one padded all-gather of every
+    feature's rows, flattened, is the only exchange."""
+    if not lengths:
+        return []
+    batch = lengths[0].shape[0]
+    bounds = [0, *itertools.accumulate(chunk_sizes(batch, split.size))]
+    ends = torch.stack(lengths).cumsum(1)
+    ends = torch.cat([ends.new_zeros(len(lengths), 1), ends], 1)[:, bounds]
+    counts = (ends[:, 1:] - ends[:, :-1]).t().tolist()  # [rank][feature]
+    return list(_GatherSequenceRows.apply(counts, split.index, split.group, *rows))
+
+
+class _GatherSequenceRows(torch.autograd.Function):
+    """Per feature ``[n_k_i, D_k]`` on rank i -> ``[sum_i n_k_i, D_k]`` on every rank, chunks
+    in rank order (one padded all-gather of the flattened rows); backward: this rank's
+    rows of each feature's gradient times the group size (module doc)."""
+
+    @staticmethod
+    def forward(ctx, counts, index, group, *rows):  # type: ignore[override]
+        dims = [r.shape[1] for r in rows]
+        sizes = [sum(n * d for n, d in zip(c, dims, strict=True)) for c in counts]
+        ctx.counts, ctx.index = counts, index
+        most, parts = max(sizes), len(sizes)
+        like = rows[0] if rows else torch.empty(0)
+        flat = like.new_zeros(most)
+        if rows:
+            mine = torch.cat([r.reshape(-1) for r in rows])
+            flat[: mine.numel()] = mine
+        out = like.new_empty(parts * most)
+        if out.numel():
+            sent = (parts - 1) * most * like.element_size()
+            with collective("same_batch.gather", sent, group):
+                all_gather_flat(out, flat, group)
+        per_rank = [
+            out[r * most : r * most + sizes[r]].split(
+                [n * d for n, d in zip(counts[r], dims, strict=True)]
+            )
+            for r in range(parts)
+        ]
+        return tuple(
+            torch.cat([per_rank[r][k].view(-1, d) for r in range(parts)])
+            for k, d in enumerate(dims)
+        )
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        counts, index = ctx.counts, ctx.index
+        parts = len(counts)
+        mine = []
+        for k, grad in enumerate(grads):
+            start = sum(counts[r][k] for r in range(index))
+            mine.append(grad[start : start + counts[index][k]] * parts)
+        return (None, None, None, *mine)

@@ -46,6 +46,7 @@ from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.features import bag_lengths, count_bad_ids, id_range_error, prepare_features
 from dtrec.ops.backends.device_lists import device_list
 from dtrec.placements.mesh import REPLICATE, SHARD, mesh_device
+from dtrec.sharded.dist.batch_split import different_sizes
 from dtrec.sharded.dist.groups import world_group
 from dtrec.sharded.dist.routed_batch import RoutedBatch, pack_weights, packed_size, wire_dtype
 from dtrec.sharded.dist.routing import Routing
@@ -57,6 +58,9 @@ from dtrec.sparse import KeyedJaggedTensor
 # lowest rank over the replicas that refused its batch (W: none); weights: _weights_flag.
 _BAD, _VERDICT, _BATCH, _WEIGHTS_FIELD = range(4)
 _HEADER = 4
+# With ``carry_full_batch`` (a same_batch group that splits the batch): two fields more,
+# the whole batch's size before the split and the group's first rank.
+_FULL_BATCH, _GROUP = 4, 5
 _NO_WEIGHTS, _WEIGHTS, _WEIGHTS_TRAINED = 0, 1, 2
 
 
@@ -76,12 +80,36 @@ class InputDist:
         self._wire = wire_dtype(tables)
         self._header_index: dict[tuple[int, ...], Tensor] = {}
         self._world_group: dist.ProcessGroup | None = None  # made at the first verdict
+        self._fields = _HEADER  # fixed header fields (``carry_full_batch``: two more)
+        self._group_rank: int | None = None  # this rank's same_batch group's first rank
+
+    def can_carry_full_batch(self) -> bool:
+        """Whether the header reaches every rank of the world (one sharding group, no
+        replicas): then it can carry each same_batch group's batch sizes to every rank,
+        which all refuse a group whose sizes differ in the same step, with no collective
+        of its own (``carry_full_batch``)."""
+        return self._routing.has_sharded and self._replicas == 1
+
+    def carry_full_batch(self, group_rank: int) -> None:
+        """Let the header carry each call's ``full_batch`` (the batch's size before a
+        same_batch group split it) and ``group_rank`` (that group's first rank); a group
+        whose ranks' sizes differ refuses the step on every rank
+        (``batch_split.different_sizes``). Only where ``can_carry_full_batch``."""
+        assert self.can_carry_full_batch()
+        self._fields, self._group_rank = _GROUP + 1, group_rank
+        self._header_index.clear()
 
     def __call__(
-        self, features: object, bounds_check: str, weighted: bool | None = None
+        self,
+        features: object,
+        bounds_check: str,
+        weighted: bool | None = None,
+        full_batch: int = 0,
     ) -> RoutedBatch:
         """Validate ``features`` (``prepare_features``: ids, per-sample weights per
         ``weighted``) and start sending its ids; a refusal is kept, not raised.
+        ``full_batch``: the size of the batch ``features`` was split from
+        (``carry_full_batch``).
 
         Everything this rank computes before the header exchange (validation, the ids'
         range count, bucketize) runs on the device under one ``except Exception``: whatever
@@ -109,7 +137,7 @@ class InputDist:
         except Exception as exc:  # noqa: BLE001 - refused in the exchange, raised in forward
             error, runs, header, bad = exc, None, None, None
         if self._routing.has_sharded:
-            return self._exchange_ids(kjt, runs, header, bad, error)
+            return self._exchange_ids(kjt, runs, header, bad, error, full_batch)
         return self._exchange_verdict(kjt, bad, error)
 
     def _failed(self, bad: Tensor | None, error: Exception | None, dtype: torch.dtype) -> Tensor:
@@ -177,8 +205,10 @@ class InputDist:
         """One buffer for this rank's header fields and run sizes, then the headers it
         receives: the step's one host read reads it whole."""
         routing = self._routing
-        received = routing.shard_size * (_HEADER + len(routing.served))
-        return torch.empty(_HEADER + num_runs + received, dtype=self._wire, device=self._device)
+        received = routing.shard_size * (self._fields + len(routing.served))
+        return torch.empty(
+            self._fields + num_runs + received, dtype=self._wire, device=self._device
+        )
 
     def _header(
         self,
@@ -187,6 +217,7 @@ class InputDist:
         header: Tensor,
         bad: Tensor | None,
         error: Exception | None,
+        full_batch: int = 0,
     ) -> Tensor:
         """This rank's header fields then its run sizes, written into ``header`` on the
         device, no host read: ``[ids outside their table (1 for a batch refused on the
@@ -194,17 +225,19 @@ class InputDist:
         flag, ids per run...]``. The verdict all-reduce over the replicas runs here, so
         the header carries it."""
         wire, device, world = self._wire, self._device, self._world_size
+        fields = self._fields
         num_runs = self._routing.num_runs if runs is None else runs.lengths.shape[0]
-        own = header[: _HEADER + num_runs]
+        own = header[: fields + num_runs]
         batch = kjt.stride() if kjt is not None else 0
         flag = _weights_flag(kjt.weights_or_none()) if kjt is not None else _NO_WEIGHTS
         rank = dist.get_rank()
         refused = error is not None
+        split = [] if self._group_rank is None else [full_batch, self._group_rank]
         if bad is None:  # known on the host
-            fields = [int(refused), rank if refused else world, batch, flag]
-            own[:_HEADER].copy_(device_list(fields, wire, device))
+            values = [int(refused), rank if refused else world, batch, flag, *split]
+            own[:fields].copy_(device_list(values, wire, device))
         else:  # own[0] holds the count of bad ids
-            own[1:_HEADER].copy_(device_list([world, batch, flag], wire, device))
+            own[1:fields].copy_(device_list([world, batch, flag, *split], wire, device))
         if self._replicas > 1:  # every rank joins it
             verdict = own[_VERDICT : _VERDICT + 1]
             if bad is not None:
@@ -212,18 +245,18 @@ class InputDist:
                 torch.where(own[:1] > 0, here, none, out=verdict)
             all_reduce_min(verdict, self._replicate_group, "input_dist.verdict")
         if runs is None:  # refused before its layout: no sizes
-            own[_HEADER:].zero_()
+            own[fields:].zero_()
         else:
-            torch.sum(runs.lengths, dim=1, dtype=wire, out=own[_HEADER:])
+            torch.sum(runs.lengths, dim=1, dtype=wire, out=own[fields:])
         return own
 
     def _send_header_index(self, segment_run: tuple[int, ...]) -> Tensor:
-        """Per destination: the 4 fixed fields, then the size of the run of each segment
+        """Per destination: the fixed fields, then the size of the run of each segment
         it serves (entries of ``_header``'s output)."""
         if segment_run not in self._header_index:
-            index, g = [], 0
+            index, g, fields = [], 0, self._fields
             for segs in self._routing.segments_to:
-                index += [0, 1, 2, 3] + [_HEADER + segment_run[g + i] for i in range(len(segs))]
+                index += list(range(fields)) + [fields + segment_run[g + i] for i in range(len(segs))]
                 g += len(segs)
             self._header_index[segment_run] = device_list(index, torch.long, self._device)
         return self._header_index[segment_run]
@@ -235,37 +268,54 @@ class InputDist:
         header: Tensor | None,
         bad: Tensor | None,
         error: Exception | None,
+        full_batch: int = 0,
     ) -> RoutedBatch:
         routing = self._routing
         group = self._shard_group
-        shards, served = routing.shard_size, len(routing.served)
+        shards, served, fields = routing.shard_size, len(routing.served), self._fields
         if header is None:  # refused before its layout
             header = self._header_buffer(routing.num_runs)
-        own = self._header(kjt, runs, header, bad, error)
+        own = self._header(kjt, runs, header, bad, error, full_batch)
         segment_run = runs.segment_run if runs is not None else routing.segment_run
         all_to_all(
             own.index_select(0, self._send_header_index(segment_run)),
-            [_HEADER + served] * shards,
-            [_HEADER + len(segs) for segs in routing.segments_to],
+            [fields + served] * shards,
+            [fields + len(segs) for segs in routing.segments_to],
             group,
             "input_dist.header",
             output=header[own.numel() :],
         )
         read = header.tolist()  # the step's one host read
         own_read, peer_read = read[: own.numel()], read[own.numel() :]
-        rows = [peer_read[j * (_HEADER + served) : (j + 1) * (_HEADER + served)]
+        rows = [peer_read[j * (fields + served) : (j + 1) * (fields + served)]
                 for j in range(shards)]  # fmt: skip
         error = (
             error
             or self._own_error(kjt, own_read[_BAD])
             or self._group_error(rows)
             or self._elsewhere(min(row[_VERDICT] for row in rows))
+            or self._split_error(rows)
         )
         batch = kjt.stride() if kjt is not None else 0
         if error is not None:
             return RoutedBatch(kjt, batch, [], None, None, error)
         assert kjt is not None and runs is not None
-        return self._send_ids(kjt, runs, own_read[_HEADER:], rows)
+        return self._send_ids(kjt, runs, own_read[fields:], rows)
+
+    def _split_error(self, rows: list[list[int]]) -> Exception | None:
+        """The ValueError for a same_batch group whose ranks split batches of different
+        sizes (``carry_full_batch``; the rows reach every rank of the world, so every rank
+        finds the same one)."""
+        if self._group_rank is None:
+            return None
+        groups: dict[int, list[tuple[int, int]]] = {}
+        for j, row in enumerate(rows):
+            groups.setdefault(row[_GROUP], []).append((self._shard_ranks[j], row[_FULL_BATCH]))
+        for members in groups.values():
+            if len({size for _, size in members}) > 1:
+                ranks, sizes = zip(*sorted(members), strict=True)
+                return different_sizes(list(ranks), list(sizes))
+        return None
 
     def _send_ids(
         self, kjt: KeyedJaggedTensor, runs: Runs, run_sizes: list[int], rows: list[list[int]]
@@ -287,7 +337,7 @@ class InputDist:
         layout = routing.send_layout(Runs(lengths, ids, weights, runs.segment_run), run_sizes)
         counts = layout.counts
         peer_batches = [row[_BATCH] for row in rows]
-        peer_segment_counts = [row[_HEADER:] for row in rows]
+        peer_segment_counts = [row[self._fields :] for row in rows]
         peer_counts = [sum(c) for c in peer_segment_counts]
         send_w = None
         if flags != {_NO_WEIGHTS}:  # then every rank sends weights (ones where it has none)

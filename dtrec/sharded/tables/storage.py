@@ -98,7 +98,7 @@ def shard_tables(
     specs: dict[str, TableSpec],
     layouts: list[TableLayout],
     position: int,
-    init_seed: int,
+    init_seed: int | None,
     requires_grad: bool,
 ) -> nn.ModuleDict:
     """Table name -> ``ShardedTable``, each weight distributed per its spec."""

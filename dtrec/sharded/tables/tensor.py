@@ -50,7 +50,7 @@ def distribute_tensor(
     mesh: DeviceMesh,
     spec: TableSpec,
     name: str = "table",
-    seed: int = 0,
+    seed: int | None = 0,
     out: Tensor | None = None,
 ) -> DTensor:
     """Shard one ``[rows, dim]`` table over a ``dtrec.init_mesh`` mesh per ``spec``.
@@ -60,7 +60,8 @@ def distribute_tensor(
     local tensor. Data comes from each sub-mesh's first rank (like torch's
     ``distribute_tensor``). A ``weight`` on the meta device is not copied: every rank
     creates its own block with ``dtrec.modules.init.table_block`` (default init from ``seed``,
-    the same values under any plan), in ``out`` when given (this rank's block shape).
+    the same values under any plan), in ``out`` when given (this rank's block shape);
+    ``seed=None`` leaves it uninitialised, for a caller that fills every block.
     An offloaded spec (``RowWise(cache_rows=...)``) puts this rank's block in host memory
     (pinned on CUDA), copied from this rank's own ``weight`` (no communication, so the
     table never passes through the device). Collective: call on every rank in the same order.
@@ -95,7 +96,7 @@ def _init_on_ranks(
     mesh: DeviceMesh,
     layout: TableLayout,
     sub: DeviceMesh,
-    seed: int,
+    seed: int | None,
     out: Tensor | None,
 ) -> DTensor:
     from dtrec.modules.init import table_block
@@ -113,7 +114,10 @@ def _init_on_ranks(
     else:
         if layout.offloaded:  # the block in host memory, never on the device
             out = host_block((block.num_rows, block.num_cols), weight.dtype, device)
-        if weight.is_meta:
+        shape = (block.num_rows, block.num_cols)
+        if weight.is_meta and seed is None:  # its caller fills it (``dtrec.reshard``)
+            local = torch.empty(shape, dtype=weight.dtype, device=device) if out is None else out
+        elif weight.is_meta:
             local = table_block(
                 name, rows, dim, block.rows, block.cols, seed, weight.dtype, device, out=out
             )

@@ -119,6 +119,9 @@ class FusedUpdater:
         """The collection's ``dtrec.sharded.offload.OffloadedTables`` (None without one):
         its copies in flight land before an update, its training batches' rows are
         released after it."""
+        self.accumulating = False
+        """True inside ``dtrec.accumulate_gradients``: backwards only stash; the block's end
+        applies them all as one update (``dtrec.sharded.update.accumulate``)."""
         self.after_update: Callable[[], None] | None = None
         """Called once this updater's tables are updated (the collection starts a due
         ``sync_every`` replica average there)."""
@@ -143,6 +146,9 @@ class FusedUpdater:
         dropped here, with a warning: that step updates no table (all or nothing), and
         this backward gets its own end-of-backward update.
         """
+        if self.accumulating:
+            self._pending.append((table_ids, lookup, grad_out))
+            return
         backward = current_backward_id()
         if _WAITING.updaters and _WAITING.backward != backward:
             _drop_unfinished_backward()
@@ -167,8 +173,9 @@ class FusedUpdater:
             group is not None and dist.get_world_size(group) > 1
         )
 
-    def apply_pending(self, rule: FusedOptimizer) -> None:
-        """Update every table touched by this backward, with ``rule`` (``current_rule()``).
+    def apply_pending(self, rule: FusedOptimizer, scale: float = 1.0) -> None:
+        """Update every table touched by this backward, with ``rule`` (``current_rule()``),
+        its gradients multiplied by ``scale`` (``accumulate_gradients``' ``1 / divide_by``).
 
         A lookup whose tables need no sync and appear in no other lookup gets the fused
         backward + step (one pass on the Triton backend). The other tables' row grads are
@@ -180,7 +187,7 @@ class FusedUpdater:
         uses = Counter(t for table_ids, _, _ in pending for t in table_ids)
         parts: dict[int, list[tuple[Tensor, Tensor]]] = {}
         for table_ids, lookup, grad_out in pending:
-            scales = {self.tables[t].grad_scale for t in table_ids}
+            scales = {self.tables[t].grad_scale * scale for t in table_ids}
             if len(scales) == 1 and not any(uses[t] > 1 or self._syncs(t) for t in table_ids):
                 with torch.no_grad():
                     rule.backward_update(
@@ -193,14 +200,14 @@ class FusedUpdater:
                     part = (block_rows_of(compact, part[0]), part[1])
                 cache = self.tables[t].cache
                 parts.setdefault(t, []).append(part if cache is None else cache.to_rows(*part))
-        self._sync_and_update(rule, parts)
+        self._sync_and_update(rule, parts, scale)
         if self.offload is not None:
             self.offload.after_update()
         if self.after_update is not None:
             self.after_update()
 
     def _sync_and_update(
-        self, rule: FusedOptimizer, parts: dict[int, list[tuple[Tensor, Tensor]]]
+        self, rule: FusedOptimizer, parts: dict[int, list[tuple[Tensor, Tensor]]], scale: float
     ) -> None:
         """Average, sum over replicas (coalesced per group), reduce row norms, update.
 
@@ -213,7 +220,7 @@ class FusedUpdater:
         merged = {}
         for t in sorted(parts):
             rows, grads = merge_rows(parts[t], self.tables[t].num_rows)
-            merged[t] = (rows, grads * self.tables[t].grad_scale)
+            merged[t] = (rows, grads * (self.tables[t].grad_scale * scale))
         by_column = [] if not rule.needs_row_sq_sum else [t for t in merged if self._columns(t)]
         unsynced = [t for t in by_column if not self._replicated(t)]
         row_sq_sums = self._start_row_sq_sums(merged, unsynced)

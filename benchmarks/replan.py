@@ -1,0 +1,218 @@
+"""Re-plan a running model: ``dtrec.reshard`` in place vs a DCP save + load round trip.
+
+Skeleton of issue 44's benchmark (re-planning from id counters is not there yet): the
+distributed benchmark's 8 tables (rows geometric 1e5..1e6 times ``--scale``, D=64, fused
+exact row-wise Adagrad) start on a poor plan, every table on shard position 0
+(``tw:0``), and move to the ``mixed`` plan (t0-t1 DP, t2-t3 TW, t4-t5 CW, t6-t7 RW).
+
+Per rank, in one world: ``--steps`` timed steps on the poor plan; the round trip a user
+would do without ``reshard`` (``dtrec.checkpoint.save``, distribute a fresh model to the
+new plan, ``dtrec.checkpoint.load``), timed, with the bytes it wrote; then
+``dtrec.reshard`` of the trained model to the same plan, timed, with the bytes it sent
+(``comm_stats``' ``reshard.rows``); a check that both ways hold bit-identical blocks and
+fused state; ``--steps`` timed steps of the round trip's model, then of the resharded one
+(the same plan: their step times should match).
+
+    .venv/bin/python -m benchmarks.replan --json benchmarks/results/replan_cpu_<date>.json
+    .venv/bin/python -m benchmarks.replan --scale 0.01 --steps 2  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.checkpoint import _step, _written
+from benchmarks.distributed import (
+    Workload,
+    _build_dtrec,
+    _peak_rss_mb,
+    _quiet,
+    dtrec_spec,
+    table_kinds,
+    workload,
+)
+from benchmarks.probes.report import dtrec_source, write_report
+from tests.multiprocess import WorldError, run_world
+
+START = "tw:0"
+"""Every table's spec on the poor plan: all on shard position 0."""
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _step_times(model, optimizers, w: Workload, rank: int, steps: int) -> list[float]:
+    import dtrec
+
+    return [
+        _timed(lambda: _step(model, optimizers, dtrec.KeyedJaggedTensor, w, rank))
+        for _ in range(steps)
+    ]
+
+
+def _same_blocks(a, b) -> bool:
+    """Whether two models on the same plan hold bit-identical local blocks and fused state."""
+    ta, tb = a.ebc, b.ebc
+    for name, table in ta.embedding_bags.items():
+        if not torch.equal(table.weight.to_local(), tb.embedding_bags[name].weight.to_local()):
+            return False
+    sa, sb = ta.fused_optimizer_state(), tb.fused_optimizer_state()
+    return all(torch.equal(sa[t][k], sb[t][k]) for t in sa for k in sa[t])
+
+
+def run_rank(rank: int, world: int, w: Workload, opts: dict) -> dict:
+    import dtrec
+    from dtrec.checkpoint import dcp as checkpoint
+
+    _quiet()
+    torch.manual_seed(0)
+    n = len(w.rows)
+    model, optimizers, _, _, _ = _build_dtrec(w, [START] * n, world)
+    target = {f"ebc.t{i}": dtrec_spec(k) for i, k in enumerate(table_kinds("mixed", world, n))}
+    before = _step_times(model, optimizers, w, rank, opts["steps"])
+
+    root = Path(opts["root"])
+    published: list[Path] = []
+    fresh: list = []
+
+    def round_trip() -> None:
+        published.append(checkpoint.save(root, model))
+        torch.manual_seed(0)
+        other, other_optimizers, _, _, _ = _build_dtrec(w, table_kinds("mixed", world, n), world)
+        checkpoint.load(published[0], other)
+        fresh.extend([other, other_optimizers])
+
+    round_trip_s = _timed(round_trip)
+    written = _written(published[0], rank)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(published[0])
+    with dtrec.comm_stats() as stats:
+        reshard_s = _timed(lambda: dtrec.reshard(model, target))
+    same = _same_blocks(model, fresh[0])
+    direct = _step_times(fresh[0], fresh[1], w, rank, opts["steps"])
+    del fresh[:]
+    after = _step_times(model, optimizers, w, rank, opts["steps"])
+    return {
+        "rank": rank,
+        "step_before_s": statistics.median(before),
+        "step_after_s": statistics.median(after),
+        "step_direct_s": statistics.median(direct),
+        "reshard_s": reshard_s,
+        "reshard_bytes_sent": stats.bytes_sent.get("reshard.rows", 0),
+        "round_trip_s": round_trip_s,
+        "round_trip_bytes_written": written,
+        "same_as_round_trip": same,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+def run(w: Workload, opts: dict, world: int) -> dict:
+    start = time.perf_counter()
+    try:
+        ranks = run_world(world, run_rank, w, opts, timeout=opts["timeout"], collective_timeout=600)
+    except WorldError as exc:
+        return {
+            "status": "failed",
+            "error": str(exc)[-4000:],
+            "wall_s": time.perf_counter() - start,
+        }
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in ranks)
+
+    return {
+        "status": "ok",
+        "wall_s": time.perf_counter() - start,
+        "step_before_s": med("step_before_s"),
+        "step_after_s": med("step_after_s"),
+        "step_direct_s": med("step_direct_s"),
+        "reshard_s": max(r["reshard_s"] for r in ranks),
+        "reshard_bytes_sent": sum(r["reshard_bytes_sent"] for r in ranks),
+        "round_trip_s": max(r["round_trip_s"] for r in ranks),
+        "round_trip_bytes_written": sum(r["round_trip_bytes_written"] for r in ranks),
+        "same_as_round_trip": all(r["same_as_round_trip"] for r in ranks),
+        "ranks": ranks,
+    }
+
+
+def print_result(result: dict) -> None:
+    if result["status"] != "ok":
+        print(f"failed: {result['error'].splitlines()[-1][:200]}")
+        return
+    r = result
+    print(
+        f"step before {r['step_before_s'] * 1e3:.1f} ms, after {r['step_after_s'] * 1e3:.1f} ms "
+        f"(distributed to the new plan directly: {r['step_direct_s'] * 1e3:.1f} ms)"
+    )
+    print(
+        f"reshard    {r['reshard_s']:.3f} s, {r['reshard_bytes_sent'] / 1e6:.2f} MB sent\n"
+        f"round trip {r['round_trip_s']:.3f} s, {r['round_trip_bytes_written'] / 1e6:.2f} MB "
+        f"written (and read back)\n"
+        f"same blocks and state both ways: {r['same_as_round_trip']}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=float, default=0.3, help="multiplies table rows")
+    parser.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps before and after")
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--dir", help="where the checkpoint goes (default: a temporary one)")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds")
+    parser.add_argument("--json", help="write results here")
+    args = parser.parse_args(argv)
+    w = workload(args.scale, batch=args.batch)
+    workdir = Path(args.dir or tempfile.mkdtemp(prefix="dtrec_replan_bench_"))
+    opts = {"steps": args.steps, "timeout": args.timeout, "root": str(workdir)}
+    try:
+        result = run(w, opts, args.world_size)
+    finally:
+        if not args.dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print_result(result)
+    if args.json:
+        import datetime
+
+        write_report(
+            args.json,
+            {
+                "meta": {
+                    "date": datetime.date.today().isoformat(),
+                    "command": " ".join(["python -m benchmarks.replan", *argv]),
+                    "torch": torch.__version__,
+                    "python": platform.python_version(),
+                    "cpu_cores": os.cpu_count(),
+                    "dtrec": dtrec_source(),
+                    "rows": list(w.rows),
+                    "dim": w.dim,
+                    "start": START,
+                    "target": table_kinds("mixed", args.world_size, len(w.rows)),
+                    "timing": "step: median over steps, then over ranks; reshard and round "
+                    "trip: the slowest rank (barriers before and after)",
+                },
+                "result": result,
+            },
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Managed-collision collections: remap each table's raw ids, then look them up.
+
+``ManagedCollisionCollection`` holds one remapper per table
+(``MCHManagedCollisionModule``) and turns a batch of raw ids into a batch of rows;
+``ManagedCollisionEmbeddingBagCollection`` feeds that batch to a pooled
+``EmbeddingBagCollection``. Names, constructor arguments, the ``(pooled,
+remapped or None)`` output and state-dict keys are TorchRec's unsharded
+modules', so checkpoints load both ways.
+
+Unlike TorchRec's unsharded module (whose ``evict`` is a no-op), rows whose id
+was evicted are reset before the lookup that first uses them: their weights to
+fresh values of the table's init (``dtrec.modules.init.reset_rows_init``, the same
+on every rank and under any sharding; a TorchRec config's ``init_fn`` when it has
+one), then every eviction hook runs (optimizer state:
+``reset_torch_optimizer_rows`` for a torch optimizer, ``FusedOptimizer.reset_rows``
+for a fused one).
+
+Example::
+
+    tables = [EmbeddingBagConfig("user", 1000, 16, ["user_id"])]
+    mc_ebc = ManagedCollisionEmbeddingBagCollection(
+        EmbeddingBagCollection(tables),
+        ManagedCollisionCollection(
+            {"user": MCHManagedCollisionModule(1000, eviction_policy=LFU(),
+                                               eviction_interval=10)},
+            tables,
+        ),
+        return_remapped_features=True,
+    )
+    pooled, remapped = mc_ebc(kjt)      # kjt holds raw 64-bit ids
+    opt = torch.optim.Adam(mc_ebc.parameters())
+    mc_ebc.register_eviction_hook(
+        lambda table, rows: reset_torch_optimizer_rows(opt, mc_ebc.table_weight(table), rows))
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
+
+from dtrec.modules.config import as_bag_config
+from dtrec.modules.embedding_bag import EmbeddingBagCollection
+from dtrec.modules.features import feature_order, prepare_features
+from dtrec.modules.init import reset_rows_init
+from dtrec.modules.managed_collision import MCHManagedCollisionModule
+from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
+
+EvictionHook = Callable[[str, Tensor], None]
+
+
+class ManagedCollisionCollection(nn.Module):
+    """One remapper per table: raw ids in, rows out (TorchRec's class of that name).
+
+    A table's features are remapped together, as one step of its remapper: a table
+    read by two features counts both features' ids.
+    """
+
+    def __init__(
+        self,
+        managed_collision_modules: Mapping[str, MCHManagedCollisionModule],
+        embedding_configs: Sequence[object],
+    ) -> None:
+        super().__init__()
+        self._embedding_configs = list(embedding_configs)
+        self._tables = [as_bag_config(cfg) for cfg in self._embedding_configs]
+        for cfg in self._tables:
+            mc = managed_collision_modules.get(cfg.name)
+            if not isinstance(mc, MCHManagedCollisionModule):
+                got = "none" if mc is None else type(mc).__name__
+                raise TypeError(
+                    f"table {cfg.name!r}: managed_collision_modules needs a dtrec "
+                    f"MCHManagedCollisionModule for it, got {got}"
+                )
+            if mc.output_size() != cfg.num_embeddings:
+                raise ValueError(
+                    f"table {cfg.name!r}: zch_size {mc.output_size()} of its managed collision "
+                    f"module must equal num_embeddings {cfg.num_embeddings}"
+                )
+        extra = set(managed_collision_modules) - {cfg.name for cfg in self._tables}
+        if extra:
+            raise KeyError(f"managed collision modules {sorted(extra)} name no table")
+        self._managed_collision_modules = nn.ModuleDict(
+            {cfg.name: managed_collision_modules[cfg.name] for cfg in self._tables}
+        )
+
+    def embedding_configs(self) -> list[object]:
+        """The table configs, as given."""
+        return list(self._embedding_configs)
+
+    def forward(self, features: object) -> KeyedJaggedTensor:
+        """The batch in the tables' feature order with each id replaced by its row.
+
+        One host sync (the per-feature id counts, to cut the ids by table)."""
+        kjt = prepare_features(features, self._tables, bounds_check="off")
+        counts = kjt.length_per_key()
+        rows, at = [], 0
+        for cfg in self._tables:
+            n = sum(counts[at : at + len(cfg.feature_names)])
+            start = sum(counts[:at])
+            at += len(cfg.feature_names)
+            rows.append(self._managed_collision_modules[cfg.name](kjt.values()[start : start + n]))
+        values = torch.cat(rows) if len(rows) != 1 else rows[0]
+        return kjt.with_values(values)
+
+    def evict(self) -> dict[str, Tensor | None]:
+        """Per table, the rows whose id changed since the last call (None: none)."""
+        return {name: mc.evict() for name, mc in self._managed_collision_modules.items()}
+
+    def open_slots(self) -> dict[str, Tensor]:
+        """Per table, rows no id holds yet."""
+        return {name: mc.open_slots() for name, mc in self._managed_collision_modules.items()}
+
+
+class ManagedCollisionEmbeddingBagCollection(nn.Module):
+    """A pooled collection looked up by raw ids through managed collision.
+
+    ``forward(kjt)`` returns ``(KeyedTensor, remapped KJT or None)`` (the remapped batch
+    when ``return_remapped_features``), as TorchRec's module does. ``reset_seed`` keys the
+    values evicted rows are reset to.
+    """
+
+    def __init__(
+        self,
+        embedding_bag_collection: EmbeddingBagCollection,
+        managed_collision_collection: ManagedCollisionCollection,
+        return_remapped_features: bool = False,
+        reset_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(embedding_bag_collection, EmbeddingBagCollection):
+            raise TypeError(
+                "embedding_bag_collection must be a dtrec EmbeddingBagCollection, got "
+                f"{type(embedding_bag_collection).__name__}"
+            )
+        ebc_tables = embedding_bag_collection.embedding_bag_configs()
+        mc_tables = [as_bag_config(c) for c in managed_collision_collection.embedding_configs()]
+        if feature_order(ebc_tables) != feature_order(mc_tables) or [
+            (c.name, c.num_embeddings) for c in ebc_tables
+        ] != [(c.name, c.num_embeddings) for c in mc_tables]:
+            raise ValueError(
+                "the EmbeddingBagCollection and the ManagedCollisionCollection must have the "
+                f"same tables and features: {[c.name for c in ebc_tables]} vs "
+                f"{[c.name for c in mc_tables]}"
+            )
+        self._managed_collision_collection = managed_collision_collection
+        self._embedding_module = embedding_bag_collection
+        self._return_remapped_features = return_remapped_features
+        self._reset_seed = reset_seed
+        # an OrderedDict: RemovableHandle holds it by weak reference, as torch's hooks
+        self._eviction_hooks: OrderedDict[int, EvictionHook] = OrderedDict()
+        self._init_fns = {
+            cfg.name: embedding_bag_collection.table_init_fn(cfg.name) for cfg in ebc_tables
+        }
+
+    def table_weight(self, table: str) -> Tensor:
+        """Table ``table``'s weight parameter (KeyError naming it if absent)."""
+        bags = self._embedding_module.embedding_bags
+        if table not in bags:
+            raise KeyError(f"no table {table!r}; tables: {list(bags)}")
+        return bags[table].weight
+
+    def register_eviction_hook(self, hook: EvictionHook) -> RemovableHandle:
+        """Call ``hook(table, rows)`` after evicted ``rows`` of ``table`` were reset and
+        before they are looked up: reset the optimizer state of those rows there."""
+        handle = RemovableHandle(self._eviction_hooks)
+        self._eviction_hooks[handle.id] = hook
+        return handle
+
+    def forward(self, features: object) -> tuple[KeyedTensor, KeyedJaggedTensor | None]:
+        remapped = self._managed_collision_collection(features)
+        self._reset_evicted(self._managed_collision_collection.evict())
+        pooled = self._embedding_module(remapped)
+        return pooled, remapped if self._return_remapped_features else None
+
+    def share_windows(self, group: ProcessGroup | None) -> None:
+        """Evict over every rank of ``group``'s ids (``MCHManagedCollisionModule.share_window``):
+        what ``distribute_module`` sets, so that every rank makes the unsharded decisions."""
+        for mc in self._managed_collision_collection._managed_collision_modules.values():
+            mc.share_window(group)
+
+    def tables_with_init_fn(self) -> list[str]:
+        """Tables reset by a TorchRec ``init_fn`` (torch's global generator: not the same
+        draws on every rank, so such tables cannot be distributed)."""
+        return [name for name, fn in self._init_fns.items() if fn is not None]
+
+    def _reset_evicted(self, evictions: Mapping[str, Tensor | None]) -> None:
+        for table, rows in evictions.items():
+            if rows is None or rows.numel() == 0:
+                continue
+            self._embedding_module.reset_rows(table, rows, self._row_values(table))
+            for hook in list(self._eviction_hooks.values()):
+                hook(table, rows)
+
+    def _row_values(self, table: str) -> Callable[[Tensor, tuple[int, int]], Tensor]:
+        """The values evicted rows of ``table`` get at this step: (rows, cols) -> values."""
+        weight = self.table_weight(table)
+        num_rows, dim, dtype = weight.shape[0], weight.shape[1], weight.dtype
+        init_fn = self._init_fns.get(table)
+        if init_fn is not None:  # a TorchRec config's init: torch's global generator
+
+            def drawn(rows: Tensor, cols: tuple[int, int]) -> Tensor:
+                fresh = torch.empty(rows.numel(), dim, dtype=dtype, device=rows.device)
+                out = init_fn(fresh)
+                return (fresh if out is None else out)[:, cols[0] : cols[1]]
+
+            return drawn
+        mc = self._managed_collision_collection._managed_collision_modules[table]
+        step, seed = mc.current_iter, self._reset_seed
+
+        def hashed(rows: Tensor, cols: tuple[int, int]) -> Tensor:
+            return reset_rows_init(table, num_rows, dim, rows, step, seed, cols, dtype)
+
+        return hashed
+
+
+MANAGED_COLLISION_MODULES = (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionCollection,
+    MCHManagedCollisionModule,
+)
+"""What ``distribute_module`` refuses until the sharded remap lands (issue 45)."""
+
+
+@torch.no_grad()
+def reset_torch_optimizer_rows(
+    optimizer: torch.optim.Optimizer, param: Tensor, rows: Tensor
+) -> None:
+    """Zero the per-row state (``exp_avg``, ``sum``, ``momentum_buffer``...) of ``rows`` of
+    ``param`` in a torch optimizer; scalar state (``step``) stays."""
+    for value in optimizer.state.get(param, {}).values():
+        if isinstance(value, Tensor) and value.dim() and value.shape[0] == param.shape[0]:
+            value[rows] = 0
+
+
+__all__ = [
+    "ManagedCollisionCollection",
+    "ManagedCollisionEmbeddingBagCollection",
+    "reset_torch_optimizer_rows",
+]

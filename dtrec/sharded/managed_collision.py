@@ -1,0 +1,110 @@
+"""Distributing managed-collision collections: where the remap runs, and why.
+
+Each rank remaps its own batch with a full copy of every table's remapper (one
+``searchsorted`` on the raw ids, no communication), then the remapped ids take
+the table's row-wise input dist once, as any batch does. Eviction decisions must
+be the ones the unsharded module makes on the global batch, the same on every
+shard and replica rank: at an eviction step (every ``eviction_interval`` steps,
+off the hot path) each rank all-gathers its window summary (unique ids, counts,
+last access) over the world and every rank runs the same deterministic eviction
+on the merged window, so no rank decides for the others and no broadcast is
+needed. Every rank then knows the global list of evicted rows and resets those
+it holds (weights and fused optimizer state), as the unsharded table would.
+
+Remapping after the input dist on the owner of a raw-id range (TorchRec's way)
+makes each shard a remapper of ``zch_size / S`` rows with its own competition: a
+different model for every shard count, and ``zch_size`` must divide (TorchRec
+#1591). The cost here: every rank holds each remapper (about 24-32 bytes per row,
+next to a row-wise shard's ``4 * dim / S``), and an eviction step gathers the
+window's unique ids from every rank.
+
+What is not supported raises: a plan putting a managed-collision table on any
+type but ``RowWise`` (unnamed tables are pinned to it), no fused optimizer (a torch
+optimizer's sharded state of evicted rows is not reset yet), ``same_batch``, a
+TorchRec ``ShardingPlan``, and TorchRec ``init_fn`` tables (their reset draws from
+each rank's own generator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from dtrec.modules.mc_collection import ManagedCollisionEmbeddingBagCollection
+from dtrec.placements import RowWise, TableSpec
+
+INNER = "_embedding_module"
+"""Where a managed-collision collection keeps its EmbeddingBagCollection (TorchRec's
+attribute): its tables' plan keys are ``<fqn>._embedding_module.<table>``."""
+
+
+def remapped_collections(model: nn.Module) -> dict[str, ManagedCollisionEmbeddingBagCollection]:
+    """FQN -> every managed-collision collection in ``model``."""
+    return {
+        fqn: m
+        for fqn, m in model.named_modules()
+        if isinstance(m, ManagedCollisionEmbeddingBagCollection)
+    }
+
+
+def inner_fqn(fqn: str) -> str:
+    """The FQN of the EmbeddingBagCollection inside the collection at ``fqn``."""
+    return f"{fqn}.{INNER}" if fqn else INNER
+
+
+def pin_row_wise(
+    plan: Mapping[str, TableSpec] | None,
+    collections: Mapping[str, ManagedCollisionEmbeddingBagCollection],
+    fused: Mapping[str, object],
+    same_batch: object,
+) -> dict[str, TableSpec] | None:
+    """``plan`` with every managed-collision table row-wise; ValueError for what is not
+    supported (module docstring), naming the table or collection."""
+    if not collections:
+        return None if plan is None else dict(plan)
+    if plan is not None and not isinstance(plan, Mapping):
+        raise ValueError(
+            "a TorchRec ShardingPlan for a model with managed-collision collections is not "
+            "supported; give a dtrec plan {'<fqn>._embedding_module.<table>': RowWise()}"
+        )
+    if same_batch is not None:
+        raise ValueError(
+            f"managed-collision collections {sorted(collections)} do not support same_batch yet"
+        )
+    pinned = dict(plan or {})
+    for fqn, mc in collections.items():
+        inner = inner_fqn(fqn)
+        if fused.get(inner) is None:
+            raise ValueError(
+                f"managed-collision collection {fqn!r} needs a fused optimizer "
+                "(distribute_module(..., optimizer=dtrec.optim.SGD/Adam/RowWiseAdagrad)): "
+                "resetting a torch optimizer's sharded state of evicted rows is not supported"
+            )
+        drawn = mc.tables_with_init_fn()
+        if drawn:
+            raise ValueError(
+                f"managed-collision tables {drawn} of {fqn!r} have a TorchRec init_fn: evicted "
+                "rows would be reset from each rank's own generator; use dtrec configs"
+            )
+        for cfg in mc._embedding_module.embedding_bag_configs():
+            key = f"{inner}.{cfg.name}"
+            spec = pinned.setdefault(key, RowWise())
+            if not isinstance(spec, RowWise):
+                raise ValueError(
+                    f"managed-collision table {key!r}: only RowWise() is supported, got {spec!r}"
+                )
+    return pinned
+
+
+def share_windows(
+    collections: Mapping[str, ManagedCollisionEmbeddingBagCollection], group: ProcessGroup | None
+) -> None:
+    """Every remapper evicts over the whole world's window (``group``: the world, or a
+    pipeline stage's ranks)."""
+    for mc in collections.values():
+        mc.share_windows(group)
+
+
+__all__ = ["inner_fqn", "pin_row_wise", "remapped_collections", "share_windows"]

@@ -1,0 +1,90 @@
+"""Carry out a collection's moves: local copies, then all-to-all rounds over the shard axis.
+
+Every replica group holds the same blocks, so each one moves its own copy over its own
+"shard" group (a rank's position on the "shard" axis is its rank in that group): no
+traffic crosses replica groups. Tensors travel as bytes (weights and state may differ
+in dtype), in the rounds ``moves.rounds`` cut, so the extra memory per rank is one
+round's send and receive buffers (about ``chunk_bytes`` each) on top of the new blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from dtrec.comm.collectives import all_to_all
+from dtrec.placements.layout import Block
+from dtrec.sharded.reshard.moves import Piece, rounds
+
+ROWS_KIND = "reshard.rows"
+"""The ``dtrec.comm_stats`` kind of the rows (weights and state) sent to new owners."""
+
+CHUNK_BYTES = 64 << 20
+"""Default bound of the bytes one rank sends (and receives) per all-to-all round."""
+
+Locals = Mapping[tuple[int, str], tuple[Tensor, Block]]
+"""(table, entry) -> this rank's local tensor of it and the rectangle it holds (a row state:
+viewed ``[n, 1]``, its block's rows and columns ``(0, 1)``, like ``moves.entry_rects``);
+tables without a block here are absent."""
+
+
+def _view(tensors: Locals, piece: Piece) -> Tensor:
+    """The piece's rectangle of this rank's local tensor of its entry."""
+    tensor, block = tensors[piece.table, piece.entry]
+    (r0, _), (c0, _) = block.rows, block.cols
+    return tensor[piece.rows[0] - r0 : piece.rows[1] - r0, piece.cols[0] - c0 : piece.cols[1] - c0]
+
+
+def _as_bytes(t: Tensor) -> Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def move(
+    pieces: list[Piece],
+    old: Locals,
+    new: Locals,
+    position: int,
+    group: ProcessGroup,
+    size: int,
+    device: torch.device,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> int:
+    """Copy the pieces this rank receives into ``new``: its own locally, the others from
+    their ``src`` over ``group`` (of ``size`` members; buffers on ``device``, where the
+    group's collectives run).
+
+    Collective over ``group`` (every member passes the same ``pieces``). Returns the bytes
+    this rank sent.
+    """
+    with torch.no_grad():
+        for piece in pieces:
+            if piece.src == piece.dst == position:
+                _view(new, piece).copy_(_view(old, piece))
+    sent = 0
+    for round_pieces in rounds(pieces, size, chunk_bytes):
+        outgoing = [
+            [p for p in round_pieces if p.src == position and p.dst == d] for d in range(size)
+        ]
+        incoming = [
+            [p for p in round_pieces if p.dst == position and p.src == s] for s in range(size)
+        ]
+        in_splits = [sum(p.nbytes for p in ps) for ps in outgoing]
+        out_splits = [sum(p.nbytes for p in ps) for ps in incoming]
+        parts = [_as_bytes(_view(old, p)) for ps in outgoing for p in ps]
+        empty = torch.empty(0, dtype=torch.uint8, device=device)
+        send = torch.cat(parts).to(device) if parts else empty
+        received = all_to_all(send, out_splits, in_splits, group, ROWS_KIND)
+        sent += sum(in_splits)
+        offset = 0
+        with torch.no_grad():
+            for ps in incoming:
+                for p in ps:
+                    target = _view(new, p)
+                    chunk = received[offset : offset + p.nbytes]
+                    # a copy: the byte offset of a piece need not be aligned to its dtype
+                    target.copy_(chunk.clone().view(target.dtype).view(target.shape))
+                    offset += p.nbytes
+    return sent
