@@ -261,6 +261,40 @@ def _torch_adam_model(plan: dict, seed: int):
     return model, torch.optim.Adam(model.parameters(), lr=0.05)
 
 
+def _several_lookups(mesh) -> dict:
+    """A table read by several lookups before one update (two forwards summed into one
+    backward; ``dtrec.accumulate_gradients`` over two microbatches): each lookup fetches
+    its own compact table, the update merges their rows. Fully sharded ends like exact 2D."""
+    import dtrec
+    from tests.distributed.numerics import TinyModel, make_batch, make_tables, rank_loss
+
+    tables = make_tables(False)
+    gen = torch.Generator().manual_seed(7 + torch.distributed.get_rank())
+    batches = [make_batch(tables, 3, False, gen) for _ in range(4)]
+    out = {}
+    for how in ("summed", "accumulated"):
+        finals = {}
+        for name, plan in (("exact", {t[0]: RowWise() for t in TABLES}), ("fs", PLANS["mixed"])):
+            torch.manual_seed(0)
+            model = dtrec.distribute_module(
+                TinyModel(tables), mesh, {f"sparse.{k}": v for k, v in plan.items()},
+                optimizer=dtrec.optim.Adam(lr=0.05),
+            )  # fmt: skip
+            for step in range(2):
+                pair = batches[2 * step : 2 * step + 2]
+                if how == "summed":
+                    sum(rank_loss(model(k), t) for k, t in pair).backward()
+                else:
+                    with dtrec.accumulate_gradients(model):
+                        for k, t in pair:
+                            rank_loss(model(k), t).backward()
+            finals[name] = dtrec.checkpoint.full_state_dict(model)
+        out[how] = max(
+            (finals["exact"][k] - finals["fs"][k]).abs().max().item() for k in finals["exact"]
+        )
+    return out
+
+
 def _world(rank: int, world: int, root: str) -> dict:
     import dtrec
 
@@ -270,6 +304,7 @@ def _world(rank: int, world: int, root: str) -> dict:
         "at_rest": _at_rest(mesh),
         "errors": _errors(mesh),
         "sequence": _sequence(mesh),
+        "several_lookups": _several_lookups(mesh),
         "checkpoints": _checkpoints(Path(root)),
     }
 
@@ -416,6 +451,12 @@ def test_sequence_collections_train_like_unsharded(results, case):
         worst, layout_ok = result["sequence"][case]
         assert layout_ok, (rank, case)
         assert worst < TOLERANCE, (rank, case, worst)
+
+
+def test_several_lookups_before_one_update(results):
+    for rank, result in enumerate(results):
+        for how, diff in result["several_lookups"].items():
+            assert diff < TOLERANCE, (rank, how, diff)
 
 
 def test_no_grad_forward_and_deepcopy(results):
