@@ -846,6 +846,21 @@ LOCAL: dict[str, Case] = {
             topology=dtrec.Topology.cpu(memory_per_rank=100.0, host_memory_per_rank=50.0),
         ),
     ),
+    "E345": lambda tmp: RowWise(fully_sharded=1),
+    "E346": on_mesh(
+        4,
+        2,
+        lambda m: distributed(
+            m, {"sparse.t0": RowWise(cache_rows=4, fully_sharded=True)}, SGD(0.1)
+        ),
+    ),
+    "E349": on_mesh(
+        4,
+        2,
+        lambda m: dtrec.distribute_module(
+            Model(), m, {"sparse.t0": RowWise(fully_sharded=True)}, SGD(0.1), sync_every=2
+        ),
+    ),
     "E330": lambda tmp: dtrec.Topology(host_memory_per_rank=-1.0),
     "E331": lambda tmp: TableConstraint(cache_fraction=0),
     "E332": on_mesh(

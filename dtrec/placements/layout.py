@@ -68,6 +68,10 @@ class TableLayout:
     """Offloaded tables (``dtrec.placements.offload``): per block (``blocks`` order), the
     rows of its device cache; the blocks themselves live in host memory. Empty: every
     block lives on the device."""
+    replica_sliced: bool = False
+    """Fully sharded 2D (``dtrec.placements.fully_sharded``): each block's rows are split
+    over the "replicate" axis, every replica holding one owner slice at rest (the last
+    placement is ``Shard(0)``). ``blocks`` still name whole shards: what ids route to."""
 
     @property
     def offloaded(self) -> bool:

@@ -93,11 +93,13 @@ class Offloadable:
 
     def __repr__(self) -> str:
         """``RowWise()``, ``TableWise(rank=3)``, ``RowWise(cache_rows=10)``: the spec's own
-        fields first, the cache fields only when set."""
-        own = [f.name for f in fields(self) if f.name not in _CACHE_FIELDS]
+        fields first, the keyword options only when set."""
+        own = [f.name for f in fields(self) if not f.kw_only]
         shown = [f"{n}={getattr(self, n)!r}" for n in own]
-        shown += [
-            f"{n}={getattr(self, n)!r}" for n in _CACHE_FIELDS if getattr(self, n) is not None
+        shown += [  # keyword options (cache fields, ``fully_sharded``): only when set
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if f.kw_only and getattr(self, f.name) != f.default
         ]
         return f"{type(self).__name__}({', '.join(shown)})"
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from dtrec.modules.config import EmbeddingBagConfig
+from dtrec.placements.fully_sharded import ReplicaSliceable
 from dtrec.placements.layout import Block, TableLayout, chunk_bounds
 from dtrec.placements.mesh import SHARD, SHARD_LOCAL, SHARD_NODE, ShardAxis
 from dtrec.placements.offload import Offloadable
@@ -76,7 +77,7 @@ class DataParallel(TableSpec):
 
 
 @dataclass(frozen=True, repr=False)
-class TableWise(Offloadable, TableSpec):
+class TableWise(ReplicaSliceable, Offloadable, TableSpec):
     """Whole table on shard position ``rank`` (0..S-1, same in every replica group)."""
 
     rank: int | None = None
@@ -107,7 +108,8 @@ class TableWise(Offloadable, TableSpec):
                 f"table {table.name!r}: TableWise(rank={self.rank!r}) is not a position on the "
                 f"shard axis (expected 0..{axis.size - 1})"
             )
-        return self._with_cache(
+        return self._with_layout_options(
+            table,
             TableLayout(
                 positions=(self.rank,),
                 mesh_shape=(1,),
@@ -116,19 +118,20 @@ class TableWise(Offloadable, TableSpec):
                 blocks=_blocks(
                     [self.rank], [(0, table.num_embeddings)], [(0, table.embedding_dim)]
                 ),
-            )
+            ),
         )
 
 
 @dataclass(frozen=True, repr=False)
-class RowWise(Offloadable, TableSpec):
+class RowWise(ReplicaSliceable, Offloadable, TableSpec):
     """Rows split over the whole shard axis (torch chunk semantics; empty shards allowed)."""
 
     short = "RW"
 
     def layout(self, table: EmbeddingBagConfig, axis: ShardAxis) -> TableLayout:
         positions = list(range(axis.size))
-        return self._with_cache(
+        return self._with_layout_options(
+            table,
             TableLayout(
                 positions=tuple(positions),
                 mesh_shape=(axis.size,),
@@ -139,12 +142,12 @@ class RowWise(Offloadable, TableSpec):
                     chunk_bounds(table.num_embeddings, axis.size),
                     [(0, table.embedding_dim)] * axis.size,
                 ),
-            )
+            ),
         )
 
 
 @dataclass(frozen=True, repr=False)
-class ColumnWise(Offloadable, TableSpec):
+class ColumnWise(ReplicaSliceable, Offloadable, TableSpec):
     """Columns split over the whole shard axis (torch chunk semantics), or over the
     increasing shard positions ``positions`` (a TorchRec planner's column-wise table on
     some of the ranks; their sub-mesh is ``Shard(1)``). Increasing, because torch orders a
@@ -191,7 +194,8 @@ class ColumnWise(Offloadable, TableSpec):
                     f"table {table.name!r}: ColumnWise(positions={self.positions!r}) needs "
                     f"embedding_dim >= {len(positions)} positions, got {table.embedding_dim}"
                 )
-        return self._with_cache(
+        return self._with_layout_options(
+            table,
             TableLayout(
                 positions=tuple(positions),
                 mesh_shape=(len(positions),),
@@ -202,12 +206,12 @@ class ColumnWise(Offloadable, TableSpec):
                     [(0, table.num_embeddings)] * len(positions),
                     chunk_bounds(table.embedding_dim, len(positions)),
                 ),
-            )
+            ),
         )
 
 
 @dataclass(frozen=True, repr=False)
-class TableRowWise(Offloadable, TableSpec):
+class TableRowWise(ReplicaSliceable, Offloadable, TableSpec):
     """Table on one node (``node``), rows split over that node's shard positions."""
 
     node: int | None = None
@@ -244,7 +248,8 @@ class TableRowWise(Offloadable, TableSpec):
         per_node = axis.per_node
         assert per_node is not None
         positions = [self.node * per_node + i for i in range(per_node)]
-        return self._with_cache(
+        return self._with_layout_options(
+            table,
             TableLayout(
                 positions=tuple(positions),
                 mesh_shape=(per_node,),
@@ -255,12 +260,12 @@ class TableRowWise(Offloadable, TableSpec):
                     chunk_bounds(table.num_embeddings, per_node),
                     [(0, table.embedding_dim)] * per_node,
                 ),
-            )
+            ),
         )
 
 
 @dataclass(frozen=True, repr=False)
-class Grid(Offloadable, TableSpec):
+class Grid(ReplicaSliceable, Offloadable, TableSpec):
     """Columns split across nodes, rows split across the shard positions inside a node."""
 
     short = "GRID"
@@ -278,7 +283,8 @@ class Grid(Offloadable, TableSpec):
         row_chunks = chunk_bounds(table.num_embeddings, per_node)
         positions = list(range(axis.size))
         placements: tuple[Placement, ...] = (Shard(1), Shard(0), Replicate())
-        return self._with_cache(
+        return self._with_layout_options(
+            table,
             TableLayout(
                 positions=tuple(positions),
                 mesh_shape=(nodes, per_node),
@@ -289,5 +295,5 @@ class Grid(Offloadable, TableSpec):
                     [row_chunks[p % per_node] for p in positions],
                     [col_chunks[p // per_node] for p in positions],
                 ),
-            )
+            ),
         )

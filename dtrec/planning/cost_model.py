@@ -23,6 +23,10 @@ routes by), for a batch of ``B`` samples per rank and ``L`` ids per bag on avera
   (always fp32) for data-parallel tables;
 * an offloaded block (``dtrec.planning.offload``): device memory for its cache only, host
   memory for the block, and host <-> device bytes for its expected cache misses.
+* a fully sharded block (``RowWise(fully_sharded=True)``): memory for its owner slice
+  (1/R of the block and state) plus a step's compact table of touched rows and their
+  gradients; replicate-axis traffic of those rows fetched and their gradients sent back
+  (``replica_slices``, docs/fully_sharded_2d.md) instead of a gradient sync.
 
 Time per position = HBM bytes / HBM bandwidth + host link bytes / host bandwidth +
 max(sent, received) to shard-axis peers
@@ -192,6 +196,9 @@ def table_cost(
     # its output bytes grow with the ids a block serves, not with the batch.
     sequence = isinstance(cfg, EmbeddingConfig)
     out_kind = "sequence_output_dist" if sequence else "output_dist"
+    # fully sharded 2D (``dtrec.placements.fully_sharded``): rows routed to and from owner
+    # slices over the replicas instead of a whole shard per replica and a replica sync
+    sliced = layout.replica_sliced and not layout.batch_local and axis.replicas > 1
     for i, block in enumerate(layout.blocks):
         p, rows, cols = block.position, block.num_rows, block.num_cols
         block_mass = ids.mass(*block.rows)
@@ -241,6 +248,9 @@ def table_cost(
             _, misses = expected_misses(*row_buckets(ids, *block.rows), per_step, cache)
             cost.host_link_bytes[p] += misses * row  # in, and as many written back out
             cost.add("offload.host_to_device", p, misses * row)
+        elif sliced:  # fully sharded: the owner slice, and a step's compact table + grads
+            slice_bytes = (rows * cols * elt + state) / axis.replicas
+            cost.memory[p] += slice_bytes + touched * cols * (elt + 4) + buffers
         else:
             cost.memory[p] += rows * cols * elt + state + buffers
         cost.hbm_bytes[p] += n_ids * (cols * elt + topology.id_cost_bytes)  # forward gather
@@ -248,6 +258,22 @@ def table_cost(
         row_work = topology.row_cost_bytes
         backward = n_ids * cols * 4 + touched * (2 * row_bytes + row_work)
         one_pass = not layout.batch_local and axis.replicas == 1 and peers[block.rows] == 1
+        if sliced:  # touched rows fetched from the owners, their gradients sent back; each
+            # owner sums R replicas' rows and updates its share of their union
+            r = axis.replicas
+            fetch = (r - 1) / r * touched * (cols * elt + 8)
+            grads = (r - 1) / r * touched * (cols * 4 + 8)
+            union = ids.unique(world * batch * pooling, *block.rows)
+            backward = (
+                n_ids * cols * 4
+                + touched * (cols * 4 + row_work)
+                + union / r * (2 * row_bytes + row_work)
+            )
+            cost.hbm_bytes[p] += backward * topology.synced_update_factor
+            cost.replica_bytes[p] += fetch + grads
+            cost.add("replica_slices.fetch", p, fetch)
+            cost.add("replica_slices.grads", p, grads)
+            continue
         if sync_group > 1:
             wire = 4 if layout.batch_local else topology.replica_sync_bytes()
             path, sent = gradient_sum_bytes(sync_group, touched, cols, rows, wire)

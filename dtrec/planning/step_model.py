@@ -48,6 +48,7 @@ COLLECTIVES = {
     "same_batch.gather": ("same_batch", "all_gather"),
     "same_batch.check": ("same_batch", "all_gather"),
     "same_batch.sizes": ("same_batch", "all_gather"),
+    "replica_slices": ("replicate", "all_to_all"),  # fully sharded 2D's rows and grads
 }
 """``comm_stats`` kind (or its prefix: ``output_dist.backward``) -> (mesh axis, pattern).
 "same_batch": a ``distribute_module(..., same_batch=world["tp"])`` group (its pooled rows'
@@ -62,6 +63,7 @@ PHASES = {
     "dense": "dense",
     "replica_sync": "sync",
     "same_batch": "output",
+    "replica_slices": "sync",
 }
 """Kind prefix -> where the step spends it (``step_time``). A same_batch group's gather
 waits on the output dist and the dense forward waits on it: on the critical path."""

@@ -29,6 +29,7 @@ from dtrec.placements.mesh import shard_axis, shard_position
 from dtrec.sharded.copies import deepcopy_module
 from dtrec.sharded.dist.groups import column_groups
 from dtrec.sharded.dist.input_dist import InputDist
+from dtrec.sharded.dist.replica_slices import OwnerSlices
 from dtrec.sharded.dist.routing import Routing
 from dtrec.sharded.offload import OffloadedTables, offload_tables
 from dtrec.sharded.tables.reset import RowValues, reset_block_rows
@@ -111,6 +112,7 @@ class ShardedCollection(nn.Module):
         self._tables = tables
         self._dtype = weights[tables[0].name].dtype if tables else torch.float32
         self._layouts = [specs[cfg.name].layout(cfg, axis) for cfg in tables]
+        self._check_fully_sharded(sync_every)
         stored = shard_tables(
             tables, weights, mesh, specs, self._layouts, position, init_seed, optimizer is None
         )
@@ -122,6 +124,8 @@ class ShardedCollection(nn.Module):
         replica_codec = None if qcomms is None else qcomms.replica_sync_codec
         self._sync_plan = GradSyncPlan(mesh, self._routing, replica_codec)
         self.optimizer = optimizer
+        self._owners = self._owner_slices(position)
+        """Fully sharded local tables' owner slices, by table index (``fully_sharded``)."""
         self._updater = (
             None if optimizer is None else self._fused_updater(optimizer, mesh, position)
         )
@@ -198,11 +202,40 @@ class ShardedCollection(nn.Module):
                 shards[t], sync.group, columns.get(t), self._tables[t].embedding_dim,
                 sync.scale, sync.kind, sync.codec,
             )  # fmt: skip
+        for t, update in updates.items():
+            update.owner = self._owners.get(t)
         state = dict(zip(local, optimizer.init_states([shards[t] for t in local]), strict=True))
         for t in range(len(self._tables)):
             if t not in updates:
                 state[t] = optimizer.init_state(shards[t])
         return FusedUpdater(optimizer, updates, state)
+
+    def _check_fully_sharded(self, sync_every: int | None) -> None:
+        """ValueError naming the fully sharded tables this increment does not serve yet."""
+        names = [
+            cfg.name for cfg, layout in zip(self._tables, self._layouts) if layout.replica_sliced
+        ]
+        if not names:
+            return
+        if sync_every is not None:
+            raise ValueError(
+                f"table(s) {names}: fully sharded 2D (fully_sharded=True) keeps one owner per "
+                f"row, so replicas have nothing to average: sync_every={sync_every} expects "
+                "whole replicated shards; use sync_every=None"
+            )
+
+    def _owner_slices(self, position: int) -> dict[int, OwnerSlices]:
+        """Fully sharded local tables' owner slices over the replica group (none with one
+        replica, whose slice is the whole shard)."""
+        owners = {}
+        for t in self._routing.local_tables:
+            layout, sync = self._layouts[t], self._sync_plan.table(t, self.sync_every)
+            block = layout.block_at(position)
+            if not layout.replica_sliced or block is None or sync.group is None:
+                continue
+            if dist.get_world_size(sync.group) > 1:
+                owners[t] = OwnerSlices(block.num_rows, sync.group, sync.scale)
+        return owners
 
     def fused_optimizer_state(self) -> dict[str, dict[str, Tensor]]:
         """Table name -> its fused optimizer state (local tensors, shaped like the shard)."""
@@ -331,7 +364,8 @@ class ShardedCollection(nn.Module):
         if self._updater is not None:
             return local
         caches = {} if self._offload is None else self._offload.caches  # not trained here
-        tracked = {t: x for t, x in local.items() if t not in caches}
+        # fully sharded tables' gradients go to their owners in the lookup (FetchTouched)
+        tracked = {t: x for t, x in local.items() if t not in caches and t not in self._owners}
         return {**local, **self._sync_plan.track(tracked, self.sync_every, self.replica_sync)}
 
     def _with_absent_grads(self, out: Any) -> Any:

@@ -81,7 +81,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
             tables, weights, mesh, specs, optimizer, bounds_check, sync_every, init_seed, qcomms
         )
         self.is_weighted = is_weighted
-        self._lookup = LocalLookup(self._routing, self._updater, self._offload)
+        self._lookup = LocalLookup(self._routing, self._updater, self._offload, self._owners)
         self._output_dist = OutputDist(
             tables, self._routing, mesh.get_group(SHARD), self._dtype, self.qcomms
         )
@@ -90,6 +90,7 @@ class ShardedEmbeddingBagCollection(ShardedCollection):
         self._local = (
             LocalPath(tables, self._routing, self._updater, mesh, self._offload)
             if serves_locally(self._routing, self._layouts)
+            and not any(layout.replica_sliced for layout in self._layouts)  # fetched rows
             else None
         )
         split = None if same_batch is None else BatchSplit(same_batch)

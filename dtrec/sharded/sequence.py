@@ -93,7 +93,7 @@ class ShardedEmbeddingCollection(ShardedCollection):
             qcomms, SequenceRouting,
         )  # fmt: skip
         self.need_indices = bool(need_indices)
-        self._lookup = SequenceLookup(self._routing, self._updater, self._offload)
+        self._lookup = SequenceLookup(self._routing, self._updater, self._offload, self._owners)
         self._output_dist = SequenceOutputDist(
             self._routing, mesh.get_group(SHARD), self._dtype, self.qcomms
         )

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import dtrec
 from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
-from dtrec.placements.mesh import shard_axis, shard_position
+from dtrec.placements.mesh import shard_axis
 from dtrec.sharded.sequence import ShardedEmbeddingCollection
 
 TABLES = [
@@ -118,8 +118,8 @@ def check_sequence_numerics(
     sharded = ShardedEmbeddingCollection(
         make_tables(tables), weights, mesh, plan, optimizer=fused, need_indices=True
     )
-    position = shard_position(mesh)
-    blocks = {n: t.layout.block_at(position) for n, t in sharded.embeddings.items()}
+    # this rank's stored block (a fully sharded table's: its owner slice)
+    blocks = {n: t.block for n, t in sharded.embeddings.items()}
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
     opt = torch.optim.SGD(sharded.parameters(), lr=lr) if fused is None else None
     state = (

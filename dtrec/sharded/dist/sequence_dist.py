@@ -41,6 +41,12 @@ from dtrec.comm.quantized import quantized_all_to_all
 from dtrec.ops.backends.device_lists import device_list
 from dtrec.sharded.update.fused_update import FusedUpdater
 from dtrec.sharded.dist.input_dist import RoutedBatch
+from dtrec.sharded.dist.replica_slices import (
+    FetchTouched,
+    OwnerSlices,
+    fetch_touched,
+    run_value_tables,
+)
 from dtrec.sharded.dist.routing import Routing, SendLayout
 from dtrec.sharded.dist.row_buckets import Runs
 from dtrec.sharded.lookup.sequence import IdRuns, expand_runs, lookup_rows
@@ -175,10 +181,17 @@ class ReturnPlan:
 class SequenceLookup:
     """Row gathers on local shards: every table's ids in one call (``lookup_rows``)."""
 
-    def __init__(self, routing: Routing, updater: FusedUpdater | None, offload: Any = None) -> None:
+    def __init__(
+        self,
+        routing: Routing,
+        updater: FusedUpdater | None,
+        offload: Any = None,
+        owners: dict[int, OwnerSlices] | None = None,
+    ) -> None:
         self._routing = routing
         self._updater = updater
         self._offload = offload  # offloaded tables' caches (``OffloadedTables``), or None
+        self._owners = owners or {}  # fully sharded tables' owner slices, by table index
         self._tables = sorted({s.table for s in routing.served})
         self._table_of = {t: u for u, t in enumerate(self._tables)}
 
@@ -208,6 +221,14 @@ class SequenceLookup:
             ids, [self._table_of[s.table] for s in served] * shards, counts, len(self._tables)
         )
         weights = [local[t] for t in self._tables]
+        owners = {u: self._owners[t] for u, t in enumerate(self._tables) if t in self._owners}
+        if owners:  # fully sharded tables: compact tables of their touched rows
+            value_table = run_value_tables(runs.run_table, runs.run_counts)
+            if self._updater is None:  # their gradients reach the owners by autograd
+                ids, *weights = FetchTouched.apply(owners, value_table, ids, *weights)
+            else:  # the fused updater sends their row gradients to the owners
+                weights, ids = fetch_touched(owners, weights, value_table, ids)
+            runs = IdRuns(ids, runs.run_table, runs.counts, len(self._tables))
         return lookup_rows(self._updater, self._tables, weights, runs), send_splits
 
     def fill(self, routed: RoutedBatch) -> None:

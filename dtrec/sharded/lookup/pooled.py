@@ -23,6 +23,12 @@ from torch import Tensor
 
 from dtrec.ops.op import EmbeddingBagFunction
 from dtrec.sharded.dist.input_dist import RoutedBatch
+from dtrec.sharded.dist.replica_slices import (
+    FetchTouched,
+    OwnerSlices,
+    entry_value_tables,
+    fetch_touched,
+)
 from dtrec.sharded.dist.routing import Routing
 from dtrec.sharded.update.fused_update import FusedUpdater, fused_lookup
 from dtrec.sparse import KeyedJaggedTensor
@@ -31,9 +37,16 @@ from dtrec.sparse import KeyedJaggedTensor
 class LocalLookup:
     """Pooled lookups on local shards, plain (autograd grads) or fused (``updater``)."""
 
-    def __init__(self, routing: Routing, updater: FusedUpdater | None, offload: Any = None) -> None:
+    def __init__(
+        self,
+        routing: Routing,
+        updater: FusedUpdater | None,
+        offload: Any = None,
+        owners: dict[int, OwnerSlices] | None = None,
+    ) -> None:
         self._routing = routing
         self._updater = updater
+        self._owners = owners or {}  # fully sharded tables' owner slices, by table index
         self._offload = offload  # offloaded tables' caches (``OffloadedTables``), or None
         served, shards = routing.served, routing.shard_size
         # The received (source, segment) blocks in table-major order, as runs of
@@ -100,6 +113,14 @@ class LocalLookup:
         tables = [local[t] for t in table_ids]
         entry_table = [index[t] for t in entry_tables]
         mean = [False] * len(entry_tables)
+        # fully sharded tables: read compact tables of their touched rows
+        owners = {i: self._owners[t] for i, t in enumerate(table_ids) if t in self._owners}
+        if owners:
+            value_table = entry_value_tables(entry_table, offsets)
+        if owners and self._updater is None:  # their gradients reach the owners by autograd
+            values, *tables = FetchTouched.apply(owners, value_table, values, *tables)
+        elif owners:  # the fused updater sends their row gradients to the owners
+            tables, values = fetch_touched(owners, tables, value_table, values)
         if self._updater is not None:
             return fused_lookup(
                 self._updater, table_ids, tables, entry_table, mean, values, offsets, psw

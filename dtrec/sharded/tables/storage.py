@@ -26,7 +26,13 @@ from dtrec.ops.lookup import packed_views, shared_storage
 from dtrec.placements import TableLayout, TableSpec
 from dtrec.placements.layout import Block
 from dtrec.placements.mesh import mesh_device
-from dtrec.sharded.tables.tensor import distribute_tensor, like_dtensor, load_block, state_dtensor
+from dtrec.sharded.tables.tensor import (
+    distribute_tensor,
+    like_dtensor,
+    load_block,
+    rank_block,
+    state_dtensor,
+)
 
 
 class ShardedTable(nn.Module):
@@ -45,7 +51,8 @@ class ShardedTable(nn.Module):
         self.weight = weight
         self.spec = spec
         self.layout = layout
-        self.block = block  # this rank's block (None: the table has none here)
+        self.block = block  # this rank's block, or owner slice when fully sharded (None:
+        # the table has none here)
         self.cache: Tensor | None = None
         """Offloaded (``layout.offloaded``): the device cache of this rank's block, whose
         rows all live in ``weight`` in host memory. None: the block is on the device."""
@@ -102,7 +109,7 @@ def shard_tables(
         dtensor = distribute_tensor(
             weights[cfg.name], mesh, specs[cfg.name], cfg.name, init_seed, target
         )
-        block = layout.block_at(position)
+        block = rank_block(layout, mesh, position)
         if block is not None and tuple(dtensor.to_local().shape) != (
             block.num_rows,
             block.num_cols,
@@ -140,7 +147,7 @@ def _packed_meta_blocks(
     shapes = {
         cfg.name: (layout.cache_rows_at(position) or block.num_rows, block.num_cols)
         for cfg, layout in zip(tables, layouts, strict=True)
-        if (block := layout.block_at(position)) is not None
+        if (block := rank_block(layout, mesh, position)) is not None
     }
     views = packed_views(list(shapes.values()), dtype, mesh_device(mesh))
     return dict(zip(shapes, views, strict=True))

@@ -22,9 +22,22 @@ from dtrec._torch_compat import (
 from dtrec.comm.collectives import all_gather_varied
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.ops.dtensor_bridge import register_dtensor_rules
+from dtrec.placements.fully_sharded import replica_slice
 from dtrec.placements.layout import Block, TableLayout
 from dtrec.placements.mesh import mesh_device, positions_mesh, shard_axis
 from dtrec.placements.specs import TableSpec
+
+
+def rank_block(layout: TableLayout, mesh: DeviceMesh, position: int | None) -> Block | None:
+    """This rank's stored part of a table: the block at its shard ``position``, or, fully
+    sharded (``layout.replica_sliced``), its replica's owner slice of that block (maybe
+    empty rows). None: the table has no block here."""
+    block = None if position is None else layout.block_at(position)
+    if block is None or not layout.replica_sliced:
+        return block
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None  # a position implies membership
+    return replica_slice(block, coordinate[1], mesh.size(1))
 
 
 def table_mesh(mesh: DeviceMesh, layout: TableLayout) -> DeviceMesh:
@@ -92,8 +105,7 @@ def _init_on_ranks(
 
     rows, dim = weight.shape
     device = mesh_device(mesh)
-    position = shard_position(mesh)
-    block = None if position is None else layout.block_at(position)
+    block = rank_block(layout, mesh, shard_position(mesh))
     if block is None:  # no rows here, or an empty block (a column chunk past the last
         shape = (0, dim)  # column): this rank's share of the table, empty
         if sub.get_coordinate() is not None:

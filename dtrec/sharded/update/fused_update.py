@@ -47,6 +47,7 @@ from dtrec.ops.lookup import Lookup
 from dtrec.ops.op import embedding_bag_psw_backward_op, lookup_backward_rows, lookup_forward
 from dtrec.optim import FusedOptimizer, RowUpdate
 from dtrec.optim.param_groups import rule_for_group
+from dtrec.sharded.dist.replica_slices import OwnerSlices, block_rows_of, route_to_owners
 from dtrec.sharded.lookup.compiled import fused_embedding_bag_op, register_updater
 from dtrec.sharded.update.grad_sync import TableRows, sum_by_row, sync_rows
 
@@ -85,10 +86,16 @@ class TableUpdate:
         """An offloaded table's ``dtrec.sharded.offload.RowCache`` (``weight`` is then its
         device cache, lookups read slots): row grads go to block rows before any sync,
         and the update goes to the rows' slots (or to host memory for rows not cached)."""
+        self.owner: OwnerSlices | None = None
+        """A fully sharded table's owner slices (``weight`` is then this rank's slice,
+        lookups read compact tables of fetched rows): row grads go to shard rows, then to
+        their owners instead of a replica sync (``dtrec.sharded.dist.replica_slices``)."""
 
     @property
     def num_rows(self) -> int:
         """Rows of the shard (of the block in host memory, for an offloaded table)."""
+        if self.owner is not None:
+            return self.owner.block_rows
         return self.weight.shape[0] if self.cache is None else self.cache.num_rows
 
 
@@ -188,7 +195,9 @@ class FusedUpdater:
                     )
                 continue
             rows = lookup_backward_rows(lookup, grad_out)
-            for t, part in zip(table_ids, rows, strict=True):
+            for t, part, compact in zip(table_ids, rows, lookup.weights, strict=True):
+                if self.tables[t].owner is not None:  # compact rows -> shard rows
+                    part = (block_rows_of(compact, part[0]), part[1])
                 cache = self.tables[t].cache
                 parts.setdefault(t, []).append(part if cache is None else cache.to_rows(*part))
         self._sync_and_update(rule, parts, scale)
@@ -215,7 +224,11 @@ class FusedUpdater:
         by_column = [] if not rule.needs_row_sq_sum else [t for t in merged if self._columns(t)]
         unsynced = [t for t in by_column if not self._replicated(t)]
         row_sq_sums = self._start_row_sq_sums(merged, unsynced)
-        for tables, group in _by_group(merged, lambda t: self.tables[t].replica_group):
+        owners = {t: o for t in merged if (o := self.tables[t].owner) is not None}
+        merged.update(route_to_owners(owners, merged))  # fully sharded: to owner slices
+        for tables, group in _by_group(
+            merged, lambda t: None if t in owners else self.tables[t].replica_group
+        ):
             synced = sync_rows(
                 [
                     TableRows(*merged[t], self.tables[t].num_rows, self.tables[t].cache is None)

@@ -1,0 +1,229 @@
+"""Fully sharded 2D: touched rows fetched from their owner slices, gradients sent back.
+
+A fully sharded table (``dtrec.placements.fully_sharded``) keeps, on each replica of a
+shard, only its owner slice of the shard's rows (and of their optimizer state). After
+the input dist a rank knows the rows its lookups touch, all in its own shard:
+
+1. forward (``fetch_touched``): each table's unique touched rows are requested from
+   their owners over the "replicate" axis (ids all-to-all), the owners answer with the
+   rows (rows all-to-all), and the lookup reads a *compact* table of those rows, its
+   ids remapped to compact positions. No rank ever holds its whole shard;
+2. backward (``route_to_owners``): the compact rows' gradients go back to the owners
+   (all-to-all), each owner sums the replicas' contributions per row (the same sum the
+   exact replica sync computes) and alone updates the row and its optimizer state.
+
+Bytes per step and rank: about 2 x touched rows x D (rows out, gradients back) plus
+their ids, against exact 2D's sparse sync of about R x touched x D
+(docs/fully_sharded_2d.md). All fully sharded tables of a lookup share one set of
+exchanges (one replica group per collection).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from dtrec.comm.collectives import all_to_all
+from dtrec.placements.fully_sharded import slice_starts
+from dtrec.sharded.update.grad_sync import sum_by_row
+
+_BLOCK_ROWS = "_dtrec_block_rows"
+"""The attribute of a compact table naming, per compact row, its row in the shard."""
+
+
+class OwnerSlices:
+    """One fully sharded table's shard as owner slices over a replica group."""
+
+    def __init__(self, block_rows: int, group: ProcessGroup, grad_scale: float = 1.0) -> None:
+        self.grad_scale = grad_scale
+        """1 / ranks whose batches the gradient sums (autograd's gradients are averaged with
+        it before they reach the owners; the fused updater scales its own)."""
+        self.block_rows = block_rows
+        """Rows of the whole shard (block); ids after the input dist index them."""
+        self.group = group
+        self.replicas = dist.get_world_size(group)
+        self.replica = dist.get_rank(group)
+        starts = slice_starts(block_rows, self.replicas)
+        self.start = starts[self.replica]
+        """First shard row of this rank's own slice."""
+        self.slice_rows = starts[self.replica + 1] - self.start
+        self._ends = torch.tensor(starts[1 : self.replicas], dtype=torch.long)
+
+    def owners(self, rows: Tensor) -> Tensor:
+        """The replica (0..R-1) owning each shard row in ``rows``."""
+        return torch.searchsorted(self._ends.to(rows.device), rows, right=True)
+
+
+def block_rows_of(compact: Tensor, rows: Tensor) -> Tensor:
+    """Shard rows of the compact table ``compact``'s rows ``rows`` (sorted stays sorted)."""
+    return getattr(compact, _BLOCK_ROWS)[rows]
+
+
+def _exchange_counts(counts: Tensor, group: ProcessGroup, kind: str) -> Tensor:
+    """``counts[k, d]`` (table k, to replica d) sent; returns ``[R sources, K]`` received."""
+    tables, replicas = counts.shape
+    sent = counts.t().contiguous().view(-1)
+    got = all_to_all(sent, [tables] * replicas, [tables] * replicas, group, kind)
+    return got.view(replicas, tables)
+
+
+def _by_destination(parts: Sequence[Tensor], counts: Tensor) -> tuple[Tensor, list[int]]:
+    """Rows of each table (sorted by destination, ``counts[k, d]`` each) laid out
+    destination-major, then table: one flat send buffer and its split per destination."""
+    pieces = [p.split(c.tolist()) for p, c in zip(parts, counts, strict=True)]
+    send = [pieces[k][d].reshape(-1) for d in range(counts.shape[1]) for k in range(len(parts))]
+    widths = [p.shape[1] if p.dim() > 1 else 1 for p in parts]
+    flat = torch.cat(send) if send else parts[0].new_empty(0)
+    width = torch.tensor(widths, dtype=torch.long)
+    return flat, (counts * width[:, None]).sum(0).tolist()
+
+
+def entry_value_tables(entry_table: list[int], offsets: Tensor) -> Tensor:
+    """The table (index into the lookup's tables) of every id of a pooled lookup in
+    ``dtrec.ops.lookup``'s layout (entry-major bags, ``E * B + 1`` offsets)."""
+    entries = len(entry_table)
+    batch = (offsets.numel() - 1) // entries
+    per_entry = offsets[::batch].diff() if batch else offsets.new_zeros(entries)
+    tables = torch.tensor(entry_table, dtype=torch.long, device=offsets.device)
+    return tables.repeat_interleave(per_entry)
+
+
+def run_value_tables(run_table: list[int], run_counts: Tensor) -> Tensor:
+    """The table of every id of a sequence lookup's runs (``lookup.sequence.IdRuns``)."""
+    tables = torch.tensor(run_table, dtype=torch.long, device=run_counts.device)
+    return tables.repeat_interleave(run_counts)
+
+
+def fetch_touched(
+    owners: dict[int, OwnerSlices], tables: list[Tensor], value_table: Tensor, values: Tensor
+) -> tuple[list[Tensor], Tensor]:
+    """(tables, values) of a lookup with each fully sharded table replaced by the compact
+    table of its touched rows (fetched from their owners) and its ids remapped.
+
+    ``owners``: position in ``tables`` -> that table's slices (``tables[i]`` is its own
+    slice); ``value_table``: each id's position in ``tables`` (``entry_value_tables``,
+    ``run_value_tables``). Collective over the replica group: every replica calls it with
+    the same tables, in the same order.
+    """
+    keys = sorted(owners)
+    group = owners[keys[0]].group
+    values = values.clone()
+    masks, uniques, counts = [], [], []
+    for i in keys:
+        mask = value_table == i
+        unique, inverse = torch.unique(values[mask].long(), sorted=True, return_inverse=True)
+        values[mask] = inverse.to(values.dtype)
+        masks.append(mask)
+        uniques.append(unique)
+        counts.append(torch.bincount(owners[i].owners(unique), minlength=owners[i].replicas))
+    sent = torch.stack(counts).cpu()
+    got = _exchange_counts(sent, group, "replica_slices.fetch.counts")
+    ids, splits = _by_destination(uniques, sent)
+    asked = all_to_all(ids, got.sum(1).tolist(), splits, group, "replica_slices.fetch.ids")
+    # answer every source, table by table, with the rows it asked for from our slices
+    asked_parts = asked.split(got.view(-1).tolist())
+    answer = []
+    for source in range(got.shape[0]):
+        for k, i in enumerate(keys):
+            rows = asked_parts[source * len(keys) + k] - owners[i].start
+            answer.append(tables[i].index_select(0, rows).reshape(-1))
+    dims = torch.tensor([tables[i].shape[1] for i in keys], dtype=torch.long)
+    flat = torch.cat(answer) if answer else tables[keys[0]].new_empty(0)
+    received = all_to_all(
+        flat,
+        (sent * dims[:, None]).sum(0).tolist(),
+        (got * dims[None, :]).sum(1).tolist(),
+        group,
+        "replica_slices.fetch.rows",
+    )
+    # received: per owner, per table, the rows in ascending order; owners hold ascending
+    # slices, so per table the owners' parts in order are the sorted unique rows
+    pieces = received.split((sent.t() * dims[None, :]).reshape(-1).tolist())
+    out = list(tables)
+    for k, i in enumerate(keys):
+        dim = int(dims[k])
+        parts = [pieces[d * len(keys) + k].view(-1, dim) for d in range(sent.shape[1])]
+        compact = torch.cat(parts) if parts else tables[i].new_empty(0, dim)
+        setattr(compact, _BLOCK_ROWS, uniques[k])
+        out[i] = compact
+    return out, values
+
+
+def route_to_owners(
+    owners: dict[int, OwnerSlices], merged: dict[int, tuple[Tensor, Tensor]]
+) -> dict[int, tuple[Tensor, Tensor]]:
+    """Per fully sharded table: this rank's (shard rows, gradient rows) sent to the rows'
+    owners, which return (rows of their own slice, gradients summed over the replicas),
+    sorted by row. Collective over the replica group, tables in ascending order on every
+    replica (every replica updates the same tables each step)."""
+    keys = sorted(owners)
+    if not keys:
+        return {}
+    group = owners[keys[0]].group
+    rows = [merged[t][0].long() for t in keys]
+    grads = [merged[t][1] for t in keys]
+    sent = torch.stack(
+        [torch.bincount(owners[t].owners(r), minlength=owners[t].replicas) for t, r in zip(keys, rows)]
+    ).cpu()
+    got = _exchange_counts(sent, group, "replica_slices.grads.counts")
+    flat_rows, row_splits = _by_destination(rows, sent)
+    got_rows = all_to_all(
+        flat_rows, got.sum(1).tolist(), row_splits, group, "replica_slices.grads.rows"
+    )
+    dims = torch.tensor([g.shape[1] for g in grads], dtype=torch.long)
+    flat_grads, grad_splits = _by_destination(grads, sent)
+    got_grads = all_to_all(
+        flat_grads,
+        (got * dims[None, :]).sum(1).tolist(),
+        grad_splits,
+        group,
+        "replica_slices.grads.values",
+    )
+    row_parts = got_rows.split(got.view(-1).tolist())
+    grad_parts = got_grads.split((got * dims[None, :]).view(-1).tolist())
+    out = {}
+    for k, t in enumerate(keys):
+        owner, dim = owners[t], int(dims[k])
+        ids = torch.cat([row_parts[s * len(keys) + k] for s in range(got.shape[0])])
+        values = torch.cat(
+            [grad_parts[s * len(keys) + k].view(-1, dim) for s in range(got.shape[0])]
+        )
+        out[t] = sum_by_row(ids - owner.start, values, max(owner.slice_rows, 1))
+    return out
+
+
+class FetchTouched(torch.autograd.Function):
+    """``fetch_touched`` for tables trained by autograd (torch optimizers): forward builds
+    the compact tables; backward sends their gradients (averaged by ``grad_scale``) to
+    the owners, which sum the replicas' and return them as their slices' gradients (dense,
+    like exact 2D's summed gradients: zero on rows no replica touched)."""
+
+    @staticmethod
+    def forward(ctx, owners, value_table, values, *tables):  # type: ignore[override]
+        out, values = fetch_touched(owners, list(tables), value_table, values)
+        ctx.owners = owners
+        ctx.touched = {i: getattr(out[i], _BLOCK_ROWS) for i in owners}
+        ctx.shapes = [t.shape for t in tables]
+        ctx.mark_non_differentiable(values)
+        return (values, *out)
+
+    @staticmethod
+    def backward(ctx, _values_grad, *grads):  # type: ignore[override]
+        merged = {}
+        for i, owner in ctx.owners.items():
+            rows = ctx.touched[i]
+            grad = grads[i]
+            if grad is None:
+                grad = torch.zeros(rows.numel(), ctx.shapes[i][1], device=rows.device)
+            merged[i] = (rows, grad.float() * owner.grad_scale)
+        summed = route_to_owners(ctx.owners, merged)
+        out = list(grads)
+        for i, (rows, grad) in summed.items():
+            dense = torch.zeros(ctx.shapes[i], dtype=grads[i].dtype if grads[i] is not None
+                                else grad.dtype, device=grad.device)  # fmt: skip
+            out[i] = dense.index_add_(0, rows, grad.to(dense.dtype))
+        return (None, None, None, *out)
