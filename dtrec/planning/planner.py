@@ -95,12 +95,15 @@ def candidates(
     if axis.per_node is not None and axis.size > axis.per_node:
         options += [*TableRowWise().candidates(axis), Grid()]
     out = []
+    verdicts: dict[type, bool] = {}  # a moved family (every rank, every node) shares one
     for spec in options:
-        try:
-            spec.layout(cfg, axis)
-        except ValueError:
-            continue  # e.g. column-wise with a dim smaller than the shard axis
-        if constraint is None or constraint.allows(spec, cfg, axis):
+        family = type(spec) if isinstance(spec, (TableWise, TableRowWise)) else None
+        allowed = verdicts.get(family) if family is not None else None
+        if allowed is None:
+            allowed = _allowed(spec, cfg, axis, constraint)
+            if family is not None:
+                verdicts[family] = allowed
+        if allowed:
             out.append(spec)
     if isinstance(constraint, TableConstraint) and constraint.cache_fraction is not None:
         cached = [
@@ -112,12 +115,23 @@ def candidates(
     return out
 
 
+def _allowed(
+    spec: TableSpec, cfg: EmbeddingBagConfig, axis: ShardAxis, constraint: TableConstraint | None
+) -> bool:
+    try:
+        spec.layout(cfg, axis)
+    except ValueError:
+        return False  # e.g. column-wise with a dim smaller than the shard axis
+    return constraint is None or constraint.allows(spec, cfg, axis)
+
+
 def _costs(
     cfg: EmbeddingBagConfig, specs: list[TableSpec], axis: ShardAxis, topology: Topology
 ) -> list[tuple[TableSpec, TableCost]]:
-    """Each candidate's cost; table-wise ones are the first one's at the same place in its
-    node, moved to their position (a move by whole nodes keeps each peer on or off the
-    owner's node, so its intra- and inter-node bytes are the same)."""
+    """Each candidate's cost; table-wise and table-row-wise ones are the first one's at the
+    same place in its node, moved to their position (a move by whole nodes keeps each peer
+    on or off the owner's node, so its intra- and inter-node bytes are the same floats:
+    at S = 64 with a node per position that is 63 of 64 candidates of each)."""
     nodes = np.bincount(node_of_positions(axis, topology))
     if nodes.max() in (1, axis.size):  # every peer off the owner's node, or every one on it
         place = 1
@@ -126,18 +140,32 @@ def _costs(
     else:
         place = axis.size  # each position priced apart
     out: list[tuple[TableSpec, TableCost]] = []
-    first_tw: dict[int, tuple[int, TableCost]] = {}
+    first: dict[tuple[tuple, int], tuple[int, TableCost]] = {}
     for spec in specs:
-        rank = spec.rank if isinstance(spec, TableWise) else None
-        if rank is not None and rank % place in first_tw:
-            first, first_cost = first_tw[rank % place]
-            cost = MovedCost(first_cost, rank - first)
+        offset, unplaced = _placed_at(spec, axis)
+        key = (unplaced, offset % place) if offset is not None else None
+        if key in first:
+            at, first_cost = first[key]
+            cost = MovedCost(first_cost, offset - at)
         else:
             cost = table_cost(cfg, spec, axis, topology, with_comm=False)
-            if rank is not None:
-                first_tw[rank % place] = (rank, cost)
+            if key is not None:
+                first[key] = (offset, cost)
         out.append((spec, cost))
     return out
+
+
+def _placed_at(spec: TableSpec, axis: ShardAxis) -> tuple[int | None, tuple]:
+    """(first shard position, what the spec is but for its place) of a spec that is one
+    layout moved along the shard axis (table-wise by rank, table-row-wise by node);
+    (None, ()) for the others."""
+    if isinstance(spec, TableWise) and spec.rank is not None:
+        offset, place = spec.rank, "rank"
+    elif isinstance(spec, TableRowWise) and spec.node is not None and axis.per_node is not None:
+        offset, place = spec.node * axis.per_node, "node"
+    else:
+        return None, ()
+    return offset, (type(spec), *((k, v) for k, v in vars(spec).items() if k != place))
 
 
 def collection_of(key: str, cfg: EmbeddingBagConfig) -> str:
