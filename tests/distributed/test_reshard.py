@@ -600,6 +600,48 @@ def _shapes(meshes: dict) -> dict:
     return out
 
 
+def _counted(meshes: dict) -> dict:
+    """``dtrec.IdCounters`` on a distributed model: 2 steps counted on every rank and summed
+    over the world (vs the counts of every rank's known batches), a re-plan from them, the
+    reshard to it, and a step after."""
+    import torch
+    import torch.distributed as dist
+    from torch.optim.lr_scheduler import StepLR
+
+    import dtrec
+
+    model = dtrec.distribute_module(
+        _model(), meshes[4], _plan(["TW(0)"] * 4), optimizer=_rule("rowwise_adagrad")
+    )
+    counters = dtrec.IdCounters(model, distinct_every=1)
+    scheduler = StepLR(model.fused_optimizer, step_size=1, gamma=0.5)
+    _train(model, range(2), scheduler)
+    stats = counters.stats()
+    expected = {}
+    for name, *_ in TABLES:
+        ids = [kjt[f"f{name[1:]}"].values() for step in range(2) for kjt, _ in _batches(step)]
+        total = sum(len(x) for x in ids)
+        distinct = sum(len(torch.unique(x)) for x in ids)
+        expected[f"sparse.{name}"] = (
+            total / (2 * WORLD),
+            distinct / total,
+            total / (2 * WORLD * BATCH),
+        )
+    got = {key: (s.ids_per_step, s.unique_ratio, s.pooling_factor) for key, s in stats.items()}
+    new_plan = dtrec.plan(model, meshes[4], id_counters=counters)
+    dtrec.reshard(model, new_plan)
+    _train(model, range(2, 3), scheduler)
+    counters.remove()
+    return {
+        "counts": got,
+        "expected": expected,
+        "replanned": {k: str(v) for k, v in new_plan.items()},
+        "poor": {k: str(v) for k, v in _plan(["TW(0)"] * 4).items()},
+        "plan": {k: str(v) for k, v in model.sharding_plan.items()},
+        "rank": dist.get_rank(),
+    }
+
+
 def _run_all(rank: int, world_size: int) -> dict:
     import dtrec
 
@@ -614,6 +656,7 @@ def _run_all(rank: int, world_size: int) -> dict:
             out[f"{name}-torch-{rule}"] = _one_torch_case(meshes, shard, a, b, rule)
     out["errors"] = _errors(meshes)
     out["shapes"] = _shapes(meshes)
+    out["counted"] = _counted(meshes)
     return out
 
 
@@ -699,6 +742,17 @@ def test_refusals_leave_the_model_as_it_was(results, case):
             assert word in got["error"], (rank, case, got["error"])
         assert got.get("unchanged", True), (rank, case)
         assert per_rank["errors"]["after"] == "RW"
+
+
+def test_id_counters_replan(results):
+    """Counters on a distributed model sum every rank's batches; the re-plan from them
+    moves tables off the all-on-position-0 plan, reshard applies it, training goes on."""
+    for rank, per_rank in enumerate(results):
+        got = per_rank["counted"]
+        for key, want in got["expected"].items():
+            assert got["counts"][key] == pytest.approx(want), (rank, key)
+        assert got["replanned"] != got["poor"], got
+        assert got["plan"] == got["replanned"] == results[0]["counted"]["replanned"]
 
 
 def test_model_shapes(results):
