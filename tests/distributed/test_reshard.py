@@ -642,6 +642,59 @@ def _counted(meshes: dict) -> dict:
     }
 
 
+def _torchrec_target(meshes: dict) -> dict:
+    """A TorchRec ``ShardingPlan`` (built by its own helpers) as the target: mapped onto the
+    mesh as ``distribute_module`` maps one, the move exact, training goes on; an entry
+    reshard does not move yet (UVM caching: an offloaded table) is a ValueError naming the
+    table before anything moves."""
+    from tests.interop.torchrec_or_skip import torchrec
+
+    if torchrec is None:
+        return {"skipped": True}
+    import torch
+    from torch.optim.lr_scheduler import StepLR
+    from torchrec.distributed import sharding_plan as sp
+    from torchrec.distributed.types import ShardingPlan
+
+    import dtrec
+
+    model = dtrec.distribute_module(
+        _model(), meshes[4], _plan(["TW(0)", "RW", "CW", "DP"]), optimizer=_rule("adam")
+    )
+    scheduler = StepLR(model.fused_optimizer, step_size=1, gamma=0.5)
+    _train(model, range(2), scheduler)
+    before = _full_state(model)
+    configs = [
+        torchrec.EmbeddingBagConfig(
+            name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f{n[1:]}"]
+        )
+        for n, r, d, _ in TABLES
+    ]
+    ebc = torchrec.EmbeddingBagCollection(configs, device=torch.device("meta"))
+
+    def plan_of(per_table: dict) -> ShardingPlan:
+        module_plan = sp.construct_module_sharding_plan(
+            ebc, per_table, world_size=WORLD, local_size=WORLD, device_type="cpu"
+        )
+        return ShardingPlan({"sparse": module_plan})
+
+    per_table = {
+        "t0": sp.column_wise(ranks=[1, 3]),
+        "t1": sp.table_wise(rank=2),
+        "t2": sp.data_parallel(),
+        "t3": sp.row_wise(),
+    }
+    dtrec.reshard(model, plan_of(per_table))
+    moved = _max_rel(_full_state(model), before)
+    _train(model, range(2, 3), scheduler)
+    bad = plan_of(per_table | {"t3": sp.row_wise(compute_kernel="fused_uvm_caching")})
+    return {
+        "plan": {k: repr(v) for k, v in model.sharding_plan.items()},
+        "moved_exact": moved,
+        "bad": error_of(lambda: dtrec.reshard(model, bad)),
+    }
+
+
 def _run_all(rank: int, world_size: int) -> dict:
     import dtrec
 
@@ -657,6 +710,7 @@ def _run_all(rank: int, world_size: int) -> dict:
     out["errors"] = _errors(meshes)
     out["shapes"] = _shapes(meshes)
     out["counted"] = _counted(meshes)
+    out["torchrec"] = _torchrec_target(meshes)
     return out
 
 
@@ -753,6 +807,22 @@ def test_id_counters_replan(results):
             assert got["counts"][key] == pytest.approx(want), (rank, key)
         assert got["replanned"] != got["poor"], got
         assert got["plan"] == got["replanned"] == results[0]["counted"]["replanned"]
+
+
+def test_torchrec_plan_as_target(results):
+    if results[0]["torchrec"].get("skipped"):
+        pytest.skip("torchrec not installed")
+    for rank, per_rank in enumerate(results):
+        got = per_rank["torchrec"]
+        assert got["moved_exact"] == 0.0, rank
+        assert got["plan"] == {
+            "sparse.t0": "ColumnWise(positions=(1, 3))",
+            "sparse.t1": "TableWise(rank=2)",
+            "sparse.t2": "DataParallel()",
+            "sparse.t3": "RowWise()",
+        }, (rank, got)
+        assert "ValueError" in got["bad"] and "sparse.t3" in got["bad"], got["bad"]
+        assert "offloaded" in got["bad"], got["bad"]
 
 
 def test_model_shapes(results):

@@ -13,13 +13,43 @@ from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from dtrec.interop.plans import from_torchrec, is_torchrec_plan, is_torchrec_plan_dict
 from dtrec.placements import Grid, TableLayout, TableRowWise, TableSpec
 from dtrec.placements.mesh import shard_axis, world_group
-from dtrec.planning.plan import table_fqn
+from dtrec.planning.plan import model_tables, table_fqn
 from dtrec.sharded.collection import ShardedCollection
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.reshard.torch_state import table_entries, torch_optimizer_refusal, weights_of
+
+
+def as_specs(
+    model: nn.Module, collections: Mapping[str, ShardedCollection], plan: object
+) -> object:
+    """``plan`` as ``{table fqn: spec}``: a TorchRec ``ShardingPlan`` (or its ``.plan``
+    dict) mapped onto each collection's mesh as ``distribute_module`` maps it
+    (``dtrec.interop.plans``: ValueError naming a table whose layout dtrec cannot
+    reproduce); anything else as it is."""
+    if not (is_torchrec_plan(plan) or is_torchrec_plan_dict(plan)):
+        return plan
+    raw = plan.plan if is_torchrec_plan(plan) else plan  # type: ignore[attr-defined]
+    tables = model_tables(model)
+    by_mesh: dict[int, tuple[object, list[str]]] = {}
+    for fqn, collection in collections.items():
+        by_mesh.setdefault(id(collection.mesh), (collection.mesh, []))[1].append(fqn)
+    specs: dict[str, object] = {}
+    for mesh, fqns in by_mesh.values():
+
+        def mine(path: str, fqns: list[str] = fqns) -> bool:  # a feature-processed one: inside
+            return any(path == f or f.startswith(f"{path}.") or not path for f in fqns)
+
+        part = {path: module_plan for path, module_plan in raw.items() if mine(path)}
+        own = {k: cfg for k, cfg in tables.items() if any(
+            k.startswith(f"{f}.") or not f for f in fqns)}  # fmt: skip
+        if part:
+            specs.update(from_torchrec(part, own, mesh))  # type: ignore[arg-type]
+    return specs
 
 
 def plan_changes(

@@ -26,7 +26,13 @@ from dtrec.placements.mesh import SHARD, mesh_device, shard_axis, shard_position
 from dtrec.planning.plan import ShardingPlan, table_fqn
 from dtrec.sharded.collection import ShardedCollection
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
-from dtrec.sharded.reshard.checks import agree, plan_changes, refusal_of, torch_entries
+from dtrec.sharded.reshard.checks import (
+    agree,
+    as_specs,
+    plan_changes,
+    refusal_of,
+    torch_entries,
+)
 from dtrec.sharded.reshard.exchange import CHUNK_BYTES, Locals, move
 from dtrec.sharded.reshard.moves import Piece, entry_moves
 from dtrec.sharded.reshard.torch_state import (
@@ -65,8 +71,10 @@ def reshard(
     """Move the tables of a ``distribute_module`` model to the specs of ``plan``, in place.
 
     ``plan`` maps table FQNs (``"<collection fqn>.<table>"``, as in ``model.sharding_plan``)
-    to their new spec; tables it omits keep theirs. Weights and fused optimizer state
-    (SGD, RowWiseAdagrad's sums, Adam's moments and step) move to their new owners:
+    to their new spec; tables it omits keep theirs. A TorchRec ``ShardingPlan`` (or its
+    ``.plan`` dict) is taken too, mapped onto the mesh as ``distribute_module`` maps it.
+    Weights and fused optimizer state (SGD, RowWiseAdagrad's sums, Adam's moments and
+    step) move to their new owners:
     only rows (of a column block: row parts) whose owner changes are sent, with
     all-to-alls over the "shard" axis in rounds of at most ``chunk_bytes`` per rank,
     counted by ``dtrec.comm_stats`` as ``"reshard.rows"`` (Adam's per-table step: one
@@ -112,7 +120,7 @@ def reshard(
     held: list[torch.optim.Optimizer] | None = None
     try:  # a rank that refuses still joins the agreement, so no peer waits on it
         held = check_optimizers(optimizers)
-        changes = plan_changes(collections, plan)
+        changes = plan_changes(collections, as_specs(model, collections, plan))
         refusal = refusal_of(collections, changes, held)
         entries = {} if refusal is not None else torch_entries(collections, changes, held)
     except (KeyError, TypeError, ValueError) as exc:
