@@ -12,7 +12,9 @@ trains 2 more steps, and compares its weights and fused state with
 Plan pairs: every ordered pair of TW, RW, CW, DP (a Latin square over four tables, plus
 same-type moves TW(0)->TW(1), CW -> CW over positions (1, 2)), and random pairs drawn
 from a seeded generator, with SGD, RowWiseAdagrad and Adam, on the 4 x 1 mesh and on
-the 2 x 2 mesh. The bytes each reshard sent (``dtrec.comm_stats``' ``reshard.rows``,
+the 2 x 2 mesh; table-row-wise and grid to and from the others on a node-aware 4 x 1 mesh
+(2 nodes of 2 positions, TRW(0) -> TRW(1) too) and a node-aware 2 x 2 one (replicas
+across nodes). The bytes each reshard sent (``dtrec.comm_stats``' ``reshard.rows``,
 summed over the world) must equal the bytes of the cells whose set of holders grew,
 counted cell by cell from the two plans' blocks.
 
@@ -62,6 +64,15 @@ def _cases() -> dict[str, tuple[int, list[str], list[str]]]:
                     "DP",
                 ]
             cases[f"s{shard}_shift{k}"] = (shard, a, b)
+    # node-aware: S = 4 in 2 nodes of 2 positions (a 1-D mesh built with node_size=2)
+    cases["n4_shift"] = ("4n2", ["TRW(0)", "GRID", "TW(1)", "DP"],
+                         ["GRID", "TRW(1)", "TRW(0)", "GRID"])  # fmt: skip
+    cases["n4_back"] = ("4n2", ["RW", "CW", "GRID", "TRW(1)"],
+                        ["TRW(1)", "TRW(0)", "CW(0,3)", "RW"])  # fmt: skip
+    cases["n4_same"] = ("4n2", ["TRW(0)", "DP", "GRID", "TRW(1)"],
+                        ["TRW(1)", "GRID", "DP", "TRW(0)"])  # fmt: skip
+    # and 2-D: S = 2 on one node of 2 positions, the replicas across nodes
+    cases["n2_2d"] = ("2n2", ["TRW(0)", "GRID", "TW(1)", "DP"], ["GRID", "RW", "TRW(0)", "CW"])
     gen = random.Random(44)
     pool = {4: ["TW(0)", "TW(1)", "TW(3)", "RW", "CW", "CW(0,2)", "CW(3)", "DP"],
             2: ["TW(0)", "TW(1)", "RW", "CW", "CW(1)", "DP"]}  # fmt: skip
@@ -79,8 +90,12 @@ CHUNK_BYTES = {2: 96}  # the 2 x 2 mesh moves in rounds of at most 48 bytes per 
 
 
 def _spec(text: str):
-    from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
+    from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
 
+    if text.startswith("TRW"):
+        return TableRowWise(node=int(text[4:-1]))
+    if text == "GRID":
+        return Grid()
     if text.startswith("TW"):
         return TableWise(rank=int(text[3:-1]))
     if text.startswith("CW("):
@@ -212,13 +227,22 @@ def _reference(rule_name: str, steps: int) -> dict:
     return out
 
 
+def _axis(shard):
+    """The ShardAxis of a case's mesh key: S (an int), or "<S>n<node size>" (node-aware)."""
+    from dtrec.placements.mesh import ShardAxis
+
+    if isinstance(shard, str):
+        size, per_node = (int(x) for x in shard.split("n"))
+        return ShardAxis(size, WORLD // size, per_node)
+    return ShardAxis(shard, WORLD // shard, None)
+
+
 def _expected_bytes(shard: int, a: list[str], b: list[str], rule_name: str) -> int:
     """Bytes the world sends: per cell (a row, for row state), one copy to each new holder
     that did not hold it, in each of the WORLD / shard replica groups."""
     import dtrec
-    from dtrec.placements.mesh import ShardAxis
 
-    axis = ShardAxis(shard, WORLD // shard, None)
+    axis = _axis(shard)
     kinds = {"weight": "weight", **_rule(rule_name).state_layout()}
     total = 0
     for (name, rows, dim, pooling), sa, sb in zip(TABLES, a, b, strict=True):
@@ -238,7 +262,7 @@ def _expected_bytes(shard: int, a: list[str], b: list[str], rule_name: str) -> i
                     had = {blk.position for blk in old if holds(blk)}
                     has = {blk.position for blk in new if holds(blk)}
                     total += len(has - had) * 4
-    return total * (WORLD // shard)
+    return total * axis.replicas
 
 
 def _max_rel(a: dict, b: dict) -> float:
@@ -698,7 +722,12 @@ def _torchrec_target(meshes: dict) -> dict:
 def _run_all(rank: int, world_size: int) -> dict:
     import dtrec
 
-    meshes = {4: dtrec.init_mesh("cpu", 4), 2: dtrec.init_mesh("cpu", 2)}
+    meshes = {
+        4: dtrec.init_mesh("cpu", 4),
+        2: dtrec.init_mesh("cpu", 2),
+        "4n2": dtrec.init_mesh("cpu", 4, node_size=2),
+        "2n2": dtrec.init_mesh("cpu", 2, node_size=2, replicas_within_node=False),
+    }
     out = {
         f"{name}-{rule}": _one_case(meshes, shard, a, b, rule)
         for name, (shard, a, b) in CASES.items()
@@ -776,7 +805,7 @@ ERRORS = {  # case -> words its error names
     "unknown": ["KeyError", "sparse.t9"],
     "rank_off_mesh": ["ValueError", "sparse.t1", "TableWise(rank=4)"],
     "unresolved": ["ValueError", "sparse.t1", "resolved"],
-    "node_aware": ["ValueError", "sparse.t3", "node-aware"],
+    "node_aware": ["ValueError", "sparse.t3", "node-aware mesh", "node_size"],
     "offloaded": ["ValueError", "sparse.t0", "offloaded"],
     "not_a_spec": ["TypeError", "sparse.t0"],
     "disagree": ["ValueError", "another plan"],

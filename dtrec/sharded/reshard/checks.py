@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrec.interop.plans import from_torchrec, is_torchrec_plan, is_torchrec_plan_dict
-from dtrec.placements import Grid, TableLayout, TableRowWise, TableSpec
+from dtrec.placements import TableLayout, TableSpec
 from dtrec.placements.mesh import shard_axis, world_group
 from dtrec.planning.plan import model_tables, table_fqn
 from dtrec.sharded.collection import ShardedCollection
@@ -135,7 +135,7 @@ def refusal_of(
         old = collection.specs()
         for cfg in collection._tables:
             for spec in (old[cfg.name], specs[cfg.name]):
-                why = _unsupported(spec, spec.layout(cfg, axis))
+                why = _unsupported(spec.layout(cfg, axis))
                 if why is not None:
                     return ValueError(
                         f"reshard: table {table_fqn(fqn, cfg.name)!r}: {spec!r} is {why}, "
@@ -159,9 +159,7 @@ def torch_entries(
     return out
 
 
-def _unsupported(spec: TableSpec, layout: TableLayout) -> str | None:
-    if isinstance(spec, (TableRowWise, Grid)):
-        return "a node-aware type"
+def _unsupported(layout: TableLayout) -> str | None:
     if layout.offloaded:
         return "offloaded"
     return None

@@ -92,10 +92,11 @@ def reshard(
     scalars (``step``) are kept. Gradients are not carried (call it between steps).
     Without ``optimizers`` such a table is refused (``optimizers=[]``: none holds them).
 
-    Supported: data-parallel, table-wise, row-wise and column-wise tables of
-    ``EmbeddingBagCollection``s, any of them to any other, on 1-D and 2-D meshes.
-    Refused with a ValueError naming the table, before anything moves: table-row-wise
-    and grid specs, offloaded tables, sequence collections, ``same_batch`` collections, a
+    Supported: data-parallel, table-wise, row-wise, column-wise, table-row-wise and grid
+    tables of ``EmbeddingBagCollection``s (the last two on a mesh built with
+    ``node_size``), any of them to any other, on 1-D and 2-D meshes. Refused with a
+    ValueError naming the table, before anything moves: offloaded tables, sequence
+    collections, ``same_batch`` collections, a
     prefetched batch not consumed yet, a gradient accumulation in progress; and any spec
     that does not fit the mesh (``TableWise(rank=None)``: give the rank). Collective:
     every rank calls it with the same plan (checked: ranks that disagree all raise).
