@@ -235,8 +235,9 @@ def _ddp_estimate(ddps: Sequence[tuple[dist.ProcessGroup | None, list[nn.Paramet
     return total
 
 
-def _build_dtrec(w: Workload, kinds: list[str], shard_group_size: int):
-    """(model, optimizers, per-step hook, DDP bytes estimate, KJT type) for dtrec."""
+def _build_dtrec(w: Workload, kinds: list[str], shard_group_size: int, specs: dict | None = None):
+    """(model, optimizers, per-step hook, DDP bytes estimate, KJT type) for dtrec;
+    ``specs``: the plan itself (``{"ebc.t<i>": spec}``) instead of ``kinds``."""
     mesh = dtrec.init_mesh("cpu", shard_group_size=shard_group_size)
     ebc = dtrec.EmbeddingBagCollection(
         [
@@ -245,7 +246,7 @@ def _build_dtrec(w: Workload, kinds: list[str], shard_group_size: int):
         ],
         device="meta",  # like TorchRec's: each rank creates only its blocks
     )
-    plan = {f"ebc.t{i}": dtrec_spec(k) for i, k in enumerate(kinds)}
+    plan = specs or {f"ebc.t{i}": dtrec_spec(k) for i, k in enumerate(kinds)}
     model = dtrec.distribute_module(
         Model(ebc, w), mesh, plan, optimizer=dtrec.optim.RowWiseAdagrad(lr=LR, eps=EPS)
     )

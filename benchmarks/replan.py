@@ -1,17 +1,23 @@
-"""Re-plan a running model: ``dtrec.reshard`` in place vs a DCP save + load round trip.
+"""Re-plan a running model from the ids it has seen, then ``dtrec.reshard`` it in place,
+vs the same move as a DCP save + load round trip.
 
-Skeleton of issue 44's benchmark (re-planning from id counters is not there yet): the
-distributed benchmark's 8 tables (rows geometric 1e5..1e6 times ``--scale``, D=64, fused
-exact row-wise Adagrad) start on a poor plan, every table on shard position 0
-(``tw:0``), and move to the ``mixed`` plan (t0-t1 DP, t2-t3 TW, t4-t5 CW, t6-t7 RW).
+The distributed benchmark's 8 tables (rows geometric 1e5..1e6 times ``--scale``, D=64,
+bags of 10..30 ids Zipf(1.1), fused exact row-wise Adagrad) start on a poor plan, every
+table on shard position 0 (``tw:0``). Per rank, in one world:
 
-Per rank, in one world: ``--steps`` timed steps on the poor plan; the round trip a user
-would do without ``reshard`` (``dtrec.checkpoint.save``, distribute a fresh model to the
-new plan, ``dtrec.checkpoint.load``), timed, with the bytes it wrote; then
-``dtrec.reshard`` of the trained model to the same plan, timed, with the bytes it sent
-(``comm_stats``' ``reshard.rows``); a check that both ways hold bit-identical blocks and
-fused state; ``--steps`` timed steps of the round trip's model, then of the resharded one
-(the same plan: their step times should match).
+1. ``--steps`` timed steps on the poor plan, with ``dtrec.IdCounters`` on the model and
+   switched on and off every other step (the counters' cost on the step: the medians
+   of the steps with and without them);
+2. ``dtrec.plan(model, mesh, id_counters=counters)``: the plan from what was counted
+   (timed);
+3. the round trip a user would do without ``reshard`` (``dtrec.checkpoint.save``,
+   distribute a fresh model to the new plan, ``dtrec.checkpoint.load``), timed, with the
+   bytes it wrote;
+4. ``dtrec.reshard`` of the trained model to the same plan, timed, with the bytes it sent
+   (``comm_stats``' ``reshard.rows``), and a check that both ways hold bit-identical
+   blocks and fused state;
+5. ``--steps`` timed steps of the round trip's model, then of the resharded one (the
+   same plan: their step times should match).
 
     .venv/bin/python -m benchmarks.replan --json benchmarks/results/replan_cpu_<date>.json
     .venv/bin/python -m benchmarks.replan --scale 0.01 --steps 2  # smoke
@@ -38,8 +44,6 @@ from benchmarks.distributed import (
     _build_dtrec,
     _peak_rss_mb,
     _quiet,
-    dtrec_spec,
-    table_kinds,
     workload,
 )
 from benchmarks.probes.report import dtrec_source, write_report
@@ -76,6 +80,16 @@ def _same_blocks(a, b) -> bool:
     return all(torch.equal(sa[t][k], sb[t][k]) for t in sa for k in sa[t])
 
 
+def _counted_step_times(model, optimizers, w: Workload, rank: int, steps: int, counters):
+    """Step times with the counters on and off, alternating (so drift hits both alike)."""
+    on, off = [], []
+    for i in range(2 * steps):
+        counters.enabled = i % 2 == 0
+        (on if counters.enabled else off).extend(_step_times(model, optimizers, w, rank, 1))
+    counters.enabled = True
+    return on, off
+
+
 def run_rank(rank: int, world: int, w: Workload, opts: dict) -> dict:
     import dtrec
     from dtrec.checkpoint import dcp as checkpoint
@@ -84,8 +98,12 @@ def run_rank(rank: int, world: int, w: Workload, opts: dict) -> dict:
     torch.manual_seed(0)
     n = len(w.rows)
     model, optimizers, _, _, _ = _build_dtrec(w, [START] * n, world)
-    target = {f"ebc.t{i}": dtrec_spec(k) for i, k in enumerate(table_kinds("mixed", world, n))}
-    before = _step_times(model, optimizers, w, rank, opts["steps"])
+    counters = dtrec.IdCounters(model)
+    counted, before = _counted_step_times(model, optimizers, w, rank, opts["steps"], counters)
+    found: list = []
+    plan_s = _timed(lambda: found.append(dtrec.plan(model, model.ebc.mesh, id_counters=counters)))
+    counters.remove()
+    target = dict(found[0])
 
     root = Path(opts["root"])
     published: list[Path] = []
@@ -94,7 +112,7 @@ def run_rank(rank: int, world: int, w: Workload, opts: dict) -> dict:
     def round_trip() -> None:
         published.append(checkpoint.save(root, model))
         torch.manual_seed(0)
-        other, other_optimizers, _, _, _ = _build_dtrec(w, table_kinds("mixed", world, n), world)
+        other, other_optimizers, _, _, _ = _build_dtrec(w, [], world, specs=target)
         checkpoint.load(published[0], other)
         fresh.extend([other, other_optimizers])
 
@@ -111,9 +129,12 @@ def run_rank(rank: int, world: int, w: Workload, opts: dict) -> dict:
     after = _step_times(model, optimizers, w, rank, opts["steps"])
     return {
         "rank": rank,
+        "plan": {key: str(spec) for key, spec in target.items()},
         "step_before_s": statistics.median(before),
+        "step_counted_s": statistics.median(counted),
         "step_after_s": statistics.median(after),
         "step_direct_s": statistics.median(direct),
+        "plan_s": plan_s,
         "reshard_s": reshard_s,
         "reshard_bytes_sent": stats.bytes_sent.get("reshard.rows", 0),
         "round_trip_s": round_trip_s,
@@ -140,7 +161,12 @@ def run(w: Workload, opts: dict, world: int) -> dict:
     return {
         "status": "ok",
         "wall_s": time.perf_counter() - start,
+        "plan": ranks[0]["plan"],
+        "same_plan_on_every_rank": all(r["plan"] == ranks[0]["plan"] for r in ranks),
         "step_before_s": med("step_before_s"),
+        "step_counted_s": med("step_counted_s"),
+        "counter_overhead": med("step_counted_s") / med("step_before_s") - 1.0,
+        "plan_s": max(r["plan_s"] for r in ranks),
         "step_after_s": med("step_after_s"),
         "step_direct_s": med("step_direct_s"),
         "reshard_s": max(r["reshard_s"] for r in ranks),
@@ -157,6 +183,11 @@ def print_result(result: dict) -> None:
         print(f"failed: {result['error'].splitlines()[-1][:200]}")
         return
     r = result
+    print(f"re-planned from the counted ids in {r['plan_s']:.2f} s: {r['plan']}")
+    print(
+        f"id counters: step {r['step_counted_s'] * 1e3:.1f} ms with, "
+        f"{r['step_before_s'] * 1e3:.1f} ms without ({100 * r['counter_overhead']:+.1f}%)"
+    )
     print(
         f"step before {r['step_before_s'] * 1e3:.1f} ms, after {r['step_after_s'] * 1e3:.1f} ms "
         f"(distributed to the new plan directly: {r['step_direct_s'] * 1e3:.1f} ms)"
@@ -205,9 +236,11 @@ def main(argv: list[str] | None = None) -> None:
                     "rows": list(w.rows),
                     "dim": w.dim,
                     "start": START,
-                    "target": table_kinds("mixed", args.world_size, len(w.rows)),
-                    "timing": "step: median over steps, then over ranks; reshard and round "
-                    "trip: the slowest rank (barriers before and after)",
+                    "target": "dtrec.plan(model, mesh, id_counters=counters) after the "
+                    "steps before",
+                    "timing": "step: median over steps, then over ranks (before and with "
+                    "counters: alternating steps); plan, reshard and round trip: the slowest "
+                    "rank (barriers before and after)",
                 },
                 "result": result,
             },

@@ -27,6 +27,7 @@ from dtrec.modules import (
 )
 from dtrec.placements.mesh import init_mesh, table_mesh
 from dtrec.planning import cost_model
+from dtrec.planning.id_counters import IdCounters
 from dtrec.planning.mesh_choice import choose_shard_group_size
 from dtrec.planning.plan import ShardingPlan, plan
 from dtrec.planning.topology import Topology
@@ -47,6 +48,7 @@ __all__ = [
     "EmbeddingCollection",
     "EmbeddingConfig",
     "FeatureProcessedEmbeddingBagCollection",
+    "IdCounters",
     "JaggedTensor",
     "KeyedJaggedTensor",
     "KeyedTensor",

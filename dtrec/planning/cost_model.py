@@ -296,8 +296,13 @@ def table_cost(
 
 
 def table_ids(cfg: EmbeddingBagConfig, topology: Topology) -> IdDistribution:
-    """The ids' distribution the planner assumes for ``cfg``: uniform, or Zipf
-    (``Topology.zipf_exponent``, hot rows scattered over the table)."""
+    """The ids' distribution the planner assumes for ``cfg``: the topology's own for it
+    (``Topology.id_distributions``, by table name after ``for_collection``: e.g. counted
+    by ``dtrec.IdCounters``), else uniform, or Zipf (``Topology.zipf_exponent``, hot rows
+    scattered over the table)."""
+    given = topology.id_distributions.get(cfg.name)
+    if given is not None and getattr(given, "rows", cfg.num_embeddings) == cfg.num_embeddings:
+        return given  # type: ignore[return-value]
     if topology.zipf_exponent > 0:
         return ZipfIds(cfg.num_embeddings, topology.zipf_exponent)
     return UniformIds(cfg.num_embeddings)

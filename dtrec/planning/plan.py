@@ -187,6 +187,19 @@ def find_collections(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
+def model_collections(model: nn.Module) -> dict[str, nn.Module]:
+    """FQN -> every collection of ``model``: the unsharded ones (``find_collections``) and
+    the sharded ones of a ``distribute_module`` model (what ``dtrec.plan`` re-plans, e.g.
+    for ``dtrec.reshard``), outermost only."""
+    found = find_collections(model)
+    for fqn, module in model.named_modules():
+        if any(fqn.startswith(f + ".") or f == fqn or f == "" for f in found):
+            continue
+        if hasattr(type(module), "tables_attr") and hasattr(module, "specs"):  # sharded
+            found[fqn] = module
+    return found
+
+
 def collection_configs(collection: nn.Module) -> list:
     """The table configs of a (sharded or unsharded) pooled or sequence collection."""
     if hasattr(collection, "embedding_bag_configs"):
@@ -210,7 +223,7 @@ def model_tables(model: nn.Module) -> dict[str, EmbeddingBagConfig]:
     """Plan key -> table config, over every collection of ``model`` (pooled and sequence)."""
     return {
         table_fqn(fqn, cfg.name): cfg
-        for fqn, ebc in find_collections(model).items()
+        for fqn, ebc in model_collections(model).items()
         for cfg in collection_configs(ebc)
     }
 
@@ -221,6 +234,7 @@ def plan(
     constraints: Mapping[str, object] | None = None,
     topology: Topology | None = None,
     meshes: Mapping[str, DeviceMesh] | None = None,
+    id_counters: object | None = None,
 ) -> ShardingPlan:
     """A complete plan for every table of ``model`` on ``mesh``, from the cost model.
 
@@ -238,11 +252,17 @@ def plan(
     (``distribute_module(..., meshes=)``); each mesh's collections are planned on it
     apart, in collection order, within what the meshes planned before them left of each
     rank's memory, and get a report of their own (``ShardingPlan.reports``).
+    ``id_counters``: a ``dtrec.IdCounters`` of ``model``: plan from what its tables have
+    seen instead of the static pooling factors (``IdCounters.topology(topology)``: the
+    measured pooling factors, batch size and each table's id distribution); collective
+    then (one all-reduce), every rank calls it. ``model`` may be a ``distribute_module``
+    model (its tables are re-planned, e.g. for ``dtrec.reshard``).
     ``print(plan)`` explains it.
 
     Example::
 
         p = dtrec.plan(model, mesh, constraints={"sparse.big": RowWise()})
+        p = dtrec.plan(model, mesh, id_counters=counters)  # from the ids seen so far
     """
     tables = model_tables(model)
     groups = mesh_groups(tables, mesh, meshes)
@@ -250,6 +270,10 @@ def plan(
         raise TypeError(f"topology must be a dtrec.Topology or None, got {topology!r}")
     if topology is None:
         topology = Topology.h100() if mesh.device_type == "cuda" else Topology.cpu()
+    if id_counters is not None:
+        if not hasattr(id_counters, "topology"):
+            raise TypeError(f"id_counters must be a dtrec.IdCounters, got {id_counters!r}")
+        topology = id_counters.topology(topology)
     if isinstance(topology.qcomms, Mapping):  # a collection the model lacks: KeyError
         qcomms_per_collection(topology.qcomms, {collection_of(k, c) for k, c in tables.items()})
     plans: list[ShardingPlan] = []

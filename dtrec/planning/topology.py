@@ -98,6 +98,11 @@ class Topology:
     Zipf(s) over the table's rows, hot rows scattered over its blocks (hashed ids). 0: uniform
     (a cache of a fraction f of the rows hits a fraction f: the pessimistic default)."""
     bytes_per_element: int = 4
+    id_distributions: Mapping[str, object] = field(default_factory=dict)
+    """Table FQN -> where its ids fall (an ``IdDistribution``: ``mass(start, end)`` and
+    ``unique(n, start, end)``), e.g. the ``CountedIds`` that ``dtrec.IdCounters`` measured
+    (``IdCounters.topology``); tables not named assume ``zipf_exponent``'s spread. Each
+    collection's table costs read their own (``for_collection``)."""
     qcomms: QCommsConfig | Mapping[str, QCommsConfig | None] | None = None
     """Precisions of the collections' exchanges, as ``distribute_module(qcomms=)`` takes
     them: one config (dtrec's or TorchRec's), a dict by collection FQN (collections it
@@ -138,6 +143,13 @@ class Topology:
         _check_number("Topology.zipf_exponent", self.zipf_exponent)
         _check_number("Topology.collective_latency", self.collective_latency)
         _check_number("Topology.id_cost_bytes", self.id_cost_bytes)
+        if not isinstance(self.id_distributions, Mapping) or not all(
+            hasattr(d, "mass") and hasattr(d, "unique") for d in self.id_distributions.values()
+        ):
+            raise TypeError(
+                "Topology.id_distributions must map table FQNs to id distributions (with "
+                "mass(start, end) and unique(n, start, end)), e.g. IdCounters.topology()'s"
+            )
         _check_number("Topology.row_cost_bytes", self.row_cost_bytes)
         for name in ("reduce_latency", "gather_latency"):
             if getattr(self, name) is not None:
@@ -223,10 +235,21 @@ class Topology:
 
     def for_collection(self, fqn: str) -> Topology:
         """The topology a table of collection ``fqn`` is priced with: ``qcomms`` given per
-        collection resolved to ``fqn``'s config (fp32 where it names none)."""
-        if not isinstance(self.qcomms, Mapping):
-            return self
-        return replace(self, qcomms=self.qcomms.get(fqn))
+        collection resolved to ``fqn``'s config (fp32 where it names none), and
+        ``id_distributions`` narrowed to ``fqn``'s tables, keyed by table name (what
+        ``cost_model.table_ids`` looks up)."""
+        out = self
+        if isinstance(self.qcomms, Mapping):
+            out = replace(out, qcomms=self.qcomms.get(fqn))
+        if self.id_distributions:
+            prefix = f"{fqn}." if fqn else ""
+            own = {
+                key[len(prefix) :]: d
+                for key, d in self.id_distributions.items()
+                if key.startswith(prefix) and "." not in key[len(prefix) :]
+            }
+            out = replace(out, id_distributions=own)
+        return out
 
     def output_dist_bytes(self) -> tuple[int, int]:
         """Bytes per element the output dist sends forward and backward (``qcomms``)."""

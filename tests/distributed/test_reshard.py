@@ -12,9 +12,17 @@ trains 2 more steps, and compares its weights and fused state with
 Plan pairs: every ordered pair of TW, RW, CW, DP (a Latin square over four tables, plus
 same-type moves TW(0)->TW(1), CW -> CW over positions (1, 2)), and random pairs drawn
 from a seeded generator, with SGD, RowWiseAdagrad and Adam, on the 4 x 1 mesh and on
-the 2 x 2 mesh. The bytes each reshard sent (``dtrec.comm_stats``' ``reshard.rows``,
+the 2 x 2 mesh; table-row-wise and grid to and from the others on a node-aware 4 x 1 mesh
+(2 nodes of 2 positions, TRW(0) -> TRW(1) too) and a node-aware 2 x 2 one (replicas
+across nodes). The bytes each reshard sent (``dtrec.comm_stats``' ``reshard.rows``,
 summed over the world) must equal the bytes of the cells whose set of holders grew,
 counted cell by cell from the two plans' blocks.
+
+The same plan pairs with the tables trained by a torch optimizer (SGD with momentum,
+Adam, each also ``foreach=True``; Adagrad on some): the optimizer object passed to
+``reshard(..., optimizers=[opt])`` goes on, its params and state keys the new tables
+and its state moved (only moved cells sent), bitwise equal to a model distributed to
+plan B with that state loaded, and within 1e-5 of the unsharded model.
 """
 
 from __future__ import annotations
@@ -56,6 +64,15 @@ def _cases() -> dict[str, tuple[int, list[str], list[str]]]:
                     "DP",
                 ]
             cases[f"s{shard}_shift{k}"] = (shard, a, b)
+    # node-aware: S = 4 in 2 nodes of 2 positions (a 1-D mesh built with node_size=2)
+    cases["n4_shift"] = ("4n2", ["TRW(0)", "GRID", "TW(1)", "DP"],
+                         ["GRID", "TRW(1)", "TRW(0)", "GRID"])  # fmt: skip
+    cases["n4_back"] = ("4n2", ["RW", "CW", "GRID", "TRW(1)"],
+                        ["TRW(1)", "TRW(0)", "CW(0,3)", "RW"])  # fmt: skip
+    cases["n4_same"] = ("4n2", ["TRW(0)", "DP", "GRID", "TRW(1)"],
+                        ["TRW(1)", "GRID", "DP", "TRW(0)"])  # fmt: skip
+    # and 2-D: S = 2 on one node of 2 positions, the replicas across nodes
+    cases["n2_2d"] = ("2n2", ["TRW(0)", "GRID", "TW(1)", "DP"], ["GRID", "RW", "TRW(0)", "CW"])
     gen = random.Random(44)
     pool = {4: ["TW(0)", "TW(1)", "TW(3)", "RW", "CW", "CW(0,2)", "CW(3)", "DP"],
             2: ["TW(0)", "TW(1)", "RW", "CW", "CW(1)", "DP"]}  # fmt: skip
@@ -73,8 +90,12 @@ CHUNK_BYTES = {2: 96}  # the 2 x 2 mesh moves in rounds of at most 48 bytes per 
 
 
 def _spec(text: str):
-    from dtrec.placements import ColumnWise, DataParallel, RowWise, TableWise
+    from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
 
+    if text.startswith("TRW"):
+        return TableRowWise(node=int(text[4:-1]))
+    if text == "GRID":
+        return Grid()
     if text.startswith("TW"):
         return TableWise(rank=int(text[3:-1]))
     if text.startswith("CW("):
@@ -206,13 +227,22 @@ def _reference(rule_name: str, steps: int) -> dict:
     return out
 
 
+def _axis(shard):
+    """The ShardAxis of a case's mesh key: S (an int), or "<S>n<node size>" (node-aware)."""
+    from dtrec.placements.mesh import ShardAxis
+
+    if isinstance(shard, str):
+        size, per_node = (int(x) for x in shard.split("n"))
+        return ShardAxis(size, WORLD // size, per_node)
+    return ShardAxis(shard, WORLD // shard, None)
+
+
 def _expected_bytes(shard: int, a: list[str], b: list[str], rule_name: str) -> int:
     """Bytes the world sends: per cell (a row, for row state), one copy to each new holder
     that did not hold it, in each of the WORLD / shard replica groups."""
     import dtrec
-    from dtrec.placements.mesh import ShardAxis
 
-    axis = ShardAxis(shard, WORLD // shard, None)
+    axis = _axis(shard)
     kinds = {"weight": "weight", **_rule(rule_name).state_layout()}
     total = 0
     for (name, rows, dim, pooling), sa, sb in zip(TABLES, a, b, strict=True):
@@ -232,7 +262,7 @@ def _expected_bytes(shard: int, a: list[str], b: list[str], rule_name: str) -> i
                     had = {blk.position for blk in old if holds(blk)}
                     has = {blk.position for blk in new if holds(blk)}
                     total += len(has - had) * 4
-    return total * (WORLD // shard)
+    return total * axis.replicas
 
 
 def _max_rel(a: dict, b: dict) -> float:
@@ -294,6 +324,160 @@ def _one_case(meshes: dict, shard: int, a: list[str], b: list[str], rule_name: s
         "same_objects": returned is model and model.sparse is sparse,
         "plan": plan_ok,
         "lr": model.fused_optimizer.param_groups[0]["lr"],
+    }
+
+
+TORCH_RULES = {  # name -> (torch.optim class name, its arguments)
+    "sgd": ("SGD", {"lr": 0.5, "momentum": 0.9}),
+    "sgd_foreach": ("SGD", {"lr": 0.5, "momentum": 0.9, "foreach": True}),
+    "adam": ("Adam", {"lr": 0.05}),
+    "adam_foreach": ("Adam", {"lr": 0.05, "foreach": True}),
+    "adagrad": ("Adagrad", {"lr": 0.2}),
+}
+TORCH_ENTRIES = {"sgd": 1, "sgd_foreach": 1, "adam": 2, "adam_foreach": 2, "adagrad": 1}
+"""Table-shaped state entries of each (momentum_buffer; exp_avg, exp_avg_sq; sum)."""
+TORCH_CASES = {  # case -> the torch optimizers it runs with
+    case: ("sgd", "sgd_foreach", "adam", "adam_foreach")
+    + (("adagrad",) if case.endswith("shift1") else ())
+    for case in CASES
+}
+
+
+def _torch_optimizer(name: str, params):
+    import torch
+
+    kind, kwargs = TORCH_RULES[name]
+    return getattr(torch.optim, kind)(params, **kwargs)
+
+
+def _train_torch(model, optimizer, steps: range, scheduler, world: bool = False) -> None:
+    """Steps of a torch optimizer; ``world``: the unsharded model on the global batch."""
+    import torch.distributed as dist
+
+    for step in steps:
+        optimizer.zero_grad()
+        batches = _batches(step)
+        if world:
+            loss = sum(_loss(model(kjt), target) for kjt, target in batches) / WORLD
+        else:
+            kjt, target = batches[dist.get_rank()]
+            loss = _loss(model(kjt), target)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+
+
+def _torch_state(model, optimizer) -> dict:
+    """Full weights and torch optimizer state of the tables (scalars: the largest over
+    ranks; an unsharded model's as they are). Collective for a distributed model."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from dtrec.checkpoint import full_tensor
+
+    bags = model.sparse.embedding_bags
+    out = {}
+    for name, *_ in TABLES:
+        weight = bags[name].weight
+        out[f"sparse.embedding_bags.{name}.weight"] = full_tensor(weight).float()
+        for key, value in sorted(optimizer.state[weight].items()):
+            if isinstance(value, DTensor):
+                out[f"sparse.{name}.{key}"] = full_tensor(value).float()
+            elif isinstance(value, torch.Tensor):
+                scalar = value.detach().float().clone()
+                if isinstance(weight, DTensor):
+                    dist.all_reduce(scalar, op=dist.ReduceOp.MAX)
+                out[f"sparse.{name}.{key}"] = scalar
+    return out
+
+
+def _load_torch_state(model, optimizer, state: dict) -> None:
+    """Put full torch optimizer state (``_torch_state``'s) into a distributed model's
+    optimizer: each rank's block of it, as DTensors placed like their tables."""
+
+    from dtrec.sharded.tables.tensor import like_dtensor
+
+    for name, *_ in TABLES:
+        table = model.sparse.embedding_bags[name]
+        entries = {}
+        for key, value in state.items():
+            if not key.startswith(f"sparse.{name}.") or "embedding_bags" in key:
+                continue
+            entry = key.rsplit(".", 1)[1]
+            if value.dim() == 0:
+                entries[entry] = value.clone()
+                continue
+            local = table.weight.detach().to_local().clone()
+            if table.block is not None:
+                (r0, r1), (c0, c1) = table.block.rows, table.block.cols
+                local.copy_(value[r0:r1, c0:c1])
+            entries[entry] = like_dtensor(local, table.weight)
+        optimizer.state[table.weight] = entries
+
+
+def _one_torch_case(meshes: dict, shard: int, a: list[str], b: list[str], name: str) -> dict:
+    """A case with the tables trained by a torch optimizer: the same object goes on after
+    the reshard; compared with a model distributed to plan B with that optimizer's state
+    loaded, and with the unsharded model trained by the same optimizer."""
+    import torch
+    import torch.distributed as dist
+    from torch.optim.lr_scheduler import StepLR
+
+    import dtrec
+
+    mesh = meshes[shard]
+    model = dtrec.distribute_module(_model(), mesh, _plan(a))
+    optimizer = _torch_optimizer(name, model.parameters())
+    scheduler = StepLR(optimizer, step_size=1, gamma=0.5)
+    _train_torch(model, optimizer, range(2), scheduler)
+    before = _torch_state(model, optimizer)
+    lr = optimizer.param_groups[0]["lr"]
+    with dtrec.comm_stats() as stats:
+        dtrec.reshard(
+            model, _plan(b), chunk_bytes=CHUNK_BYTES.get(shard, 64 << 20), optimizers=[optimizer]
+        )
+    sent = torch.tensor([stats.bytes_sent.get("reshard.rows", 0)], dtype=torch.long)
+    dist.all_reduce(sent)
+    params = list(model.parameters())
+    held = optimizer.param_groups[0]["params"]
+    repointed = (
+        len(held) == len(params)
+        and all(x is y for x, y in zip(held, params, strict=True))
+        and all(p in optimizer.state for p in params)
+        and len(optimizer.state) == len(params)
+    )
+    moved_exact = _max_rel(_torch_state(model, optimizer), before)
+    _train_torch(model, optimizer, range(2, 4), scheduler)
+    after = _torch_state(model, optimizer)
+
+    direct = _model()
+    with torch.no_grad():
+        for table, *_ in TABLES:
+            direct.sparse.embedding_bags[table].weight.copy_(
+                before[f"sparse.embedding_bags.{table}.weight"]
+            )
+    direct = dtrec.distribute_module(direct, mesh, _plan(b))
+    direct_optimizer = _torch_optimizer(name, direct.parameters())
+    direct_optimizer.param_groups[0]["lr"] = lr
+    _load_torch_state(direct, direct_optimizer, before)
+    direct_scheduler = StepLR(direct_optimizer, step_size=1, gamma=0.5)
+    _train_torch(direct, direct_optimizer, range(2, 4), direct_scheduler)
+    expected = _torch_state(direct, direct_optimizer)
+
+    unsharded = _model()
+    plain_optimizer = _torch_optimizer(name, unsharded.parameters())
+    plain_scheduler = StepLR(plain_optimizer, step_size=1, gamma=0.5)
+    _train_torch(unsharded, plain_optimizer, range(4), plain_scheduler, world=True)
+    return {
+        "vs_direct": _max_rel(after, expected),
+        "bitwise": all(torch.equal(after[k], expected[k]) for k in after),
+        "vs_unsharded": _max_rel(after, _torch_state(unsharded, plain_optimizer)),
+        "moved_exact": moved_exact,
+        "repointed": repointed,
+        "state_keys": sorted(k for k in after if "embedding_bags" not in k),
+        "bytes": int(sent),  # the weight and each table-shaped state entry, moved cells
+        "expected_bytes": _expected_bytes(shard, a, b, "sgd") * (1 + TORCH_ENTRIES[name]),
     }
 
 
@@ -373,6 +557,9 @@ def _errors(meshes: dict) -> dict:
 
     plain = dtrec.distribute_module(_model(), meshes[4], _plan(a))
     out["no_fused"] = {"error": error_of(lambda: dtrec.reshard(plain, {"sparse.t0": RowWise()}))}
+    out["bad_optimizers"] = {
+        "error": error_of(lambda: dtrec.reshard(plain, {"sparse.t0": RowWise()}, optimizers="adam"))
+    }
     out["not_distributed"] = {"error": error_of(lambda: dtrec.reshard(_model(), {}))}
     return out
 
@@ -437,17 +624,122 @@ def _shapes(meshes: dict) -> dict:
     return out
 
 
+def _counted(meshes: dict) -> dict:
+    """``dtrec.IdCounters`` on a distributed model: 2 steps counted on every rank and summed
+    over the world (vs the counts of every rank's known batches), a re-plan from them, the
+    reshard to it, and a step after."""
+    import torch
+    import torch.distributed as dist
+    from torch.optim.lr_scheduler import StepLR
+
+    import dtrec
+
+    model = dtrec.distribute_module(
+        _model(), meshes[4], _plan(["TW(0)"] * 4), optimizer=_rule("rowwise_adagrad")
+    )
+    counters = dtrec.IdCounters(model, distinct_every=1)
+    scheduler = StepLR(model.fused_optimizer, step_size=1, gamma=0.5)
+    _train(model, range(2), scheduler)
+    stats = counters.stats()
+    expected = {}
+    for name, *_ in TABLES:
+        ids = [kjt[f"f{name[1:]}"].values() for step in range(2) for kjt, _ in _batches(step)]
+        total = sum(len(x) for x in ids)
+        distinct = sum(len(torch.unique(x)) for x in ids)
+        expected[f"sparse.{name}"] = (
+            total / (2 * WORLD),
+            distinct / total,
+            total / (2 * WORLD * BATCH),
+        )
+    got = {key: (s.ids_per_step, s.unique_ratio, s.pooling_factor) for key, s in stats.items()}
+    new_plan = dtrec.plan(model, meshes[4], id_counters=counters)
+    dtrec.reshard(model, new_plan)
+    _train(model, range(2, 3), scheduler)
+    counters.remove()
+    return {
+        "counts": got,
+        "expected": expected,
+        "replanned": {k: str(v) for k, v in new_plan.items()},
+        "poor": {k: str(v) for k, v in _plan(["TW(0)"] * 4).items()},
+        "plan": {k: str(v) for k, v in model.sharding_plan.items()},
+        "rank": dist.get_rank(),
+    }
+
+
+def _torchrec_target(meshes: dict) -> dict:
+    """A TorchRec ``ShardingPlan`` (built by its own helpers) as the target: mapped onto the
+    mesh as ``distribute_module`` maps one, the move exact, training goes on; an entry
+    reshard does not move yet (UVM caching: an offloaded table) is a ValueError naming the
+    table before anything moves."""
+    from tests.interop.torchrec_or_skip import torchrec
+
+    if torchrec is None:
+        return {"skipped": True}
+    import torch
+    from torch.optim.lr_scheduler import StepLR
+    from torchrec.distributed import sharding_plan as sp
+    from torchrec.distributed.types import ShardingPlan
+
+    import dtrec
+
+    model = dtrec.distribute_module(
+        _model(), meshes[4], _plan(["TW(0)", "RW", "CW", "DP"]), optimizer=_rule("adam")
+    )
+    scheduler = StepLR(model.fused_optimizer, step_size=1, gamma=0.5)
+    _train(model, range(2), scheduler)
+    before = _full_state(model)
+    configs = [
+        torchrec.EmbeddingBagConfig(
+            name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f{n[1:]}"]
+        )
+        for n, r, d, _ in TABLES
+    ]
+    ebc = torchrec.EmbeddingBagCollection(configs, device=torch.device("meta"))
+
+    def plan_of(per_table: dict) -> ShardingPlan:
+        module_plan = sp.construct_module_sharding_plan(
+            ebc, per_table, world_size=WORLD, local_size=WORLD, device_type="cpu"
+        )
+        return ShardingPlan({"sparse": module_plan})
+
+    per_table = {
+        "t0": sp.column_wise(ranks=[1, 3]),
+        "t1": sp.table_wise(rank=2),
+        "t2": sp.data_parallel(),
+        "t3": sp.row_wise(),
+    }
+    dtrec.reshard(model, plan_of(per_table))
+    moved = _max_rel(_full_state(model), before)
+    _train(model, range(2, 3), scheduler)
+    bad = plan_of(per_table | {"t3": sp.row_wise(compute_kernel="fused_uvm_caching")})
+    return {
+        "plan": {k: repr(v) for k, v in model.sharding_plan.items()},
+        "moved_exact": moved,
+        "bad": error_of(lambda: dtrec.reshard(model, bad)),
+    }
+
+
 def _run_all(rank: int, world_size: int) -> dict:
     import dtrec
 
-    meshes = {4: dtrec.init_mesh("cpu", 4), 2: dtrec.init_mesh("cpu", 2)}
+    meshes = {
+        4: dtrec.init_mesh("cpu", 4),
+        2: dtrec.init_mesh("cpu", 2),
+        "4n2": dtrec.init_mesh("cpu", 4, node_size=2),
+        "2n2": dtrec.init_mesh("cpu", 2, node_size=2, replicas_within_node=False),
+    }
     out = {
         f"{name}-{rule}": _one_case(meshes, shard, a, b, rule)
         for name, (shard, a, b) in CASES.items()
         for rule in RULES
     }
+    for name, (shard, a, b) in CASES.items():
+        for rule in TORCH_CASES[name]:
+            out[f"{name}-torch-{rule}"] = _one_torch_case(meshes, shard, a, b, rule)
     out["errors"] = _errors(meshes)
     out["shapes"] = _shapes(meshes)
+    out["counted"] = _counted(meshes)
+    out["torchrec"] = _torchrec_target(meshes)
     return out
 
 
@@ -486,17 +778,41 @@ def test_small_chunks_take_rounds(results):
             assert got["rounds"] >= got["bytes"] / (WORLD * 48), (case, got)  # world bytes
 
 
+@pytest.mark.parametrize(
+    "case, rule", [(case, rule) for case, rules in sorted(TORCH_CASES.items()) for rule in rules]
+)
+def test_torch_optimizer_continues_exactly(results, case, rule):
+    """The user's torch optimizer object goes on after the reshard: its params and state
+    keys are the new tables, its state moved; then bitwise what a model distributed to the
+    new plan with that state does, and within 1e-5 of the unsharded model."""
+    shard, a, b = CASES[case]
+    for rank, per_rank in enumerate(results):
+        got = per_rank[f"{case}-torch-{rule}"]
+        where = f"rank {rank}, {a} -> {b}, {rule}"
+        assert got["repointed"], where
+        assert got["moved_exact"] == 0.0, where
+        assert got["bitwise"] and got["vs_direct"] == 0.0, (where, got)
+        assert got["vs_unsharded"] <= 1e-5, (where, got)
+        expected = {"sgd": ["momentum_buffer"], "adam": ["exp_avg", "exp_avg_sq", "step"],
+                    "adagrad": ["step", "sum"]}[rule.split("_")[0]]  # fmt: skip
+        assert got["bytes"] == got["expected_bytes"], where
+        assert got["state_keys"] == sorted(
+            f"sparse.{t[0]}.{k}" for t in TABLES for k in expected
+        ), where
+
+
 ERRORS = {  # case -> words its error names
     "unknown": ["KeyError", "sparse.t9"],
     "rank_off_mesh": ["ValueError", "sparse.t1", "TableWise(rank=4)"],
     "unresolved": ["ValueError", "sparse.t1", "resolved"],
-    "node_aware": ["ValueError", "sparse.t3", "node-aware"],
+    "node_aware": ["ValueError", "sparse.t3", "node-aware mesh", "node_size"],
     "offloaded": ["ValueError", "sparse.t0", "offloaded"],
     "not_a_spec": ["TypeError", "sparse.t0"],
     "disagree": ["ValueError", "another plan"],
     "prefetched": ["ValueError", "prefetched batch"],
     "mid_move": ["CollectiveError", "simulated"],
-    "no_fused": ["ValueError", "sparse.t0", "torch optimizer"],
+    "no_fused": ["ValueError", "sparse.t0", "torch optimizer", "optimizers=[opt]"],
+    "bad_optimizers": ["TypeError", "torch.optim.Optimizer"],
     "not_distributed": ["TypeError", "distribute_module"],
 }
 
@@ -509,6 +825,33 @@ def test_refusals_leave_the_model_as_it_was(results, case):
             assert word in got["error"], (rank, case, got["error"])
         assert got.get("unchanged", True), (rank, case)
         assert per_rank["errors"]["after"] == "RW"
+
+
+def test_id_counters_replan(results):
+    """Counters on a distributed model sum every rank's batches; the re-plan from them
+    moves tables off the all-on-position-0 plan, reshard applies it, training goes on."""
+    for rank, per_rank in enumerate(results):
+        got = per_rank["counted"]
+        for key, want in got["expected"].items():
+            assert got["counts"][key] == pytest.approx(want), (rank, key)
+        assert got["replanned"] != got["poor"], got
+        assert got["plan"] == got["replanned"] == results[0]["counted"]["replanned"]
+
+
+def test_torchrec_plan_as_target(results):
+    if results[0]["torchrec"].get("skipped"):
+        pytest.skip("torchrec not installed")
+    for rank, per_rank in enumerate(results):
+        got = per_rank["torchrec"]
+        assert got["moved_exact"] == 0.0, rank
+        assert got["plan"] == {
+            "sparse.t0": "ColumnWise(positions=(1, 3))",
+            "sparse.t1": "TableWise(rank=2)",
+            "sparse.t2": "DataParallel()",
+            "sparse.t3": "RowWise()",
+        }, (rank, got)
+        assert "ValueError" in got["bad"] and "sparse.t3" in got["bad"], got["bad"]
+        assert "offloaded" in got["bad"], got["bad"]
 
 
 def test_model_shapes(results):

@@ -13,23 +13,35 @@ model's ``fused_optimizer`` and its param group dicts (so LR schedulers keep dri
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dtrec._torch_compat import local_block
 from dtrec.comm.collectives import all_reduce
-from dtrec.placements import Grid, TableLayout, TableRowWise, TableSpec
+from dtrec.placements import TableSpec
 from dtrec.placements.layout import Block
 from dtrec.placements.mesh import SHARD, mesh_device, shard_axis, shard_position, world_group
 from dtrec.planning.plan import ShardingPlan, table_fqn
 from dtrec.sharded.collection import ShardedCollection
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
+from dtrec.sharded.reshard.checks import (
+    agree,
+    as_specs,
+    plan_changes,
+    refusal_of,
+    torch_entries,
+)
 from dtrec.sharded.reshard.exchange import CHUNK_BYTES, Locals, move
 from dtrec.sharded.reshard.moves import Piece, entry_moves
+from dtrec.sharded.reshard.torch_state import (
+    TorchStates,
+    check_optimizers,
+    old_local,
+    state_of,
+    weights_of,
+)
 
 SCALARS_KIND = "reshard.scalars"
 """The ``dtrec.comm_stats`` kind of the per-table scalar state (Adam's step) agreed on."""
@@ -51,13 +63,18 @@ distribution state of a model that is the collection itself."""
 
 
 def reshard(
-    model: nn.Module, plan: Mapping[str, TableSpec], chunk_bytes: int = CHUNK_BYTES
+    model: nn.Module,
+    plan: Mapping[str, TableSpec],
+    chunk_bytes: int = CHUNK_BYTES,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
 ) -> nn.Module:
     """Move the tables of a ``distribute_module`` model to the specs of ``plan``, in place.
 
     ``plan`` maps table FQNs (``"<collection fqn>.<table>"``, as in ``model.sharding_plan``)
-    to their new spec; tables it omits keep theirs. Weights and fused optimizer state
-    (SGD, RowWiseAdagrad's sums, Adam's moments and step) move to their new owners:
+    to their new spec; tables it omits keep theirs. A TorchRec ``ShardingPlan`` (or its
+    ``.plan`` dict) is taken too, mapped onto the mesh as ``distribute_module`` maps it.
+    Weights and fused optimizer state (SGD, RowWiseAdagrad's sums, Adam's moments and
+    step) move to their new owners:
     only rows (of a column block: row parts) whose owner changes are sent, with
     all-to-alls over the "shard" axis in rounds of at most ``chunk_bytes`` per rank,
     counted by ``dtrec.comm_stats`` as ``"reshard.rows"`` (Adam's per-table step: one
@@ -67,11 +84,19 @@ def reshard(
     and state; ``model.sharding_plan`` is the new plan and ``model.fused_optimizer``
     keeps its param groups (LR schedulers keep working).
 
-    Supported: data-parallel, table-wise, row-wise and column-wise tables of
-    ``EmbeddingBagCollection``s with a fused optimizer, any of them to any other, on 1-D
-    and 2-D meshes. Refused with a ValueError naming the table, before anything moves:
-    table-row-wise and grid specs, offloaded tables, sequence collections, tables
-    trained by a torch optimizer (no fused optimizer), ``same_batch`` collections, a
+    Tables trained by a ``torch.optim`` optimizer (``distribute_module(...,
+    optimizer=None)``): pass the optimizer(s) holding them as ``optimizers``. Each is
+    updated in place, still the same object: its param groups and ``state`` keys name
+    the new table parameters, and state placed like a table (Adam's ``exp_avg`` and
+    ``exp_avg_sq``, Adagrad's ``sum``, SGD's ``momentum_buffer``) moves with its rows;
+    scalars (``step``) are kept. Gradients are not carried (call it between steps).
+    Without ``optimizers`` such a table is refused (``optimizers=[]``: none holds them).
+
+    Supported: data-parallel, table-wise, row-wise, column-wise, table-row-wise and grid
+    tables of ``EmbeddingBagCollection``s (the last two on a mesh built with
+    ``node_size``), any of them to any other, on 1-D and 2-D meshes. Refused with a
+    ValueError naming the table, before anything moves: offloaded tables, sequence
+    collections, ``same_batch`` collections, a
     prefetched batch not consumed yet, a gradient accumulation in progress; and any spec
     that does not fit the mesh (``TableWise(rank=None)``: give the rank). Collective:
     every rank calls it with the same plan (checked: ranks that disagree all raise).
@@ -83,21 +108,33 @@ def reshard(
         ...  # train
         dtrec.reshard(model, {"sparse.t0": RowWise()})
         ...  # train on: same weights, same Adam state, new owners
+
+        plain = dtrec.distribute_module(model, mesh)  # tables trained by torch.optim
+        opt = torch.optim.Adam(plain.parameters(), lr=0.01)
+        ...  # train
+        dtrec.reshard(plain, {"sparse.t0": RowWise()}, optimizers=[opt])
+        ...  # opt.step() goes on with the moved exp_avg / exp_avg_sq
     """
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"reshard: chunk_bytes must be a positive int, got {chunk_bytes!r}")
     collections = _collections(model)
+    held: list[torch.optim.Optimizer] | None = None
     try:  # a rank that refuses still joins the agreement, so no peer waits on it
-        changes = _changes(collections, plan)
-        refusal = _refusal(collections, changes)
+        held = check_optimizers(optimizers)
+        changes = plan_changes(collections, as_specs(model, collections, plan))
+        refusal = refusal_of(collections, changes, held)
+        entries = {} if refusal is not None else torch_entries(collections, changes, held)
     except (KeyError, TypeError, ValueError) as exc:
-        changes, refusal = {}, exc
-    _agree(collections, changes, refusal)
+        changes, refusal, entries = {}, exc, {}
+    agree(collections, changes, refusal, entries)
     built = []
     for fqn, specs in changes.items():
-        built.append((fqn, _rebuilt(collections[fqn], specs, chunk_bytes)))
-    for fqn, new in built:  # nothing below communicates or can fail on one rank alone
+        rebuilt = _rebuilt(collections[fqn], specs, chunk_bytes, held, entries.get(fqn, {}))
+        built.append((fqn, *rebuilt))
+    for fqn, new, states in built:  # nothing below communicates or can fail on one rank alone
         _swap(model, fqn, collections[fqn], new)
+        if states is not None:
+            states.repoint()
     state = model._dtrec_state
     moved = {table_fqn(fqn, n): s for fqn, specs in changes.items() for n, s in specs.items()}
     new_plan = ShardingPlan(
@@ -115,144 +152,16 @@ def _collections(model: nn.Module) -> dict[str, ShardedCollection]:
     return {fqn: m for fqn, m in model.named_modules() if isinstance(m, ShardedCollection)}
 
 
-def _changes(
-    collections: Mapping[str, ShardedCollection], plan: object
-) -> dict[str, dict[str, TableSpec]]:
-    """Collection FQN -> every table's new spec, for the collections with a changed spec.
-    KeyError / TypeError / ValueError for a plan naming unknown tables, a value that is
-    not a spec, or a spec that does not fit its collection's mesh (no collective)."""
-    if not isinstance(plan, Mapping):
-        raise TypeError(
-            f"plan must be a mapping {{'<collection fqn>.<table>': spec}}, got "
-            f"{type(plan).__name__}"
-        )
-    where = {
-        table_fqn(fqn, cfg.name): (fqn, cfg)
-        for fqn, collection in collections.items()
-        for cfg in collection._tables
-    }
-    unknown = sorted(k for k in plan if k not in where)
-    if unknown:
-        raise KeyError(
-            f"reshard: plan names unknown table(s) {unknown}; the model's tables are "
-            f"{sorted(where)}"
-        )
-    changes: dict[str, dict[str, TableSpec]] = {}
-    for key, spec in plan.items():
-        fqn, cfg = where[key]
-        if not isinstance(spec, TableSpec):
-            raise TypeError(
-                f"reshard: plan entry {key!r}: expected a dtrec.placements spec, got {spec!r}"
-            )
-        if not spec.resolved:
-            raise ValueError(
-                f"reshard: plan entry {key!r}: {spec!r} leaves a choice to the planner; "
-                "give it resolved (e.g. TableWise(rank=1))"
-            )
-        try:
-            spec.layout(cfg, shard_axis(collections[fqn].mesh))
-        except ValueError as exc:
-            raise ValueError(f"reshard: plan entry {key!r}: {exc}") from exc
-        current = collections[fqn].specs()
-        if spec != current[cfg.name]:
-            changes.setdefault(fqn, dict(current))[cfg.name] = spec
-    return changes
-
-
-def _refusal(
-    collections: Mapping[str, ShardedCollection], changes: Mapping[str, Mapping[str, TableSpec]]
-) -> ValueError | None:
-    """Why this rank cannot move the changed collections yet (None: it can)."""
-    for fqn, specs in changes.items():
-        collection = collections[fqn]
-        first = table_fqn(fqn, collection._tables[0].name)
-        if not isinstance(collection, ShardedEmbeddingBagCollection):
-            return ValueError(
-                f"reshard: table {first!r} is in a sequence collection "
-                f"({type(collection).__name__}), which reshard does not move yet"
-            )
-        if collection._updater is None:
-            return ValueError(
-                f"reshard: table {first!r} is trained by a torch optimizer (no fused "
-                "optimizer): reshard moves fused optimizer state only so far; save and load "
-                "a checkpoint (dtrec.checkpoint) onto a model distributed to the new plan"
-            )
-        if collection._batch_split is not None:
-            return ValueError(
-                f"reshard: table {first!r}'s collection looks batches up with same_batch, "
-                "which reshard does not support yet"
-            )
-        if collection._prefetched:
-            return ValueError(
-                f"reshard: collection {fqn!r} has a prefetched batch in flight (prefetch "
-                "without its forward yet, e.g. a dtrec.TrainPipeline's next batch); run its "
-                "forward first (drain the pipeline), or reshard before prefetching"
-            )
-        updater = collection._updater
-        if updater._pending or updater.accumulating:
-            return ValueError(
-                f"reshard: collection {fqn!r} holds gradients not applied yet (inside "
-                "dtrec.accumulate_gradients, or a backward in progress); reshard between steps"
-            )
-        axis = shard_axis(collection.mesh)
-        old = collection.specs()
-        for cfg in collection._tables:
-            for spec in (old[cfg.name], specs[cfg.name]):
-                why = _unsupported(spec, spec.layout(cfg, axis))
-                if why is not None:
-                    return ValueError(
-                        f"reshard: table {table_fqn(fqn, cfg.name)!r}: {spec!r} is {why}, "
-                        "which reshard does not move yet"
-                    )
-    return None
-
-
-def _unsupported(spec: TableSpec, layout: TableLayout) -> str | None:
-    if isinstance(spec, (TableRowWise, Grid)):
-        return "a node-aware type"
-    if layout.offloaded:
-        return "offloaded"
-    return None
-
-
-def _agree(
-    collections: Mapping[str, ShardedCollection],
-    changes: Mapping[str, Mapping[str, TableSpec]],
-    refusal: Exception | None,
-) -> None:
-    """Raise on every rank unless every rank has the same changes and none refuses (one
-    small all-gather, before anything is built): a refusing rank raises its own error,
-    the others a ValueError naming it."""
-    if not collections:
-        return
-    group = world_group(next(iter(collections.values())).mesh)
-    described = repr(sorted((fqn, sorted(s.items())) for fqn, s in changes.items()))
-    digest = hashlib.sha256(described.encode()).hexdigest()
-    size = dist.get_world_size(group)
-    gathered: list[tuple[str, str | None] | None] = [None] * size
-    dist.all_gather_object(gathered, (digest, None if refusal is None else str(refusal)), group)
-    if refusal is not None:
-        raise refusal
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
-    for rank, item in zip(ranks, gathered, strict=True):
-        assert item is not None
-        if item[1] is not None:
-            raise ValueError(f"reshard refused on rank {rank}: {item[1]}")
-    differ = [
-        rank for rank, item in zip(ranks, gathered, strict=True) if item and item[0] != digest
-    ]
-    if differ:
-        raise ValueError(
-            f"reshard: ranks {differ} were given another plan than rank {dist.get_rank()}; "
-            "every rank must reshard to the same plan"
-        )
-
-
 def _rebuilt(
-    old: ShardedCollection, specs: Mapping[str, TableSpec], chunk_bytes: int
-) -> ShardedCollection:
-    """A collection like ``old`` on ``specs``, holding ``old``'s weights and fused state.
-    Collective (new sub-meshes, the moves); ``old`` is only read."""
+    old: ShardedCollection,
+    specs: Mapping[str, TableSpec],
+    chunk_bytes: int,
+    optimizers: Sequence[torch.optim.Optimizer] | None,
+    torch_entries: Mapping[int, list[str]],
+) -> tuple[ShardedCollection, TorchStates | None]:
+    """A collection like ``old`` on ``specs``, holding ``old``'s weights and fused state,
+    and (without a fused optimizer) the torch optimizers' state of its new tables, to
+    swap in. Collective (new sub-meshes, the moves); ``old`` is only read."""
     assert isinstance(old, ShardedEmbeddingBagCollection)
     old._settle()
     meta = {
@@ -267,26 +176,60 @@ def _rebuilt(
     )  # fmt: skip
     new._steps, new._averaged_at = old._steps, old._averaged_at
     position = shard_position(old.mesh)
-    assert position is not None and old._updater is not None and new._updater is not None
-    kinds = {"weight": "weight", **old.optimizer.state_layout()}
+    assert position is not None
+    old_weights, new_weights = weights_of(old._stored()), weights_of(new._stored())
+    fused = {} if old.optimizer is None else old.optimizer.state_layout()
+    states = None
+    if old._updater is None:
+        states = TorchStates(optimizers or [])
+        for t, entries in torch_entries.items():
+            states.allocate(t, entries, old_weights[t], new_weights[t])
+    kinds = {  # table -> its moved entries and their kinds
+        t: {"weight": "weight"}
+        | {e: k for e, k in fused.items() if k != "scalar"}
+        | dict.fromkeys(torch_entries.get(t, []), "weight")
+        for t in range(len(old._tables))
+    }
+
+    def old_tensor(t: int, entry: str) -> torch.Tensor:
+        if entry == "weight":
+            return local_block(old_weights[t])
+        if entry in fused:
+            return _state(old, t, entry)
+        return old_local(optimizers or [], old_weights[t], entry)
+
+    def new_tensor(t: int, entry: str) -> torch.Tensor:
+        if entry == "weight":
+            return local_block(new_weights[t])
+        if entry in fused:
+            return _state(new, t, entry)
+        assert states is not None
+        return states.new_local[t, entry]
+
+    def element_size(t: int, entry: str) -> int:
+        if entry == "weight":
+            return old._dtype.itemsize
+        if entry in fused:
+            return _state(old, t, entry).element_size()
+        return state_of(optimizers or [], old_weights[t], entry).element_size()
+
     pieces: list[Piece] = []
     for t, cfg in enumerate(old._tables):
-        for entry, kind in kinds.items():
-            if kind == "scalar":
-                continue
-            size = (
-                old._dtype.itemsize if entry == "weight" else _state(old, t, entry).element_size()
-            )
+        for entry, kind in kinds[t].items():
             pieces += entry_moves(
-                t, cfg.name, entry, kind, old._layouts[t], new._layouts[t], size
+                t, cfg.name, entry, kind, old._layouts[t], new._layouts[t],
+                element_size(t, entry),
             )  # fmt: skip
     axis = shard_axis(old.mesh)
     move(
-        pieces, _locals(old, kinds, position), _locals(new, kinds, position), position,
+        pieces, _locals(old, kinds, position, old_tensor),
+        _locals(new, kinds, position, new_tensor), position,
         old.mesh.get_group(SHARD), axis.size, mesh_device(old.mesh), chunk_bytes,
     )  # fmt: skip
-    _agree_scalars(old, new, [k for k, kind in kinds.items() if kind == "scalar"])
-    return new
+    _agree_scalars(old, new, [k for k, kind in fused.items() if kind == "scalar"])
+    for before, after in zip(old_weights, new_weights, strict=True):  # a frozen table stays so
+        after.requires_grad_(before.requires_grad)
+    return new, states
 
 
 def _state(collection: ShardedCollection, t: int, entry: str) -> torch.Tensor:
@@ -294,20 +237,20 @@ def _state(collection: ShardedCollection, t: int, entry: str) -> torch.Tensor:
     return collection._updater.state[t][entry]
 
 
-def _locals(collection: ShardedCollection, kinds: Mapping[str, str], position: int) -> Locals:
+def _locals(
+    collection: ShardedCollection,
+    kinds: Mapping[int, Mapping[str, str]],
+    position: int,
+    tensor_of: Callable[[int, str], torch.Tensor],
+) -> Locals:
     """(table, entry) -> this rank's tensor of it and the rectangle it holds."""
     out = {}
-    for t, cfg in enumerate(collection._tables):
+    for t in range(len(collection._tables)):
         block = collection._layouts[t].block_at(position)
         if block is None:
             continue
-        for entry, kind in kinds.items():
-            if kind == "scalar":
-                continue
-            if entry == "weight":
-                tensor = local_block(collection._stored()[cfg.name].weight)
-            else:
-                tensor = _state(collection, t, entry)
+        for entry, kind in kinds[t].items():
+            tensor = tensor_of(t, entry)
             if kind == "row":
                 out[t, entry] = (tensor.view(-1, 1), Block(position, block.rows, (0, 1)))
             else:
@@ -342,7 +285,8 @@ def _swap(model: nn.Module, fqn: str, old: ShardedCollection, new: ShardedCollec
     vars(new).clear()
     old.train(old.training)  # the new tables take the collection's mode
     updater = old._updater
-    assert updater is not None
+    if updater is None:
+        return
     updater.after_update = old._after_fused_update  # was bound to ``new``
     view = model._dtrec_state.fused_optimizer
     if view is None:
