@@ -46,7 +46,7 @@ from torch.utils.hooks import RemovableHandle
 from dtrec.modules.config import as_bag_config
 from dtrec.modules.embedding_bag import EmbeddingBagCollection
 from dtrec.modules.features import feature_order, prepare_features
-from dtrec.modules.init import reset_rows_init
+from dtrec.modules.init import reset_rows_init, uniform_init_bounds
 from dtrec.modules.managed_collision import MCHManagedCollisionModule
 from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -153,9 +153,14 @@ class ManagedCollisionEmbeddingBagCollection(nn.Module):
         self._reset_seed = reset_seed
         # an OrderedDict: RemovableHandle holds it by weak reference, as torch's hooks
         self._eviction_hooks: OrderedDict[int, EvictionHook] = OrderedDict()
-        self._init_fns = {
-            cfg.name: embedding_bag_collection.table_init_fn(cfg.name) for cfg in ebc_tables
-        }
+        # a TorchRec config's init_fn: uniform(a, b) (TorchRec's default) is redrawn by the
+        # counter-based hash with its bounds; any other is called (torch's global generator)
+        self._init_fns: dict[str, Callable[[Tensor], object] | None] = {}
+        self._init_bounds: dict[str, tuple[float, float] | None] = {}
+        for cfg in ebc_tables:
+            init_fn = embedding_bag_collection.table_init_fn(cfg.name)
+            self._init_bounds[cfg.name] = uniform_init_bounds(init_fn)
+            self._init_fns[cfg.name] = None if self._init_bounds[cfg.name] else init_fn
 
     def table_weight(self, table: str) -> Tensor:
         """Table ``table``'s weight parameter (KeyError naming it if absent)."""
@@ -171,7 +176,11 @@ class ManagedCollisionEmbeddingBagCollection(nn.Module):
         self._eviction_hooks[handle.id] = hook
         return handle
 
-    def forward(self, features: object) -> tuple[KeyedTensor, KeyedJaggedTensor | None]:
+    def forward(
+        self, features: object, mutate_miss_lengths: bool = True
+    ) -> tuple[KeyedTensor, KeyedJaggedTensor | None]:
+        """``mutate_miss_lengths`` is TorchRec's argument, accepted for drop-in calls; as in
+        TorchRec's MCH module it changes nothing (misses go to the miss row)."""
         remapped = self._managed_collision_collection(features)
         self._reset_evicted(self._managed_collision_collection.evict())
         pooled = self._embedding_module(remapped)
@@ -184,8 +193,8 @@ class ManagedCollisionEmbeddingBagCollection(nn.Module):
             mc.share_window(group)
 
     def tables_with_init_fn(self) -> list[str]:
-        """Tables reset by a TorchRec ``init_fn`` (torch's global generator: not the same
-        draws on every rank, so such tables cannot be distributed)."""
+        """Tables reset by a TorchRec ``init_fn`` other than uniform(a, b) (torch's global
+        generator: not the same draws on every rank, so such tables cannot be distributed)."""
         return [name for name, fn in self._init_fns.items() if fn is not None]
 
     def _reset_evicted(self, evictions: Mapping[str, Tensor | None]) -> None:
@@ -212,8 +221,10 @@ class ManagedCollisionEmbeddingBagCollection(nn.Module):
         mc = self._managed_collision_collection._managed_collision_modules[table]
         step, seed = mc.current_iter, self._reset_seed
 
+        bounds = self._init_bounds.get(table)
+
         def hashed(rows: Tensor, cols: tuple[int, int]) -> Tensor:
-            return reset_rows_init(table, num_rows, dim, rows, step, seed, cols, dtype)
+            return reset_rows_init(table, num_rows, dim, rows, step, seed, cols, dtype, bounds)
 
         return hashed
 
@@ -223,7 +234,8 @@ MANAGED_COLLISION_MODULES = (
     ManagedCollisionCollection,
     MCHManagedCollisionModule,
 )
-"""What ``distribute_module`` refuses until the sharded remap lands (issue 45)."""
+"""dtrec's managed-collision modules: ``distribute_module`` shards the collection and
+refuses the other two outside one."""
 
 
 @torch.no_grad()

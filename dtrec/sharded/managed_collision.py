@@ -18,6 +18,9 @@ different model for every shard count, and ``zch_size`` must divide (TorchRec
 next to a row-wise shard's ``4 * dim / S``), and an eviction step gathers the
 window's unique ids from every rank.
 
+TorchRec's ``ManagedCollisionEmbeddingBagCollection`` is converted to dtrec's first
+(``adopt_torchrec_collections``): same weights, remapper state and state-dict keys.
+
 What is not supported raises: a plan putting a managed-collision table on any
 type but ``RowWise`` (unnamed tables are pinned to it), no fused optimizer (a torch
 optimizer's sharded state of evicted rows is not reset yet), ``same_batch``, a
@@ -32,12 +35,31 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from dtrec.interop.managed_collision import from_torchrec_mc_bag_collection
+from dtrec.interop.modules import is_torchrec_mc_bag_collection
 from dtrec.modules.mc_collection import ManagedCollisionEmbeddingBagCollection
 from dtrec.placements import RowWise, TableSpec
 
 INNER = "_embedding_module"
 """Where a managed-collision collection keeps its EmbeddingBagCollection (TorchRec's
 attribute): its tables' plan keys are ``<fqn>._embedding_module.<table>``."""
+
+
+def adopt_torchrec_collections(model: nn.Module) -> nn.Module:
+    """``model`` with every TorchRec ``ManagedCollisionEmbeddingBagCollection`` replaced, in
+    place, by dtrec's over the same weights and remapper state
+    (``dtrec.interop.managed_collision``); the converted module itself when ``model`` is
+    one. State-dict keys do not change."""
+    if not isinstance(model, nn.Module):
+        return model  # find_collections says what is wrong
+    targets = [fqn for fqn, m in model.named_modules() if is_torchrec_mc_bag_collection(m)]
+    for fqn in targets:
+        converted = from_torchrec_mc_bag_collection(model.get_submodule(fqn))
+        if not fqn:
+            return converted
+        parent, _, attr = fqn.rpartition(".")
+        setattr(model.get_submodule(parent), attr, converted)
+    return model
 
 
 def remapped_collections(model: nn.Module) -> dict[str, ManagedCollisionEmbeddingBagCollection]:
@@ -107,4 +129,10 @@ def share_windows(
         mc.share_windows(group)
 
 
-__all__ = ["inner_fqn", "pin_row_wise", "remapped_collections", "share_windows"]
+__all__ = [
+    "adopt_torchrec_collections",
+    "inner_fqn",
+    "pin_row_wise",
+    "remapped_collections",
+    "share_windows",
+]
