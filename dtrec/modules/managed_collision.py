@@ -36,6 +36,7 @@ from torch.distributed import ProcessGroup
 from dtrec.comm.collectives import all_gather_varied
 from dtrec.modules.eviction import INT64_MAX, EvictionPolicy, as_policy, select_evictions
 from dtrec.modules.features import check_bounds_mode
+from dtrec.modules.remap_index import HashRemapIndex
 from dtrec.sparse import JaggedTensor
 
 #: TorchRec's ``_output_segments_tensor`` length (up to 1024 row-wise segments)
@@ -121,6 +122,9 @@ class MCHManagedCollisionModule(nn.Module):
         # or a converted TorchRec module, merged into the next eviction
         self._carried: tuple[Tensor, Tensor, Tensor] | None = None
         self._evicted_rows: Tensor | None = None
+        # the hash index of the map (remap's hot path) and the map's state it was built for
+        self._index: HashRemapIndex | None = None
+        self._index_key: tuple[int, ...] | None = None
         # set by share_window: the ranks whose batches form one global batch
         self._window_shared = False
         self._window_group: ProcessGroup | None = None
@@ -199,10 +203,27 @@ class MCHManagedCollisionModule(nn.Module):
             self._last_eviction_iter = self._current_iter
 
     def remap(self, values: Tensor) -> Tensor:
-        """Each id's row (``remap_ids``): no host sync."""
-        return remap_ids(
-            values, self._mch_sorted_raw_ids, self._mch_remapped_ids_mapping, self._zch_size - 1
-        )
+        """Each id's row (``remap_ids``): no host sync.
+
+        A map indexed when it changed (``_build_index``: at an eviction when
+        ``eviction_interval > 1``, at a load) is looked up in its ``HashRemapIndex`` (a few
+        contiguous reads per id instead of a binary search); any other (evicting every
+        step, written from outside since) by searching the sorted ids."""
+        kept, rows = self._mch_sorted_raw_ids, self._mch_remapped_ids_mapping
+        if self._index is not None and self._index_key == self._map_state():
+            return self._index.lookup(values)
+        return remap_ids(values, kept, rows, self._zch_size - 1)
+
+    def _map_state(self) -> tuple[int, ...]:
+        kept, rows = self._mch_sorted_raw_ids, self._mch_remapped_ids_mapping
+        return kept._version, rows._version, kept.data_ptr(), rows.data_ptr()
+
+    @torch.no_grad()
+    def _build_index(self) -> None:
+        """Index the map as it is now (one host sync: only where the caller syncs anyway)."""
+        kept, rows = self._mch_sorted_raw_ids, self._mch_remapped_ids_mapping
+        self._index = HashRemapIndex(kept, rows, self._zch_size - 1)
+        self._index_key = self._map_state()
 
     def forward(self, features: Tensor | Mapping[str, Any]) -> Any:
         """Preprocess, profile (training) and remap: a tensor of ids, or TorchRec's
@@ -272,6 +293,7 @@ class MCHManagedCollisionModule(nn.Module):
         first = not self._window_shared or dist.get_rank(self._window_group) == 0
         carried = (body[:, 0], body[:, 1], body[:, 2]) if first and n else None
         self._resume(step, last, [], carried, None)
+        self._build_index()
 
     def _resume(
         self,
@@ -362,6 +384,8 @@ class MCHManagedCollisionModule(nn.Module):
             rows = torch.unique(torch.cat([self._evicted_rows, rows]))
         self._evicted_rows = rows
         self._sort()
+        if self._eviction_interval > 1:  # worth an index: looked up interval times
+            self._build_index()
 
     @torch.no_grad()
     def _sort(self) -> None:
@@ -417,6 +441,7 @@ def _after_load(module: nn.Module, incompatible: object) -> None:
     """A loaded map is re-sorted and its step re-read; the old window is dropped."""
     assert isinstance(module, MCHManagedCollisionModule)
     module._sort()
+    module._build_index()
     module._current_iter = -1
     module._history, module._carried = [], None
     module._evicted_rows = None
