@@ -15,14 +15,15 @@ the MLP), tables row-wise over S = W (what managed collision shards):
   step, one fused op).
 
 A step is forward + backward + optimizer steps, timed per rank after a
-``dist.barrier()`` (outside the timed region); warm-up covers the first eviction, so the
-remappers are full. For the MC model, host time is also taken around the remap (the
-``ManagedCollisionCollection`` forward: feature permute, bounds check, recording the
-window, ``searchsorted``; an eviction inside it is counted apart), each remapper's
-eviction (window coalesce, all-gather, scoring) and the reset of evicted rows. Reported
-(median over a rank's steps, then median over ranks): the step of each model; for MC
-non-eviction steps the remap's share of the step (issue 45's goal: at most 15%) and the
-step's excess over ``modulo``; the eviction step apart (step, eviction, reset);
+``dist.barrier()`` (outside the timed region); the two models alternate step by step (both
+see the same load of a shared machine); warm-up covers the first eviction. For the MC
+model, host time is also taken around the remap (the ``ManagedCollisionCollection``
+forward: feature permute, bounds check, recording the window, the lookup in the hash
+index; an eviction inside it is counted apart), each remapper's eviction (window
+coalesce, all-gather, scoring, re-sort, index build) and the reset of evicted rows.
+Reported (median over a rank's steps, then median over ranks): the step of each model;
+for MC non-eviction steps the remap's share of the step (issue 45's goal: at most 15%)
+and the step's excess over ``modulo``; the eviction step apart (step, eviction, reset);
 ``dtrec.comm_stats`` bytes and calls per step by collective kind for each model.
 
     python -m benchmarks.managed_collision \
@@ -204,19 +205,26 @@ def run_rank(rank: int, world: int, w: Workload, opts: dict) -> dict:
         keys, values, lengths, labels = make_batch(w, rank, s)
         batches.append((dtrec.KeyedJaggedTensor(keys, values, lengths), labels))
     out: dict = {"rank": rank}
-    for kind in ("modulo", "mc"):
-        model, timer = _build(kind, w, world)
-        dense = [p for n, p in model.named_parameters() if p.requires_grad]
-        opt = torch.optim.Adagrad(dense, lr=LR)
-        records: list[dict] = []
-        for s in range(warmup):
-            _step(model, opt, timer, batches[s], records)
-        records.clear()
-        with dtrec.comm_stats() as stats:
-            for s in range(warmup, warmup + steps):
-                _step(model, opt, timer, batches[s], records)
-        out[kind] = {"records": records, "comm": stats.per_step(steps)}
-        del model, opt
+    built = {kind: _build(kind, w, world) for kind in ("modulo", "mc")}
+    opts_of = {
+        kind: torch.optim.Adagrad([p for p in model.parameters() if p.requires_grad], lr=LR)
+        for kind, (model, _) in built.items()
+    }
+    records: dict[str, list[dict]] = {kind: [] for kind in built}
+    comm: dict[str, dict[str, dict[str, float]]] = {kind: {} for kind in built}
+    for s in range(warmup + steps):  # the models alternate: both see the machine's load
+        for kind, (model, timer) in built.items():
+            with dtrec.comm_stats() as stats:
+                _step(model, opts_of[kind], timer, batches[s], records[kind])
+            if s < warmup:
+                records[kind].clear()
+                continue
+            for name, v in stats.per_step(steps).items():
+                into = comm[kind].setdefault(name, {"calls": 0.0, "bytes": 0.0})
+                into["calls"] += v["calls"]
+                into["bytes"] += v["bytes"]
+    for kind in built:
+        out[kind] = {"records": records[kind], "comm": comm[kind]}
     return out
 
 
