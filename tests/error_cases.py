@@ -318,11 +318,7 @@ def torchrec_like(module: str, name: str) -> nn.Module:
 def with_managed_collision_tower() -> nn.Module:
     model = Model()
     model.towers = nn.ModuleDict(
-        {
-            "user": torchrec_like(
-                "torchrec.modules.mc_embedding_modules", "ManagedCollisionEmbeddingCollection"
-            )
-        }
+        {"user": torchrec_like("torchrec.modules.hash_mc_modules", "HashZchManagedCollisionModule")}
     )
     return model
 

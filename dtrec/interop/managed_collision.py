@@ -1,8 +1,9 @@
 """TorchRec's managed-collision modules as dtrec's (torchrec is never imported).
 
-``torchrec.modules.mc_embedding_modules.ManagedCollisionEmbeddingBagCollection`` with
-its ``ManagedCollisionCollection`` of ``MCHManagedCollisionModule``s becomes dtrec's
-``ManagedCollisionEmbeddingBagCollection``: the same weight ``Parameter``s (no copy),
+``torchrec.modules.mc_embedding_modules.ManagedCollisionEmbeddingBagCollection`` (or
+``ManagedCollisionEmbeddingCollection``, sequence tables) with its
+``ManagedCollisionCollection`` of ``MCHManagedCollisionModule``s becomes dtrec's class of
+that name: the same weight ``Parameter``s (no copy),
 the remappers' buffers copied (sorted ids, row mapping, counts, last access, step), the
 window in progress carried over (ids recorded since the last eviction, the step of
 that eviction, rows evicted but not yet consumed), so the converted module continues
@@ -19,7 +20,7 @@ sharded segments) is a ValueError naming the table and the field.
 
 Example::
 
-    mc_ebc = from_torchrec_mc_bag_collection(torchrec_mc_ebc)   # dtrec's, same weights
+    mc_ebc = from_torchrec_mc_collection(torchrec_mc_ebc)   # dtrec's, same weights
 """
 
 from __future__ import annotations
@@ -29,12 +30,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dtrec.interop.modules import from_torchrec_bag_collection, is_torchrec_mc_bag_collection
+from dtrec.interop.modules import (
+    from_torchrec_bag_collection,
+    from_torchrec_sequence_collection,
+    is_torchrec_mc_collection,
+)
 from dtrec.modules.eviction import as_policy
 from dtrec.modules.managed_collision import MCHManagedCollisionModule
 from dtrec.modules.mc_collection import (
     ManagedCollisionCollection,
     ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+    ManagedCollisionLookup,
 )
 
 _MCH_MODULE = ("torchrec.modules.mc_modules", "MCHManagedCollisionModule")
@@ -113,20 +120,21 @@ def _history(module: Any) -> list[tuple[Tensor, int]]:
     return [(ids[steps == s], int(s)) for s in torch.unique(steps).tolist()]
 
 
-def from_torchrec_mc_bag_collection(module: nn.Module) -> ManagedCollisionEmbeddingBagCollection:
-    """dtrec's ``ManagedCollisionEmbeddingBagCollection`` for TorchRec's: the weight
-    ``Parameter``s shared, each table's remapper converted (``from_torchrec_mch``).
+def from_torchrec_mc_collection(module: nn.Module) -> ManagedCollisionLookup:
+    """dtrec's ``ManagedCollisionEmbeddingBagCollection`` (``...EmbeddingCollection``) for
+    TorchRec's: the weight ``Parameter``s shared, each table's remapper converted
+    (``from_torchrec_mch``).
 
     Example::
 
-        mc_ebc = from_torchrec_mc_bag_collection(torchrec_mc_ebc)
+        mc_ebc = from_torchrec_mc_collection(torchrec_mc_ebc)
         pooled, remapped = mc_ebc(kjt)
     """
-    if not is_torchrec_mc_bag_collection(module):
+    if not is_torchrec_mc_collection(module):
         cls = type(module)
         raise TypeError(
-            "expected a torchrec ManagedCollisionEmbeddingBagCollection, got "
-            f"{cls.__module__}.{cls.__qualname__}"
+            "expected a torchrec ManagedCollisionEmbeddingBagCollection or "
+            f"ManagedCollisionEmbeddingCollection, got {cls.__module__}.{cls.__qualname__}"
         )
     given: Any = module
     collection = given._managed_collision_collection
@@ -141,8 +149,11 @@ def from_torchrec_mc_bag_collection(module: nn.Module) -> ManagedCollisionEmbedd
         name: from_torchrec_mch(mc, name)
         for name, mc in collection._managed_collision_modules.items()
     }
-    converted = ManagedCollisionEmbeddingBagCollection(
-        from_torchrec_bag_collection(given._embedding_module),
+    pooled = type(module).__qualname__ == "ManagedCollisionEmbeddingBagCollection"
+    kind = ManagedCollisionEmbeddingBagCollection if pooled else ManagedCollisionEmbeddingCollection
+    convert = from_torchrec_bag_collection if pooled else from_torchrec_sequence_collection
+    converted = kind(
+        convert(given._embedding_module),
         ManagedCollisionCollection(remappers, configs),
         return_remapped_features=bool(given._return_remapped_features),
     )
@@ -151,7 +162,6 @@ def from_torchrec_mc_bag_collection(module: nn.Module) -> ManagedCollisionEmbedd
 
 
 __all__ = [
-    "from_torchrec_mc_bag_collection",
+    "from_torchrec_mc_collection",
     "from_torchrec_mch",
-    "is_torchrec_mc_bag_collection",
 ]

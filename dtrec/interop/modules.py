@@ -4,7 +4,7 @@
 ``EmbeddingBagCollection`` over the same weight tensors (inside a
 ``FeatureProcessedEmbeddingBagCollection`` too: its position weights stay dense),
 ``torchrec.EmbeddingCollection`` dtrec's ``EmbeddingCollection``, TorchRec's
-``ManagedCollisionEmbeddingBagCollection`` dtrec's (``dtrec.interop.managed_collision``,
+``ManagedCollisionEmbedding(Bag)Collection`` dtrec's (``dtrec.interop.managed_collision``,
 which also reports its unsupported remapper fields); every other module
 whose class comes from TorchRec's sparse code (managed-collision,
 quantized or fused collections, modules TorchRec already sharded) is an error naming
@@ -35,32 +35,28 @@ processors and the feature-processed collection around an ``EmbeddingBagCollecti
 left as they are; their children are looked at one by one."""
 
 _BAG_COLLECTION = ("torchrec.modules.embedding_modules", "EmbeddingBagCollection")
-_MC_BAG_COLLECTION = (
-    "torchrec.modules.mc_embedding_modules",
-    "ManagedCollisionEmbeddingBagCollection",
+_MC_COLLECTIONS = (
+    ("torchrec.modules.mc_embedding_modules", "ManagedCollisionEmbeddingBagCollection"),
+    ("torchrec.modules.mc_embedding_modules", "ManagedCollisionEmbeddingCollection"),
 )
 _SEQUENCE_COLLECTION = ("torchrec.modules.embedding_modules", "EmbeddingCollection")
 
 _ADVICE = {
-    "ManagedCollisionEmbeddingCollection": (
-        "managed collision for sequence tables is not supported yet; remap ids before a "
-        "torchrec.EmbeddingCollection, or use a ManagedCollisionEmbeddingBagCollection"
-    ),
     "ManagedCollisionCollection": (
         "distribute_module takes TorchRec's managed-collision remappers only inside a "
-        "ManagedCollisionEmbeddingBagCollection (converted, its remap run on every rank)"
+        "ManagedCollisionEmbedding(Bag)Collection (converted, its remap run on every rank)"
     ),
     "MCHManagedCollisionModule": (
         "distribute_module takes TorchRec's managed-collision remappers only inside a "
-        "ManagedCollisionEmbeddingBagCollection (converted, its remap run on every rank)"
+        "ManagedCollisionEmbedding(Bag)Collection (converted, its remap run on every rank)"
     ),
     "torchrec.modules.mc_": (
         "of TorchRec's managed-collision modules dtrec converts ManagedCollisionEmbedding"
-        "BagCollection with MCHManagedCollisionModule remappers only"
+        "(Bag)Collection with MCHManagedCollisionModule remappers only"
     ),
     "torchrec.modules.hash_mc_": (
-        "managed-collision modules are not supported; remap ids to rows before the model "
-        "and use a torchrec.EmbeddingBagCollection"
+        "TorchRec's hash-probing ZCH modules are not supported; use MCHManagedCollisionModule "
+        "remappers in a ManagedCollisionEmbedding(Bag)Collection, or remap ids before the model"
     ),
     "torchrec.quant": "dtrec trains float tables; distribute the float model, quantize after",
     "torchrec.modules.fused_embedding_modules": (
@@ -103,11 +99,12 @@ def is_torchrec_sequence_collection(module: nn.Module) -> bool:
     return (cls.__module__, cls.__qualname__) == _SEQUENCE_COLLECTION
 
 
-def is_torchrec_mc_bag_collection(module: nn.Module) -> bool:
-    """Exactly TorchRec's ``ManagedCollisionEmbeddingBagCollection`` (not a subclass):
-    converted by ``dtrec.interop.managed_collision``."""
+def is_torchrec_mc_collection(module: nn.Module) -> bool:
+    """Exactly TorchRec's ``ManagedCollisionEmbeddingBagCollection`` or
+    ``ManagedCollisionEmbeddingCollection`` (not a subclass): converted by
+    ``dtrec.interop.managed_collision``."""
     cls = type(module)
-    return (cls.__module__, cls.__qualname__) == _MC_BAG_COLLECTION
+    return (cls.__module__, cls.__qualname__) in _MC_COLLECTIONS
 
 
 def unsupported_module(fqn: str, module: nn.Module) -> TypeError | None:
@@ -117,7 +114,7 @@ def unsupported_module(fqn: str, module: nn.Module) -> TypeError | None:
     if (
         is_torchrec_bag_collection(module)
         or is_torchrec_sequence_collection(module)
-        or is_torchrec_mc_bag_collection(module)
+        or is_torchrec_mc_collection(module)
     ):
         return None
     found = _torchrec_sparse_class(module)

@@ -275,13 +275,13 @@ def test_converted_mid_window_continues_as_torchrec():
     """Converted after 4 steps (inside both tables' windows), dtrec's module remaps and
     evicts as TorchRec's keeps doing; weights are shared, keys equal."""
     import dtrec
-    from dtrec.interop.managed_collision import from_torchrec_mc_bag_collection
+    from dtrec.interop.managed_collision import from_torchrec_mc_collection
 
     theirs = _torchrec_mc_ebc({"user": 3, "item": 2})
     stream = _stream(24)
     for _, (values, lengths) in zip(range(4), stream, strict=False):
         theirs(trc.KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths))
-    ours = from_torchrec_mc_bag_collection(theirs)
+    ours = from_torchrec_mc_collection(theirs)
     assert isinstance(ours, dtrec.ManagedCollisionEmbeddingBagCollection)
     assert list(ours.state_dict()) == list(theirs.state_dict())
     assert ours.table_weight("user") is theirs._embedding_module.embedding_bags["user"].weight
@@ -316,6 +316,8 @@ def test_unsupported_torchrec_fields_and_modules_are_named():
         eviction_policy=mcm.LFU_EvictionPolicy(), eviction_interval=1,
     )  # fmt: skip
     lone.ebc = dtrec.EmbeddingBagCollection([dtrec.EmbeddingBagConfig("t", 5, 4, ["f"])])
-    with pytest.raises(TypeError, match="'remap'.*only inside a ManagedCollisionEmbeddingBag"):
+    with pytest.raises(
+        TypeError, match=r"'remap'.*only inside a ManagedCollisionEmbedding\(Bag\)Collection"
+    ):
         find_collections(lone)
     assert list(find_collections(Model())) == ["sparse._embedding_module"]
