@@ -27,8 +27,9 @@ INDEX = RESULTS / "README.md"
 NOT_RECORDED = "not recorded"
 
 BENCHMARKS = ("checkpoint", "composed", "cpu_lookup", "dense_step", "distributed", "dynamic_2d",
-              "gpu_check", "gpu_profile", "gpu_step", "kernels", "loaded_suite", "offload",
-              "planner", "qcomms", "replan", "scale", "sequence", "soak")  # fmt: skip
+              "gpu_check", "gpu_profile", "gpu_step", "kernels", "loaded_suite",
+              "managed_collision", "offload", "planner", "qcomms", "replan", "scale",
+              "sequence", "soak")  # fmt: skip
 """Benchmark names a report's file name starts with (longest match wins)."""
 
 NAME = re.compile(
@@ -166,6 +167,16 @@ def _loaded_suite(r: dict) -> str:
     return f"{len(runs)} runs of {tests} tests under CPU burners: {verdict}"
 
 
+def _managed_collision(r: dict) -> str:
+    s = r["summary"]
+    ev = s["eviction"]
+    return (f"remap {100 * s['remap_share_of_step']:.1f}% of the step (target <= "
+            f"{100 * s['target_share']:.0f}%: {'met' if s['meets_target'] else 'not met'}); "
+            f"step vs id % rows {_x(s['mc_step_ms'] / s['modulo_step_ms'])}; eviction step "
+            f"{ev['step_ms'] / 1e3:.2f} s (evict {ev['evict_ms'] / 1e3:.2f} s, reset "
+            f"{ev['reset_ms'] / 1e3:.2f} s)")  # fmt: skip
+
+
 def _offload(r: dict) -> str:
     parts = []
     for name, by_cache in r["results"].items():
@@ -219,6 +230,7 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "dense_step": _dense_step, "distributed": _distributed, "dynamic_2d": _dynamic_2d,
     "gpu_check": _gpu_check,
     "gpu_step": _gpu_step, "kernels": _kernels, "loaded_suite": _loaded_suite,
+    "managed_collision": _managed_collision,
     "offload": _offload, "planner": _planner, "qcomms": _qcomms, "replan": _replan,
     "scale": _scale,
     "sequence": _sequence, "soak": _soak,

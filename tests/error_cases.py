@@ -318,13 +318,18 @@ def torchrec_like(module: str, name: str) -> nn.Module:
 def with_managed_collision_tower() -> nn.Module:
     model = Model()
     model.towers = nn.ModuleDict(
-        {
-            "user": torchrec_like(
-                "torchrec.modules.mc_embedding_modules", "ManagedCollisionEmbeddingBagCollection"
-            )
-        }
+        {"user": torchrec_like("torchrec.modules.hash_mc_modules", "HashZchManagedCollisionModule")}
     )
     return model
+
+
+def torchrec_mch_with_offset() -> None:
+    """TorchRec's MCHManagedCollisionModule as its own row-wise shard (a global offset)."""
+    from dtrec.interop.managed_collision import from_torchrec_mch
+
+    mch = torchrec_like("torchrec.modules.mc_modules", "MCHManagedCollisionModule")
+    mch._output_global_offset = 5
+    from_torchrec_mch(mch, "user")
 
 
 def mixed_dtype_sequence() -> nn.Module:
@@ -733,6 +738,7 @@ LOCAL: dict[str, Case] = {
     "E149": summary_of_no_steps,
     # TorchRec modules, configs, plans and constraints
     "E151": on_mesh(2, 2, lambda m: distributed(m, model=with_managed_collision_tower())),
+    "E351": lambda tmp: torchrec_mch_with_offset(),
     "E152": lambda tmp: Cfg("t0", 10, 4, pooling=PoolingType.NONE),
     "E153": lambda tmp: EBC([EmbeddingBagConfig("t0", 10, 4, ["f0"], data_type=DataType.INT8)]),
     "E154": lambda tmp: EBC([EmbeddingBagConfig("t0", 10, 4, ["f0"], use_virtual_table=True)]),

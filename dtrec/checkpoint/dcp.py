@@ -1,7 +1,8 @@
 """Checkpoints: save and load a distributed model on ``torch.distributed.checkpoint``.
 
 What is saved: the model's state dict (tables as DTensors, so each rank writes only
-its blocks, and blocks its replicas also hold are written once), the fused
+its blocks, and blocks its replicas also hold are written once), each managed-collision
+remapper's eviction window in progress (``dtrec.checkpoint.managed_collision``), the fused
 optimizer's state (DTensors placed like their tables) and its param groups' current
 hyperparameters (the marker records them: lr, eps, betas and any LR scheduler's keys,
 so a resumed run takes the same steps), and optionally a dense torch optimizer.
@@ -49,6 +50,7 @@ from dtrec.checkpoint.agreement import (
     rank,
     world_size,
 )
+from dtrec.checkpoint.managed_collision import load_windows, window_state, window_targets
 from dtrec.checkpoint.model_state import (
     OPTIM,
     copy_staged,
@@ -124,6 +126,7 @@ def save(
     if fused is not None:  # a group a step would reject is not saved either
         fused.check_param_groups(fused.saved_param_groups())
     state = model_state(model, optimizer)
+    state.update(window_state(model))  # managed collision: the windows in progress
     described = describe(model, optimizer)
 
     def prepare() -> tuple[str, str] | BaseException:
@@ -304,9 +307,11 @@ def load(
     live = model_state(model, optimizer)
     _check_shapes(live, directory)
     read = {k: staging_copy(v) for k, v in live.items()} if staged else dict(live)
+    read.update(window_targets(model, directory))  # managed collision, sized as saved
     on_every_rank(lambda: dcp.load(read, checkpoint_id=directory), "read", directory)
     if staged:  # the dense optimizer's state is set below, from ``read``
         copy_staged({k: v for k, v in live.items() if not k.startswith(f"{OPTIM}.")}, read)
+    load_windows(model, read)  # after the remappers' buffers
     fused, saved = fused_optimizer_of(model), marker["fused_optimizer"]
     if fused is not None and saved.get("param_groups") is not None:
         fused.load_param_groups(saved["param_groups"])

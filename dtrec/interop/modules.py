@@ -3,7 +3,9 @@
 ``torchrec.EmbeddingBagCollection`` (weighted or not) becomes dtrec's
 ``EmbeddingBagCollection`` over the same weight tensors (inside a
 ``FeatureProcessedEmbeddingBagCollection`` too: its position weights stay dense),
-``torchrec.EmbeddingCollection`` dtrec's ``EmbeddingCollection``; every other module
+``torchrec.EmbeddingCollection`` dtrec's ``EmbeddingCollection``, TorchRec's
+``ManagedCollisionEmbedding(Bag)Collection`` dtrec's (``dtrec.interop.managed_collision``,
+which also reports its unsupported remapper fields); every other module
 whose class comes from TorchRec's sparse code (managed-collision,
 quantized or fused collections, modules TorchRec already sharded) is an error naming
 its FQN, its type and what to do, so no table is ever left silently replicated.
@@ -33,17 +35,28 @@ processors and the feature-processed collection around an ``EmbeddingBagCollecti
 left as they are; their children are looked at one by one."""
 
 _BAG_COLLECTION = ("torchrec.modules.embedding_modules", "EmbeddingBagCollection")
+_MC_COLLECTIONS = (
+    ("torchrec.modules.mc_embedding_modules", "ManagedCollisionEmbeddingBagCollection"),
+    ("torchrec.modules.mc_embedding_modules", "ManagedCollisionEmbeddingCollection"),
+)
 _SEQUENCE_COLLECTION = ("torchrec.modules.embedding_modules", "EmbeddingCollection")
 
 _ADVICE = {
+    "ManagedCollisionCollection": (
+        "distribute_module takes TorchRec's managed-collision remappers only inside a "
+        "ManagedCollisionEmbedding(Bag)Collection (converted, its remap run on every rank)"
+    ),
+    "MCHManagedCollisionModule": (
+        "distribute_module takes TorchRec's managed-collision remappers only inside a "
+        "ManagedCollisionEmbedding(Bag)Collection (converted, its remap run on every rank)"
+    ),
     "torchrec.modules.mc_": (
-        "TorchRec's managed-collision modules are not supported as drop-ins yet; build "
-        "dtrec.ManagedCollisionEmbeddingBagCollection from the same configs and load this "
-        "module's state_dict into it (same keys)"
+        "of TorchRec's managed-collision modules dtrec converts ManagedCollisionEmbedding"
+        "(Bag)Collection with MCHManagedCollisionModule remappers only"
     ),
     "torchrec.modules.hash_mc_": (
-        "managed-collision modules are not supported; remap ids to rows before the model "
-        "and use a torchrec.EmbeddingBagCollection"
+        "TorchRec's hash-probing ZCH modules are not supported; use MCHManagedCollisionModule "
+        "remappers in a ManagedCollisionEmbedding(Bag)Collection, or remap ids before the model"
     ),
     "torchrec.quant": "dtrec trains float tables; distribute the float model, quantize after",
     "torchrec.modules.fused_embedding_modules": (
@@ -86,10 +99,23 @@ def is_torchrec_sequence_collection(module: nn.Module) -> bool:
     return (cls.__module__, cls.__qualname__) == _SEQUENCE_COLLECTION
 
 
+def is_torchrec_mc_collection(module: nn.Module) -> bool:
+    """Exactly TorchRec's ``ManagedCollisionEmbeddingBagCollection`` or
+    ``ManagedCollisionEmbeddingCollection`` (not a subclass): converted by
+    ``dtrec.interop.managed_collision``."""
+    cls = type(module)
+    return (cls.__module__, cls.__qualname__) in _MC_COLLECTIONS
+
+
 def unsupported_module(fqn: str, module: nn.Module) -> TypeError | None:
     """The error for a TorchRec sparse module dtrec cannot shard; None for any other
-    module (dtrec's own, TorchRec's ``EmbeddingBagCollection``, dense layers)."""
-    if is_torchrec_bag_collection(module) or is_torchrec_sequence_collection(module):
+    module (dtrec's own, TorchRec's ``EmbeddingBagCollection``, ``EmbeddingCollection``
+    and ``ManagedCollisionEmbeddingBagCollection``, dense layers)."""
+    if (
+        is_torchrec_bag_collection(module)
+        or is_torchrec_sequence_collection(module)
+        or is_torchrec_mc_collection(module)
+    ):
         return None
     found = _torchrec_sparse_class(module)
     if found is None:

@@ -17,6 +17,7 @@ from dtrec.modules.managed_collision import MCHManagedCollisionModule
 from dtrec.modules.mc_collection import (
     ManagedCollisionCollection,
     ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
     reset_torch_optimizer_rows,
 )
 
@@ -29,6 +30,7 @@ __all__ = [
     "MCHManagedCollisionModule",
     "ManagedCollisionCollection",
     "ManagedCollisionEmbeddingBagCollection",
+    "ManagedCollisionEmbeddingCollection",
     "PositionWeightedModule",
     "PositionWeightedModuleCollection",
     "reset_torch_optimizer_rows",

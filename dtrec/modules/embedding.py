@@ -8,8 +8,9 @@ fused optimizer of the pooled path applies unchanged.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -188,6 +189,19 @@ class EmbeddingCollection(nn.Module):
                 else:
                     bound = math.sqrt(1.0 / cfg.num_embeddings)
                     weight.uniform_(-bound, bound)
+
+    @torch.no_grad()
+    def reset_rows(
+        self, table: str, rows: Tensor, values: Callable[[Tensor, tuple[int, int]], Tensor]
+    ) -> None:
+        """Rows ``rows`` of ``table`` to ``values(rows, (0, embedding_dim))`` in place (a
+        managed-collision table's evicted rows; the sharded collection has the same method)."""
+        weight = self.embeddings[table].weight
+        weight[rows] = values(rows, (0, weight.shape[1])).to(weight.dtype)
+
+    def table_init_fn(self, table: str) -> Callable[[Tensor], Any] | None:
+        """The ``init_fn`` of table ``table``'s TorchRec config (None: the default init)."""
+        return self._init_fns.get(table)
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
         """The table configs, in output order."""

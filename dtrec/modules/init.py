@@ -10,6 +10,7 @@ size gets the same values.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 
@@ -80,9 +81,11 @@ def reset_rows_init(
     seed: int,
     cols: tuple[int, int] | None = None,
     dtype: torch.dtype = torch.float32,
+    bounds: tuple[float, float] | None = None,
 ) -> Tensor:
-    """Fresh default-init values (uniform in +-sqrt(1 / rows)) for ``rows`` of ``table``,
-    reset at step ``iteration``: ``[len(rows), cols]`` on ``rows``' device.
+    """Fresh default-init values (uniform in +-sqrt(1 / rows), or in ``bounds`` = (low,
+    high) when given) for ``rows`` of ``table``, reset at step ``iteration``:
+    ``[len(rows), cols]`` on ``rows``' device.
 
     A counter-based hash of (seed, table, iteration, row, column), not a generator: any
     subset of rows or columns, on any rank, in any order, gets the values the whole table
@@ -95,5 +98,22 @@ def reset_rows_init(
     col = torch.arange(c0, c1, dtype=torch.int64, device=rows.device)
     bits = _shift_right(_mix(row_keys[:, None] + col[None, :]), 11)  # 53 random bits
     unit = bits.to(torch.float64) * (1.0 / (1 << 53))
+    if bounds is not None:
+        low, high = bounds
+        return (low + unit * (high - low)).to(dtype)
     bound = math.sqrt(1.0 / num_embeddings)
     return ((2.0 * unit - 1.0) * bound).to(dtype)
+
+
+def uniform_init_bounds(init_fn: object) -> tuple[float, float] | None:
+    """(low, high) when ``init_fn`` is ``functools.partial(torch.nn.init.uniform_, a=...,
+    b=...)`` (what every TorchRec config gets by default, from its ``weight_init_min`` /
+    ``weight_init_max``), else None: such an init can be redrawn by ``reset_rows_init``."""
+    if not isinstance(init_fn, functools.partial) or init_fn.func is not torch.nn.init.uniform_:
+        return None
+    if init_fn.args or set(init_fn.keywords) - {"a", "b"}:
+        return None
+    low, high = init_fn.keywords.get("a", 0.0), init_fn.keywords.get("b", 1.0)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)):
+        return None
+    return float(low), float(high)

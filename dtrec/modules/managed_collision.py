@@ -29,12 +29,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from dtrec.comm.collectives import all_gather_varied
 from dtrec.modules.eviction import INT64_MAX, EvictionPolicy, as_policy, select_evictions
 from dtrec.modules.features import check_bounds_mode
+from dtrec.modules.remap_index import HashRemapIndex
 from dtrec.sparse import JaggedTensor
 
 #: TorchRec's ``_output_segments_tensor`` length (up to 1024 row-wise segments)
@@ -112,8 +114,17 @@ class MCHManagedCollisionModule(nn.Module):
         # the step as a Python int (read from the buffer once, at the first training step)
         self._current_iter = -1
         self._last_eviction_iter = -1
+        # the buffer's version after this module's own last write: any other write (a
+        # checkpoint loaded in place) makes the next training step re-read the step
+        self._iter_version = -1
         self._history: list[tuple[Tensor, int]] = []
+        # a window summary (unique ids, counts, last access) carried over from a checkpoint
+        # or a converted TorchRec module, merged into the next eviction
+        self._carried: tuple[Tensor, Tensor, Tensor] | None = None
         self._evicted_rows: Tensor | None = None
+        # the hash index of the map (remap's hot path) and the map's state it was built for
+        self._index: HashRemapIndex | None = None
+        self._index_key: tuple[int, ...] | None = None
         # set by share_window: the ranks whose batches form one global batch
         self._window_shared = False
         self._window_group: ProcessGroup | None = None
@@ -181,21 +192,38 @@ class MCHManagedCollisionModule(nn.Module):
         """Record one training step's ids; every ``eviction_interval`` steps, evict."""
         if not self.training:
             return
-        if self._current_iter == -1:
-            self._current_iter = int(self._current_iter_tensor)
-            self._last_eviction_iter = self._current_iter
+        if self._current_iter == -1 or self._current_iter_tensor._version != self._iter_version:
+            self._reread_iter()
         self._current_iter += 1
         self._current_iter_tensor += 1
+        self._iter_version = self._current_iter_tensor._version
         self._history.append((values, self._current_iter))
         if self._current_iter - self._last_eviction_iter == self._eviction_interval:
             self._evict_window()
             self._last_eviction_iter = self._current_iter
 
     def remap(self, values: Tensor) -> Tensor:
-        """Each id's row (``remap_ids``): no host sync."""
-        return remap_ids(
-            values, self._mch_sorted_raw_ids, self._mch_remapped_ids_mapping, self._zch_size - 1
-        )
+        """Each id's row (``remap_ids``): no host sync.
+
+        A map indexed when it changed (``_build_index``: at an eviction when
+        ``eviction_interval > 1``, at a load) is looked up in its ``HashRemapIndex`` (a few
+        contiguous reads per id instead of a binary search); any other (evicting every
+        step, written from outside since) by searching the sorted ids."""
+        kept, rows = self._mch_sorted_raw_ids, self._mch_remapped_ids_mapping
+        if self._index is not None and self._index_key == self._map_state():
+            return self._index.lookup(values)
+        return remap_ids(values, kept, rows, self._zch_size - 1)
+
+    def _map_state(self) -> tuple[int, ...]:
+        kept, rows = self._mch_sorted_raw_ids, self._mch_remapped_ids_mapping
+        return kept._version, rows._version, kept.data_ptr(), rows.data_ptr()
+
+    @torch.no_grad()
+    def _build_index(self) -> None:
+        """Index the map as it is now (one host sync: only where the caller syncs anyway)."""
+        kept, rows = self._mch_sorted_raw_ids, self._mch_remapped_ids_mapping
+        self._index = HashRemapIndex(kept, rows, self._zch_size - 1)
+        self._index_key = self._map_state()
 
     def forward(self, features: Tensor | Mapping[str, Any]) -> Any:
         """Preprocess, profile (training) and remap: a tensor of ids, or TorchRec's
@@ -219,6 +247,90 @@ class MCHManagedCollisionModule(nn.Module):
         rows, self._evicted_rows = self._evicted_rows, None
         return rows
 
+    def _reread_iter(self) -> None:
+        """The step from the buffer (one host sync): at the first training step, or after
+        something else wrote it. A new step starts a new window there, as TorchRec's
+        module does after a load (``load_window`` resumes a saved one instead)."""
+        step = int(self._current_iter_tensor)
+        if step != self._current_iter:
+            self._current_iter = self._last_eviction_iter = step
+            self._history, self._carried, self._evicted_rows = [], None, None
+        self._iter_version = self._current_iter_tensor._version
+
+    # -- the window in progress: checkpoints and converted modules ------------------------
+
+    @torch.no_grad()
+    def window_state(self) -> Tensor:
+        """The eviction window in progress, as int64 ``[1 + n, 3]``: row 0 is (step, step
+        of the last eviction, n), then (id, count, last access step) per id seen since
+        (every rank's, merged, when the window is shared: then collective, every rank of
+        the group calls it and gets the same tensor). ``dtrec.checkpoint`` saves it, so a
+        resumed run evicts as an uninterrupted one would."""
+        uniq, counts, access = self._window_summary()
+        if self._window_shared:
+            merged = merge_windows(uniq, counts, access, self._window_group)
+            uniq, counts, access = merged[0], merged[1], merged[2]
+            assert access is not None
+        step = self.current_iter
+        last = self._last_eviction_iter if self._current_iter != -1 else step
+        header = torch.tensor([[step, last, uniq.numel()]], dtype=torch.int64)
+        body = torch.stack([uniq, counts, access], dim=1).cpu()
+        return torch.cat([header, body])
+
+    @torch.no_grad()
+    def load_window(self, state: Tensor) -> None:
+        """Resume the window ``window_state`` returned, after the buffers were loaded
+        (their step must be the saved one). When the window is shared, the group's first
+        rank carries the saved ids and the others start empty: the next eviction merges
+        them once."""
+        step, last, n = (int(v) for v in state[0].tolist())
+        if step != int(self._current_iter_tensor):
+            raise ValueError(
+                f"managed collision {self._name or '<unnamed>'!r}: the saved window is of step "
+                f"{step} but the loaded _current_iter_tensor is {int(self._current_iter_tensor)}"
+            )
+        body = state[1 : 1 + n].to(self._mch_sorted_raw_ids.device)
+        first = not self._window_shared or dist.get_rank(self._window_group) == 0
+        carried = (body[:, 0], body[:, 1], body[:, 2]) if first and n else None
+        self._resume(step, last, [], carried, None)
+        self._build_index()
+
+    def _resume(
+        self,
+        step: int,
+        last_eviction: int,
+        history: list[tuple[Tensor, int]],
+        carried: tuple[Tensor, Tensor, Tensor] | None,
+        evicted_rows: Tensor | None,
+    ) -> None:
+        """Continue a window: this step, the last eviction's, the ids recorded since."""
+        self._current_iter, self._last_eviction_iter = step, last_eviction
+        self._history, self._carried, self._evicted_rows = history, carried, evicted_rows
+        self._iter_version = self._current_iter_tensor._version
+
+    def _window_summary(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(sorted unique ids, counts, last access step) of the window in progress."""
+        device = self._mch_sorted_raw_ids.device
+        if self._history:
+            ids = torch.cat([v for v, _ in self._history])
+            iters = torch.cat([torch.full_like(v, it) for v, it in self._history])
+            uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+            access = torch.zeros_like(counts).scatter_reduce_(
+                0, inverse, iters, reduce="amax", include_self=False
+            )
+        else:
+            uniq = counts = access = torch.empty(0, dtype=torch.int64, device=device)
+        if self._carried is not None:
+            carried = self._carried
+            uniq, counts, merged = coalesce_window(
+                torch.cat([carried[0], uniq]),
+                torch.cat([carried[1], counts]),
+                torch.cat([carried[2], access]),
+            )
+            assert merged is not None
+            access = merged
+        return uniq, counts, access
+
     # -- eviction -----------------------------------------------------------------------
 
     def _metadata(self, name: str) -> Tensor | None:
@@ -227,15 +339,9 @@ class MCHManagedCollisionModule(nn.Module):
     @torch.no_grad()
     def _evict_window(self) -> None:
         """Coalesce the window, score, let winners take losers' rows, re-sort."""
-        ids = torch.cat([v for v, _ in self._history])
-        iters = torch.cat([torch.full_like(v, it) for v, it in self._history])
-        self._history = []
-        uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-        access = None
-        if "last_access_iter" in self._eviction_policy.metadata:
-            access = torch.zeros_like(counts).scatter_reduce_(
-                0, inverse, iters, reduce="amax", include_self=False
-            )
+        uniq, counts, window_access = self._window_summary()
+        self._history, self._carried = [], None
+        access = window_access if "last_access_iter" in self._eviction_policy.metadata else None
         if self._window_shared:
             uniq, counts, access = merge_windows(uniq, counts, access, self._window_group)
         threshold = self._eviction_policy.threshold_filter
@@ -278,6 +384,8 @@ class MCHManagedCollisionModule(nn.Module):
             rows = torch.unique(torch.cat([self._evicted_rows, rows]))
         self._evicted_rows = rows
         self._sort()
+        if self._eviction_interval > 1:  # worth an index: looked up interval times
+            self._build_index()
 
     @torch.no_grad()
     def _sort(self) -> None:
@@ -308,12 +416,23 @@ def merge_windows(
     packed = torch.stack(parts, dim=1).flatten()
     gathered = torch.cat(all_gather_varied(packed, group, "managed_collision.window"))
     gathered = gathered.view(-1, len(parts))
-    merged, inverse = torch.unique(gathered[:, 0], return_inverse=True)
-    total = torch.zeros_like(merged).scatter_add_(0, inverse, gathered[:, 1])
+    return coalesce_window(
+        gathered[:, 0], gathered[:, 1], None if access is None else gathered[:, 2]
+    )
+
+
+@torch.no_grad()
+def coalesce_window(
+    ids: Tensor, counts: Tensor, access: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Window summaries with repeated ids as one: sorted unique ids, summed counts,
+    latest access (``torch.unique`` over the ids they summarise gives the same)."""
+    merged, inverse = torch.unique(ids, return_inverse=True)
+    total = torch.zeros_like(merged).scatter_add_(0, inverse, counts)
     if access is None:
         return merged, total, None
     latest = torch.zeros_like(merged).scatter_reduce_(
-        0, inverse, gathered[:, 2], reduce="amax", include_self=False
+        0, inverse, access, reduce="amax", include_self=False
     )
     return merged, total, latest
 
@@ -322,9 +441,10 @@ def _after_load(module: nn.Module, incompatible: object) -> None:
     """A loaded map is re-sorted and its step re-read; the old window is dropped."""
     assert isinstance(module, MCHManagedCollisionModule)
     module._sort()
+    module._build_index()
     module._current_iter = -1
-    module._history = []
+    module._history, module._carried = [], None
     module._evicted_rows = None
 
 
-__all__ = ["MCHManagedCollisionModule", "merge_windows", "remap_ids"]
+__all__ = ["MCHManagedCollisionModule", "coalesce_window", "merge_windows", "remap_ids"]

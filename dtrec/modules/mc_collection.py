@@ -3,7 +3,8 @@
 ``ManagedCollisionCollection`` holds one remapper per table
 (``MCHManagedCollisionModule``) and turns a batch of raw ids into a batch of rows;
 ``ManagedCollisionEmbeddingBagCollection`` feeds that batch to a pooled
-``EmbeddingBagCollection``. Names, constructor arguments, the ``(pooled,
+``EmbeddingBagCollection``, ``ManagedCollisionEmbeddingCollection`` to a sequence
+``EmbeddingCollection``. Names, constructor arguments, the ``(pooled,
 remapped or None)`` output and state-dict keys are TorchRec's unsharded
 modules', so checkpoints load both ways.
 
@@ -43,14 +44,27 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
-from dtrec.modules.config import as_bag_config
+from dtrec.modules.config import EmbeddingBagConfig, as_bag_config
+from dtrec.modules.embedding import (
+    EmbeddingCollection,
+    EmbeddingConfig,
+    as_sequence_config,
+    is_torchrec_sequence_config,
+)
 from dtrec.modules.embedding_bag import EmbeddingBagCollection
 from dtrec.modules.features import feature_order, prepare_features
-from dtrec.modules.init import reset_rows_init
+from dtrec.modules.init import reset_rows_init, uniform_init_bounds
 from dtrec.modules.managed_collision import MCHManagedCollisionModule
-from dtrec.sparse import KeyedJaggedTensor, KeyedTensor
+from dtrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 EvictionHook = Callable[[str, Tensor], None]
+
+
+def _table_config(cfg: object) -> EmbeddingBagConfig | EmbeddingConfig:
+    """dtrec's config for a pooled or sequence table config (dtrec's or TorchRec's)."""
+    if isinstance(cfg, EmbeddingConfig) or is_torchrec_sequence_config(cfg):
+        return as_sequence_config(cfg)
+    return as_bag_config(cfg)
 
 
 class ManagedCollisionCollection(nn.Module):
@@ -67,7 +81,7 @@ class ManagedCollisionCollection(nn.Module):
     ) -> None:
         super().__init__()
         self._embedding_configs = list(embedding_configs)
-        self._tables = [as_bag_config(cfg) for cfg in self._embedding_configs]
+        self._tables = [_table_config(cfg) for cfg in self._embedding_configs]
         for cfg in self._tables:
             mc = managed_collision_modules.get(cfg.name)
             if not isinstance(mc, MCHManagedCollisionModule):
@@ -116,53 +130,56 @@ class ManagedCollisionCollection(nn.Module):
         return {name: mc.open_slots() for name, mc in self._managed_collision_modules.items()}
 
 
-class ManagedCollisionEmbeddingBagCollection(nn.Module):
-    """A pooled collection looked up by raw ids through managed collision.
+class ManagedCollisionLookup(nn.Module):
+    """A pooled or sequence collection looked up by raw ids through managed collision:
+    what ``ManagedCollisionEmbeddingBagCollection`` and ``ManagedCollisionEmbeddingCollection``
+    share (``distribute_module`` shards either; the remap and eviction are the same)."""
 
-    ``forward(kjt)`` returns ``(KeyedTensor, remapped KJT or None)`` (the remapped batch
-    when ``return_remapped_features``), as TorchRec's module does. ``reset_seed`` keys the
-    values evicted rows are reset to.
-    """
+    _kind = "collection"
+    _tables_attr = "embedding_bags"
 
     def __init__(
         self,
-        embedding_bag_collection: EmbeddingBagCollection,
+        embedding_module: EmbeddingBagCollection | EmbeddingCollection,
         managed_collision_collection: ManagedCollisionCollection,
         return_remapped_features: bool = False,
         reset_seed: int = 0,
     ) -> None:
         super().__init__()
-        if not isinstance(embedding_bag_collection, EmbeddingBagCollection):
-            raise TypeError(
-                "embedding_bag_collection must be a dtrec EmbeddingBagCollection, got "
-                f"{type(embedding_bag_collection).__name__}"
-            )
-        ebc_tables = embedding_bag_collection.embedding_bag_configs()
-        mc_tables = [as_bag_config(c) for c in managed_collision_collection.embedding_configs()]
-        if feature_order(ebc_tables) != feature_order(mc_tables) or [
-            (c.name, c.num_embeddings) for c in ebc_tables
+        tables = self._configs_of(embedding_module)
+        mc_tables = [_table_config(c) for c in managed_collision_collection.embedding_configs()]
+        if feature_order(tables) != feature_order(mc_tables) or [
+            (c.name, c.num_embeddings) for c in tables
         ] != [(c.name, c.num_embeddings) for c in mc_tables]:
             raise ValueError(
-                "the EmbeddingBagCollection and the ManagedCollisionCollection must have the "
-                f"same tables and features: {[c.name for c in ebc_tables]} vs "
+                f"the {self._kind} and the ManagedCollisionCollection must have the "
+                f"same tables and features: {[c.name for c in tables]} vs "
                 f"{[c.name for c in mc_tables]}"
             )
         self._managed_collision_collection = managed_collision_collection
-        self._embedding_module = embedding_bag_collection
+        self._embedding_module = embedding_module
         self._return_remapped_features = return_remapped_features
         self._reset_seed = reset_seed
         # an OrderedDict: RemovableHandle holds it by weak reference, as torch's hooks
         self._eviction_hooks: OrderedDict[int, EvictionHook] = OrderedDict()
-        self._init_fns = {
-            cfg.name: embedding_bag_collection.table_init_fn(cfg.name) for cfg in ebc_tables
-        }
+        # a TorchRec config's init_fn: uniform(a, b) (TorchRec's default) is redrawn by the
+        # counter-based hash with its bounds; any other is called (torch's global generator)
+        self._init_fns: dict[str, Callable[[Tensor], object] | None] = {}
+        self._init_bounds: dict[str, tuple[float, float] | None] = {}
+        for cfg in tables:
+            init_fn = embedding_module.table_init_fn(cfg.name)
+            self._init_bounds[cfg.name] = uniform_init_bounds(init_fn)
+            self._init_fns[cfg.name] = None if self._init_bounds[cfg.name] else init_fn
+
+    def _configs_of(self, module: nn.Module) -> list:
+        raise NotImplementedError
 
     def table_weight(self, table: str) -> Tensor:
         """Table ``table``'s weight parameter (KeyError naming it if absent)."""
-        bags = self._embedding_module.embedding_bags
-        if table not in bags:
-            raise KeyError(f"no table {table!r}; tables: {list(bags)}")
-        return bags[table].weight
+        tables = getattr(self._embedding_module, self._tables_attr)
+        if table not in tables:
+            raise KeyError(f"no table {table!r}; tables: {list(tables)}")
+        return tables[table].weight
 
     def register_eviction_hook(self, hook: EvictionHook) -> RemovableHandle:
         """Call ``hook(table, rows)`` after evicted ``rows`` of ``table`` were reset and
@@ -171,7 +188,11 @@ class ManagedCollisionEmbeddingBagCollection(nn.Module):
         self._eviction_hooks[handle.id] = hook
         return handle
 
-    def forward(self, features: object) -> tuple[KeyedTensor, KeyedJaggedTensor | None]:
+    def forward(
+        self, features: object, mutate_miss_lengths: bool = True
+    ) -> tuple[KeyedTensor | dict[str, JaggedTensor], KeyedJaggedTensor | None]:
+        """``mutate_miss_lengths`` is TorchRec's argument, accepted for drop-in calls; as in
+        TorchRec's MCH module it changes nothing (misses go to the miss row)."""
         remapped = self._managed_collision_collection(features)
         self._reset_evicted(self._managed_collision_collection.evict())
         pooled = self._embedding_module(remapped)
@@ -184,8 +205,8 @@ class ManagedCollisionEmbeddingBagCollection(nn.Module):
             mc.share_window(group)
 
     def tables_with_init_fn(self) -> list[str]:
-        """Tables reset by a TorchRec ``init_fn`` (torch's global generator: not the same
-        draws on every rank, so such tables cannot be distributed)."""
+        """Tables reset by a TorchRec ``init_fn`` other than uniform(a, b) (torch's global
+        generator: not the same draws on every rank, so such tables cannot be distributed)."""
         return [name for name, fn in self._init_fns.items() if fn is not None]
 
     def _reset_evicted(self, evictions: Mapping[str, Tensor | None]) -> None:
@@ -212,18 +233,99 @@ class ManagedCollisionEmbeddingBagCollection(nn.Module):
         mc = self._managed_collision_collection._managed_collision_modules[table]
         step, seed = mc.current_iter, self._reset_seed
 
+        bounds = self._init_bounds.get(table)
+
         def hashed(rows: Tensor, cols: tuple[int, int]) -> Tensor:
-            return reset_rows_init(table, num_rows, dim, rows, step, seed, cols, dtype)
+            return reset_rows_init(table, num_rows, dim, rows, step, seed, cols, dtype, bounds)
 
         return hashed
 
 
+class ManagedCollisionEmbeddingBagCollection(ManagedCollisionLookup):
+    """A pooled collection looked up by raw ids through managed collision.
+
+    ``forward(kjt)`` returns ``(KeyedTensor, remapped KJT or None)`` (the remapped batch
+    when ``return_remapped_features``), as TorchRec's module does. ``reset_seed`` keys the
+    values evicted rows are reset to.
+    """
+
+    _kind = "EmbeddingBagCollection"
+    _tables_attr = "embedding_bags"
+
+    def __init__(
+        self,
+        embedding_bag_collection: EmbeddingBagCollection,
+        managed_collision_collection: ManagedCollisionCollection,
+        return_remapped_features: bool = False,
+        reset_seed: int = 0,
+    ) -> None:
+        super().__init__(
+            embedding_bag_collection,
+            managed_collision_collection,
+            return_remapped_features,
+            reset_seed,
+        )
+
+    def _configs_of(self, module: nn.Module) -> list:
+        if not isinstance(module, EmbeddingBagCollection):
+            raise TypeError(
+                "embedding_bag_collection must be a dtrec EmbeddingBagCollection, got "
+                f"{type(module).__name__}"
+            )
+        return module.embedding_bag_configs()
+
+
+class ManagedCollisionEmbeddingCollection(ManagedCollisionLookup):
+    """A sequence (unpooled) collection looked up by raw ids through managed collision.
+
+    ``forward(kjt)`` returns ``({feature: JaggedTensor of rows}, remapped KJT or None)``, as
+    TorchRec's ``ManagedCollisionEmbeddingCollection`` does; state-dict keys are its
+    (``_embedding_module.embeddings.<table>.weight``).
+
+    Example::
+
+        tables = [EmbeddingConfig("item", 1000, 16, ["history"])]
+        mc_ec = ManagedCollisionEmbeddingCollection(
+            EmbeddingCollection(tables),
+            ManagedCollisionCollection(
+                {"item": MCHManagedCollisionModule(1000, eviction_policy=LFU(),
+                                                   eviction_interval=10)},
+                tables,
+            ),
+        )
+        rows, _ = mc_ec(kjt)            # rows["history"].values(): [ids, 16]
+    """
+
+    _kind = "EmbeddingCollection"
+    _tables_attr = "embeddings"
+
+    def __init__(
+        self,
+        embedding_collection: EmbeddingCollection,
+        managed_collision_collection: ManagedCollisionCollection,
+        return_remapped_features: bool = False,
+        reset_seed: int = 0,
+    ) -> None:
+        super().__init__(
+            embedding_collection, managed_collision_collection, return_remapped_features, reset_seed
+        )
+
+    def _configs_of(self, module: nn.Module) -> list:
+        if not isinstance(module, EmbeddingCollection):
+            raise TypeError(
+                "embedding_collection must be a dtrec EmbeddingCollection, got "
+                f"{type(module).__name__}"
+            )
+        return module.embedding_configs()
+
+
 MANAGED_COLLISION_MODULES = (
-    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionLookup,
     ManagedCollisionCollection,
     MCHManagedCollisionModule,
 )
-"""What ``distribute_module`` refuses until the sharded remap lands (issue 45)."""
+"""dtrec's managed-collision modules: ``distribute_module`` shards the collection and
+refuses the other two outside one."""
 
 
 @torch.no_grad()
@@ -240,5 +342,7 @@ def reset_torch_optimizer_rows(
 __all__ = [
     "ManagedCollisionCollection",
     "ManagedCollisionEmbeddingBagCollection",
+    "ManagedCollisionEmbeddingCollection",
+    "ManagedCollisionLookup",
     "reset_torch_optimizer_rows",
 ]

@@ -138,7 +138,10 @@ def find_collections(model: nn.Module) -> dict[str, nn.Module]:
     ``model`` (outermost only).
 
     A ``torchrec.EmbeddingBagCollection`` (``EmbeddingCollection``) is returned as dtrec's
-    collection over the same weights (``dtrec.interop``); any other TorchRec sparse module
+    collection over the same weights (``dtrec.interop``), the one inside TorchRec's
+    ``ManagedCollisionEmbedding(Bag)Collection`` too (at ``<fqn>._embedding_module``, as in
+    dtrec's; ``distribute_module`` converts the whole module first); any other TorchRec
+    sparse module
     is a TypeError naming it (``dtrec.interop.unsupported_module``), never left silently
     replicated.
     """
@@ -147,27 +150,34 @@ def find_collections(model: nn.Module) -> dict[str, nn.Module]:
         is_torchrec_bag_collection,
         unsupported_module,
     )
+    from dtrec.interop.managed_collision import from_torchrec_mc_collection
     from dtrec.interop.modules import (
         from_torchrec_sequence_collection,
+        is_torchrec_mc_collection,
         is_torchrec_sequence_collection,
     )
     from dtrec.modules import EmbeddingBagCollection, EmbeddingCollection
     from dtrec.modules.mc_collection import (
         MANAGED_COLLISION_MODULES,
-        ManagedCollisionEmbeddingBagCollection,
+        ManagedCollisionLookup,
     )
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     found: dict[str, nn.Module] = {}
     remapped: list[str] = []  # managed-collision collections: their EBC is found inside
+    converted: list[str] = []  # TorchRec's: converted whole, their children not looked at
     for fqn, module in model.named_modules():
-        if any(fqn.startswith(f + ".") or f == "" for f in found):
+        if any(fqn.startswith(f + ".") or f == "" for f in [*found, *converted]):
             continue
         error = unsupported_module(fqn, module)
         if error is not None:
             raise error
-        if isinstance(module, ManagedCollisionEmbeddingBagCollection):
+        if is_torchrec_mc_collection(module):
+            converted.append(fqn)
+            inner = from_torchrec_mc_collection(module)._embedding_module
+            found[f"{fqn}._embedding_module" if fqn else "_embedding_module"] = inner
+        elif isinstance(module, ManagedCollisionLookup):
             remapped.append(fqn)
         elif isinstance(module, MANAGED_COLLISION_MODULES) and not any(
             fqn.startswith(f + ".") or f == "" for f in remapped
@@ -175,8 +185,9 @@ def find_collections(model: nn.Module) -> dict[str, nn.Module]:
             where = repr(fqn) if fqn else "the model itself"
             raise TypeError(
                 f"module {where} is a dtrec {type(module).__name__} outside a "
-                "ManagedCollisionEmbeddingBagCollection: distribute_module shards managed "
-                "collision only as that collection (its remap shared by every rank)"
+                "ManagedCollisionEmbeddingBagCollection or ManagedCollisionEmbeddingCollection: "
+                "distribute_module shards managed collision only as such a collection (its "
+                "remap shared by every rank)"
             )
         if isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
             found[fqn] = module

@@ -50,7 +50,12 @@ from dtrec.sharded.dist.batch_split import (
     inconsistent_groups,
     same_batch_ranks,
 )
-from dtrec.sharded.managed_collision import pin_row_wise, remapped_collections, share_windows
+from dtrec.sharded.managed_collision import (
+    adopt_torchrec_collections,
+    pin_row_wise,
+    remapped_collections,
+    share_windows,
+)
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.sequence import ShardedEmbeddingCollection
 from dtrec.sharded.tables.dtensor_handlers import register_dtensor_handlers
@@ -73,7 +78,9 @@ def distribute_module(
     choices like ``TableWise(rank=None)``, are planned by ``dtrec.plan``. A TorchRec
     ``ShardingPlan`` works too (``dtrec.interop.plans``). TorchRec's
     ``EmbeddingBagCollection``s are sharded like dtrec's (same weights, same
-    ``is_weighted``); any other TorchRec sparse module is a TypeError naming it. Dense
+    ``is_weighted``), its ``ManagedCollisionEmbeddingBagCollection``s like dtrec's (converted
+    first: same weights, remapper state and state-dict keys, ``dtrec.interop.managed_collision``);
+    any other TorchRec sparse module is a TypeError naming it. Dense
     parameters become DTensors replicated over ``mesh``, their gradients averaged over
     all W ranks during backward (``dtrec.sharded.dense``), so every parameter is a DTensor
     and any torch optimizer (``foreach``, ``fused``) steps ``model.parameters()``. Dense
@@ -152,6 +159,7 @@ def distribute_module(
             f"optimizer must be a dtrec.optim fused optimizer (SGD, RowWiseAdagrad, Adam) or "
             f"None, got {type(optimizer).__name__}; pass torch optimizers to the model params"
         )
+    model = adopt_torchrec_collections(model)  # TorchRec's managed-collision collections
     collections = find_collections(model)
     if not collections:
         if any(isinstance(m, ShardedCollection) for m in model.modules()):

@@ -18,6 +18,9 @@ different model for every shard count, and ``zch_size`` must divide (TorchRec
 next to a row-wise shard's ``4 * dim / S``), and an eviction step gathers the
 window's unique ids from every rank.
 
+TorchRec's ``ManagedCollisionEmbeddingBagCollection`` is converted to dtrec's first
+(``adopt_torchrec_collections``): same weights, remapper state and state-dict keys.
+
 What is not supported raises: a plan putting a managed-collision table on any
 type but ``RowWise`` (unnamed tables are pinned to it), no fused optimizer (a torch
 optimizer's sharded state of evicted rows is not reset yet), ``same_batch``, a
@@ -32,21 +35,37 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from dtrec.modules.mc_collection import ManagedCollisionEmbeddingBagCollection
+from dtrec.interop.managed_collision import from_torchrec_mc_collection
+from dtrec.interop.modules import is_torchrec_mc_collection
+from dtrec.modules.mc_collection import ManagedCollisionLookup
 from dtrec.placements import RowWise, TableSpec
+from dtrec.planning.plan import collection_configs
 
 INNER = "_embedding_module"
 """Where a managed-collision collection keeps its EmbeddingBagCollection (TorchRec's
 attribute): its tables' plan keys are ``<fqn>._embedding_module.<table>``."""
 
 
-def remapped_collections(model: nn.Module) -> dict[str, ManagedCollisionEmbeddingBagCollection]:
-    """FQN -> every managed-collision collection in ``model``."""
-    return {
-        fqn: m
-        for fqn, m in model.named_modules()
-        if isinstance(m, ManagedCollisionEmbeddingBagCollection)
-    }
+def adopt_torchrec_collections(model: nn.Module) -> nn.Module:
+    """``model`` with every TorchRec ``ManagedCollisionEmbeddingBagCollection`` replaced, in
+    place, by dtrec's over the same weights and remapper state
+    (``dtrec.interop.managed_collision``); the converted module itself when ``model`` is
+    one. State-dict keys do not change."""
+    if not isinstance(model, nn.Module):
+        return model  # find_collections says what is wrong
+    targets = [fqn for fqn, m in model.named_modules() if is_torchrec_mc_collection(m)]
+    for fqn in targets:
+        converted = from_torchrec_mc_collection(model.get_submodule(fqn))
+        if not fqn:
+            return converted
+        parent, _, attr = fqn.rpartition(".")
+        setattr(model.get_submodule(parent), attr, converted)
+    return model
+
+
+def remapped_collections(model: nn.Module) -> dict[str, ManagedCollisionLookup]:
+    """FQN -> every managed-collision collection (pooled or sequence) in ``model``."""
+    return {fqn: m for fqn, m in model.named_modules() if isinstance(m, ManagedCollisionLookup)}
 
 
 def inner_fqn(fqn: str) -> str:
@@ -56,7 +75,7 @@ def inner_fqn(fqn: str) -> str:
 
 def pin_row_wise(
     plan: Mapping[str, TableSpec] | None,
-    collections: Mapping[str, ManagedCollisionEmbeddingBagCollection],
+    collections: Mapping[str, ManagedCollisionLookup],
     fused: Mapping[str, object],
     same_batch: object,
 ) -> dict[str, TableSpec] | None:
@@ -88,7 +107,7 @@ def pin_row_wise(
                 f"managed-collision tables {drawn} of {fqn!r} have a TorchRec init_fn: evicted "
                 "rows would be reset from each rank's own generator; use dtrec configs"
             )
-        for cfg in mc._embedding_module.embedding_bag_configs():
+        for cfg in collection_configs(mc._embedding_module):
             key = f"{inner}.{cfg.name}"
             spec = pinned.setdefault(key, RowWise())
             if not isinstance(spec, RowWise):
@@ -99,7 +118,7 @@ def pin_row_wise(
 
 
 def share_windows(
-    collections: Mapping[str, ManagedCollisionEmbeddingBagCollection], group: ProcessGroup | None
+    collections: Mapping[str, ManagedCollisionLookup], group: ProcessGroup | None
 ) -> None:
     """Every remapper evicts over the whole world's window (``group``: the world, or a
     pipeline stage's ranks)."""
@@ -107,4 +126,10 @@ def share_windows(
         mc.share_windows(group)
 
 
-__all__ = ["inner_fqn", "pin_row_wise", "remapped_collections", "share_windows"]
+__all__ = [
+    "adopt_torchrec_collections",
+    "inner_fqn",
+    "pin_row_wise",
+    "remapped_collections",
+    "share_windows",
+]

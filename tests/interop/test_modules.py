@@ -193,8 +193,8 @@ def _unsupported_modules() -> dict[str, nn.Module]:
         "EmbeddingCollection subclass": MyEC(
             [torchrec.EmbeddingConfig(name="s", num_embeddings=5, embedding_dim=4)]
         ),
-        "ManagedCollisionEmbeddingBagCollection": _fake(
-            "torchrec.modules.mc_embedding_modules", "ManagedCollisionEmbeddingBagCollection"
+        "HashZchManagedCollisionModule": _fake(
+            "torchrec.modules.hash_mc_modules", "HashZchManagedCollisionModule"
         )(),
         "quant EmbeddingBagCollection": _fake(
             "torchrec.quant.embedding_modules", "EmbeddingBagCollection"
@@ -211,7 +211,7 @@ def _unsupported_modules() -> dict[str, nn.Module]:
 
 UNSUPPORTED_ADVICE = {
     "EmbeddingCollection subclass": "it subclasses torchrec.EmbeddingCollection",
-    "ManagedCollisionEmbeddingBagCollection": "managed-collision modules are not supported",
+    "HashZchManagedCollisionModule": "hash-probing ZCH modules are not supported",
     "quant EmbeddingBagCollection": "dtrec trains float tables",
     "FusedEmbeddingBagCollection": "pass the optimizer to distribute_module",
     "ShardedEmbeddingBagCollection": "already sharded by TorchRec",

@@ -198,7 +198,12 @@ class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
 SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "item"}
 
 
-def test_lookup_path_has_no_host_sync():
+def test_lookup_path_has_no_host_sync(monkeypatch):
+    """The torch ops of the lookup (what a GPU runs; dtrec's C pass off): no host sync
+    and a bounded number of ops (launches on a GPU)."""
+    from dtrec.kernels import cpu as cpu_kernels
+
+    monkeypatch.setenv(cpu_kernels.ENV, "0")
     mc = MCHManagedCollisionModule(
         64, eviction_policy=DistanceLFU(), eviction_interval=4, bounds_check="off"
     )
@@ -206,11 +211,21 @@ def test_lookup_path_has_no_host_sync():
     for ids in list(stream)[:4]:  # first eviction done; the step counter read once
         mc(ids)
     mc.evict()
+    assert mc._index_key == mc._map_state()  # indexed at the eviction (interval > 1)
     for ids in _stream(3, 32, 200, seed=2):  # steps 5-7: record and remap only
         with _Ops() as rec:
             mc(ids)
         assert not SYNCS & set(rec.ops), rec.ops
+        # the step counter's add_, then the index lookup: home (mul, >>), window (add),
+        # ids and rows gathered (2 index), eq, where, amin, and 2 unsqueeze views
         assert len(rec.ops) <= 12, rec.ops
     with _Ops() as rec:
         mc.eval()(ids)
+    assert not SYNCS & set(rec.ops) and len(rec.ops) <= 11, rec.ops
+    searched = MCHManagedCollisionModule(  # evicting every step: the sorted-ids search
+        64, eviction_policy=DistanceLFU(), eviction_interval=1, bounds_check="off"
+    )
+    searched(ids)
+    with _Ops() as rec:
+        searched.eval()(ids)
     assert not SYNCS & set(rec.ops) and len(rec.ops) <= 7, rec.ops

@@ -1,4 +1,5 @@
-"""dtrec's own CPU kernels (``rows.c``): the row-sparse backward and row-wise updates.
+"""dtrec's own CPU kernels (``rows.c``): the row-sparse backward and row-wise updates, and
+managed collision's remap lookup (``remap_lookup``).
 
 On CPU, torch runs the exact row-sparse backward as several ATen passes (a stable sort
 of the ids, ``unique_consecutive``, a segment sum through ``F.embedding_bag``) and the
@@ -126,6 +127,8 @@ def _library() -> ctypes.CDLL | None:
     lib.dtrec_backward_update.argtypes = [ptr, i64, ptr, i64, i64, *[ptr] * 3, i64, *[ptr] * 5,
                                           i64, ptr, f32, i64, f32, f32, *[ptr] * 4]  # fmt: skip
     lib.dtrec_backward_update.restype = i64
+    lib.dtrec_remap_lookup.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr]
+    lib.dtrec_remap_lookup.restype = None
     return lib
 
 
@@ -186,6 +189,22 @@ def sum_rows_by_key(
         _ptr(unique), _ptr(sums),
     )  # fmt: skip
     return unique, sums
+
+
+def remap_lookup(
+    slot_ids: Tensor, slot_rows: Tensor, bits: int, probes: int, values: Tensor, miss_row: int
+) -> Tensor | None:
+    """``HashRemapIndex.lookup`` in C (one pass, probing stops at the id or an empty slot),
+    or None where not served (the caller then runs the torch ops)."""
+    if not available() or values.device.type != "cpu" or values.dtype != torch.int64:
+        return None
+    values = values.contiguous()
+    out = torch.empty_like(values)
+    _library().dtrec_remap_lookup(
+        _ptr(slot_ids), _ptr(slot_rows), bits, probes, _ptr(values), values.numel(), miss_row,
+        _ptr(out),
+    )  # fmt: skip
+    return out
 
 
 def row_sq_sums(grads: Tensor) -> Tensor | None:
@@ -347,6 +366,7 @@ __all__ = [
     "backward_update",
     "ENV",
     "available",
+    "remap_lookup",
     "row_sq_sums",
     "rowwise_adagrad_",
     "sgd_",

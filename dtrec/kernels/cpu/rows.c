@@ -247,3 +247,36 @@ int64_t dtrec_backward_update(const int64_t *restrict values, int64_t n,
     }
     return 0;
 }
+
+/* Managed collision's remap through dtrec.modules.remap_index.HashRemapIndex: per id, its
+ * home slot (the top `bits` bits of id * the index's multiplier, an arithmetic shift made
+ * non-negative by adding half the slots), then linear probing until the id (its row) or
+ * an empty slot (miss_row), at most `probes` slots. Homes of a block of ids are computed
+ * and prefetched before any is probed: the reads of a block overlap. */
+void dtrec_remap_lookup(const int64_t *restrict slot_ids, const int64_t *restrict slot_rows,
+                        int64_t bits, int64_t probes, const int64_t *restrict values, int64_t n,
+                        int64_t miss_row, int64_t *restrict out) {
+    const uint64_t mult = 0xC4CEB9FE1A85EC53ull;
+    const int64_t half = (int64_t)1 << (bits - 1), empty = INT64_MAX;
+    enum { BLOCK = 16 };
+    int64_t home[BLOCK];
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        int64_t m = n - start < BLOCK ? n - start : BLOCK;
+        for (int64_t k = 0; k < m; k++) {
+            home[k] = ((int64_t)((uint64_t)values[start + k] * mult) >> (64 - bits)) + half;
+            __builtin_prefetch(slot_ids + home[k]);
+        }
+        for (int64_t k = 0; k < m; k++) {
+            int64_t v = values[start + k], row = miss_row;
+            for (int64_t p = 0; p < probes; p++) {
+                int64_t id = slot_ids[home[k] + p];
+                if (id == v) {
+                    row = slot_rows[home[k] + p];
+                    break;
+                }
+                if (id == empty) break;
+            }
+            out[start + k] = row;
+        }
+    }
+}
