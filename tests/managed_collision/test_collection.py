@@ -16,6 +16,7 @@ from dtrec.modules.mc_collection import (
     reset_torch_optimizer_rows,
 )
 from dtrec.optim import Adam
+from tests.managed_collision.torchrec_mc import torchrec_remappers
 
 # table "user" read by two features (one remapper step sees both), "item" by one
 TABLES = [("user", 11, 4, ["u0", "u1"], "sum"), ("item", 7, 3, ["i0"], "mean")]
@@ -68,19 +69,7 @@ def _torchrec_module():
         )
         for n, r, d, f, p in TABLES
     ]
-    policies = {
-        "user": mcm.LFU_EvictionPolicy(),
-        "item": mcm.DistanceLFU_EvictionPolicy(decay_exponent=0.5),
-    }
-    mcs = {
-        n: mcm.MCHManagedCollisionModule(
-            zch_size=r,
-            device=torch.device("cpu"),
-            eviction_policy=policies[n],
-            eviction_interval=INTERVAL[n],
-        )
-        for n, r, *_ in TABLES
-    }
+    mcs = torchrec_remappers([(n, r) for n, r, *_ in TABLES], INTERVAL)
     return ManagedCollisionEmbeddingBagCollection(
         trc.EmbeddingBagCollection(cfgs),
         mcm.ManagedCollisionCollection(mcs, cfgs),

@@ -27,6 +27,7 @@ from tests.managed_collision.test_torchrec_dropin import (
     _loss,
     _remappers,
 )
+from tests.managed_collision.torchrec_mc import torchrec_remappers
 from tests.multiprocess import run_world
 
 trc = pytest.importorskip("torchrec", reason="torchrec not installed")
@@ -44,19 +45,7 @@ def _torchrec_mc_ec(intervals=None):
         trc.EmbeddingConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f)
         for n, r, d, f in TABLES
     ]
-    policies = {
-        "user": mcm.LFU_EvictionPolicy(),
-        "item": mcm.DistanceLFU_EvictionPolicy(decay_exponent=0.5),
-    }
-    mcs = {
-        n: mcm.MCHManagedCollisionModule(
-            zch_size=r,
-            device=torch.device("cpu"),
-            eviction_policy=policies[n],
-            eviction_interval=intervals[n],
-        )
-        for n, r, *_ in TABLES
-    }
+    mcs = torchrec_remappers([(n, r) for n, r, *_ in TABLES], intervals)
     return ManagedCollisionEmbeddingCollection(
         trc.EmbeddingCollection(cfgs),
         mcm.ManagedCollisionCollection(mcs, cfgs),

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.managed_collision.torchrec_mc import torchrec_remappers
 from tests.multiprocess import run_world
 
 trc = pytest.importorskip("torchrec", reason="torchrec not installed")
@@ -47,19 +48,7 @@ def _torchrec_mc_ebc(intervals=None):
         )
         for n, r, d, f, p in TABLES
     ]
-    policies = {
-        "user": mcm.LFU_EvictionPolicy(),
-        "item": mcm.DistanceLFU_EvictionPolicy(decay_exponent=0.5),
-    }
-    mcs = {
-        n: mcm.MCHManagedCollisionModule(
-            zch_size=r,
-            device=torch.device("cpu"),
-            eviction_policy=policies[n],
-            eviction_interval=intervals[n],
-        )
-        for n, r, *_ in TABLES
-    }
+    mcs = torchrec_remappers([(n, r) for n, r, *_ in TABLES], intervals)
     return ManagedCollisionEmbeddingBagCollection(
         trc.EmbeddingBagCollection(cfgs),
         mcm.ManagedCollisionCollection(mcs, cfgs),
