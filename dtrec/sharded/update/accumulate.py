@@ -40,7 +40,10 @@ def accumulate_gradients(model: nn.Module, divide_by: int = 1) -> Iterator[None]
     ``torch.distributed.pipelining`` schedule pass its ``n_microbatches`` while its
     ``scale_grads`` is True (the default: it divides the other parameters' ``.grad`` by
     that number after the step); parameters with a ``.grad`` (dense ones, tables under a
-    torch optimizer) accumulate as autograd always does and are not touched here.
+    torch optimizer) accumulate as autograd always does and are not touched here. With
+    microbatches of unequal size (a last uneven batch) that is the mean of the
+    microbatches' mean losses, as the schedule's ``scale_grads`` makes it for the other
+    parameters, not the mean over every sample.
 
     An exception inside the block drops the stashed gradients: no table changes (all or
     nothing, as for a failed backward). Offloaded collections are refused (their device
