@@ -203,6 +203,21 @@ def dtensor_like(local: Tensor, like: DTensor) -> DTensor:
     return DTensor(local, like._spec, requires_grad=False)
 
 
+def move_to_mesh(value: DTensor, mesh: DeviceMesh) -> None:
+    """Put the replicated ``value`` on ``mesh`` in place: same object, same local tensor,
+    a spec with ``mesh`` (``DTensor._spec``), so everything holding it (an optimizer's
+    param group and state keys, gradient hooks) goes on. For a value replicated over
+    every dim of both meshes, which hold the same whole tensor on every rank. Checked:
+    torch 2.13."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    spec = value._spec
+    if not all(isinstance(p, Replicate) for p in spec.placements):
+        raise ValueError(f"only a replicated DTensor moves meshes in place, got {spec}")
+    value._spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tensor_meta=spec.tensor_meta)
+
+
 def same_dtensor_layout(a: DTensor, b: DTensor) -> bool:
     """Whether ``a`` and ``b`` have one mesh, one placement per mesh dim and one global
     shape, so their blocks line up element by element (``DTensor._spec``). Checked: torch

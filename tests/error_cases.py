@@ -739,6 +739,20 @@ LOCAL: dict[str, Case] = {
     # TorchRec modules, configs, plans and constraints
     "E151": on_mesh(2, 2, lambda m: distributed(m, model=with_managed_collision_tower())),
     "E351": lambda tmp: torchrec_mch_with_offset(),
+    "E356": on_mesh(
+        4,
+        2,
+        lambda m: dtrec.reshard(
+            distributed(m, None, SGD(0.1)),
+            {},
+            mesh=DeviceMesh("cpu", [[0, 1]], mesh_dim_names=_DIMS),
+        ),
+    ),
+    "E357": on_mesh(
+        4,
+        2,
+        lambda m: dtrec.reshard(distributed(m, None, SGD(0.1)), {}, mesh=dtrec.init_mesh("cpu", 4)),
+    ),
     "E152": lambda tmp: Cfg("t0", 10, 4, pooling=PoolingType.NONE),
     "E153": lambda tmp: EBC([EmbeddingBagConfig("t0", 10, 4, ["f0"], data_type=DataType.INT8)]),
     "E154": lambda tmp: EBC([EmbeddingBagConfig("t0", 10, 4, ["f0"], use_virtual_table=True)]),

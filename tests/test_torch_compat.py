@@ -297,6 +297,20 @@ def test_dtensor_like_shares_the_spec() -> None:
             compat.dtensor_like(torch.ones(3, 2).t(), param)
 
 
+def test_move_to_mesh_keeps_the_object() -> None:
+    with gloo_world_of_one() as mesh:
+        other = DeviceMesh("cpu", [[0]], mesh_dim_names=("a", "b"))
+        param = compat.contiguous_dtensor(torch.ones(2, 3), mesh, [Replicate()], (2, 3))
+        local = compat.local_block(param)
+        compat.move_to_mesh(param, other)
+        assert param.device_mesh is other and param.placements == (Replicate(), Replicate())
+        assert compat.local_block(param) is local and tuple(param.shape) == (2, 3)
+        assert (param * 2).device_mesh is other
+        sharded = compat.contiguous_dtensor(torch.ones(2, 3), mesh, [Shard(0)], (2, 3))
+        with pytest.raises(ValueError, match="only a replicated"):
+            compat.move_to_mesh(sharded, other)
+
+
 def test_check_split_sizes_passes_sizes_that_add_up_and_refuses_others() -> None:
     compat.check_split_sizes([2, 0, 3], 5)
     with pytest.raises(RuntimeError):

@@ -85,8 +85,34 @@ def _cases() -> dict[str, tuple[int, list[str], list[str]]]:
 
 
 CASES = _cases()
+
+
+def _mesh_cases() -> dict[str, tuple[object, object, list[str], list[str]]]:
+    """name -> (mesh key before, mesh key after, plan A, plan B): the shard group size
+    changes (4 x 1 <-> 2 x 2: 1-D <-> 2-D), or the ranks' places (2 x 2 with replicas
+    within a node -> across nodes), or the node split; every type pair across them."""
+    four, two = _types(4), _types(2)
+    cases: dict[str, tuple[object, object, list[str], list[str]]] = {}
+    for k in range(4):
+        cases[f"m4to2_shift{k}"] = (4, 2, four, [two[(t + k) % 4] for t in range(4)])
+        cases[f"m2to4_shift{k}"] = (2, 4, two, [four[(t + k) % 4] for t in range(4)])
+    cases["m2to2n2"] = (2, "2n2", two, ["TRW(0)", "GRID", "CW", "TW(1)"])
+    cases["m4n2to2"] = ("4n2", 2, ["TRW(0)", "GRID", "TW(1)", "DP"], ["RW", "TW(0)", "CW", "DP"])
+    gen = random.Random(4402)
+    pool = {4: ["TW(0)", "TW(3)", "RW", "CW", "CW(0,2)", "DP"],
+            2: ["TW(0)", "TW(1)", "RW", "CW", "CW(1)", "DP"]}  # fmt: skip
+    for i, (src, dst) in enumerate(((4, 2), (2, 4))):
+        a = [gen.choice(pool[src]) for _ in TABLES]
+        b = [gen.choice(pool[dst]) for _ in TABLES]
+        cases[f"m_random{i}"] = (src, dst, a, b)
+    return cases
+
+
+MESH_CASES = _mesh_cases()
+SEQUENCE_CASES: dict[str, tuple[object, object, list[str], list[str]]] = {}
 RULES = ("sgd", "rowwise_adagrad", "adam")
-CHUNK_BYTES = {2: 96}  # the 2 x 2 mesh moves in rounds of at most 48 bytes per peer
+CHUNK_BYTES = {2: 96}  # to the 2 x 2 mesh: rounds of at most 24 bytes per peer (4 ranks)
+DENSE_LR = 0.05
 
 
 def _spec(text: str):
@@ -107,13 +133,17 @@ def _plan(specs: list[str]) -> dict:
     return {f"sparse.{t[0]}": _spec(s) for t, s in zip(TABLES, specs, strict=True)}
 
 
-def _configs():
+def _configs(sequence: bool = False):
     import dtrec
 
+    if sequence:
+        return [dtrec.EmbeddingConfig(n, r, d, [f"f{n[1:]}"]) for n, r, d, _ in TABLES]
     return [dtrec.EmbeddingBagConfig(n, r, d, [f"f{n[1:]}"], p) for n, r, d, p in TABLES]
 
 
-def _model():
+def _model(dense: bool = False, sequence: bool = False):
+    """The four tables (an EmbeddingBagCollection, or with ``sequence`` an
+    EmbeddingCollection: one scalar per id then); ``dense``: times a dense scale."""
     import torch
     from torch import nn
 
@@ -122,10 +152,22 @@ def _model():
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.sparse = dtrec.EmbeddingBagCollection(_configs())
+            if sequence:
+                self.sparse = dtrec.EmbeddingCollection(_configs(True))
+            else:
+                self.sparse = dtrec.EmbeddingBagCollection(_configs())
+            if dense:
+                self.scale = nn.Parameter(torch.ones(sum(t[2] for t in TABLES)))
 
         def forward(self, kjt):
-            return self.sparse(kjt).values()
+            if sequence:
+                out = self.sparse(kjt)
+                return torch.cat([
+                    (out[f].values() * torch.linspace(-1.0, 1.0, out[f].values().shape[1])).sum(1)
+                    for f in sorted(out)
+                ])  # fmt: skip
+            values = self.sparse(kjt).values()
+            return values * self.scale if dense else values
 
     torch.manual_seed(0)
     model = Model()
@@ -158,6 +200,8 @@ def _batches(step: int) -> list:
 def _loss(out, target):
     import torch
 
+    if out.dim() == 1:  # a sequence model's one scalar per id
+        return ((out - 0.5) ** 2).mean()
     coef = torch.linspace(-1.0, 1.0, out.shape[1])
     return (((out * coef).sum(1) - target) ** 2).mean()
 
@@ -172,7 +216,16 @@ def _rule(name: str):
     }[name](lr=LR[name])
 
 
-def _train(model, steps: range, scheduler) -> None:
+def _dense_optimizer(model):
+    """A torch Adam (foreach) over the dense scale, or None without one."""
+    import torch
+
+    if not hasattr(model, "scale"):
+        return None
+    return torch.optim.Adam([model.scale], lr=DENSE_LR, foreach=True)
+
+
+def _train(model, steps: range, scheduler, dense=None) -> None:
     import torch.distributed as dist
 
     for step in steps:
@@ -180,16 +233,40 @@ def _train(model, steps: range, scheduler) -> None:
         _loss(model(kjt), target).backward()
         model.fused_optimizer.step()
         scheduler.step()
+        if dense is not None:
+            dense.step()
+            dense.zero_grad()
 
 
-def _full_state(model) -> dict:
-    """Full weights and fused state (scalars: the largest over ranks). Collective."""
+def _is_table(key: str) -> bool:
+    return ".embedding_bags." in key or ".embeddings." in key
+
+
+def _dense_state(model, optimizer, out: dict) -> None:
+    """The dense scale and its torch optimizer state into ``out`` (no collective: every
+    rank holds them whole)."""
+    from torch.distributed.tensor import DTensor
+
+    if optimizer is None:
+        return
+    value = model.scale
+    local = value.to_local() if isinstance(value, DTensor) else value
+    out["scale"] = local.detach().float().clone()  # a copy: the optimizer steps in place
+    for key, v in optimizer.state[value].items():
+        local = v.to_local() if isinstance(v, DTensor) else v
+        out[f"scale.{key}"] = local.detach().float().clone()
+
+
+def _full_state(model, dense=None) -> dict:
+    """Full weights and fused state (scalars: the largest over ranks), and the dense part's
+    with its optimizer ``dense``. Collective."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from dtrec.checkpoint import full_state_dict, full_tensor
 
-    out = {k: v.float() for k, v in full_state_dict(model).items() if "embedding_bags" in k}
+    out = {k: v.float() for k, v in full_state_dict(model).items() if _is_table(k)}
+    _dense_state(model, dense, out)
     for table, entries in model.fused_optimizer.state_dict()["state"].items():
         for name, value in entries.items():
             if isinstance(value, DTensor):
@@ -201,13 +278,21 @@ def _full_state(model) -> dict:
     return out
 
 
-def _reference(rule_name: str, steps: int) -> dict:
-    """The unsharded model, the rule's math on the rows the global batch touched."""
+def _tables_of(model):
+    sparse = model.sparse
+    return sparse.embeddings if hasattr(sparse, "embeddings") else sparse.embedding_bags
+
+
+def _reference(rule_name: str, steps: int, dense: bool = False, sequence: bool = False) -> dict:
+    """The unsharded model, the rule's math on the rows the global batch touched (the dense
+    scale: torch Adam on the mean of the ranks' losses)."""
     import torch
 
-    model = _model()
+    model = _model(dense, sequence)
+    dense_optimizer = _dense_optimizer(model)
     rule = _rule(rule_name)
-    bags = model.sparse.embedding_bags
+    bags = _tables_of(model)
+    attr = "embeddings" if sequence else "embedding_bags"
     state = {name: rule.init_state(bags[name].weight) for name, *_ in TABLES}
     for step in range(steps):
         lr_rule = rule.with_hyperparameters({"lr": LR[rule_name] * 0.5**step})
@@ -220,7 +305,11 @@ def _reference(rule_name: str, steps: int) -> dict:
             with torch.no_grad():
                 lr_rule.update_rows(weight, state[name], rows, weight.grad[rows].float())
             weight.grad = None
-    out = {f"sparse.embedding_bags.{n}.weight": bags[n].weight.detach().clone() for n, *_ in TABLES}
+        if dense_optimizer is not None:
+            dense_optimizer.step()
+            dense_optimizer.zero_grad()
+    out = {f"sparse.{attr}.{n}.weight": bags[n].weight.detach().clone() for n, *_ in TABLES}
+    _dense_state(model, dense_optimizer, out)
     for name, *_ in TABLES:
         for entry, value in state[name].items():
             out[f"sparse.{name}.{entry}"] = value.float()
@@ -237,17 +326,21 @@ def _axis(shard):
     return ShardAxis(shard, WORLD // shard, None)
 
 
-def _expected_bytes(shard: int, a: list[str], b: list[str], rule_name: str) -> int:
-    """Bytes the world sends: per cell (a row, for row state), one copy to each new holder
-    that did not hold it, in each of the WORLD / shard replica groups."""
+def _expected_bytes(
+    meshes: dict, shard, a: list[str], b: list[str], rule_name: str, to=None
+) -> int:
+    """Bytes the world sends: per cell (a row, for row state), one copy to each rank that
+    holds it after (on mesh ``to``, default: the same) and did not before."""
     import dtrec
 
-    axis = _axis(shard)
+    to = shard if to is None else to
+    axis, new_axis = _axis(shard), _axis(to)
+    ranks, new_ranks = meshes[shard].mesh.tolist(), meshes[to].mesh.tolist()
     kinds = {"weight": "weight", **_rule(rule_name).state_layout()}
     total = 0
     for (name, rows, dim, pooling), sa, sb in zip(TABLES, a, b, strict=True):
         cfg = dtrec.EmbeddingBagConfig(name, rows, dim, [f"f{name[1:]}"], pooling)
-        old, new = _spec(sa).layout(cfg, axis).blocks, _spec(sb).layout(cfg, axis).blocks
+        old, new = _spec(sa).layout(cfg, axis).blocks, _spec(sb).layout(cfg, new_axis).blocks
         for kind in kinds.values():
             if kind == "scalar":
                 continue
@@ -259,10 +352,26 @@ def _expected_bytes(shard: int, a: list[str], b: list[str], rule_name: str) -> i
                         inside = block.rows[0] <= r < block.rows[1]
                         return inside and (kind == "row" or block.cols[0] <= c < block.cols[1])
 
-                    had = {blk.position for blk in old if holds(blk)}
-                    has = {blk.position for blk in new if holds(blk)}
+                    had = {r for blk in old if holds(blk) for r in ranks[blk.position]}
+                    has = {r for blk in new if holds(blk) for r in new_ranks[blk.position]}
                     total += len(has - had) * 4
-    return total * axis.replicas
+    return total
+
+
+def _blocks_match(model) -> bool:
+    """Whether this rank's block of every table is its cells of the full table (every
+    replica received its copy: ``full_tensor`` alone reads one replica). Collective."""
+    import torch
+
+    from dtrec.checkpoint import full_tensor
+
+    ok = True
+    for table in _tables_of(model).values():
+        full = full_tensor(table.weight)
+        if table.block is not None:
+            (r0, r1), (c0, c1) = table.block.rows, table.block.cols
+            ok = ok and torch.equal(table.weight.to_local(), full[r0:r1, c0:c1])
+    return ok
 
 
 def _max_rel(a: dict, b: dict) -> float:
@@ -275,54 +384,101 @@ def _max_rel(a: dict, b: dict) -> float:
     )
 
 
-def _one_case(meshes: dict, shard: int, a: list[str], b: list[str], rule_name: str) -> dict:
+def _copy_into(direct, before: dict, dense) -> None:
+    """The tables' and the dense scale's values and the dense optimizer's state of
+    ``before`` into the unsharded ``direct`` (``dense``: its dense optimizer, built on the
+    distributed ``direct`` afterwards by ``_load_dense``)."""
+    import torch
+
+    attr = "embeddings" if hasattr(direct.sparse, "embeddings") else "embedding_bags"
+    with torch.no_grad():
+        for name, *_ in TABLES:
+            _tables_of(direct)[name].weight.copy_(before[f"sparse.{attr}.{name}.weight"])
+        if dense:
+            direct.scale.copy_(before["scale"])
+
+
+def _load_dense(direct, before: dict):
+    """A dense optimizer of the distributed ``direct`` holding ``before``'s state."""
+    from dtrec.sharded.dense import as_replicated_dtensor
+
+    optimizer = _dense_optimizer(direct)
+    if optimizer is None:
+        return None
+    mesh = direct.scale.device_mesh
+    optimizer.state[direct.scale] = {
+        key[len("scale.") :]: value.clone()
+        if value.dim() == 0
+        else as_replicated_dtensor(value.clone(), mesh)
+        for key, value in before.items()
+        if key.startswith("scale.")
+    }
+    return optimizer
+
+
+def _one_case(
+    meshes: dict, shard, a: list[str], b: list[str], rule_name: str, to=None, sequence=False
+) -> dict:
+    """Plan A on mesh ``shard``, 2 steps, reshard to plan B (on mesh ``to``: with a dense
+    scale trained by a torch Adam, which follows), 2 steps; vs a model distributed there."""
     import torch
     import torch.distributed as dist
     from torch.optim.lr_scheduler import StepLR
 
     import dtrec
 
-    mesh = meshes[shard]
-    model = dtrec.distribute_module(_model(), mesh, _plan(a), optimizer=_rule(rule_name))
+    to = shard if to is None else to
+    dense = to != shard and not sequence
+    mesh = meshes[to]
+    model = dtrec.distribute_module(
+        _model(dense, sequence), meshes[shard], _plan(a), optimizer=_rule(rule_name)
+    )
+    dense_optimizer = _dense_optimizer(model)
     scheduler = StepLR(model.fused_optimizer, step_size=1, gamma=0.5)
-    _train(model, range(2), scheduler)
-    before = _full_state(model)
+    _train(model, range(2), scheduler, dense_optimizer)
+    before = _full_state(model, dense_optimizer)
     groups = model.fused_optimizer.saved_param_groups()
     sparse = model.sparse
+    moves = {} if to == shard else {"mesh": mesh}
+    if dense_optimizer is not None:
+        moves["optimizers"] = [dense_optimizer]
     with dtrec.comm_stats() as stats:
-        returned = dtrec.reshard(model, _plan(b), chunk_bytes=CHUNK_BYTES.get(shard, 64 << 20))
+        returned = dtrec.reshard(
+            model, _plan(b), chunk_bytes=CHUNK_BYTES.get(to, 64 << 20), **moves
+        )
     sent = torch.tensor([stats.bytes_sent.get("reshard.rows", 0)], dtype=torch.long)
     dist.all_reduce(sent)
-    moved_exact = _max_rel(_full_state(model), before)  # the move itself changes nothing
+    moved_exact = _max_rel(_full_state(model, dense_optimizer), before)  # the move: no change
+    every_copy = _blocks_match(model)
     plan_ok = all(model.sharding_plan[k] == v for k, v in _plan(b).items())
-    _train(model, range(2, 4), scheduler)
-    after = _full_state(model)
+    on_mesh = model.sparse.mesh is mesh and (not dense or model.scale.device_mesh is mesh)
+    _train(model, range(2, 4), scheduler, dense_optimizer)
+    after = _full_state(model, dense_optimizer)
 
-    direct = _model()
-    with torch.no_grad():
-        for name, *_ in TABLES:
-            direct.sparse.embedding_bags[name].weight.copy_(
-                before[f"sparse.embedding_bags.{name}.weight"]
-            )
+    direct = _model(dense, sequence)
+    _copy_into(direct, before, dense)
     direct = dtrec.distribute_module(direct, mesh, _plan(b), optimizer=_rule(rule_name))
+    direct_dense = _load_dense(direct, before)
     state: dict = {f"sparse.{name}": {} for name, *_ in TABLES}
     for key, value in before.items():
-        if "embedding_bags" not in key:
+        if not _is_table(key) and not key.startswith("scale"):
             table, entry = key.rsplit(".", 1)
             state.setdefault(table, {})[entry] = value
     direct.fused_optimizer.load_state_dict({"state": state, "param_groups": groups})
-    _train(direct, range(2, 4), StepLR(direct.fused_optimizer, step_size=1, gamma=0.5))
-    expected = _full_state(direct)
+    scheduler = StepLR(direct.fused_optimizer, step_size=1, gamma=0.5)
+    _train(direct, range(2, 4), scheduler, direct_dense)
+    expected = _full_state(direct, direct_dense)
     return {
         "vs_direct": _max_rel(after, expected),
         "bitwise": all(torch.equal(after[k], expected[k]) for k in after),
-        "vs_unsharded": _max_rel(after, _reference(rule_name, 4)),
+        "vs_unsharded": _max_rel(after, _reference(rule_name, 4, dense, sequence)),
         "moved_exact": moved_exact,
         "bytes": int(sent),
         "rounds": stats.calls.get("reshard.rows", 0),
-        "expected_bytes": _expected_bytes(shard, a, b, rule_name),
+        "expected_bytes": _expected_bytes(meshes, shard, a, b, rule_name, to),
         "same_objects": returned is model and model.sparse is sparse,
         "plan": plan_ok,
+        "on_mesh": on_mesh and every_copy,
         "lr": model.fused_optimizer.param_groups[0]["lr"],
     }
 
@@ -340,6 +496,13 @@ TORCH_CASES = {  # case -> the torch optimizers it runs with
     case: ("sgd", "sgd_foreach", "adam", "adam_foreach")
     + (("adagrad",) if case.endswith("shift1") else ())
     for case in CASES
+}
+TORCH_CASES.update(dict.fromkeys(MESH_CASES, ("sgd", "adam_foreach")))
+TORCH_CASES.update(dict.fromkeys(SEQUENCE_CASES, ("adam_foreach",)))
+ALL_CASES = {  # name -> (mesh before, mesh after, plan A, plan B, sequence collection)
+    **{name: (shard, shard, a, b, False) for name, (shard, a, b) in CASES.items()},
+    **{name: (src, dst, a, b, False) for name, (src, dst, a, b) in MESH_CASES.items()},
+    **{name: (src, dst, a, b, True) for name, (src, dst, a, b) in SEQUENCE_CASES.items()},
 }
 
 
@@ -376,11 +539,14 @@ def _torch_state(model, optimizer) -> dict:
 
     from dtrec.checkpoint import full_tensor
 
-    bags = model.sparse.embedding_bags
+    bags = _tables_of(model)
+    attr = "embeddings" if hasattr(model.sparse, "embeddings") else "embedding_bags"
     out = {}
+    if hasattr(model, "scale"):
+        _dense_state(model, optimizer, out)
     for name, *_ in TABLES:
         weight = bags[name].weight
-        out[f"sparse.embedding_bags.{name}.weight"] = full_tensor(weight).float()
+        out[f"sparse.{attr}.{name}.weight"] = full_tensor(weight).float()
         for key, value in sorted(optimizer.state[weight].items()):
             if isinstance(value, DTensor):
                 out[f"sparse.{name}.{key}"] = full_tensor(value).float()
@@ -396,13 +562,23 @@ def _load_torch_state(model, optimizer, state: dict) -> None:
     """Put full torch optimizer state (``_torch_state``'s) into a distributed model's
     optimizer: each rank's block of it, as DTensors placed like their tables."""
 
+    from dtrec.sharded.dense import as_replicated_dtensor
     from dtrec.sharded.tables.tensor import like_dtensor
 
+    if hasattr(model, "scale"):
+        mesh = model.scale.device_mesh
+        optimizer.state[model.scale] = {
+            key[len("scale.") :]: value.clone()
+            if value.dim() == 0
+            else as_replicated_dtensor(value.clone(), mesh)
+            for key, value in state.items()
+            if key.startswith("scale.")
+        }
     for name, *_ in TABLES:
-        table = model.sparse.embedding_bags[name]
+        table = _tables_of(model)[name]
         entries = {}
         for key, value in state.items():
-            if not key.startswith(f"sparse.{name}.") or "embedding_bags" in key:
+            if not key.startswith(f"sparse.{name}.") or _is_table(key):
                 continue
             entry = key.rsplit(".", 1)[1]
             if value.dim() == 0:
@@ -416,18 +592,23 @@ def _load_torch_state(model, optimizer, state: dict) -> None:
         optimizer.state[table.weight] = entries
 
 
-def _one_torch_case(meshes: dict, shard: int, a: list[str], b: list[str], name: str) -> dict:
+def _one_torch_case(
+    meshes: dict, shard, a: list[str], b: list[str], name: str, to=None, sequence=False
+) -> dict:
     """A case with the tables trained by a torch optimizer: the same object goes on after
     the reshard; compared with a model distributed to plan B with that optimizer's state
-    loaded, and with the unsharded model trained by the same optimizer."""
+    loaded, and with the unsharded model trained by the same optimizer. To another mesh
+    (``to``): with a dense scale the same optimizer trains, which follows."""
     import torch
     import torch.distributed as dist
     from torch.optim.lr_scheduler import StepLR
 
     import dtrec
 
-    mesh = meshes[shard]
-    model = dtrec.distribute_module(_model(), mesh, _plan(a))
+    to = shard if to is None else to
+    dense = to != shard and not sequence
+    mesh = meshes[to]
+    model = dtrec.distribute_module(_model(dense, sequence), meshes[shard], _plan(a))
     optimizer = _torch_optimizer(name, model.parameters())
     scheduler = StepLR(optimizer, step_size=1, gamma=0.5)
     _train_torch(model, optimizer, range(2), scheduler)
@@ -435,8 +616,9 @@ def _one_torch_case(meshes: dict, shard: int, a: list[str], b: list[str], name: 
     lr = optimizer.param_groups[0]["lr"]
     with dtrec.comm_stats() as stats:
         dtrec.reshard(
-            model, _plan(b), chunk_bytes=CHUNK_BYTES.get(shard, 64 << 20), optimizers=[optimizer]
-        )
+            model, _plan(b), chunk_bytes=CHUNK_BYTES.get(to, 64 << 20), optimizers=[optimizer],
+            mesh=None if to == shard else mesh,
+        )  # fmt: skip
     sent = torch.tensor([stats.bytes_sent.get("reshard.rows", 0)], dtype=torch.long)
     dist.all_reduce(sent)
     params = list(model.parameters())
@@ -451,12 +633,8 @@ def _one_torch_case(meshes: dict, shard: int, a: list[str], b: list[str], name: 
     _train_torch(model, optimizer, range(2, 4), scheduler)
     after = _torch_state(model, optimizer)
 
-    direct = _model()
-    with torch.no_grad():
-        for table, *_ in TABLES:
-            direct.sparse.embedding_bags[table].weight.copy_(
-                before[f"sparse.embedding_bags.{table}.weight"]
-            )
+    direct = _model(dense, sequence)
+    _copy_into(direct, before, dense)
     direct = dtrec.distribute_module(direct, mesh, _plan(b))
     direct_optimizer = _torch_optimizer(name, direct.parameters())
     direct_optimizer.param_groups[0]["lr"] = lr
@@ -465,7 +643,7 @@ def _one_torch_case(meshes: dict, shard: int, a: list[str], b: list[str], name: 
     _train_torch(direct, direct_optimizer, range(2, 4), direct_scheduler)
     expected = _torch_state(direct, direct_optimizer)
 
-    unsharded = _model()
+    unsharded = _model(dense, sequence)
     plain_optimizer = _torch_optimizer(name, unsharded.parameters())
     plain_scheduler = StepLR(plain_optimizer, step_size=1, gamma=0.5)
     _train_torch(unsharded, plain_optimizer, range(4), plain_scheduler, world=True)
@@ -475,9 +653,11 @@ def _one_torch_case(meshes: dict, shard: int, a: list[str], b: list[str], name: 
         "vs_unsharded": _max_rel(after, _torch_state(unsharded, plain_optimizer)),
         "moved_exact": moved_exact,
         "repointed": repointed,
-        "state_keys": sorted(k for k in after if "embedding_bags" not in k),
+        "state_keys": sorted(k for k in after if not _is_table(k) and not k.startswith("scale")),
         "bytes": int(sent),  # the weight and each table-shaped state entry, moved cells
-        "expected_bytes": _expected_bytes(shard, a, b, "sgd") * (1 + TORCH_ENTRIES[name]),
+        "expected_bytes": _expected_bytes(meshes, shard, a, b, "sgd", to)
+        * (1 + TORCH_ENTRIES[name]),
+        "on_mesh": model.sparse.mesh is mesh and (not dense or model.scale.device_mesh is mesh),
     }
 
 
@@ -621,6 +801,44 @@ def _shapes(meshes: dict) -> dict:
         for n, w in (("t2", tables["t2"].weight), ("t3", tables["t3"].weight))
     )
     _loss(two(kjt), target).backward()
+
+    # per-collection meshes: "other" alone to the 4 x 1 mesh, then every collection onto
+    # one 2 x 2 mesh; a step after each bitwise that of a model distributed there
+    out["per_collection"] = []
+    for plan, moves in (
+        ({"other.t2": TableWise(rank=3)}, {"meshes": {"other": meshes[4]}}),
+        ({"other.t2": ColumnWise(), "sparse.t0": TableWise(rank=1)}, {"mesh": meshes[2]}),
+    ):
+        before = _full_state(two)
+        groups = two.fused_optimizer.saved_param_groups()
+        dtrec.reshard(two, plan, **moves)
+        moved = _max_rel(_full_state(two), before) == 0.0
+        torch.manual_seed(0)
+        direct = Two()
+        with torch.no_grad():
+            for key, value in before.items():
+                if _is_table(key):
+                    direct.get_parameter(key).copy_(value)
+        own = None if two.other.mesh is two.sparse.mesh else {"other": two.other.mesh}
+        direct = dtrec.distribute_module(
+            direct, two.sparse.mesh, dict(two.sharding_plan), _rule("adam"), meshes=own
+        )
+        state: dict = {}
+        for key, value in before.items():
+            if not _is_table(key):
+                table, entry = key.rsplit(".", 1)
+                state.setdefault(table, {})[entry] = value
+        direct.fused_optimizer.load_state_dict({"state": state, "param_groups": groups})
+        for model in (two, direct):
+            _loss(model(kjt), target).backward()
+        after, expected = _full_state(two), _full_state(direct)
+        out["per_collection"].append(
+            {
+                "moved_exact": moved,
+                "bitwise": all(torch.equal(after[k], expected[k]) for k in expected),
+                "meshes": [two.sparse.mesh.mesh.tolist(), two.other.mesh.mesh.tolist()],
+            }
+        )
     return out
 
 
@@ -729,13 +947,13 @@ def _run_all(rank: int, world_size: int) -> dict:
         "2n2": dtrec.init_mesh("cpu", 2, node_size=2, replicas_within_node=False),
     }
     out = {
-        f"{name}-{rule}": _one_case(meshes, shard, a, b, rule)
-        for name, (shard, a, b) in CASES.items()
+        f"{name}-{rule}": _one_case(meshes, src, a, b, rule, dst, sequence)
+        for name, (src, dst, a, b, sequence) in ALL_CASES.items()
         for rule in RULES
     }
-    for name, (shard, a, b) in CASES.items():
+    for name, (src, dst, a, b, sequence) in ALL_CASES.items():
         for rule in TORCH_CASES[name]:
-            out[f"{name}-torch-{rule}"] = _one_torch_case(meshes, shard, a, b, rule)
+            out[f"{name}-torch-{rule}"] = _one_torch_case(meshes, src, a, b, rule, dst, sequence)
     out["errors"] = _errors(meshes)
     out["shapes"] = _shapes(meshes)
     out["counted"] = _counted(meshes)
@@ -749,33 +967,37 @@ def results():
 
 
 @pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(ALL_CASES))
 def test_continuation_is_exact(results, case, rule):
-    shard, a, b = CASES[case]
+    """Same mesh, another mesh (with a dense part that follows), a sequence collection:
+    bitwise the model distributed to plan B directly, within 1e-5 of the unsharded one."""
+    src, dst, a, b, _ = ALL_CASES[case]
     for rank, per_rank in enumerate(results):
         got = per_rank[f"{case}-{rule}"]
-        where = f"rank {rank}, {a} -> {b}"
+        where = f"rank {rank}, {a} on {src} -> {b} on {dst}"
         assert got["moved_exact"] == 0.0, where
-        assert got["vs_direct"] <= 1e-6, (where, got)
+        assert got["bitwise"] and got["vs_direct"] == 0.0, (where, got)
         assert got["vs_unsharded"] <= 1e-5, (where, got)
-        assert got["same_objects"] and got["plan"], where
+        assert got["same_objects"] and got["plan"] and got["on_mesh"], where
         assert got["lr"] == pytest.approx(LR[rule] * 0.5**4), where
 
 
 @pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(ALL_CASES))
 def test_only_moved_rows_travel(results, case, rule):
     got = results[0][f"{case}-{rule}"]
-    assert got["bytes"] == got["expected_bytes"], CASES[case]
+    assert got["bytes"] == got["expected_bytes"], ALL_CASES[case]
 
 
 def test_small_chunks_take_rounds(results):
-    """On the 2 x 2 mesh every round carries at most 48 bytes per peer: a move of a few
-    hundred bytes takes several all-to-alls (and ends exact, checked above)."""
-    for case, (shard, _, _) in CASES.items():
+    """To the 2 x 2 mesh every round carries at most 24 bytes per pair of ranks (96 over
+    4 ranks), so at most 4 x 3 x 24 over the world: a move of a few hundred bytes takes
+    several all-to-alls (and ends exact, checked above)."""
+    for case, (_, dst, _, _, _) in ALL_CASES.items():
         got = results[0][f"{case}-adam"]
-        if shard == 2 and got["bytes"]:
-            assert got["rounds"] >= got["bytes"] / (WORLD * 48), (case, got)  # world bytes
+        if dst == 2 and got["bytes"]:
+            most = WORLD * (WORLD - 1) * 24  # world bytes per round
+            assert got["rounds"] >= got["bytes"] / most, (case, got)
 
 
 @pytest.mark.parametrize(
@@ -785,11 +1007,11 @@ def test_torch_optimizer_continues_exactly(results, case, rule):
     """The user's torch optimizer object goes on after the reshard: its params and state
     keys are the new tables, its state moved; then bitwise what a model distributed to the
     new plan with that state does, and within 1e-5 of the unsharded model."""
-    shard, a, b = CASES[case]
+    src, dst, a, b, _ = ALL_CASES[case]
     for rank, per_rank in enumerate(results):
         got = per_rank[f"{case}-torch-{rule}"]
-        where = f"rank {rank}, {a} -> {b}, {rule}"
-        assert got["repointed"], where
+        where = f"rank {rank}, {a} on {src} -> {b} on {dst}, {rule}"
+        assert got["repointed"] and got["on_mesh"], where
         assert got["moved_exact"] == 0.0, where
         assert got["bitwise"] and got["vs_direct"] == 0.0, (where, got)
         assert got["vs_unsharded"] <= 1e-5, (where, got)
@@ -860,3 +1082,8 @@ def test_model_shapes(results):
         assert got["root_exact"] and got["root_eval"], (rank, got)
         assert got["root_plan"] == "RW CW", (rank, got)
         assert got["two_groups"] and got["two_state"], (rank, got)
+        first, second = got["per_collection"]
+        assert first["moved_exact"] and first["bitwise"], (rank, first)
+        assert first["meshes"] == [[[0, 1], [2, 3]], [[0], [1], [2], [3]]], first
+        assert second["moved_exact"] and second["bitwise"], (rank, second)
+        assert second["meshes"] == [[[0, 1], [2, 3]], [[0, 1], [2, 3]]], second

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from dtrec.interop.plans import from_torchrec, is_torchrec_plan, is_torchrec_plan_dict
 from dtrec.placements import TableLayout, TableSpec
@@ -25,10 +26,13 @@ from dtrec.sharded.reshard.torch_state import table_entries, torch_optimizer_ref
 
 
 def as_specs(
-    model: nn.Module, collections: Mapping[str, ShardedCollection], plan: object
+    model: nn.Module,
+    collections: Mapping[str, ShardedCollection],
+    plan: object,
+    targets: Mapping[str, DeviceMesh],
 ) -> object:
     """``plan`` as ``{table fqn: spec}``: a TorchRec ``ShardingPlan`` (or its ``.plan``
-    dict) mapped onto each collection's mesh as ``distribute_module`` maps it
+    dict) mapped onto each collection's target mesh as ``distribute_module`` maps it
     (``dtrec.interop.plans``: ValueError naming a table whose layout dtrec cannot
     reproduce); anything else as it is."""
     if not (is_torchrec_plan(plan) or is_torchrec_plan_dict(plan)):
@@ -36,8 +40,8 @@ def as_specs(
     raw = plan.plan if is_torchrec_plan(plan) else plan  # type: ignore[attr-defined]
     tables = model_tables(model)
     by_mesh: dict[int, tuple[object, list[str]]] = {}
-    for fqn, collection in collections.items():
-        by_mesh.setdefault(id(collection.mesh), (collection.mesh, []))[1].append(fqn)
+    for fqn in collections:
+        by_mesh.setdefault(id(targets[fqn]), (targets[fqn], []))[1].append(fqn)
     specs: dict[str, object] = {}
     for mesh, fqns in by_mesh.values():
 
@@ -53,11 +57,15 @@ def as_specs(
 
 
 def plan_changes(
-    collections: Mapping[str, ShardedCollection], plan: object
+    collections: Mapping[str, ShardedCollection],
+    plan: object,
+    targets: Mapping[str, DeviceMesh],
 ) -> dict[str, dict[str, TableSpec]]:
-    """Collection FQN -> every table's new spec, for the collections with a changed spec.
-    KeyError / TypeError / ValueError for a plan naming unknown tables, a value that is
-    not a spec, or a spec that does not fit its collection's mesh (no collective)."""
+    """Collection FQN -> every table's new spec, for the collections with a changed spec
+    or a new mesh (``targets``: each collection's mesh after the move). KeyError /
+    TypeError / ValueError for a plan naming unknown tables, a value that is not a spec,
+    or a spec (given, or kept on a new mesh) that does not fit its collection's target
+    mesh (no collective)."""
     if not isinstance(plan, Mapping):
         raise TypeError(
             f"plan must be a mapping {{'<collection fqn>.<table>': spec}}, got "
@@ -87,12 +95,25 @@ def plan_changes(
                 "give it resolved (e.g. TableWise(rank=1))"
             )
         try:
-            spec.layout(cfg, shard_axis(collections[fqn].mesh))
+            spec.layout(cfg, shard_axis(targets[fqn]))
         except ValueError as exc:
             raise ValueError(f"reshard: plan entry {key!r}: {exc}") from exc
         current = collections[fqn].specs()
         if spec != current[cfg.name]:
             changes.setdefault(fqn, dict(current))[cfg.name] = spec
+    for fqn, collection in collections.items():
+        if targets[fqn] is collection.mesh:
+            continue
+        specs = changes.setdefault(fqn, collection.specs())
+        axis = shard_axis(targets[fqn])
+        for cfg in collection._tables:
+            try:
+                specs[cfg.name].layout(cfg, axis)
+            except ValueError as exc:
+                raise ValueError(
+                    f"reshard: table {table_fqn(fqn, cfg.name)!r} keeps {specs[cfg.name]!r}, "
+                    f"which does not fit its new mesh ({exc}); give it a spec in the plan"
+                ) from exc
     return changes
 
 
@@ -100,8 +121,10 @@ def refusal_of(
     collections: Mapping[str, ShardedCollection],
     changes: Mapping[str, Mapping[str, TableSpec]],
     optimizers: Sequence[torch.optim.Optimizer] | None,
+    targets: Mapping[str, DeviceMesh],
 ) -> ValueError | None:
-    """Why this rank cannot move the changed collections yet (None: it can)."""
+    """Why this rank cannot move the changed collections (to their ``targets`` meshes)
+    yet (None: it can)."""
     for fqn, specs in changes.items():
         collection = collections[fqn]
         first = table_fqn(fqn, collection._tables[0].name)
@@ -131,10 +154,10 @@ def refusal_of(
                 f"reshard: collection {fqn!r} holds gradients not applied yet (inside "
                 "dtrec.accumulate_gradients, or a backward in progress); reshard between steps"
             )
-        axis = shard_axis(collection.mesh)
-        old = collection.specs()
+        old, now = shard_axis(collection.mesh), shard_axis(targets[fqn])
+        current = collection.specs()
         for cfg in collection._tables:
-            for spec in (old[cfg.name], specs[cfg.name]):
+            for spec, axis in ((current[cfg.name], old), (specs[cfg.name], now)):
                 why = _unsupported(spec.layout(cfg, axis))
                 if why is not None:
                     return ValueError(
@@ -162,6 +185,8 @@ def torch_entries(
 def _unsupported(layout: TableLayout) -> str | None:
     if layout.offloaded:
         return "offloaded"
+    if layout.replica_sliced:
+        return "fully sharded 2D (fully_sharded=True)"
     return None
 
 
@@ -170,6 +195,7 @@ def agree(
     changes: Mapping[str, Mapping[str, TableSpec]],
     refusal: Exception | None,
     entries: Mapping[str, Mapping[int, list[str]]],
+    targets: Mapping[str, DeviceMesh] | None = None,
 ) -> None:
     """Raise on every rank unless every rank has the same changes and none refuses (one
     small all-gather, before anything is built): a refusing rank raises its own error,
@@ -181,6 +207,9 @@ def agree(
         (
             sorted((fqn, sorted(s.items())) for fqn, s in changes.items()),
             sorted((fqn, sorted(e.items())) for fqn, e in entries.items()),
+            sorted(
+                (fqn, m.mesh.tolist(), repr(shard_axis(m))) for fqn, m in (targets or {}).items()
+            ),
         )
     )
     digest = hashlib.sha256(described.encode()).hexdigest()

@@ -1,10 +1,12 @@
-"""Carry out a collection's moves: local copies, then all-to-all rounds over the shard axis.
+"""Carry out a collection's moves: local copies, then all-to-all rounds over the world.
 
-Every replica group holds the same blocks, so each one moves its own copy over its own
-"shard" group (a rank's position on the "shard" axis is its rank in that group): no
-traffic crosses replica groups. Tensors travel as bytes (weights and state may differ
-in dtype), in the rounds ``moves.rounds`` cut, so the extra memory per rank is one
-round's send and receive buffers (about ``chunk_bytes`` each) on top of the new blocks.
+Pieces name ranks of the exchange's group (the model's world), so the old and new blocks
+may sit on different meshes. On one mesh every replica group holds the same blocks and
+each one moves its own copy (``moves.entry_moves`` picks senders of the destination's
+replica index): no traffic crosses replica groups. Tensors travel as bytes (weights and
+state may differ in dtype), in the rounds ``moves.rounds`` cut, so the extra memory per
+rank is one round's send and receive buffers (about ``chunk_bytes`` each) on top of the
+new blocks.
 """
 
 from __future__ import annotations
@@ -46,31 +48,27 @@ def move(
     pieces: list[Piece],
     old: Locals,
     new: Locals,
-    position: int,
-    group: ProcessGroup,
+    rank: int,
+    group: ProcessGroup | None,
     size: int,
     device: torch.device,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> int:
-    """Copy the pieces this rank receives into ``new``: its own locally, the others from
-    their ``src`` over ``group`` (of ``size`` members; buffers on ``device``, where the
-    group's collectives run).
+    """Copy the pieces this rank (``rank`` in ``group``) receives into ``new``: its own
+    locally, the others from their ``src`` over ``group`` (of ``size`` members, None: the
+    default group; buffers on ``device``, where the group's collectives run).
 
     Collective over ``group`` (every member passes the same ``pieces``). Returns the bytes
     this rank sent.
     """
     with torch.no_grad():
         for piece in pieces:
-            if piece.src == piece.dst == position:
+            if piece.src == piece.dst == rank:
                 _view(new, piece).copy_(_view(old, piece))
     sent = 0
     for round_pieces in rounds(pieces, size, chunk_bytes):
-        outgoing = [
-            [p for p in round_pieces if p.src == position and p.dst == d] for d in range(size)
-        ]
-        incoming = [
-            [p for p in round_pieces if p.dst == position and p.src == s] for s in range(size)
-        ]
+        outgoing = [[p for p in round_pieces if p.src == rank and p.dst == d] for d in range(size)]
+        incoming = [[p for p in round_pieces if p.dst == rank and p.src == s] for s in range(size)]
         in_splits = [sum(p.nbytes for p in ps) for ps in outgoing]
         out_splits = [sum(p.nbytes for p in ps) for ps in incoming]
         parts = [_as_bytes(_view(old, p)) for ps in outgoing for p in ps]

@@ -16,13 +16,15 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from dtrec._torch_compat import local_block
 from dtrec.comm.collectives import all_reduce
 from dtrec.placements import TableSpec
 from dtrec.placements.layout import Block
-from dtrec.placements.mesh import SHARD, mesh_device, shard_axis, shard_position, world_group
+from dtrec.placements.mesh import mesh_device, shard_position, world_group
 from dtrec.planning.plan import ShardingPlan, table_fqn
 from dtrec.sharded.collection import ShardedCollection
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
@@ -34,6 +36,7 @@ from dtrec.sharded.reshard.checks import (
     torch_entries,
 )
 from dtrec.sharded.reshard.exchange import CHUNK_BYTES, Locals, move
+from dtrec.sharded.reshard.meshes import dense_refusal, move_dense, target_meshes
 from dtrec.sharded.reshard.moves import Piece, entry_moves
 from dtrec.sharded.reshard.torch_state import (
     TorchStates,
@@ -67,6 +70,8 @@ def reshard(
     plan: Mapping[str, TableSpec],
     chunk_bytes: int = CHUNK_BYTES,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    mesh: DeviceMesh | None = None,
+    meshes: Mapping[str, DeviceMesh] | None = None,
 ) -> nn.Module:
     """Move the tables of a ``distribute_module`` model to the specs of ``plan``, in place.
 
@@ -75,8 +80,8 @@ def reshard(
     ``.plan`` dict) is taken too, mapped onto the mesh as ``distribute_module`` maps it.
     Weights and fused optimizer state (SGD, RowWiseAdagrad's sums, Adam's moments and
     step) move to their new owners:
-    only rows (of a column block: row parts) whose owner changes are sent, with
-    all-to-alls over the "shard" axis in rounds of at most ``chunk_bytes`` per rank,
+    only cells a rank did not hold are sent to it, with all-to-alls over the world (on
+    one mesh: within each replica group) in rounds of at most ``chunk_bytes`` per rank,
     counted by ``dtrec.comm_stats`` as ``"reshard.rows"`` (Adam's per-table step: one
     small all-reduce, ``"reshard.scalars"``). Peak extra memory per rank: the new blocks
     and state of the collections that change, plus two round buffers. Training then
@@ -92,14 +97,23 @@ def reshard(
     scalars (``step``) are kept. Gradients are not carried (call it between steps).
     Without ``optimizers`` such a table is refused (``optimizers=[]``: none holds them).
 
+    ``mesh``: a new mesh from ``dtrec.init_mesh`` over the same world (another shard group
+    size, 1-D <-> 2-D, another rank layout) for the dense part and every collection
+    ``meshes`` does not name; ``meshes``: collection FQN -> its own new mesh (as
+    ``distribute_module``'s). Every replica of a block on the new mesh receives its
+    copy; tables the plan omits keep their spec (a ValueError if it does not fit the new
+    mesh). The dense parameters stay the same objects on the new mesh (nothing sent:
+    each rank holds them whole); pass the optimizer(s) holding them as ``optimizers``
+    so their state follows (ValueError without).
+
     Supported: data-parallel, table-wise, row-wise, column-wise, table-row-wise and grid
-    tables of ``EmbeddingBagCollection``s (the last two on a mesh built with
+    tables of ``EmbeddingBagCollection``s (the last two types on a mesh built with
     ``node_size``), any of them to any other, on 1-D and 2-D meshes. Refused with a
-    ValueError naming the table, before anything moves: offloaded tables, sequence
-    collections, ``same_batch`` collections, a
-    prefetched batch not consumed yet, a gradient accumulation in progress; and any spec
-    that does not fit the mesh (``TableWise(rank=None)``: give the rank). Collective:
-    every rank calls it with the same plan (checked: ranks that disagree all raise).
+    ValueError naming the table, before anything moves: sequence collections, offloaded
+    and fully sharded 2D tables, ``same_batch`` collections, a prefetched batch not consumed
+    yet, a gradient accumulation in progress; and any spec that does not fit the mesh
+    (``TableWise(rank=None)``: give the rank). Collective: every rank calls it with the
+    same plan and meshes (checked: ranks that disagree all raise).
 
     Example::
 
@@ -114,27 +128,38 @@ def reshard(
         ...  # train
         dtrec.reshard(plain, {"sparse.t0": RowWise()}, optimizers=[opt])
         ...  # opt.step() goes on with the moved exp_avg / exp_avg_sq
+
+        # S = 4 (4 x 1) -> S = 2 (2 x 2); the dense optimizer's state follows
+        dtrec.reshard(model, {"sparse.t0": TableWise(rank=1)},
+                      mesh=dtrec.init_mesh("cpu", 2), optimizers=[dense_opt])
     """
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"reshard: chunk_bytes must be a positive int, got {chunk_bytes!r}")
     collections = _collections(model)
     held: list[torch.optim.Optimizer] | None = None
+    targets: dict[str, DeviceMesh] = {}
     try:  # a rank that refuses still joins the agreement, so no peer waits on it
         held = check_optimizers(optimizers)
-        changes = plan_changes(collections, as_specs(model, collections, plan))
-        refusal = refusal_of(collections, changes, held)
+        targets = target_meshes(model, collections, mesh, meshes)
+        changes = plan_changes(collections, as_specs(model, collections, plan, targets), targets)
+        refusal = refusal_of(collections, changes, held, targets)
+        if refusal is None:
+            refusal = dense_refusal(model, collections, mesh, held)
         entries = {} if refusal is not None else torch_entries(collections, changes, held)
     except (KeyError, TypeError, ValueError) as exc:
         changes, refusal, entries = {}, exc, {}
-    agree(collections, changes, refusal, entries)
+    agree(collections, changes, refusal, entries, targets)
     built = []
     for fqn, specs in changes.items():
-        rebuilt = _rebuilt(collections[fqn], specs, chunk_bytes, held, entries.get(fqn, {}))
+        rebuilt = _rebuilt(
+            collections[fqn], specs, targets[fqn], chunk_bytes, held, entries.get(fqn, {})
+        )
         built.append((fqn, *rebuilt))
     for fqn, new, states in built:  # nothing below communicates or can fail on one rank alone
         _swap(model, fqn, collections[fqn], new)
         if states is not None:
             states.repoint()
+    move_dense(model, collections, mesh, held)
     state = model._dtrec_state
     moved = {table_fqn(fqn, n): s for fqn, specs in changes.items() for n, s in specs.items()}
     new_plan = ShardingPlan(
@@ -155,14 +180,14 @@ def _collections(model: nn.Module) -> dict[str, ShardedCollection]:
 def _rebuilt(
     old: ShardedCollection,
     specs: Mapping[str, TableSpec],
+    mesh: DeviceMesh,
     chunk_bytes: int,
     optimizers: Sequence[torch.optim.Optimizer] | None,
     torch_entries: Mapping[int, list[str]],
 ) -> tuple[ShardedCollection, TorchStates | None]:
-    """A collection like ``old`` on ``specs``, holding ``old``'s weights and fused state,
-    and (without a fused optimizer) the torch optimizers' state of its new tables, to
-    swap in. Collective (new sub-meshes, the moves); ``old`` is only read."""
-    assert isinstance(old, ShardedEmbeddingBagCollection)
+    """A collection like ``old`` on ``specs`` over ``mesh``, holding ``old``'s weights and
+    fused state, and (without a fused optimizer) the torch optimizers' state of its new
+    tables, to swap in. Collective (new sub-meshes, the moves); ``old`` is only read."""
     old._settle()
     meta = {
         cfg.name: torch.empty(
@@ -170,13 +195,19 @@ def _rebuilt(
         )
         for cfg in old._tables
     }
+    assert isinstance(old, ShardedEmbeddingBagCollection)
     new = ShardedEmbeddingBagCollection(
-        old._tables, meta, old.mesh, dict(specs), old.optimizer, old.bounds_check,
+        old._tables, meta, mesh, dict(specs), old.optimizer, old.bounds_check,
         old.sync_every, None, old.is_weighted, old.qcomms,
     )  # fmt: skip
     new._steps, new._averaged_at = old._steps, old._averaged_at
-    position = shard_position(old.mesh)
-    assert position is not None
+    old_position, new_position = shard_position(old.mesh), shard_position(mesh)
+    assert old_position is not None and new_position is not None
+    group = world_group(old.mesh)
+    members = dist.get_process_group_ranks(group) if group is not None else None
+    index = {g: i for i, g in enumerate(members or range(dist.get_world_size()))}
+    old_ranks = [[index[g] for g in row] for row in old.mesh.mesh.tolist()]
+    new_ranks = [[index[g] for g in row] for row in mesh.mesh.tolist()]
     old_weights, new_weights = weights_of(old._stored()), weights_of(new._stored())
     fused = {} if old.optimizer is None else old.optimizer.state_layout()
     states = None
@@ -218,13 +249,13 @@ def _rebuilt(
         for entry, kind in kinds[t].items():
             pieces += entry_moves(
                 t, cfg.name, entry, kind, old._layouts[t], new._layouts[t],
-                element_size(t, entry),
+                element_size(t, entry), old_ranks, new_ranks,
             )  # fmt: skip
-    axis = shard_axis(old.mesh)
     move(
-        pieces, _locals(old, kinds, position, old_tensor),
-        _locals(new, kinds, position, new_tensor), position,
-        old.mesh.get_group(SHARD), axis.size, mesh_device(old.mesh), chunk_bytes,
+        pieces, _locals(old, kinds, old_position, old_tensor),
+        _locals(new, kinds, new_position, new_tensor), index[dist.get_rank()],
+        group if group is not None else dist.group.WORLD, len(index),
+        mesh_device(old.mesh), chunk_bytes,
     )  # fmt: skip
     _agree_scalars(old, new, [k for k, kind in fused.items() if kind == "scalar"])
     for before, after in zip(old_weights, new_weights, strict=True):  # a frozen table stays so

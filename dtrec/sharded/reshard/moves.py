@@ -6,13 +6,19 @@ weight and its fused optimizer state: "weight" state (Adam's moments) has the we
 blocks, "row" state (row-wise Adagrad's sum) only their row ranges, so column shards of
 one row range all hold the same rows of it (copies, like a data-parallel table's blocks).
 
-A cell of the new layout is copied locally when its new holder already holds it, else
-sent by one of its old holders (copies are spread over them by destination): so only
-cells whose owner changes travel, each once per replica group.
+Positions become ranks through each mesh's rows (``old_ranks`` / ``new_ranks``: the
+ranks holding each shard position, replicas in order), so the old and new layouts may
+sit on different meshes of the same world (another shard group size, 1-D <-> 2-D): a
+cell of the new layout is copied locally when its new holder rank already holds it,
+else sent by one of its old holder ranks (preferably one of the destination's replica
+index, so that on one mesh nothing crosses replica groups; copies are spread over them
+by destination). So only cells whose holder ranks grow travel, each once to each new
+holder rank (every replica of a new block receives its copy).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dtrec.placements.layout import TableLayout
@@ -23,7 +29,8 @@ Rect = tuple[tuple[int, int], tuple[int, int]]
 
 @dataclass(frozen=True)
 class Piece:
-    """A rectangle of one table entry going from shard position ``src`` to ``dst``."""
+    """A rectangle of one table entry going from rank ``src`` to rank ``dst`` (ranks of the
+    exchange's group; the shard positions themselves when no ranks are given)."""
 
     table: int
     """Index of the table in its collection."""
@@ -85,12 +92,20 @@ def entry_moves(
     old: TableLayout,
     new: TableLayout,
     element_size: int,
+    old_ranks: Sequence[Sequence[int]] | None = None,
+    new_ranks: Sequence[Sequence[int]] | None = None,
 ) -> list[Piece]:
     """Every piece of one entry of a table, local copies (``src == dst``) included.
 
-    Old blocks are either disjoint or identical copies (replicated: data parallel, a row
+    ``old_ranks[p]`` / ``new_ranks[p]``: the ranks holding shard position ``p`` of the old
+    / new mesh, one per replica (None: position ``p`` is rank ``p``, one replica). Old
+    blocks are either disjoint or identical copies (replicated: data parallel, a row
     state over column shards); ValueError for a layout with partly overlapping blocks.
     """
+
+    def ranks_of(table: Sequence[Sequence[int]] | None, position: int) -> Sequence[int]:
+        return (position,) if table is None else table[position]
+
     holders: dict[Rect, list[int]] = {}
     for position, rect in entry_rects(old, kind):
         holders.setdefault(rect, []).append(position)
@@ -109,9 +124,18 @@ def entry_moves(
             part = _intersect(rect, target)
             if part is None:
                 continue
-            src = position if position in where else where[position % len(where)]
             width = part[1][1] - part[1][0]
-            pieces.append(Piece(table, entry, src, position, *part, width * element_size))
+            for replica, dst in enumerate(ranks_of(new_ranks, position)):
+                held = [ranks_of(old_ranks, q) for q in where]
+                same = [rs[replica] for rs in held if replica < len(rs)]
+                if any(dst in rs for rs in held):
+                    src = dst
+                elif same:  # the destination's replica index: within its replica group
+                    src = same[position % len(same)]
+                else:  # another mesh shape: spread over every holder
+                    flat = sorted(r for rs in held for r in rs)
+                    src = flat[dst % len(flat)]
+                pieces.append(Piece(table, entry, src, dst, *part, width * element_size))
             covered += _area(part)
         if covered != _area(target):
             raise ValueError(
