@@ -109,7 +109,12 @@ def _mesh_cases() -> dict[str, tuple[object, object, list[str], list[str]]]:
 
 
 MESH_CASES = _mesh_cases()
-SEQUENCE_CASES: dict[str, tuple[object, object, list[str], list[str]]] = {}
+SEQUENCE_CASES = {  # name -> (mesh before, mesh after, plan A, plan B) of an EmbeddingCollection
+    "q4_shift1": (4, 4, _types(4), _types(4)[1:] + _types(4)[:1]),
+    "q2_shift2": (2, 2, _types(2), _types(2)[2:] + _types(2)[:2]),
+    "q4to2": (4, 2, _types(4), ["RW", "CW", "DP", "TW(1)"]),
+    "q2to4": (2, 4, _types(2), ["CW(0,2)", "DP", "TW(3)", "RW"]),
+}
 RULES = ("sgd", "rowwise_adagrad", "adam")
 CHUNK_BYTES = {2: 96}  # to the 2 x 2 mesh: rounds of at most 24 bytes per peer (4 ranks)
 DENSE_LR = 0.05

@@ -21,7 +21,6 @@ from dtrec.placements import TableLayout, TableSpec
 from dtrec.placements.mesh import shard_axis, world_group
 from dtrec.planning.plan import model_tables, table_fqn
 from dtrec.sharded.collection import ShardedCollection
-from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.reshard.torch_state import table_entries, torch_optimizer_refusal, weights_of
 
 
@@ -128,11 +127,6 @@ def refusal_of(
     for fqn, specs in changes.items():
         collection = collections[fqn]
         first = table_fqn(fqn, collection._tables[0].name)
-        if not isinstance(collection, ShardedEmbeddingBagCollection):
-            return ValueError(
-                f"reshard: table {first!r} is in a sequence collection "
-                f"({type(collection).__name__}), which reshard does not move yet"
-            )
         if collection._updater is None:
             refusal = torch_optimizer_refusal(fqn, collection._tables[0].name, optimizers)
             if refusal is not None:

@@ -45,6 +45,7 @@ from dtrec.sharded.reshard.torch_state import (
     state_of,
     weights_of,
 )
+from dtrec.sharded.sequence import ShardedEmbeddingCollection
 
 SCALARS_KIND = "reshard.scalars"
 """The ``dtrec.comm_stats`` kind of the per-table scalar state (Adam's step) agreed on."""
@@ -107,10 +108,10 @@ def reshard(
     so their state follows (ValueError without).
 
     Supported: data-parallel, table-wise, row-wise, column-wise, table-row-wise and grid
-    tables of ``EmbeddingBagCollection``s (the last two types on a mesh built with
-    ``node_size``), any of them to any other, on 1-D and 2-D meshes. Refused with a
-    ValueError naming the table, before anything moves: sequence collections, offloaded
-    and fully sharded 2D tables, ``same_batch`` collections, a prefetched batch not consumed
+    tables of ``EmbeddingBagCollection``s and ``EmbeddingCollection``s (the last two types
+    on a mesh built with ``node_size``), any of them to any other, on 1-D and 2-D meshes.
+    Refused with a ValueError naming the table, before anything moves: offloaded and
+    fully sharded 2D tables, ``same_batch`` collections, a prefetched batch not consumed
     yet, a gradient accumulation in progress; and any spec that does not fit the mesh
     (``TableWise(rank=None)``: give the rank). Collective: every rank calls it with the
     same plan and meshes (checked: ranks that disagree all raise).
@@ -195,11 +196,17 @@ def _rebuilt(
         )
         for cfg in old._tables
     }
-    assert isinstance(old, ShardedEmbeddingBagCollection)
-    new = ShardedEmbeddingBagCollection(
-        old._tables, meta, mesh, dict(specs), old.optimizer, old.bounds_check,
-        old.sync_every, None, old.is_weighted, old.qcomms,
-    )  # fmt: skip
+    if isinstance(old, ShardedEmbeddingCollection):
+        new: ShardedCollection = ShardedEmbeddingCollection(
+            old._tables, meta, mesh, dict(specs), old.optimizer, old.bounds_check,
+            old.sync_every, None, old.need_indices, old.qcomms,
+        )  # fmt: skip
+    else:
+        assert isinstance(old, ShardedEmbeddingBagCollection)
+        new = ShardedEmbeddingBagCollection(
+            old._tables, meta, mesh, dict(specs), old.optimizer, old.bounds_check,
+            old.sync_every, None, old.is_weighted, old.qcomms,
+        )  # fmt: skip
     new._steps, new._averaged_at = old._steps, old._averaged_at
     old_position, new_position = shard_position(old.mesh), shard_position(mesh)
     assert old_position is not None and new_position is not None
