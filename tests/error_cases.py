@@ -739,6 +739,15 @@ LOCAL: dict[str, Case] = {
     # TorchRec modules, configs, plans and constraints
     "E151": on_mesh(2, 2, lambda m: distributed(m, model=with_managed_collision_tower())),
     "E351": lambda tmp: torchrec_mch_with_offset(),
+    "E355": on_mesh(
+        4,
+        2,
+        lambda m: dtrec.reshard(
+            distributed(m, {"sparse.t0": RowWise(), "sparse.t1": RowWise()}, SGD(0.1)),
+            {"sparse.t0": TableWise(rank=0), "sparse.t1": TableWise(rank=0)},
+            topology=dtrec.Topology.cpu(memory_per_rank=100.0),
+        ),
+    ),
     "E356": on_mesh(
         4,
         2,

@@ -709,6 +709,11 @@ def _errors(meshes: dict) -> dict:
         "offloaded": _refused(model, {"sparse.t0": RowWise(cache_rows=4)}, before),
         "not_a_spec": _refused(model, {"sparse.t0": "RW"}, before),
         "disagree": _refused(model, {"sparse.t0": TableWise(rank=rank % 2)}, before),
+        # every table data parallel: 3,132 bytes of weights and Adam moments on every
+        # rank, over a budget of 1,800 (2,000 minus the 10% headroom)
+        "memory": _refused(
+            model, _plan(["DP"] * 4), before, topology=dtrec.Topology.cpu(memory_per_rank=2e3)
+        ),
     }
     kjt, target = _batches(1)[rank]
     out["prefetched"] = _refused(
@@ -737,7 +742,9 @@ def _errors(meshes: dict) -> dict:
     # still trains, and a reshard after the failures works
     kjt, target = _batches(2)[rank]
     _loss(model(kjt), target).backward()
-    dtrec.reshard(model, {"sparse.t0": RowWise()})
+    dtrec.reshard(  # a target that fits the same budget
+        model, {"sparse.t0": RowWise()}, topology=dtrec.Topology.cpu(memory_per_rank=2e3)
+    )
     out["after"] = str(model.sharding_plan["sparse.t0"])
 
     plain = dtrec.distribute_module(_model(), meshes[4], _plan(a))
@@ -1036,6 +1043,7 @@ ERRORS = {  # case -> words its error names
     "offloaded": ["ValueError", "sparse.t0", "offloaded"],
     "not_a_spec": ["TypeError", "sparse.t0"],
     "disagree": ["ValueError", "another plan"],
+    "memory": ["ValueError", "3.06 KiB", "on rank 0", "'sparse.t0'", "budget of 1.76 KiB"],
     "prefetched": ["ValueError", "prefetched batch"],
     "mid_move": ["CollectiveError", "simulated"],
     "no_fused": ["ValueError", "sparse.t0", "torch optimizer", "optimizers=[opt]"],

@@ -26,6 +26,7 @@ from dtrec.placements import TableSpec
 from dtrec.placements.layout import Block
 from dtrec.placements.mesh import mesh_device, shard_position, world_group
 from dtrec.planning.plan import ShardingPlan, table_fqn
+from dtrec.planning.topology import Topology
 from dtrec.sharded.collection import ShardedCollection
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.reshard.checks import (
@@ -36,7 +37,8 @@ from dtrec.sharded.reshard.checks import (
     torch_entries,
 )
 from dtrec.sharded.reshard.exchange import CHUNK_BYTES, Locals, move
-from dtrec.sharded.reshard.meshes import dense_refusal, move_dense, target_meshes
+from dtrec.sharded.reshard.memory import check_topology, default_topology, memory_refusal
+from dtrec.sharded.reshard.meshes import dense_refusal, model_mesh, move_dense, target_meshes
 from dtrec.sharded.reshard.moves import Piece, entry_moves
 from dtrec.sharded.reshard.torch_state import (
     TorchStates,
@@ -73,6 +75,7 @@ def reshard(
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     mesh: DeviceMesh | None = None,
     meshes: Mapping[str, DeviceMesh] | None = None,
+    topology: Topology | None = None,
 ) -> nn.Module:
     """Move the tables of a ``distribute_module`` model to the specs of ``plan``, in place.
 
@@ -106,6 +109,11 @@ def reshard(
     mesh). The dense parameters stay the same objects on the new mesh (nothing sent:
     each rank holds them whole); pass the optimizer(s) holding them as ``optimizers``
     so their state follows (ValueError without).
+
+    ``topology``: the memory budget the target must fit (``Topology.memory_budget`` per
+    rank, for the tables and optimizer state each rank holds after the move; default
+    what ``dtrec.plan`` assumes): a target that does not fit is a ValueError on every
+    rank before anything moves.
 
     Supported: data-parallel, table-wise, row-wise, column-wise, table-row-wise and grid
     tables of ``EmbeddingBagCollection``s and ``EmbeddingCollection``s (the last two types
@@ -141,11 +149,15 @@ def reshard(
     targets: dict[str, DeviceMesh] = {}
     try:  # a rank that refuses still joins the agreement, so no peer waits on it
         held = check_optimizers(optimizers)
+        budget = check_topology(topology)
         targets = target_meshes(model, collections, mesh, meshes)
         changes = plan_changes(collections, as_specs(model, collections, plan, targets), targets)
         refusal = refusal_of(collections, changes, held, targets)
         if refusal is None:
             refusal = dense_refusal(model, collections, mesh, held)
+        if refusal is None and changes:
+            budget = budget or default_topology(model_mesh(model, collections))
+            refusal = memory_refusal(collections, changes, targets, held, budget)
         entries = {} if refusal is not None else torch_entries(collections, changes, held)
     except (KeyError, TypeError, ValueError) as exc:
         changes, refusal, entries = {}, exc, {}
