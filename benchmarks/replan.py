@@ -19,8 +19,14 @@ table on shard position 0 (``tw:0``). Per rank, in one world:
 5. ``--steps`` timed steps of the round trip's model, then of the resharded one (the
    same plan: their step times should match).
 
+``--to-shard-group-size S``: the re-plan targets a new mesh of the same world
+(``dtrec.init_mesh("cpu", S)``, e.g. 4 x 1 -> 2 x 2), which the round trip distributes to
+and ``reshard(..., mesh=)`` moves the model to (the dense part and its Adagrad state
+follow).
+
     .venv/bin/python -m benchmarks.replan --json benchmarks/results/replan_cpu_<date>.json
     .venv/bin/python -m benchmarks.replan --scale 0.01 --steps 2  # smoke
+    .venv/bin/python -m benchmarks.replan --to-shard-group-size 2  # 4 x 1 -> 2 x 2
 """
 
 from __future__ import annotations
@@ -101,7 +107,9 @@ def run_rank(rank: int, world: int, w: Workload, opts: dict) -> dict:
     counters = dtrec.IdCounters(model)
     counted, before = _counted_step_times(model, optimizers, w, rank, opts["steps"], counters)
     found: list = []
-    plan_s = _timed(lambda: found.append(dtrec.plan(model, model.ebc.mesh, id_counters=counters)))
+    shards = opts.get("to_shard_group_size") or world
+    mesh = model.ebc.mesh if shards == world else dtrec.init_mesh("cpu", shards)
+    plan_s = _timed(lambda: found.append(dtrec.plan(model, mesh, id_counters=counters)))
     counters.remove()
     target = dict(found[0])
 
@@ -112,7 +120,7 @@ def run_rank(rank: int, world: int, w: Workload, opts: dict) -> dict:
     def round_trip() -> None:
         published.append(checkpoint.save(root, model))
         torch.manual_seed(0)
-        other, other_optimizers, _, _, _ = _build_dtrec(w, [], world, specs=target)
+        other, other_optimizers, _, _, _ = _build_dtrec(w, [], shards, specs=target)
         checkpoint.load(published[0], other)
         fresh.extend([other, other_optimizers])
 
@@ -122,13 +130,15 @@ def run_rank(rank: int, world: int, w: Workload, opts: dict) -> dict:
     if rank == 0:
         shutil.rmtree(published[0])
     with dtrec.comm_stats() as stats:
-        reshard_s = _timed(lambda: dtrec.reshard(model, target))
+        moves = {} if mesh is model.ebc.mesh else {"mesh": mesh, "optimizers": optimizers}
+        reshard_s = _timed(lambda: dtrec.reshard(model, target, **moves))
     same = _same_blocks(model, fresh[0])
     direct = _step_times(fresh[0], fresh[1], w, rank, opts["steps"])
     del fresh[:]
     after = _step_times(model, optimizers, w, rank, opts["steps"])
     return {
         "rank": rank,
+        "mesh_after": list(mesh.mesh.shape),
         "plan": {key: str(spec) for key, spec in target.items()},
         "step_before_s": statistics.median(before),
         "step_counted_s": statistics.median(counted),
@@ -162,6 +172,7 @@ def run(w: Workload, opts: dict, world: int) -> dict:
         "status": "ok",
         "wall_s": time.perf_counter() - start,
         "plan": ranks[0]["plan"],
+        "mesh_after": ranks[0]["mesh_after"],
         "same_plan_on_every_rank": all(r["plan"] == ranks[0]["plan"] for r in ranks),
         "step_before_s": med("step_before_s"),
         "step_counted_s": med("step_counted_s"),
@@ -183,7 +194,8 @@ def print_result(result: dict) -> None:
         print(f"failed: {result['error'].splitlines()[-1][:200]}")
         return
     r = result
-    print(f"re-planned from the counted ids in {r['plan_s']:.2f} s: {r['plan']}")
+    shape = " x ".join(str(n) for n in r["mesh_after"])
+    print(f"re-planned from the counted ids in {r['plan_s']:.2f} s, on {shape}: {r['plan']}")
     print(
         f"id counters: step {r['step_counted_s'] * 1e3:.1f} ms with, "
         f"{r['step_before_s'] * 1e3:.1f} ms without ({100 * r['counter_overhead']:+.1f}%)"
@@ -207,13 +219,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=64, help="samples per rank per step")
     parser.add_argument("--steps", type=int, default=5, help="timed steps before and after")
     parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument(
+        "--to-shard-group-size",
+        type=int,
+        help="re-plan onto a new mesh with this shard group size (default: the same mesh)",
+    )
     parser.add_argument("--dir", help="where the checkpoint goes (default: a temporary one)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args(argv)
     w = workload(args.scale, batch=args.batch)
     workdir = Path(args.dir or tempfile.mkdtemp(prefix="dtrec_replan_bench_"))
-    opts = {"steps": args.steps, "timeout": args.timeout, "root": str(workdir)}
+    opts = {
+        "steps": args.steps,
+        "timeout": args.timeout,
+        "root": str(workdir),
+        "to_shard_group_size": args.to_shard_group_size,
+    }
     try:
         result = run(w, opts, args.world_size)
     finally:
