@@ -746,6 +746,14 @@ def _errors(meshes: dict) -> dict:
         model, {"sparse.t0": RowWise()}, topology=dtrec.Topology.cpu(memory_per_rank=2e3)
     )
     out["after"] = str(model.sharding_plan["sparse.t0"])
+    # to another mesh: a spec the plan omits is kept and must fit the new mesh; meshes=
+    # is checked as distribute_module checks it
+    dtrec.reshard(model, {"sparse.t1": TableWise(rank=3)})
+    before = _full_state(model)
+    out["kept_spec_off_mesh"] = _refused(
+        model, {"sparse.t0": TableWise(rank=1)}, before, mesh=meshes[2]
+    )
+    out["meshes_unknown"] = _refused(model, {}, before, meshes={"nope": meshes[2]})
 
     plain = dtrec.distribute_module(_model(), meshes[4], _plan(a))
     out["no_fused"] = {"error": error_of(lambda: dtrec.reshard(plain, {"sparse.t0": RowWise()}))}
@@ -1043,6 +1051,8 @@ ERRORS = {  # case -> words its error names
     "offloaded": ["ValueError", "sparse.t0", "offloaded"],
     "not_a_spec": ["TypeError", "sparse.t0"],
     "disagree": ["ValueError", "another plan"],
+    "kept_spec_off_mesh": ["ValueError", "sparse.t1", "keeps TableWise(rank=3)", "new mesh"],
+    "meshes_unknown": ["KeyError", "nope"],
     "memory": ["ValueError", "3.06 KiB", "on rank 0", "'sparse.t0'", "budget of 1.76 KiB"],
     "prefetched": ["ValueError", "prefetched batch"],
     "mid_move": ["CollectiveError", "simulated"],
