@@ -707,6 +707,7 @@ def _errors(meshes: dict) -> dict:
         "unresolved": _refused(model, {"sparse.t1": TableWise()}, before),
         "node_aware": _refused(model, {"sparse.t3": TableRowWise(node=0)}, before),
         "offloaded": _refused(model, {"sparse.t0": RowWise(cache_rows=4)}, before),
+        "fully_sharded": _refused(model, {"sparse.t0": RowWise(fully_sharded=True)}, before),
         "not_a_spec": _refused(model, {"sparse.t0": "RW"}, before),
         "disagree": _refused(model, {"sparse.t0": TableWise(rank=rank % 2)}, before),
         # every table data parallel: 3,132 bytes of weights and Adam moments on every
@@ -1049,6 +1050,7 @@ ERRORS = {  # case -> words its error names
     "unresolved": ["ValueError", "sparse.t1", "resolved"],
     "node_aware": ["ValueError", "sparse.t3", "node-aware mesh", "node_size"],
     "offloaded": ["ValueError", "sparse.t0", "offloaded"],
+    "fully_sharded": ["ValueError", "sparse.t0", "fully sharded 2D", "does not move yet"],
     "not_a_spec": ["TypeError", "sparse.t0"],
     "disagree": ["ValueError", "another plan"],
     "kept_spec_off_mesh": ["ValueError", "sparse.t1", "keeps TableWise(rank=3)", "new mesh"],
