@@ -215,7 +215,7 @@ def _rank(rank: int, world: int, shards: int, scale: float, batch: int, steps: i
         except Exception as exc:  # noqa: BLE001 - recorded: TorchRec's own refusal
             refused["torchrec_fully_sharded"] = f"{type(exc).__name__}: {exc}"
 
-    def train_step(name: str, step: int) -> None:
+    def train_step(name: str, step: int, sync: bool = True) -> None:
         model, optimizers, hook, kjt_type = models[name]
         keys, values, lengths, labels = make_batch(w, rank, step)
         kjt = kjt_type(keys=keys, values=values, lengths=lengths)
@@ -225,7 +225,7 @@ def _rank(rank: int, world: int, shards: int, scale: float, batch: int, steps: i
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
-        if hook is not None:
+        if hook is not None and sync:
             hook()
 
     wall: dict[str, list[float]] = defaultdict(list)
@@ -248,6 +248,9 @@ def _rank(rank: int, world: int, shards: int, scale: float, batch: int, steps: i
         dist.barrier()
         peak = step_peak_bytes(lambda n=name: train_step(n, step + 1))
         rest = _at_rest_bytes(model) if name in DTREC_MODES else _torchrec_at_rest_bytes(model)
+        if name == "torchrec":  # its step without sync(), for FULLY_SHARDED's (no sync)
+            dist.barrier()
+            no_sync = step_peak_bytes(lambda n=name: train_step(n, step + 2, sync=False))
         out[name] = {
             "at_rest_bytes": rest,
             "step_peak_bytes": peak,
@@ -257,6 +260,8 @@ def _rank(rank: int, world: int, shards: int, scale: float, batch: int, steps: i
             "bytes_per_axis": dict(census.bytes),
             "calls_per_axis": dict(census.calls),
         }
+        if name == "torchrec":
+            out[name]["step_peak_without_sync_bytes"] = no_sync
     return out
 
 
@@ -269,13 +274,15 @@ def torchrec_fully_sharded_computed(default: dict, shards: int, replicas: int, w
     buffer), where the fused update runs on the whole shard: so between steps it holds
     the whole shard as the default does, 1/R only from the end of the forward to the
     backward (the dense part: what it saves), and its peak is shard + shard/R (TorchRec
-    #3558, issue 43) + the step's other buffers. Optimizer state is never split."""
+    #3558, issue 43) + the step's other buffers: the default's step without ``sync()``
+    (FULLY_SHARDED does not call it). Optimizer state is never split."""
     weights = 4 * w.dim * sum(w.rows) / shards  # a rank's row-wise shard of the weights
+    step_peak = weights / replicas + default["step_peak_without_sync_bytes"]
     return {
         "at_rest_bytes": default["at_rest_bytes"],
         "during_dense_bytes": default["at_rest_bytes"] - weights + weights / replicas,
-        "step_peak_bytes": weights / replicas + default["step_peak_bytes"],
-        "peak_bytes": default["at_rest_bytes"] + weights / replicas + default["step_peak_bytes"],
+        "step_peak_bytes": step_peak,
+        "peak_bytes": default["at_rest_bytes"] + step_peak,
         "how": "computed from TorchRec 1.8.0's ShardedBatchedFusedEmbeddingBag and the "
         "default strategy's measured rest and step peak; not run (it refuses CPU)",
     }
@@ -285,7 +292,15 @@ def _medians(ranks: list[dict], name: str) -> dict:
     runs = [r[name] for r in ranks]
     out = {
         k: statistics.median(r[k] for r in runs)
-        for k in ("at_rest_bytes", "step_peak_bytes", "peak_bytes", "step_ms", "step_cpu_ms")
+        for k in (
+            "at_rest_bytes",
+            "step_peak_bytes",
+            "peak_bytes",
+            "step_ms",
+            "step_cpu_ms",
+            "step_peak_without_sync_bytes",
+        )
+        if k in runs[0]
     }
     for key in ("bytes_per_axis", "calls_per_axis"):
         axes = sorted({a for r in runs for a in r[key]})
@@ -356,15 +371,19 @@ def main(argv: list[str] | None = None) -> dict:
         if args.configs
         else [(args.world_size, args.shards)]
     )
-    import torchrec
+    try:
+        import torchrec
 
+        torchrec_version = torchrec.__version__
+    except ImportError:  # the bench extra is not installed: dtrec's two models only
+        torchrec_version, args.no_torchrec = None, True
     out = {
         "meta": {
             "date": datetime.date.today().isoformat(),
             "command": " ".join(["python benchmarks/fully_sharded_step.py", *given]),
             "device": "cpu",
             "torch": torch.__version__,
-            "torchrec": torchrec.__version__,
+            "torchrec": torchrec_version,
             "python": platform.python_version(),
             "processor": processor(),
             "dtrec": dtrec_source(),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.fully_sharded_step import main
+from benchmarks.plots.fully_sharded import main as plot_main
+from tests.interop.torchrec_or_skip import torchrec
 
 
 def test_fully_sharded_step_smoke(tmp_path, capsys):
@@ -20,7 +22,11 @@ def test_fully_sharded_step_smoke(tmp_path, capsys):
     assert m["exact"]["bytes_per_axis"]["replicate"] > 0  # its replica sync
     # a step allocates (the compact tables, the pooled outputs, their gradients)
     assert all(m[name]["step_peak_bytes"] > 0 for name in m)
+    assert (tmp_path / "fs.json").exists()
+    plot_main([str(tmp_path / "fs.json"), "-o", str(tmp_path / "fs.png")])
+    assert (tmp_path / "fs.png").stat().st_size > 0
+    if torchrec is None:
+        return
     # TorchRec's 2D ran beside them; its FULLY_SHARDED strategy refuses CPU (recorded)
     assert m["torchrec"]["at_rest_bytes"] > 0
     assert "cuda" in config["refused"]["torchrec_fully_sharded"].lower()
-    assert (tmp_path / "fs.json").exists()
