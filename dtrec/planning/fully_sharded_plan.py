@@ -10,9 +10,10 @@ planner splits the shards of as few tables as needed into owner slices, 1/R per 
    so the most memory is freed per row routed over the replicas);
 2. the count is the smallest that fits, found by bisection, as the offload step does.
 
-A fully sharded table costs three all-to-alls each way per step over "replicate"
-instead of one gradient sync, so the planner never picks it while the exact plan fits;
-that is also why plans that fit exactly are unchanged. It runs before the host tier
+A fully sharded table costs three all-to-alls forward and one (three after several
+lookups) backward per step over "replicate" instead of one gradient sync, so the planner
+never picks it while the exact plan fits; that is also why plans that fit exactly are
+unchanged. It runs before the host tier
 (``offload_plan``): a fully sharded table stays on the device and exact, an offloaded one
 pays cache misses over the host link. Fully sharded and offloaded do not combine (E346).
 """
