@@ -30,10 +30,11 @@ def test_slice_memory_and_routed_bytes(replicas: int) -> None:
     # the block less its slice, less the compact table and its gradient rows
     assert saved == pytest.approx(block * (1 - 1 / replicas) - touched * 16 * 8, rel=1e-6)
     r = replicas
-    routed = (r - 1) / r * touched * (16 * 4 + 8) * 2
+    # ids out and rows back; gradients back along the fetch, without ids
+    routed = (r - 1) / r * touched * ((16 * 4 + 8) + 16 * 4)
     assert sliced.replica_bytes == pytest.approx([routed, routed], rel=1e-6)
-    # 2/R of exact 2D's sparse sync: the same at R = 2, less beyond
-    assert sliced.replica_bytes[0] == pytest.approx(exact.replica_bytes[0] * 2 / r, rel=1e-6)
+    # under 2/R of exact 2D's sparse sync (R - 1) x U x (4D + 8)
+    assert sliced.replica_bytes[0] < exact.replica_bytes[0] * 2 / r
     assert set(sliced.comm) >= {"replica_slices.fetch", "replica_slices.grads"}
     assert not any(k.startswith("grad_sync") for k in sliced.comm)
     assert collective_of("replica_slices.fetch") == ("replicate", "all_to_all")
