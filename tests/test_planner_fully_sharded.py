@@ -123,3 +123,30 @@ def test_a_table_that_fits_neither_way_is_the_clear_error() -> None:
     assert "fully sharded over the 2 replicas too (1 table(s) that may move)" in text
     assert re.search(r"even as \S+\+FS it needs [0-9.]+ MiB more", text), text
     assert TableWise(rank=0, fully_sharded=True).fully_sharded
+
+
+def test_planner_cli_fully_shards_and_says_why(tmp_path, capsys) -> None:
+    import json
+
+    from dtrec.planning.dry_run import main
+
+    config = tmp_path / "model.json"
+    config.write_text(json.dumps({
+        "tables": [
+            {"name": "big", "num_embeddings": 2_000_000, "embedding_dim": 32,
+             "feature_names": ["f"], "pooling": "sum"},
+            {"name": "small", "num_embeddings": 500_000, "embedding_dim": 32,
+             "feature_names": ["g"], "pooling": "sum"},
+        ],
+        "batch_size_per_rank": 64, "pooling_factors": {"f": 1, "g": 1},
+    }))  # fmt: skip
+    args = ["--config", str(config), "--world-size", "4", "--shard-group-size", "2",
+            "--device", "cpu", "--png", "", "--explain"]  # fmt: skip
+    main([*args, "--memory-per-rank-gb", "0.15"])
+    out = capsys.readouterr().out
+    kinds = next(line for line in out.splitlines() if "types {" in line)
+    assert "+FS': 1" in kinds and kinds.count("+FS") == 1, kinds  # big only
+    assert "why: fully sharded 2D: replicated shard" in out
+    main([*args, "--memory-per-rank-gb", "1"])  # room for both replicated: exact 2D
+    out = capsys.readouterr().out
+    assert "+FS" not in out and "why: fully sharded" not in out
