@@ -54,27 +54,23 @@ def fully_shard_tables(
     tables in ``sliced`` fully sharded (DeviceFull when it does not fit);
     ``topology_of(key)``: the table's own topology (its collection's, its constraint's).
     DeviceFull when even every movable table fully sharded does not fit."""
-
     if not order or axis.replicas < 2:
         raise DeviceFull("no table may be fully sharded")
     plans = {len(order): search(frozenset(order))}  # its DeviceFull: missing even sliced
 
-    def attempt(count: int) -> Plan | None:
+    def fits(count: int) -> bool:
         try:
-            return search(frozenset(order[:count]))
+            plans[count] = search(frozenset(order[:count]))
         except DeviceFull:
-            return None
+            return False
+        return True
 
     lo, hi = 0, len(order)  # lo does not fit (exact 2D), hi does
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        plan = attempt(mid)
-        if plan is None:
-            lo = mid
-        else:
-            hi = mid
-    # the search once more at the count chosen: its last call is the one it reports
-    choices, sums = plans[hi] if hi == len(order) else search(frozenset(order[:hi]))
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    # the last search that fitted is hi's, so ``compared`` (filled by search) is its
+    choices, sums = plans[hi]
     for key in order[:hi]:
         choices[key].why = why_fully_sharded(
             key, tables[key], choices[key].spec, axis, topology_of(key), topology
