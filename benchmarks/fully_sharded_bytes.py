@@ -9,8 +9,9 @@ For each workload and (S, R) mesh, every table row-wise over the S shard positio
   shape, made exact by reduce-scattering gradients): 2 (R-1)/R x shard; peak shard +
   shard/R + U x 4D (the gradient rows);
 - ``routed``: fully sharded by routing the touched rows to and from their owner slices
-  (what dtrec builds): ids out, rows back, gradients (+ ids) out: 2 (R-1)/R x U x
-  (4D + 8); peak shard/R + 2 x U x 4D (compact table and its gradients).
+  (what dtrec builds): ids out, rows back, gradients out along the same way (the owners
+  kept the ids): (R-1)/R x U x (8D + 8); peak shard/R + 2 x U x 4D (compact table and
+  its gradients).
 
 U is a rank's distinct touched rows per step: its block receives the ids of its shard
 group's S batches; expected distinct rows of n draws (uniform ids, as the scale sweep's,
@@ -59,7 +60,7 @@ def per_rank(rows, hotness, dim, batch, shards, replicas, probs=None) -> dict[st
         "exact_dense_gb": 2 * (r - 1) / r * shard_b / 1e9,
         "gather_gb": 2 * (r - 1) / r * shard_b / 1e9,
         "gather_peak_gb": (shard_b + (shard_b + state_b) / r + touched * row_b) / 1e9,
-        "routed_gb": 2 * (r - 1) / r * touched * wire / 1e9,
+        "routed_gb": (r - 1) / r * touched * (wire + row_b) / 1e9,
         "routed_peak_gb": ((shard_b + state_b) / r + 2 * touched * row_b) / 1e9,
     }
 

@@ -27,7 +27,7 @@ INDEX = RESULTS / "README.md"
 NOT_RECORDED = "not recorded"
 
 BENCHMARKS = ("checkpoint", "composed", "cpu_lookup", "dense_step", "distributed", "dynamic_2d",
-              "gpu_check", "gpu_profile", "gpu_step", "kernels", "loaded_suite",
+              "fully_sharded", "gpu_check", "gpu_profile", "gpu_step", "kernels", "loaded_suite",
               "managed_collision", "offload", "planner", "qcomms", "replan", "scale",
               "sequence", "soak")  # fmt: skip
 """Benchmark names a report's file name starts with (longest match wins)."""
@@ -133,6 +133,13 @@ def _dynamic_2d(r: dict) -> str:
     )
 
 
+def _fully_sharded(r: dict) -> str:
+    parts = [f"{c['shards']}x{c['replicas']}: at rest {_x(c['ratio']['at_rest'])}, peak "
+             f"{_x(c['ratio']['peak'])}, step {_x(c['ratio']['step_ms'])}"
+             for c in r["configs"].values()]  # fmt: skip
+    return "fully sharded / exact 2D, " + "; ".join(parts)
+
+
 def _gpu_check(r: dict) -> str:
     tier = r.get("cuda_tier") or {}
     counts = ", ".join(f"{n} {k}" for k, n in (tier.get("counts") or {}).items())
@@ -228,7 +235,7 @@ def _replan(r: dict) -> str:
 HEADLINES: dict[str, Callable[[dict], str]] = {
     "checkpoint": _checkpoint, "composed": _composed, "cpu_lookup": _cpu_lookup,
     "dense_step": _dense_step, "distributed": _distributed, "dynamic_2d": _dynamic_2d,
-    "gpu_check": _gpu_check,
+    "fully_sharded": _fully_sharded, "gpu_check": _gpu_check,
     "gpu_step": _gpu_step, "kernels": _kernels, "loaded_suite": _loaded_suite,
     "managed_collision": _managed_collision,
     "offload": _offload, "planner": _planner, "qcomms": _qcomms, "replan": _replan,

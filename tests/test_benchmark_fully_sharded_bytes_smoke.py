@@ -19,4 +19,4 @@ def test_routed_never_sends_more_than_the_alternatives(shards, replicas):
 def test_every_row_touched_routed_equals_gather():
     x = per_rank([4], [1000], 8, 64, 2, 4)  # 4 rows, thousands of ids: all touched
     assert x["touched_share"] == pytest.approx(1.0)
-    assert x["routed_gb"] == pytest.approx(x["gather_gb"] * (4 * 8 + 8) / (4 * 8))
+    assert x["routed_gb"] == pytest.approx(x["gather_gb"] * (8 * 8 + 8) / (2 * 4 * 8))

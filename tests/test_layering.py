@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "dtrec.planning.offload",
         "dtrec.planning.cost_model",
         "dtrec.planning.offload_plan",
+        "dtrec.planning.fully_sharded_plan",  # which tables the planner fully shards
         "dtrec.planning.plan_step",  # a whole plan's step: what the search ranks plans by
         "dtrec.planning.search",  # the search's state and steps
         "dtrec.planning.planner",

@@ -262,7 +262,7 @@ def table_cost(
             # owner sums R replicas' rows and updates its share of their union
             r = axis.replicas
             fetch = (r - 1) / r * touched * (cols * elt + 8)
-            grads = (r - 1) / r * touched * (cols * 4 + 8)
+            grads = (r - 1) / r * touched * cols * 4  # back along the fetch: no ids
             union = ids.unique(world * batch * pooling, *block.rows)
             backward = (
                 n_ids * cols * 4

@@ -182,7 +182,7 @@ def print_dry_run(result: dict) -> None:
     plan = result["plan"]
     counts: dict[str, int] = {}
     for spec in plan.values():
-        kind = type(spec).__name__
+        kind = type(spec).__name__ + ("+FS" if getattr(spec, "fully_sharded", False) else "")
         counts[kind] = counts.get(kind, 0) + 1
     print(
         f"W={result['world_size']} = S {result['shard_group_size']} x R {result['replicas']}"

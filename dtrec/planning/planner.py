@@ -21,8 +21,12 @@ search, deterministic so every rank computes the same plan:
    changes nothing, and is undone if the moves cost more in calls than they saved; the
    fastest of the results (``plan_step`` again) is the plan.
 
-A table no candidate fits raises ValueError naming it and the bytes missing, unless
-``Topology.host_memory_per_rank`` offers a second tier: then the device keeps what fits
+When the plan does not fit the device budget on a mesh with R > 1 replicas, the fewest
+tables that make it fit are fully sharded over the replicas (``fully_shard_tables``:
+each replica holds 1/R of their shards and state, rows routed to the owners each step);
+never while the exact plan fits. A table no candidate fits even then raises ValueError
+naming it and the bytes missing, unless ``Topology.host_memory_per_rank`` offers a
+second tier: then the device keeps what fits
 and the rest is offloaded (``offload_tables``): the tables with the fewest ids per byte
 first, as few as needed, behind device caches of one fraction of their rows, the largest
 fraction that still fits (cache misses priced by ``dtrec.planning.offload``). A world
@@ -59,6 +63,7 @@ from dtrec.planning.cost_model import (
     table_cost,
     table_ids,
 )
+from dtrec.planning.fully_sharded_plan import fully_shard_tables, fully_sharded_candidates
 from dtrec.planning.offload import ids_per_byte, offloaded_spec
 from dtrec.planning.offload_plan import DeviceFull, offload_tables
 from dtrec.planning.plan_step import PlanCandidate, PlanSteps
@@ -195,9 +200,27 @@ def plan_tables(
     try:
         return search_plan(tables, axis, constraints, topology, compared=compared)
     except DeviceFull as exc:
-        if topology.host_budget <= 0:
-            raise ValueError(str(exc)) from None
+        exact_full = str(exc)
     order = offload_order(tables, constraints, topology)
+    if axis.replicas > 1 and order:
+        try:
+            return fully_shard_tables(
+                tables,
+                axis,
+                topology,
+                order,
+                lambda sliced: search_plan(
+                    tables, axis, constraints, topology, compared=compared, sliced=sliced
+                ),
+                lambda key: _own_topology(key, tables[key], constraints.get(key), topology),
+            )
+        except DeviceFull as exc:
+            exact_full += (
+                f"; fully sharded over the {axis.replicas} replicas too ({len(order)} "
+                f"table(s) that may move): {exc}"
+            )
+    if topology.host_budget <= 0:
+        raise ValueError(exact_full)
     return offload_tables(
         tables,
         axis,
@@ -214,11 +237,14 @@ def search_plan(
     topology: Topology,
     offloaded: Mapping[str, float] | None = None,
     compared: list[PlanCandidate] | None = None,
+    sliced: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, Choice], PositionTotals]:
     """The search of ``plan_tables`` with the tables in ``offloaded`` behind caches of
-    that fraction of their rows (their candidates: each sharding type, offloaded);
-    DeviceFull when a table fits no candidate. ``compared``: filled with the whole plans
-    compared, fastest first, the chosen one marked."""
+    that fraction of their rows (their candidates: each sharding type, offloaded) and
+    those in ``sliced`` fully sharded over the replicas (their candidates: each type but
+    data-parallel, ``fully_sharded=True``); DeviceFull when a table fits no candidate.
+    ``compared``: filled with the whole plans compared, fastest first, the chosen one
+    marked."""
     offloaded = offloaded or {}
     search = Search(axis, topology)
     options: dict[str, list[tuple[TableSpec, TableCost]]] = {}
@@ -231,9 +257,9 @@ def search_plan(
                 f"table {key!r}: no sharding spec on a shard axis of {axis.size} satisfies "
                 f"{constraint or 'the layout rules'}"
             )
-        own = topology.for_collection(collection_of(key, cfg))
-        if isinstance(constraint, TableConstraint):
-            own = constraint.topology(cfg, own)
+        own = _own_topology(key, cfg, constraint, topology)
+        if key in sliced:
+            specs = fully_sharded_candidates(specs) or specs  # data-parallel only: as is
         if key in offloaded:
             ids = table_ids(cfg, own)
             moved = (offloaded_spec(s, cfg, axis, own, offloaded[key], ids) for s in specs)
@@ -285,6 +311,17 @@ def search_plan(
     if compared is not None:
         compared[:] = sorted((replace(c, chosen=c is pick) for c in ranked), key=lambda c: c.key)
     return {key: chosen[key] for key in tables}, search.totals
+
+
+def _own_topology(
+    key: str,
+    cfg: EmbeddingBagConfig,
+    constraint: TableSpec | TableConstraint | None,
+    topology: Topology,
+) -> Topology:
+    """The topology a table is priced on: its collection's, with its constraint's ids."""
+    own = topology.for_collection(collection_of(key, cfg))
+    return constraint.topology(cfg, own) if isinstance(constraint, TableConstraint) else own
 
 
 def offload_order(

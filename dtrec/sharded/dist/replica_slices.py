@@ -11,6 +11,10 @@ the input dist a rank knows the rows its lookups touch, all in its own shard:
 2. backward (``route_to_owners``): the compact rows' gradients go back to the owners
    (all-to-all), each owner sums the replicas' contributions per row (the same sum the
    exact replica sync computes) and alone updates the row and its optimizer state.
+   When every table's gradient comes from one lookup's compact table, the gradients go
+   back the way the rows came (``Fetch``: the owners kept which rows each replica asked
+   for), one all-to-all; otherwise (several lookups merged before one update) the rows'
+   ids travel with them after a counts exchange (three all-to-alls).
 
 Bytes per step and rank: about 2 x touched rows x D (rows out, gradients back) plus
 their ids, against exact 2D's sparse sync of about R x touched x D
@@ -21,6 +25,7 @@ exchanges (one replica group per collection).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,6 +38,23 @@ from dtrec.sharded.update.grad_sync import sum_by_row
 
 _BLOCK_ROWS = "_dtrec_block_rows"
 """The attribute of a compact table naming, per compact row, its row in the shard."""
+_FETCH = "_dtrec_fetch"
+"""The attribute of a compact table holding its (``Fetch``, table index in it)."""
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """What one ``fetch_touched`` exchanged over its replica group, kept until the update
+    so the gradients can go back the way the rows came, without their ids."""
+
+    sent: Tensor
+    """``[K tables, R owners]``: rows this rank asked each owner for, per table."""
+    got: Tensor
+    """``[R sources, K tables]``: rows each replica asked this rank for, per table."""
+    asked: list[Tensor]
+    """Per (source, table), source-major: the shard rows that source asked for."""
+    rows: list[Tensor]
+    """Per table: the sorted shard rows of its compact table (what this rank asked)."""
 
 
 class OwnerSlices:
@@ -61,6 +83,11 @@ class OwnerSlices:
 def block_rows_of(compact: Tensor, rows: Tensor) -> Tensor:
     """Shard rows of the compact table ``compact``'s rows ``rows`` (sorted stays sorted)."""
     return getattr(compact, _BLOCK_ROWS)[rows]
+
+
+def fetch_of(compact: Tensor) -> tuple[Fetch, int]:
+    """The exchange that built the compact table ``compact``, and its table index there."""
+    return getattr(compact, _FETCH)
 
 
 def _exchange_counts(counts: Tensor, group: ProcessGroup, kind: str) -> Tensor:
@@ -144,25 +171,37 @@ def fetch_touched(
     # slices, so per table the owners' parts in order are the sorted unique rows
     pieces = received.split((sent.t() * dims[None, :]).reshape(-1).tolist())
     out = list(tables)
+    fetch = Fetch(sent, got, list(asked_parts), uniques)
     for k, i in enumerate(keys):
         dim = int(dims[k])
         parts = [pieces[d * len(keys) + k].view(-1, dim) for d in range(sent.shape[1])]
         compact = torch.cat(parts) if parts else tables[i].new_empty(0, dim)
         setattr(compact, _BLOCK_ROWS, uniques[k])
+        setattr(compact, _FETCH, (fetch, k))
         out[i] = compact
     return out, values
 
 
 def route_to_owners(
-    owners: dict[int, OwnerSlices], merged: dict[int, tuple[Tensor, Tensor]]
+    owners: dict[int, OwnerSlices],
+    merged: dict[int, tuple[Tensor, Tensor]],
+    fetched: dict[int, tuple[Fetch, int]] | None = None,
 ) -> dict[int, tuple[Tensor, Tensor]]:
     """Per fully sharded table: this rank's (shard rows, gradient rows) sent to the rows'
     owners, which return (rows of their own slice, gradients summed over the replicas),
     sorted by row. Collective over the replica group, tables in ascending order on every
-    replica (every replica updates the same tables each step)."""
+    replica (every replica updates the same tables each step).
+
+    ``fetched``: table -> ``fetch_of`` its one compact table, where its gradients come
+    from one lookup. When every table has one and they are one fetch's tables (the same
+    on every replica: it follows the program, not the data), the gradients go back the
+    way the rows came (``_back_along``: one all-to-all, no ids)."""
     keys = sorted(owners)
     if not keys:
         return {}
+    along = _one_fetch(keys, fetched or {})
+    if along is not None:
+        return _back_along(owners, merged, *along)
     group = owners[keys[0]].group
     rows = [merged[t][0].long() for t in keys]
     grads = [merged[t][1] for t in keys]
@@ -196,6 +235,52 @@ def route_to_owners(
     return out
 
 
+def _one_fetch(
+    keys: list[int], fetched: dict[int, tuple[Fetch, int]]
+) -> tuple[Fetch, list[int]] | None:
+    """(the fetch, the tables in its order) when ``keys`` are exactly one fetch's tables."""
+    if sorted(fetched) != keys:
+        return None
+    fetch = fetched[keys[0]][0]
+    order = {k: t for t, (f, k) in fetched.items() if f is fetch}
+    if len(order) != len(keys) or sorted(order) != list(range(len(fetch.rows))):
+        return None
+    return fetch, [order[k] for k in range(len(order))]
+
+
+def _back_along(
+    owners: dict[int, OwnerSlices],
+    merged: dict[int, tuple[Tensor, Tensor]],
+    fetch: Fetch,
+    order: list[int],
+) -> dict[int, tuple[Tensor, Tensor]]:
+    """``route_to_owners`` along ``fetch``: each compact row's gradient goes to the owner
+    it came from, in the order it came; the owner knows the rows (``Fetch.asked``)."""
+    group = owners[order[0]].group
+    grads = []
+    for k, t in enumerate(order):
+        rows, grad = merged[t][0].long(), merged[t][1]
+        asked = fetch.rows[k]
+        if not torch.equal(rows, asked):  # every id of the lookup has a gradient row
+            raise RuntimeError(
+                f"dtrec internal error: table {t}'s gradient rows ({rows.numel()}) are not "
+                f"the {asked.numel()} rows its lookup fetched"
+            )
+        grads.append(grad)
+    dims = torch.tensor([g.shape[1] for g in grads], dtype=torch.long)
+    flat, splits = _by_destination(grads, fetch.sent)
+    got = fetch.got * dims[None, :]
+    back = all_to_all(flat, got.sum(1).tolist(), splits, group, "replica_slices.grads.values")
+    parts = back.split(got.view(-1).tolist())
+    out = {}
+    for k, t in enumerate(order):
+        owner, dim, sources = owners[t], int(dims[k]), fetch.got.shape[0]
+        ids = torch.cat([fetch.asked[s * len(order) + k] for s in range(sources)])
+        values = torch.cat([parts[s * len(order) + k].view(-1, dim) for s in range(sources)])
+        out[t] = sum_by_row(ids - owner.start, values, max(owner.slice_rows, 1))
+    return out
+
+
 class FetchTouched(torch.autograd.Function):
     """``fetch_touched`` for tables trained by autograd (torch optimizers): forward builds
     the compact tables; backward sends their gradients (averaged by ``grad_scale``) to
@@ -207,6 +292,7 @@ class FetchTouched(torch.autograd.Function):
         out, values = fetch_touched(owners, list(tables), value_table, values)
         ctx.owners = owners
         ctx.touched = {i: getattr(out[i], _BLOCK_ROWS) for i in owners}
+        ctx.fetched = {i: fetch_of(out[i]) for i in owners}
         ctx.shapes = [t.shape for t in tables]
         ctx.mark_non_differentiable(values)
         return (values, *out)
@@ -220,7 +306,7 @@ class FetchTouched(torch.autograd.Function):
             if grad is None:
                 grad = torch.zeros(rows.numel(), ctx.shapes[i][1], device=rows.device)
             merged[i] = (rows, grad.float() * owner.grad_scale)
-        summed = route_to_owners(ctx.owners, merged)
+        summed = route_to_owners(ctx.owners, merged, ctx.fetched)
         out = list(grads)
         for i, (rows, grad) in summed.items():
             dense = torch.zeros(ctx.shapes[i], dtype=grads[i].dtype if grads[i] is not None

@@ -47,7 +47,12 @@ from dtrec.ops.lookup import Lookup
 from dtrec.ops.op import embedding_bag_psw_backward_op, lookup_backward_rows, lookup_forward
 from dtrec.optim import FusedOptimizer, RowUpdate
 from dtrec.optim.param_groups import rule_for_group
-from dtrec.sharded.dist.replica_slices import OwnerSlices, block_rows_of, route_to_owners
+from dtrec.sharded.dist.replica_slices import (
+    OwnerSlices,
+    block_rows_of,
+    fetch_of,
+    route_to_owners,
+)
 from dtrec.sharded.lookup.compiled import fused_embedding_bag_op, register_updater
 from dtrec.sharded.update.grad_sync import TableRows, sum_by_row, sync_rows
 
@@ -186,6 +191,7 @@ class FusedUpdater:
             self.offload.join()
         uses = Counter(t for table_ids, _, _ in pending for t in table_ids)
         parts: dict[int, list[tuple[Tensor, Tensor]]] = {}
+        fetched: dict[int, list] = {}  # fully sharded: the fetch of each compact table
         for table_ids, lookup, grad_out in pending:
             scales = {self.tables[t].grad_scale * scale for t in table_ids}
             if len(scales) == 1 and not any(uses[t] > 1 or self._syncs(t) for t in table_ids):
@@ -198,16 +204,22 @@ class FusedUpdater:
             for t, part, compact in zip(table_ids, rows, lookup.weights, strict=True):
                 if self.tables[t].owner is not None:  # compact rows -> shard rows
                     part = (block_rows_of(compact, part[0]), part[1])
+                    fetched.setdefault(t, []).append(fetch_of(compact))
                 cache = self.tables[t].cache
                 parts.setdefault(t, []).append(part if cache is None else cache.to_rows(*part))
-        self._sync_and_update(rule, parts, scale)
+        one = {t: f[0] for t, f in fetched.items() if len(f) == 1}
+        self._sync_and_update(rule, parts, scale, one)
         if self.offload is not None:
             self.offload.after_update()
         if self.after_update is not None:
             self.after_update()
 
     def _sync_and_update(
-        self, rule: FusedOptimizer, parts: dict[int, list[tuple[Tensor, Tensor]]], scale: float
+        self,
+        rule: FusedOptimizer,
+        parts: dict[int, list[tuple[Tensor, Tensor]]],
+        scale: float,
+        fetched: dict | None = None,
     ) -> None:
         """Average, sum over replicas (coalesced per group), reduce row norms, update.
 
@@ -225,7 +237,8 @@ class FusedUpdater:
         unsynced = [t for t in by_column if not self._replicated(t)]
         row_sq_sums = self._start_row_sq_sums(merged, unsynced)
         owners = {t: o for t in merged if (o := self.tables[t].owner) is not None}
-        merged.update(route_to_owners(owners, merged))  # fully sharded: to owner slices
+        # fully sharded: to owner slices (along the rows' fetch where one lookup read them)
+        merged.update(route_to_owners(owners, merged, fetched))
         for tables, group in _by_group(
             merged, lambda t: None if t in owners else self.tables[t].replica_group
         ):
