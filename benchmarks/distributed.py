@@ -3,14 +3,16 @@
 Model: 8 tables (rows geometric 1e5..1e6 times ``--scale``, D=64, one feature each, sum
 pooling), bags of 10..30 ids (uniform, mean 20), ids Zipf(1.1) over each table's rows (a
 truncated inverse CDF, then a fixed multiplicative hash scatters hot ids over the rows),
-``--batch`` samples per rank; pooled embeddings -> Linear(512, 64) -> ReLU -> Linear(64, 1),
+``--batch`` samples per rank; pooled embeddings -> Linear(T x 64, 64) -> ReLU -> Linear(64, 1),
 BCE-with-logits vs random labels. Tables: fused exact row-wise Adagrad (lr 0.01, eps 1e-8);
 MLP: ``torch.optim.Adagrad(lr=0.01)``, data parallel (dtrec's replicated DTensor dense
 parameters, ``dtrec.sharded.dense``; TorchRec DDP).
 Rank r's batch of step s is generated from the seed (r, s) alike for both libraries.
+``--workload mixed_sizes`` (issue 46's second workload): 16 tables of 100..1e6 rows
+(geometric), Zipf(1.05), same bags: many small tables whose ids repeat heavily.
 
 Configs (``--configs``): ``table_wise`` (table i on shard rank i % S), ``row_wise``,
-``column_wise``, ``data_parallel``, ``mixed`` (t0-t1 DP, t2-t3 TW, t4-t5 CW, t6-t7 RW) on a
+``column_wise``, ``data_parallel``, ``mixed`` (quarters of the tables: DP, TW, CW, RW) on a
 shard group of S = W ranks (dtrec mesh (W, 1), TorchRec ``DistributedModelParallel``), and
 ``2d_<type>`` on S = W / 2 (dtrec mesh (W/2, 2), TorchRec ``DMPCollection`` with ``sync()``
 after every step, patched to run on CPU: see ``benchmarks/torchrec_baseline.py``).
@@ -127,10 +129,21 @@ class Workload:
         return sum(self.bag_range) / 2
 
 
-def workload(scale: float = 1.0, batch: int = 512) -> Workload:
-    """8 tables of 1e5..1e6 rows (geometric) times ``scale`` (as benchmarks/kernels.py)."""
-    rows = (max(1, int(scale * 1e5 * 10 ** (i / 7))) for i in range(8))
-    return Workload(rows=tuple(rows), batch=batch)
+WORKLOADS = ("large_tables", "mixed_sizes")
+
+
+def workload(scale: float = 1.0, batch: int = 512, kind: str = "large_tables") -> Workload:
+    """``large_tables``: 8 tables of 1e5..1e6 rows (geometric) times ``scale`` (as
+    benchmarks/kernels.py), Zipf 1.1. ``mixed_sizes`` (issue 46): 16 tables of 100..1e6
+    rows (geometric) times ``scale``, Zipf 1.05: many small tables whose ids repeat
+    heavily within a batch, a regime of their own. Both: bags of 10..30 ids (mean 20)."""
+    if kind == "large_tables":
+        rows = (max(1, int(scale * 1e5 * 10 ** (i / 7))) for i in range(8))
+        return Workload(rows=tuple(rows), batch=batch)
+    if kind == "mixed_sizes":
+        rows = (max(1, int(scale * 100 * 10 ** (4 * i / 15))) for i in range(16))
+        return Workload(rows=tuple(rows), batch=batch, zipf=1.05)
+    raise ValueError(f"unknown workload {kind!r}; choose from {WORKLOADS}")
 
 
 def zipf_ids(rows: int, n: int, s: float, gen: torch.Generator) -> Tensor:
@@ -172,10 +185,10 @@ def config_shards(config: str, world: int) -> int:
 def table_kinds(config: str, shard_group_size: int, num_tables: int = 8) -> list[str]:
     """Per table: "tw:<shard rank>", "rw", "cw" or "dp" (``config`` without its ``2d_``)."""
     kind = config.removeprefix("2d_")
-    if kind == "mixed":
-        per = ["dp", "dp", "tw", "tw", "cw", "cw", "rw", "rw"]
-        if num_tables != len(per):
-            raise ValueError(f"the mixed plan is for {len(per)} tables, got {num_tables}")
+    if kind == "mixed":  # quarters of the tables, in order: DP, TW, CW, RW
+        if num_tables % 4:
+            raise ValueError(f"the mixed plan splits tables in quarters, got {num_tables}")
+        per = [("dp", "tw", "cw", "rw")[4 * i // num_tables] for i in range(num_tables)]
     else:
         short = {"table_wise": "tw", "row_wise": "rw", "column_wise": "cw", "data_parallel": "dp"}
         per = [short[kind]] * num_tables
@@ -751,6 +764,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies table rows")
     parser.add_argument("--batch", type=int, default=512, help="samples per rank per step")
+    parser.add_argument("--workload", default="large_tables", choices=WORKLOADS,
+                        help="the tables and ids (see workload())")  # fmt: skip
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--census-steps", type=int, default=1, help="untimed census steps")
@@ -783,9 +798,9 @@ def main(argv: list[str] | None = None) -> None:
         "--malloc-default", action="store_true", help=f"leave glibc malloc as is (not {MALLOC_ENV})"
     )
     args = parser.parse_args(argv)
-    w = workload(args.scale, args.batch)
+    w = workload(args.scale, args.batch, args.workload)
     env = {} if args.malloc_default else MALLOC_ENV
-    report: dict = {"meta": {**_meta(argv, w), "rank_env": env}}
+    report: dict = {"meta": {**_meta(argv, w), "workload_kind": args.workload, "rank_env": env}}
     report["cost_model"] = cost_table = cost_model_table(w)
     if not args.cost_model:
         configs = [c for c in args.configs.split(",") if c]

@@ -33,12 +33,26 @@ from benchmarks.probes.stages import STAGES
 
 CONFIGS = ("mixed", "2d_row_wise")
 TINY = workload(scale=0.01, batch=32)
+# ``mixed`` runs the second workload (16 tables of 5..50k rows here, some smaller than S)
+SMALL_TABLES = workload(scale=0.05, batch=32, kind="mixed_sizes")
+WORKLOADS = {"mixed": SMALL_TABLES, "2d_row_wise": TINY}
 OPTS = {"steps": 2, "warmup": 1, "census_steps": 1, "timeout": 120.0, "profile": 1}
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict]:
-    return {config: run_config("dtrec", config, TINY, OPTS) for config in CONFIGS}
+    return {config: run_config("dtrec", config, WORKLOADS[config], OPTS) for config in CONFIGS}
+
+
+def test_workloads():
+    big, small = workload(), workload(kind="mixed_sizes")
+    assert len(big.rows) == 8 and (big.rows[0], big.rows[-1], big.zipf) == (100_000, 1_000_000, 1.1)
+    assert len(small.rows) == 16 and (small.rows[0], small.rows[-1]) == (100, 1_000_000)
+    assert small.zipf == 1.05 and small.mean_bag == 20
+    assert table_kinds("mixed", 4, 8) == ["dp", "dp", "tw:2", "tw:3", "cw", "cw", "rw", "rw"]
+    assert table_kinds("mixed", 4, 16)[3:5] == ["dp", "tw:0"]
+    with pytest.raises(ValueError, match="unknown workload"):
+        workload(kind="tiny")
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -206,6 +220,7 @@ def test_the_report_predicts_each_step_from_calibrated_constants(runs, capsys) -
     # the machine got busy during the configs: calls 1000x dearer, far past DRIFT however
     # long the compute probes (measured here, on a machine maybe loaded) made the step
     slower = {**calibration, "latency_s": 1.0}
+    # (the report's mechanics: "mixed" ran SMALL_TABLES, predicted here for TINY's tables)
     report = check(TINY, {c: {"dtrec": runs[c]} for c in CONFIGS}, calibration, after=slower)
     for config in CONFIGS:
         row = report["configs"][config]
