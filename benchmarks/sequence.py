@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dtrec
-from benchmarks.distributed import MALLOC_ENV, zipf_ids
+from benchmarks.common.run_loop import MALLOC_ENV
+from benchmarks.common.workloads import zipf_ids
 from benchmarks.probes.comm import CollectiveCensus, CommCounter
 from benchmarks.probes.report import dtrec_source
 from benchmarks.probes.sequence_stages import (

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from benchmarks.distributed import zipf_ids
+from benchmarks.common.workloads import zipf_ids
 
 LR = 0.05
 
@@ -136,7 +136,7 @@ def dmp_collection_configs(model: MixedModel, w: MixedWorkload) -> list:
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan
     from torchrec.distributed.types import DMPCollectionConfig, ShardingPlan
 
-    from benchmarks.torchrec_baseline import table_plan_helper
+    from benchmarks.common.torchrec_side import table_plan_helper
 
     sharders = torchrec_sharders()
     out = []
