@@ -85,6 +85,22 @@ def make_batch(w: Workload, rank: int, step: int) -> tuple[list[str], Tensor, Te
     return [f"f{i}" for i in range(len(w.rows))], values, lengths, labels
 
 
+def per_feature_batch(
+    features: list[tuple[str, int, tuple[int, int]]], batch: int, s: float, rank: int, step: int
+) -> tuple[list[str], Tensor, Tensor, Tensor]:
+    """Rank ``rank``'s batch of step ``step`` when each feature (key, rows, bag range) draws
+    its own bag lengths, then its Zipf(``s``) ids: (keys, values, key-major lengths, labels)."""
+    gen = torch.Generator().manual_seed(1_000_003 * rank + step)
+    keys, values, lengths = [], [], []
+    for key, rows, (lo, hi) in features:
+        ls = torch.randint(lo, hi + 1, (batch,), generator=gen)
+        keys.append(key)
+        lengths.append(ls)
+        values.append(zipf_ids(rows, int(ls.sum()), s, gen))
+    labels = torch.randint(0, 2, (batch,), generator=gen).float()
+    return keys, torch.cat(values), torch.cat(lengths), labels
+
+
 def config_shards(config: str, world: int) -> int:
     """S of a config: the whole world, or half of it for the ``2d_`` configs (R = 2)."""
     return world // 2 if config.startswith("2d_") else world
