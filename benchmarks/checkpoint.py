@@ -33,19 +33,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from benchmarks.distributed import (
-    Workload,
-    _build_dtrec,
-    _build_torchrec,
-    _peak_rss_mb,
-    _quiet,
-    config_shards,
-    make_batch,
-    table_kinds,
-    workload,
+from benchmarks.common.report import ratio
+from benchmarks.common.run_loop import (
+    build_dtrec,
+    dcp_bytes_written,
+    first_step,
+    peak_rss_mb,
+    quiet,
 )
+from benchmarks.common.workloads import Workload, config_shards, table_kinds, workload
 from benchmarks.probes.report import dtrec_source, write_report
 from tests.multiprocess import WorldError, run_world
 
@@ -59,19 +56,6 @@ def unique_bytes(w: Workload) -> dict[str, int]:
     return {"tables": 4 * rows * w.dim, "fused_state": 4 * rows, "dense": 4 * dense}
 
 
-def _written(directory: Path, rank: int) -> int:
-    return sum(p.stat().st_size for p in directory.glob(f"__{rank}_*.distcp"))
-
-
-def _step(model, optimizers, kjt_type, w: Workload, rank: int) -> None:
-    keys, values, lengths, labels = make_batch(w, rank, 0)
-    out = model(kjt_type(keys=keys, values=values, lengths=lengths))
-    F.binary_cross_entropy_with_logits(out, labels).backward()
-    for opt in optimizers:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-
 def _timed(fn) -> float:
     dist.barrier()
     start = time.perf_counter()
@@ -81,13 +65,16 @@ def _timed(fn) -> float:
 
 def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: dict) -> dict:
     """Build, one step, then ``repeats`` x (save, load); seconds and bytes of this rank."""
-    _quiet()
+    quiet()
     torch.manual_seed(0)
     shards = config_shards(config, world)
     kinds = table_kinds(config, shards, len(w.rows))
-    build = _build_dtrec if lib == "dtrec" else _build_torchrec
+    if lib == "dtrec":
+        build = build_dtrec
+    else:
+        from benchmarks.common.torchrec_side import build_torchrec as build
     model, optimizers, _, _, kjt_type = build(w, kinds, shards)
-    _step(model, optimizers, kjt_type, w, rank)
+    first_step(model, optimizers, kjt_type, w, rank)
     root = Path(opts["root"]) / f"{lib}_{config}"
     saves, loads, in_place, written = [], [], [], []
     for i in range(opts["repeats"]):
@@ -108,7 +95,7 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
             saves.append(_timed(lambda d=directory, s=state: dcp.save(s, checkpoint_id=d)))
             loads.append(_timed(lambda d=directory, s=state: dcp.load(s, checkpoint_id=d)))
         dist.barrier()
-        written.append(_written(directory, rank))
+        written.append(dcp_bytes_written(directory, rank))
         metadata = (directory / ".metadata").stat().st_size if rank == 0 else 0
         dist.barrier()
         if rank == 0:
@@ -120,7 +107,7 @@ def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: di
         "load_in_place_s": in_place,
         "bytes_written": written[-1],
         "metadata_bytes": metadata,
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mb(),
     }
 
 
@@ -152,10 +139,6 @@ def run_config(lib: str, config: str, w: Workload, opts: dict, world: int) -> di
     }
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}" if a is not None and b else "-"
-
-
 def print_table(results: dict, unique: int) -> None:
     print(f"\nunique state bytes: {unique / 1e6:.1f} MB")
     head = (
@@ -179,10 +162,10 @@ def print_table(results: dict, unique: int) -> None:
             print(f"{config:<10} dtrec load with staged=False: {d['load_in_place_s']:.2f} s")
         if d.get("status") == t.get("status") == "ok":
             print(
-                f"{config:<10} dtrec/TorchRec: save {_ratio(d['save_s'], t['save_s'])}, "
-                f"load {_ratio(d['load_s'], t['load_s'])} "
-                f"(staged=False {_ratio(d['load_in_place_s'], t['load_s'])}), "
-                f"bytes {_ratio(d['bytes_written_total'], t['bytes_written_total'])}"
+                f"{config:<10} dtrec/TorchRec: save {ratio(d['save_s'], t['save_s'])}, "
+                f"load {ratio(d['load_s'], t['load_s'])} "
+                f"(staged=False {ratio(d['load_in_place_s'], t['load_s'])}), "
+                f"bytes {ratio(d['bytes_written_total'], t['bytes_written_total'])}"
             )
 
 

@@ -12,7 +12,7 @@ Modes, each in a fresh world of 8 ranks (one after the other, in one sitting):
 - ``torchrec_ddp``: the same tables in TorchRec's ``EmbeddingCollection`` /
   ``EmbeddingBagCollection`` under ``DistributedModelParallel`` with the example's plan
   written as TorchRec plan helpers over the 8 ranks (row-wise, table-wise, column-wise over
-  4 ranks; built by hand, as ``benchmarks/torchrec_baseline.py``: the planner offers no
+  4 ranks; built by hand, as ``benchmarks/common/torchrec_side.py``: the planner offers no
   row-wise on CPU), the dense tower under DDP (DMP's wrapper); rank r gets the same batch
   as in ``dtrec_fsdp`` and the same starting weights.
 
@@ -54,7 +54,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import dtrec
-from benchmarks.distributed import MALLOC_ENV
+from benchmarks.common.run_loop import MALLOC_ENV
 from benchmarks.probes.machine import processor, processor_line
 from benchmarks.probes.report import dtrec_source, write_report
 from examples import hstu_composed as hstu
@@ -140,7 +140,7 @@ def _torchrec_ddp() -> tuple[nn.Module, int, int]:
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
-    from benchmarks.torchrec_baseline import load_full_weights
+    from benchmarks.common.torchrec_side import load_full_weights
 
     model = hstu.HSTURecommender()  # dtrec's tables: their weights are the starting point
     full = {k: v.clone() for k, v in model.state_dict().items()}

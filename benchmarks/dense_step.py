@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from benchmarks.dense_arch import NUM_DENSE, DenseArch
+from benchmarks.common.dense_arch import NUM_DENSE, DenseArch
 from benchmarks.probes.machine import processor, processor_line
 from benchmarks.probes.report import dtrec_source, write_report
 from tests.multiprocess import run_world

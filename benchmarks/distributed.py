@@ -15,7 +15,7 @@ Configs (``--configs``): ``table_wise`` (table i on shard rank i % S), ``row_wis
 ``column_wise``, ``data_parallel``, ``mixed`` (quarters of the tables: DP, TW, CW, RW) on a
 shard group of S = W ranks (dtrec mesh (W, 1), TorchRec ``DistributedModelParallel``), and
 ``2d_<type>`` on S = W / 2 (dtrec mesh (W/2, 2), TorchRec ``DMPCollection`` with ``sync()``
-after every step, patched to run on CPU: see ``benchmarks/torchrec_baseline.py``).
+after every step, patched to run on CPU: see ``benchmarks/common/torchrec_side.py``).
 
 Every (library, config) runs in a fresh world of W processes (so ``ru_maxrss`` is that run's
 peak): ``--warmup`` steps, then ``--steps`` timed steps, each preceded by a ``dist.barrier()``
@@ -33,7 +33,7 @@ Before the configs (and again after them, to tell whether the machine's speed he
 world measures the machine (``benchmarks/probes/cpu_calibration.py``: collective latency
 and bandwidths, lookup and update speed, the dense step, a host floor); the report then
 predicts every config's dtrec step from the first measurement and the planner's cost model
-and prints the error and the plans' order (``benchmarks/distributed_predict.py``, issue 33;
+and prints the error and the plans' order (``benchmarks/common/step_prediction.py``, issue 33;
 ``--no-predict`` skips all of it).
 
 ``--cost-model`` prints dtrec's expected bytes per rank per step for large worlds (no processes),
@@ -53,452 +53,21 @@ from a clone of a given commit measures that commit, see ``meta.dtrec`` in the J
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
-import functools
-import logging
-import os
-import platform
-import resource
-import statistics
 import sys
-import time
-import warnings
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 
-import numpy as np
-import torch
-import torch.distributed as dist
-from torch import Tensor, nn
-
-import dtrec
-from benchmarks.distributed_pipeline import pipeline_run, print_pipeline_table
-from benchmarks.probes.comm import CollectiveCensus, CommCounter
-from benchmarks.probes.machine import processor, processor_line
+from benchmarks.common.cost_model import cost_model
+from benchmarks.common.pipeline import print_pipeline_table
+from benchmarks.common.report import fmt_bytes, num, ratio, run_meta
+from benchmarks.common.run_loop import MALLOC_ENV, run_config
+from benchmarks.common.step_prediction import calibrate, check
+from benchmarks.common.workloads import TYPES, WORKLOADS, Workload, table_kinds, workload
+from benchmarks.probes.machine import processor_line
 from benchmarks.probes.report import dtrec_source, write_report
-from benchmarks.probes.stages import (
-    ExclusiveStageTimer,
-    HostReads,
-    dtrec_targets,
-    print_stage_table,
-    torchrec_targets,
-)
-from benchmarks.probes.stages import train_step as stage_train_step
-from dtrec.modules.config import EmbeddingBagConfig
-from dtrec.placements import (
-    ColumnWise,
-    DataParallel,
-    Grid,
-    RowWise,
-    TableRowWise,
-    TableSpec,
-    TableWise,
-)
-from dtrec.placements.mesh import ShardAxis, positions_per_node
-from dtrec.planning.cost_model import Topology, comm_by_kind, table_cost
-from tests.multiprocess import WorldError, run_world
+from benchmarks.probes.stages import print_stage_table
+from dtrec.placements.mesh import positions_per_node
 
-TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel", "mixed")
 CONFIGS = (*TYPES, *(f"2d_{t}" for t in TYPES))
 DEFAULT_CONFIGS = (*TYPES, "2d_row_wise", "2d_mixed")
-HASH = 2654435761  # Zipf rank -> row scatter (as in benchmarks/kernels.py)
-LR, EPS = 0.01, 1e-8
-
-
-# --------------------------------------------------------------------------- workload
-
-
-@dataclass(frozen=True)
-class Workload:
-    """The model and batch shape both libraries train."""
-
-    rows: tuple[int, ...]
-    """Rows of each table ``t<i>`` (read by feature ``f<i>``)."""
-    dim: int = 64
-    """Embedding dim of every table."""
-    batch: int = 512
-    """Samples per rank per step."""
-    bag_range: tuple[int, int] = (10, 30)
-    """Ids per bag, uniform over this inclusive range."""
-    zipf: float = 1.1
-    """Zipf exponent of the ids."""
-
-    @property
-    def mean_bag(self) -> float:
-        return sum(self.bag_range) / 2
-
-
-WORKLOADS = ("large_tables", "mixed_sizes")
-
-
-def workload(scale: float = 1.0, batch: int = 512, kind: str = "large_tables") -> Workload:
-    """``large_tables``: 8 tables of 1e5..1e6 rows (geometric) times ``scale`` (as
-    benchmarks/kernels.py), Zipf 1.1. ``mixed_sizes`` (issue 46): 16 tables of 100..1e6
-    rows (geometric) times ``scale``, Zipf 1.05: many small tables whose ids repeat
-    heavily within a batch, a regime of their own. Both: bags of 10..30 ids (mean 20)."""
-    if kind == "large_tables":
-        rows = (max(1, int(scale * 1e5 * 10 ** (i / 7))) for i in range(8))
-        return Workload(rows=tuple(rows), batch=batch)
-    if kind == "mixed_sizes":
-        rows = (max(1, int(scale * 100 * 10 ** (4 * i / 15))) for i in range(16))
-        return Workload(rows=tuple(rows), batch=batch, zipf=1.05)
-    raise ValueError(f"unknown workload {kind!r}; choose from {WORKLOADS}")
-
-
-def zipf_ids(rows: int, n: int, s: float, gen: torch.Generator) -> Tensor:
-    """``n`` ids: Zipf rank k (P ~ (k+1)^-s, truncated to ``rows``) scattered by ``HASH``.
-
-    Inverse CDF of the continuous power law on [1, rows + 1), floored: rank k has probability
-    ``zipf_row_probs`` exactly (unlike clamping, which piles the tail's mass on one row).
-    """
-    u = torch.rand(n, generator=gen, dtype=torch.float64)
-    x = (1 - u * (1 - (rows + 1) ** (1 - s))) ** (-1 / (s - 1))
-    rank = (x.floor().long() - 1).clamp(0, rows - 1)
-    return (rank * HASH) % rows
-
-
-def zipf_row_probs(rows: int, s: float) -> np.ndarray:
-    """Probability of each row (after the hash scatter) under ``zipf_ids``."""
-    edge = np.arange(1, rows + 2, dtype=np.float64) ** (1 - s)
-    p_rank = (edge[:-1] - edge[1:]) / (1 - (rows + 1) ** (1 - s))
-    row = (np.arange(rows, dtype=np.int64) * HASH) % rows
-    return np.bincount(row, weights=p_rank, minlength=rows)
-
-
-def make_batch(w: Workload, rank: int, step: int) -> tuple[list[str], Tensor, Tensor, Tensor]:
-    """Rank ``rank``'s batch of step ``step``: (keys, values, key-major lengths, labels)."""
-    gen = torch.Generator().manual_seed(1_000_003 * rank + step)
-    lo, hi = w.bag_range
-    lengths = torch.randint(lo, hi + 1, (len(w.rows) * w.batch,), generator=gen)
-    per_key = lengths.view(len(w.rows), w.batch).sum(1).tolist()
-    values = torch.cat([zipf_ids(r, n, w.zipf, gen) for r, n in zip(w.rows, per_key)])
-    labels = torch.randint(0, 2, (w.batch,), generator=gen).float()
-    return [f"f{i}" for i in range(len(w.rows))], values, lengths, labels
-
-
-def config_shards(config: str, world: int) -> int:
-    """S of a config: the whole world, or half of it for the ``2d_`` configs (R = 2)."""
-    return world // 2 if config.startswith("2d_") else world
-
-
-def table_kinds(config: str, shard_group_size: int, num_tables: int = 8) -> list[str]:
-    """Per table: "tw:<shard rank>", "rw", "cw" or "dp" (``config`` without its ``2d_``)."""
-    kind = config.removeprefix("2d_")
-    if kind == "mixed":  # quarters of the tables, in order: DP, TW, CW, RW
-        if num_tables % 4:
-            raise ValueError(f"the mixed plan splits tables in quarters, got {num_tables}")
-        per = [("dp", "tw", "cw", "rw")[4 * i // num_tables] for i in range(num_tables)]
-    else:
-        short = {"table_wise": "tw", "row_wise": "rw", "column_wise": "cw", "data_parallel": "dp"}
-        per = [short[kind]] * num_tables
-    return [f"tw:{i % shard_group_size}" if k == "tw" else k for i, k in enumerate(per)]
-
-
-def dtrec_spec(kind: str) -> TableSpec:
-    """dtrec spec of a table kind ("tw:3", "rw", "cw", "dp", "trw:1", "grid")."""
-    name, _, arg = kind.partition(":")
-    specs = {
-        "tw": lambda: TableWise(rank=int(arg)),
-        "trw": lambda: TableRowWise(node=int(arg)),
-        "rw": RowWise,
-        "cw": ColumnWise,
-        "dp": DataParallel,
-        "grid": Grid,
-    }
-    return specs[name]()
-
-
-class Model(nn.Module):
-    """Embedding collection -> concat pooled -> Linear(T*D, 64) -> ReLU -> Linear(64, 1)."""
-
-    def __init__(self, ebc: nn.Module, w: Workload) -> None:
-        super().__init__()
-        self.ebc = ebc
-        self.dense = nn.Sequential(nn.Linear(len(w.rows) * w.dim, 64), nn.ReLU(), nn.Linear(64, 1))
-
-    def forward(self, kjt: object) -> Tensor:
-        return self.dense(self.ebc(kjt).values()).squeeze(1)
-
-
-# --------------------------------------------------------------------------- one rank
-
-
-def _quiet() -> None:
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def _ddp_estimate(ddps: Sequence[tuple[dist.ProcessGroup | None, list[nn.Parameter]]]) -> int:
-    """Bytes a rank sends in DDP's gradient all-reduces: 2 (g-1)/g x reduced bytes, per DDP."""
-    total = 0
-    for group, params in ddps:
-        size = (group or dist.group.WORLD).size()
-        nbytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        total += 2 * (size - 1) * nbytes // size
-    return total
-
-
-def _build_dtrec(w: Workload, kinds: list[str], shard_group_size: int, specs: dict | None = None):
-    """(model, optimizers, per-step hook, DDP bytes estimate, KJT type) for dtrec;
-    ``specs``: the plan itself (``{"ebc.t<i>": spec}``) instead of ``kinds``."""
-    mesh = dtrec.init_mesh("cpu", shard_group_size=shard_group_size)
-    ebc = dtrec.EmbeddingBagCollection(
-        [
-            dtrec.EmbeddingBagConfig(f"t{i}", r, w.dim, [f"f{i}"], "sum")
-            for i, r in enumerate(w.rows)
-        ],
-        device="meta",  # like TorchRec's: each rank creates only its blocks
-    )
-    plan = specs or {f"ebc.t{i}": dtrec_spec(k) for i, k in enumerate(kinds)}
-    model = dtrec.distribute_module(
-        Model(ebc, w), mesh, plan, optimizer=dtrec.optim.RowWiseAdagrad(lr=LR, eps=EPS)
-    )
-    dense = [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("ebc.")]
-    # dtrec's dense gradient all-reduce is a plain c10d one (dtrec.sharded.dense): the
-    # wrappers see it, so it needs no estimate (kind dense.grad_sync in comm_stats)
-    return model, [torch.optim.Adagrad(dense, lr=LR)], None, 0, dtrec.KeyedJaggedTensor
-
-
-def _build_torchrec(w: Workload, kinds: list[str], shard_group_size: int):
-    """Same as ``_build_dtrec``, with TorchRec (imported only here)."""
-    from benchmarks import torchrec_baseline as trb
-
-    model, optimizers, hook = trb.shard_torchrec(
-        Model(trb.torchrec_ebc(w.rows, w.dim), w), kinds, shard_group_size, LR, EPS
-    )
-    ddp = _ddp_estimate([(m.process_group, m._module_parameters) for m in trb.ddp_modules(model)])
-    return model, optimizers, hook, ddp, trb.KeyedJaggedTensor
-
-
-def run_rank(rank: int, world: int, lib: str, config: str, w: Workload, opts: dict) -> dict:
-    """One rank of one (library, config) run: build, warm up, time, census. Picklable result."""
-    _quiet()
-    torch.manual_seed(0)
-    warmup, steps, census_steps = opts["warmup"], opts["steps"], opts["census_steps"]
-    if steps < 1 or census_steps < 1 or warmup < 0:
-        raise ValueError(f"need steps >= 1, census_steps >= 1, warmup >= 0; got {opts}")
-    dtrec.ops.set_backend(opts.get("dtrec_backend", "auto"))
-    shards = config_shards(config, world)
-    kinds = opts.get("kinds") or table_kinds(config, shards, len(w.rows))
-    rss_start = _rss_mb()
-    build = _build_dtrec if lib == "dtrec" else _build_torchrec
-    model, optimizers, hook, ddp_estimate, kjt_type = build(w, kinds, shards)
-    rss_built = _rss_mb()
-    batches = []
-    for s in range(warmup + steps + census_steps):
-        keys, values, lengths, labels = make_batch(w, rank, s)
-        batches.append((kjt_type(keys=keys, values=values, lengths=lengths), labels))
-
-    timer = ExclusiveStageTimer()
-
-    def train_step(kjt, labels) -> float:
-        return stage_train_step(model, optimizers, timer, kjt, labels, hook)
-
-    def timed_step(s: int) -> float:
-        dist.barrier()  # start together; the barrier is outside the timed region
-        start = time.perf_counter()
-        losses.append(train_step(*batches[s]))
-        return 1e3 * (time.perf_counter() - start)
-
-    losses: list[float] = []
-    warmup_ms = [timed_step(s) for s in range(warmup)]
-    counter = CommCounter()
-    targets = (dtrec_targets if lib == "dtrec" else torchrec_targets)(model)
-    with dtrec.comm_stats() as stats, counter.active():
-        timer.clear()
-        with timer.wrapping(targets) as not_timed:
-            step_ms = [timed_step(s) for s in range(warmup, warmup + steps)]
-    part_of = {"fused_update": "backward_update"}
-    stage_ms = timer.per_step(steps, part_of)
-    stage_cpu_ms = timer.per_step(steps, part_of, cpu=True)
-    census, reads = CollectiveCensus(), HostReads(torch.device("cpu"))
-    for s in range(warmup + steps, warmup + steps + census_steps):
-        dist.barrier()
-        with census, reads.counting():
-            train_step(*batches[s])
-    nbytes = counter.per_step(steps)
-    profile = _profile_steps(train_step, batches[warmup:], opts.get("profile", 0), rank)
-    piped = None
-    if opts.get("pipeline"):  # the library's own pipeline, same model and batches
-        timed_batches = batches[: warmup + steps]
-        piped = pipeline_run(lib, model, optimizers, timed_batches, warmup)
-    from dtrec.kernels import cpu as cpu_kernels
-    from dtrec.optim.cpu_choice import cpu_rowwise_adagrad
-
-    return {
-        "cpu_rowwise_adagrad": cpu_rowwise_adagrad() if lib == "dtrec" else None,
-        "cpu_kernels": cpu_kernels.available() if lib == "dtrec" else None,
-        "profile": profile,
-        "pipeline": piped,
-        "rank": rank,
-        "kinds": kinds,
-        "step_ms": step_ms,
-        "median_ms": statistics.median(step_ms),
-        "warmup_ms": warmup_ms,
-        "loss_first_last": [losses[0], losses[-1]],
-        "bytes_by_collective": nbytes,
-        "bytes_per_step": sum(v["bytes"] for v in nbytes.values()),
-        "dense_ddp_estimate": ddp_estimate,
-        "census_per_step": {
-            k: {"calls": census.calls[k] / census_steps, "bytes": census.bytes[k] / census_steps}
-            for k in sorted(census.calls)
-        },
-        "dtrec_comm_stats": stats.per_step(steps) if lib == "dtrec" else None,
-        "stage_ms": stage_ms,
-        "stage_cpu_ms": stage_cpu_ms,
-        "stages_not_timed": not_timed,
-        "collectives_per_step": sum(census.calls.values()) / census_steps,
-        "host_reads_per_step": sum(reads.sites.values()) / census_steps,
-        "host_read_sites": {k: v / census_steps for k, v in reads.sites.most_common()},
-        "rss_mb": {"start": rss_start, "after_setup": rss_built, "end": _rss_mb()},
-        "peak_rss_mb": _peak_rss_mb(),
-    }
-
-
-def _profile_steps(train_step, batches: list, steps: int, rank: int) -> str | None:
-    """Rank 0's CPU profile of ``steps`` more steps (every rank runs them): the ops by self
-    CPU time, then by total CPU time, as torch's profiler tables; None when ``steps`` is 0."""
-    if steps <= 0:
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    profiler = profile(activities=[ProfilerActivity.CPU]) if rank == 0 else contextlib.nullcontext()
-    with profiler as prof:
-        for s in range(steps):
-            dist.barrier()
-            train_step(*batches[s % len(batches)])
-    if rank != 0:
-        return None
-    averages = prof.key_averages()
-    return "\n".join(
-        [f"{steps} steps of rank 0", averages.table(sort_by="self_cpu_time_total", row_limit=45),
-         averages.table(sort_by="cpu_time_total", row_limit=30)]
-    )  # fmt: skip
-
-
-# --------------------------------------------------------------------------- driver
-
-
-def _median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs))
-
-
-# glibc's malloc serves blocks above its mmap threshold (128 KiB until a larger block is
-# freed, which raises it) with fresh pages, so a step's large temporaries page-fault anew
-# every step; a process that built its tables on meta never freed a large block and pays
-# that each step (dtrec's column-wise step: 158 vs 120 ms). A fixed 32 MiB threshold keeps
-# them in the heap. Every rank of both libraries gets it; --malloc-default turns it off.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-
-
-def run_config(lib: str, config: str, w: Workload, opts: dict, world: int = 4) -> dict:
-    """Run one (library, config) in a fresh world; per-rank results and medians over ranks.
-
-    Also records the machine's 1-minute load average before and after (other jobs on the
-    machine skew step times).
-    """
-    start, load_before = time.perf_counter(), os.getloadavg()[0]
-    try:
-        ranks = run_world(
-            world,
-            run_rank,
-            lib,
-            config,
-            w,
-            opts,
-            timeout=opts.get("timeout", 1200.0),
-            collective_timeout=opts.get("timeout", 1200.0),
-            env=opts.get("env"),
-        )
-    except WorldError as exc:
-        return {
-            "status": "failed",
-            "error": str(exc)[-6000:],
-            "wall_s": time.perf_counter() - start,
-            "load_avg": [load_before, os.getloadavg()[0]],
-        }
-    kinds = sorted({k for r in ranks for k in r["bytes_by_collective"]})
-    census = sorted({k for r in ranks for k in r["census_per_step"]})
-    summary = {
-        "step_ms": _median([r["median_ms"] for r in ranks]),
-        "step_ms_slowest_rank": max(r["median_ms"] for r in ranks),
-        "bytes_per_step": _median([r["bytes_per_step"] for r in ranks]),
-        "bytes_by_collective": {
-            k: _median([r["bytes_by_collective"].get(k, {}).get("bytes", 0) for r in ranks])
-            for k in kinds
-        },
-        "dense_ddp_estimate": _median([r["dense_ddp_estimate"] for r in ranks]),
-        "census_bytes_per_step": {
-            k: _median([r["census_per_step"].get(k, {}).get("bytes", 0) for r in ranks])
-            for k in census
-        },
-        **{
-            key: {k: _median([r[key].get(k, 0.0) for r in ranks]) for k in ranks[0][key]}
-            for key in ("stage_ms", "stage_cpu_ms")
-        },
-        "collectives_per_step": _median([r["collectives_per_step"] for r in ranks]),
-        "host_reads_per_step": _median([r["host_reads_per_step"] for r in ranks]),
-        "peak_rss_mb": _median([r["peak_rss_mb"] for r in ranks]),
-        "end_rss_mb": _median([r["rss_mb"]["end"] for r in ranks]),
-    }
-    summary["total_bytes_per_step"] = summary["bytes_per_step"] + summary["dense_ddp_estimate"]
-    if opts.get("pipeline"):
-        errors = sorted({r["pipeline"]["error"] for r in ranks if "error" in r["pipeline"]})
-        if errors:
-            summary["pipeline_error"] = "; ".join(errors)
-        else:
-            summary["pipeline_step_ms"] = _median([r["pipeline"]["median_ms"] for r in ranks])
-    out = {
-        "status": "ok",
-        "wall_s": time.perf_counter() - start,
-        "load_avg": [load_before, os.getloadavg()[0]],
-        "median": summary,
-    }
-    if lib == "dtrec":
-        measured = [r["dtrec_comm_stats"] for r in ranks]
-        names = sorted({k for m in measured for k in m})
-        summary["dtrec_comm_stats"] = {
-            k: _median([m.get(k, {}).get("bytes", 0) for m in measured]) for k in names
-        }
-        # Host ms inside dtrec's collectives per step (on gloo: the exchange plus any wait).
-        summary["dtrec_comm_ms"] = {
-            k: 1e3 * _median([m.get(k, {}).get("seconds", 0) for m in measured]) for k in names
-        }
-        model = cost_model(w, ranks[0]["kinds"], world, config_shards(config, world))
-        out["cost_model_check"] = {
-            "model_mean_bytes": model["mean_total"],
-            "measured_mean_bytes": statistics.fmean(  # the tables' (the model's scope)
-                sum(v["bytes"] for k, v in m.items() if not k.startswith("dense."))
-                for m in measured
-            ),
-            "model_by_kind": model["mean_by_kind"],
-        }
-    out["ranks"] = ranks
-    return out
-
-
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.1f}{unit}" if unit != "B" else f"{n:.0f}B"
-        n /= 1000
-    raise AssertionError
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}" if a is not None and b else "-"
 
 
 def print_table(results: dict[str, dict[str, dict]]) -> None:
@@ -520,8 +89,8 @@ def print_table(results: dict[str, dict[str, dict]]) -> None:
         t_b = get(config, "torchrec", "total_bytes_per_step")
         rss = [_rss(results[config].get(lib)) for lib in ("dtrec", "torchrec")]
         print(
-            f"{config:<16}{_num(d_ms):>9}{_num(t_ms):>9}{_ratio(d_ms, t_ms):>6}"
-            f"{_fmt_bytes(d_b):>13}{_fmt_bytes(t_b):>11}{_ratio(d_b, t_b):>6}"
+            f"{config:<16}{num(d_ms):>9}{num(t_ms):>9}{ratio(d_ms, t_ms):>6}"
+            f"{fmt_bytes(d_b):>13}{fmt_bytes(t_b):>11}{ratio(d_b, t_b):>6}"
             f"{rss[0]:>14}{rss[1]:>12}"
         )
     print(
@@ -535,17 +104,17 @@ def print_table(results: dict[str, dict[str, dict]]) -> None:
                 print(f"  {config} {lib}: FAILED: {last[:200]}")
                 continue
             m = run["median"]
-            parts = [f"{k} {_fmt_bytes(v)}" for k, v in m["bytes_by_collective"].items()]
-            parts.append(f"DDP est. {_fmt_bytes(m['dense_ddp_estimate'])}")
+            parts = [f"{k} {fmt_bytes(v)}" for k, v in m["bytes_by_collective"].items()]
+            parts.append(f"DDP est. {fmt_bytes(m['dense_ddp_estimate'])}")
             print(f"  {config} {lib}: " + ", ".join(parts))
             if lib == "dtrec":
                 check = run["cost_model_check"]
                 stats = m["dtrec_comm_stats"]
                 print(
                     f"  {config} dtrec comm_stats: "
-                    + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in stats.items())
-                    + f" | cost model {_fmt_bytes(check['model_mean_bytes'])} vs measured "
-                    + f"{_fmt_bytes(check['measured_mean_bytes'])}"
+                    + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in stats.items())
+                    + f" | cost model {fmt_bytes(check['model_mean_bytes'])} vs measured "
+                    + f"{fmt_bytes(check['measured_mean_bytes'])}"
                 )
                 comm_ms = m["dtrec_comm_ms"]
                 print(
@@ -575,99 +144,11 @@ def check_targets(results: dict[str, dict[str, dict]], target: float) -> dict[st
     return out
 
 
-def _num(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1f}"
-
-
 def _rss(run: dict | None) -> str:
     """Peak/end RSS in MB (medians over ranks) of a run, or "-"."""
     if not run or run["status"] != "ok":
         return "-"
     return f"{run['median']['peak_rss_mb']:.0f}/{run['median']['end_rss_mb']:.0f}"
-
-
-# --------------------------------------------------------------------------- cost model
-
-
-def cost_model(
-    w: Workload,
-    kinds: Sequence[str],
-    world: int,
-    shard_group_size: int,
-    node_size: int | None = None,
-) -> dict:
-    """Expected bytes one rank sends per training step in dtrec, per dtrec collective kind.
-
-    Built from each table's ``TableLayout.blocks`` the way ``dtrec.sharded`` routes data
-    (B = batch per rank, L = mean bag length, S shard group, R = W / S replicas,
-    P(b) = probability mass of block b's rows,
-    U(n, b) = expected distinct rows of block b among n ids = sum_r in b 1 - (1 - p_r)^n):
-
-    * ``input_dist.header``: to each of the S - 1 peers 4 int32 when any table is not data
-      parallel, and one int32 id count per segment that peer serves;
-    * ``input_dist.ids``: to each block's position, from every other position, B int64
-      lengths + B L P(b) int64 ids (column blocks get every id of their rows);
-    * ``output_dist``: a block's position sends (S - 1) x [B, block cols] fp32 partials;
-      ``output_dist.backward``: every other position sends [B, block cols] fp32 grads back;
-    * ``grad_sync.replicate.*`` / ``grad_sync.data_parallel.*`` (fused optimizer, gradients
-      synced every step): per group (the R replicas of sharded blocks; the W ranks for
-      data-parallel tables) one all-gather of per-table counts, (g - 1) x 8 x tables; then
-      per table the cheaper of a sparse all-gather, (g - 1) m (8 + 4 cols) with
-      m = U(S B L, b) (U(B L, table) for data parallel), and a dense all-reduce,
-      2 (g - 1) / g x rows (cols + 1) x 4 (``replica_sync.sync_bytes``, "auto" mode);
-    * ``optim.row_sq_sum`` (row-wise Adagrad, blocks sharing rows with c > 1 column peers):
-      all-reduce of U(W B L, b) fp32 row sums: 2 (c - 1) / c x 4 U.
-
-    ``dense_ddp_estimate`` is separate (torch DDP, not dtrec). Returns the mean and max over
-    ranks of the total, and the mean per kind (plus the id/length split of input_dist.ids).
-    """
-    s_size, replicas = shard_group_size, world // shard_group_size
-    per_node = None if node_size is None else positions_per_node(world, s_size, node_size)
-    axis = ShardAxis(s_size, replicas, per_node)
-    topology = Topology(batch_size_per_rank=w.batch, default_pooling_factor=w.mean_bag)
-    costs = [
-        table_cost(
-            EmbeddingBagConfig(f"t{t}", w.rows[t], w.dim),
-            dtrec_spec(kind),
-            axis,
-            topology,
-            _row_probs(w.rows[t], w.zipf),
-        )
-        for t, kind in enumerate(kinds)
-    ]
-    sent = comm_by_kind(costs, axis)
-    kinds_out = [k for k in sent if k not in ("input_dist.lengths", "input_dist.id_values")]
-    total = sum(sent[k] for k in kinds_out) if kinds_out else np.zeros(s_size)
-    return {
-        "mean_total": float(np.mean(total)),
-        "max_total": float(np.max(total)),
-        "mean_by_kind": {k: float(np.mean(v)) for k, v in sorted(sent.items()) if v.any()},
-    }
-
-
-class _RowProbs:
-    """Row probabilities of one table, with prefix sums for block masses and distinct counts."""
-
-    def __init__(self, rows: int, s: float) -> None:
-        p = zipf_row_probs(rows, s)
-        self._log1m = np.log1p(-p)
-        self._mass = np.concatenate([[0.0], np.cumsum(p)])
-        self._unique: dict[float, np.ndarray] = {}
-
-    def mass(self, start: int, end: int) -> float:
-        """Probability that an id falls in rows [start, end)."""
-        return float(self._mass[end] - self._mass[start])
-
-    def unique(self, n: float, start: int, end: int) -> float:
-        """Expected distinct rows of [start, end) among ``n`` ids: sum 1 - (1 - p_r)^n."""
-        if n not in self._unique:
-            self._unique[n] = np.concatenate([[0.0], np.cumsum(-np.expm1(n * self._log1m))])
-        return float(self._unique[n][end] - self._unique[n][start])
-
-
-@functools.cache
-def _row_probs(rows: int, s: float) -> _RowProbs:
-    return _RowProbs(rows, s)
 
 
 COST_WORLDS = (8, 64, 512, 4096)
@@ -713,39 +194,11 @@ def print_cost_model(rows: list[dict]) -> None:
             elif "error" in r:
                 cells.append("n/a")
             else:
-                cells.append(f"{_fmt_bytes(r['mean_total'])} ({_fmt_bytes(r['max_total'])})")
+                cells.append(f"{fmt_bytes(r['mean_total'])} ({fmt_bytes(r['max_total'])})")
         print(f"{kind:<16}{s_size:>5}" + "".join(f"{c:>24}" for c in cells))
 
 
 # --------------------------------------------------------------------------- main
-
-
-def _meta(argv: list[str], w: Workload) -> dict:
-    import fbgemm_gpu
-
-    try:
-        import torchrec
-
-        torchrec_version = torchrec.__version__
-    except ImportError:
-        torchrec_version = None
-    return {
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join(["python -m benchmarks.distributed", *argv]),
-        "torch": torch.__version__,
-        "torchrec": torchrec_version,
-        "fbgemm_gpu": fbgemm_gpu.__version__,
-        "python": platform.python_version(),
-        "cpu_cores": os.cpu_count(),
-        "processor": processor(),
-        "platform": platform.platform(),
-        "dtrec": dtrec_source(),
-        "workload": asdict(w),
-        "timing": "median over timed steps per rank (dist.barrier() before each step, outside "
-        "the timed region), then median over ranks; OMP_NUM_THREADS=1 per rank",
-        "bytes": "per rank per step: wrapped torch.distributed collectives during the timed "
-        "steps + dense_ddp_estimate = 2 (W-1)/W x bytes of DDP-reduced params",
-    }
 
 
 def write_profiles(path: str, results: dict[str, dict[str, dict]]) -> None:
@@ -765,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies table rows")
     parser.add_argument("--batch", type=int, default=512, help="samples per rank per step")
     parser.add_argument("--workload", default="large_tables", choices=WORKLOADS,
-                        help="the tables and ids (see workload())")  # fmt: skip
+                        help="the tables and ids (see benchmarks/common/workloads.py)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--census-steps", type=int, default=1, help="untimed census steps")
@@ -800,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     w = workload(args.scale, args.batch, args.workload)
     env = {} if args.malloc_default else MALLOC_ENV
-    report: dict = {"meta": {**_meta(argv, w), "workload_kind": args.workload, "rank_env": env}}
+    meta = run_meta("benchmarks.distributed", argv, w)
+    report: dict = {"meta": {**meta, "workload_kind": args.workload, "rank_env": env}}
     report["cost_model"] = cost_table = cost_model_table(w)
     if not args.cost_model:
         configs = [c for c in args.configs.split(",") if c]
@@ -812,9 +266,7 @@ def main(argv: list[str] | None = None) -> None:
         opts = {**{k: getattr(args, k) for k in names}, "env": env}
         libs = ["dtrec"] if args.no_torchrec else ["dtrec", "torchrec"]
         calibration = None
-        if not args.no_predict:  # imported here: it imports this module
-            from benchmarks.distributed_predict import calibrate
-
+        if not args.no_predict:
             calibration = report["meta"]["cpu_calibration"] = calibrate(w, args.world_size)
             print(f"[calibration] ok ({calibration['wall_s']:.0f} s)", flush=True)
         results: dict[str, dict[str, dict]] = {}
@@ -844,8 +296,6 @@ def main(argv: list[str] | None = None) -> None:
         if args.pipeline:
             print_pipeline_table(results)
         if calibration is not None:
-            from benchmarks.distributed_predict import calibrate, check
-
             after = report["meta"]["cpu_calibration_after"] = calibrate(w, args.world_size)
             report["step_prediction"] = check(w, results, calibration, args.world_size, after)
         after = dtrec_source()

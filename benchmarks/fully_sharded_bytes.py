@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks.distributed import workload, zipf_row_probs
+from benchmarks.common.workloads import workload, zipf_row_probs
 from benchmarks.scale.run import mlperf
 
 

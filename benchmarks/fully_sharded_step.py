@@ -9,7 +9,7 @@ alternately on the same batches, so machine load hits them alike:
 - ``fully_sharded``: dtrec ``RowWise(fully_sharded=True)`` (owner slices, rows routed);
 - ``torchrec``: TorchRec 1.8.0 ``DMPCollection`` default strategy (``sync()`` every
   step: replicas' weights and state averaged), patched to run on CPU
-  (``benchmarks/torchrec_baseline.cpu_dmp_collection``);
+  (``benchmarks/common/torchrec_side.cpu_dmp_collection``);
 - ``torchrec_fully_sharded``: ``DMPCollection(sharding_strategy=FULLY_SHARDED)`` is
   tried; on CPU it refuses (its error is recorded) and its memory is computed from its
   code instead (``torchrec_fully_sharded_computed``): weights reduce-scattered to 1/R
@@ -61,7 +61,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtrec
-from benchmarks.distributed import EPS, LR, Model, make_batch, workload
+from benchmarks.common.workloads import EPS, LR, Model, make_batch, workload
 from benchmarks.probes.comm import _C10D_OPS, _FUNCTIONAL_OPS, sent_bytes
 from benchmarks.probes.machine import processor
 from benchmarks.probes.report import dtrec_source, write_report
@@ -164,7 +164,7 @@ def _build_dtrec(w, mesh, fully_sharded: bool):
 
 def _build_torchrec(w, shards: int, fully_sharded: bool):
     """TorchRec's DMPCollection (default, or FULLY_SHARDED: raises on CPU)."""
-    from benchmarks import torchrec_baseline as trb
+    from benchmarks.common import torchrec_side as trb
 
     model = Model(trb.torchrec_ebc(w.rows, w.dim), w)
     if not fully_sharded:

@@ -42,14 +42,13 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.gpu_step import (
+from benchmarks.common.device import bench_device, sync
+from benchmarks.common.dlrm import (
     MLPERF_ROWS,
     Batch,
     Workload,
-    bench_device,
     build_dtrec,
     make_batch,
-    sync,
 )
 from benchmarks.probes.report import dtrec_source, write_report
 

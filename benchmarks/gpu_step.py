@@ -8,7 +8,7 @@ Zipf(1.1), ``--ids``) over each table's rows. Dense arch: 13 dense features -> M
 concatenated with the 26 pooled embeddings, one low-rank DCNv2 cross layer (rank 64), MLP
 256-1, BCE with logits; TF32 matmuls. ``--dense mlperf``: MLPerf DLRM-DCNv2's dense arch
 instead (bottom 512-256-128, 3 low-rank cross layers of rank 512, top 1024-1024-512-256-1;
-``benchmarks/dense_arch.py``); ``--dense-dtype bf16`` runs the dense arch under
+``benchmarks/common/dense_arch.py``); ``--dense-dtype bf16`` runs the dense arch under
 ``torch.autocast`` to bfloat16 (tables and exchanges unchanged, fp32).
 Tables: dtrec's fused row-wise Adagrad, or ``nn.EmbeddingBag(sparse=True)`` per table +
 ``torch.optim.Adagrad``; dense: torch Adagrad.
@@ -43,22 +43,30 @@ import datetime
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 import dtrec
-from benchmarks.dense_arch import (
-    ARCHS,
-    DTYPES,
-    NUM_DENSE,
-    linear_output_dtypes,
-    make_dense_arch,
+from benchmarks.common.dense_arch import ARCHS, DTYPES, linear_output_dtypes, make_dense_arch
+from benchmarks.common.device import bench_device, copy_bandwidth, sync
+from benchmarks.common.dlrm import (
+    LR,
+    MLPERF_HOTNESS,  # noqa: F401  (benchmarks/scale/run.py imports it from here, for now)
+    MLPERF_ROWS,
+    Batch,
+    Library,
+    Workload,
+    arch_name,
+    build_dtrec,
+    build_pytorch,
+    make_batch,
+    nbytes,
+    plain_state,
 )
-from benchmarks.kernels import copy_bandwidth, make_ids
 from benchmarks.probes.machine import processor
 from benchmarks.probes.report import dtrec_source, write_report
 from benchmarks.probes.step import (
@@ -72,193 +80,6 @@ from benchmarks.probes.step import (
 from dtrec.sharded.dist.output_dist import OutputDist
 from dtrec.sharded.lookup.local_path import LocalPath
 from dtrec.sharded.lookup.pooled import LocalLookup
-
-MLPERF_ROWS = (40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956,
-               405282, 10, 2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152,
-               12973, 108, 36)  # fmt: skip
-MLPERF_HOTNESS = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3,
-                  1, 1)  # fmt: skip
-LR = 0.01
-
-
-@dataclass(frozen=True)
-class Workload:
-    rows: tuple[int, ...]
-    """Rows of table ``t<i>`` (read by feature ``f<i>``)."""
-    dim: int
-    """Embedding dim of every table."""
-    hotness: tuple[int, ...] = MLPERF_HOTNESS
-    """Mean ids per bag of each feature in the multi-hot batch."""
-
-
-@dataclass
-class Batch:
-    dense: Tensor
-    sparse_features: dtrec.KeyedJaggedTensor
-    labels: Tensor
-    per_table: list[tuple[Tensor, Tensor]]
-    """(ids, bag start offsets) per table: plain PyTorch's input, made ahead of time."""
-    unique_rows: int
-    """Distinct (table, row) pairs the batch touches (for the bytes model)."""
-
-    def again(self) -> Batch:
-        """The same data under a new KJT object (the pipeline matches batches by identity)."""
-        kjt = self.sparse_features
-        new = dtrec.KeyedJaggedTensor(kjt.keys(), kjt.values(), kjt.lengths())
-        return Batch(self.dense, new, self.labels, self.per_table, self.unique_rows)
-
-
-def make_batch(w: Workload, size: int, one_hot: bool, ids: str, device, gen) -> Batch:
-    lengths, values, per_table, unique = [], [], [], 0
-    for rows, hot in zip(w.rows, w.hotness):
-        if one_hot:
-            ls = torch.ones(size, dtype=torch.long, device=device)
-        else:
-            ls = torch.randint(1, 2 * hot, (size,), device=device, generator=gen)
-        v = make_ids(rows, int(ls.sum()), ids, device, gen)
-        lengths.append(ls)
-        values.append(v)
-        per_table.append((v, torch.cumsum(ls, 0) - ls))
-        unique += int(torch.unique(v).numel())
-    keys = [f"f{i}" for i in range(len(w.rows))]
-    kjt = dtrec.KeyedJaggedTensor(keys, torch.cat(values), torch.cat(lengths))
-    dense = torch.randn(size, NUM_DENSE, device=device, generator=gen)
-    labels = torch.randint(0, 2, (size,), device=device, generator=gen).float()
-    return Batch(dense, kjt, labels, per_table, unique)
-
-
-class TorchTables(nn.Module):
-    """Plain PyTorch: one ``nn.EmbeddingBag(sparse=True)`` per table."""
-
-    def __init__(self, w: Workload, device: torch.device) -> None:
-        super().__init__()
-        self.bags = nn.ModuleList(
-            nn.EmbeddingBag(r, w.dim, mode="sum", sparse=True, device=device) for r in w.rows
-        )
-
-    def forward(self, per_table: list[tuple[Tensor, Tensor]]) -> Tensor:
-        return torch.cat([bag(v, o) for bag, (v, o) in zip(self.bags, per_table)], dim=1)
-
-
-class DLRM(nn.Module):
-    def __init__(self, sparse: nn.Module, dense_arch: nn.Module) -> None:
-        super().__init__()
-        self.sparse, self.dense_arch = sparse, dense_arch
-
-    def forward(self, dense: Tensor, features) -> Tensor:
-        pooled = self.sparse(features)
-        return self.dense_arch(dense, pooled if isinstance(pooled, Tensor) else pooled.values())
-
-
-@dataclass
-class Library:
-    """One library's model and how to run its steps."""
-
-    name: str
-    model: DLRM
-    optimizers: list[torch.optim.Optimizer]
-    features: str  # the Batch attribute its sparse arch reads
-    table_bytes: int
-    table_state_bytes: int  # after the first step (torch's Adagrad state is lazy)
-
-    def loss(self, model: nn.Module, b: Batch) -> Tensor:
-        logits = model(b.dense, getattr(b, self.features))
-        return F.binary_cross_entropy_with_logits(logits, b.labels)
-
-    def step(self, b: Batch) -> None:
-        self.loss(self.model, b).backward()
-        self.opt_step()
-
-    def opt_step(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-    def embedding_step(self, b: Batch, grad: Tensor) -> None:
-        """Forward + backward + table update of the embedding part alone."""
-        pooled = self.model.sparse(getattr(b, self.features))
-        (pooled if isinstance(pooled, Tensor) else pooled.values()).backward(grad)
-        if self.name == "pytorch":
-            self.optimizers[1].step()
-            self.optimizers[1].zero_grad(set_to_none=True)
-
-
-def dtrec_dlrm(
-    w: Workload, device: torch.device, arch: str = "small", dtype: str = "fp32"
-) -> tuple[list, DLRM]:
-    """The workload's tables (``t<i>``, feature ``f<i>``, sum) and the unsharded DLRM over
-    them: tables on meta, the dense arch (``benchmarks.dense_arch``) on ``device``, from
-    seed 0."""
-    tables = [
-        dtrec.EmbeddingBagConfig(f"t{i}", r, w.dim, [f"f{i}"], "sum") for i, r in enumerate(w.rows)
-    ]
-    torch.manual_seed(0)
-    model = DLRM(
-        dtrec.EmbeddingBagCollection(tables, device="meta"),
-        make_dense_arch(arch, len(tables) * w.dim, w.dim, dtype).to(device),
-    )
-    return tables, model
-
-
-def build_dtrec(
-    w: Workload, device: torch.device, plan: str, watch: FullTableWatch | None,
-    arch: str = "small", dtype: str = "fp32",
-):  # fmt: skip
-    spec = {"table_wise": dtrec.placements.TableWise(rank=0),
-            "row_wise": dtrec.placements.RowWise(),
-            "data_parallel": dtrec.placements.DataParallel()}[plan]  # fmt: skip
-    tables, model = dtrec_dlrm(w, device, arch, dtype)
-    mesh = dtrec.init_mesh(device.type, 1)
-    fused = dtrec.optim.RowWiseAdagrad(lr=LR)
-    plan_map = {f"sparse.{t.name}": spec for t in tables}
-    if watch is None:
-        model = dtrec.distribute_module(model, mesh, plan_map, optimizer=fused)
-    else:
-        with watch:
-            model = dtrec.distribute_module(model, mesh, plan_map, optimizer=fused)
-    weights = [t.weight.to_local() for t in model.sparse.embedding_bags.values()]
-    state = [v for s in model.sparse.fused_optimizer_state().values() for v in s.values()]
-    dense = [p for p in model.parameters() if p.requires_grad]
-    return Library(
-        "dtrec", model, [torch.optim.Adagrad(dense, lr=LR)], "sparse_features",
-        nbytes(weights), nbytes(state),
-    )  # fmt: skip
-
-
-def plain_state(module: nn.Module) -> dict[str, Tensor]:
-    """``module``'s state as full plain tensors (dtrec's dense parameters are replicated
-    DTensors, which a plain module's ``load_state_dict`` refuses)."""
-    return dtrec.checkpoint.to_full_state_dict(module.state_dict())
-
-
-def build_pytorch(w: Workload, device: torch.device, like: DLRM) -> Library:
-    """Plain PyTorch with dtrec's weights (1 rank: each local shard is the whole table)."""
-    dense_arch = make_dense_arch(
-        arch_name(like.dense_arch), len(w.rows) * w.dim, w.dim, like.dense_arch.dtype
-    )
-    model = DLRM(TorchTables(w, device), dense_arch.to(device))
-    with torch.no_grad():
-        for bag, table in zip(model.sparse.bags, like.sparse.embedding_bags.values()):
-            bag.weight.copy_(table.weight.to_local())
-        model.dense_arch.load_state_dict(plain_state(like.dense_arch))
-    tables = list(model.sparse.parameters())
-    opts = [torch.optim.Adagrad(model.dense_arch.parameters(), lr=LR),
-            torch.optim.Adagrad(tables, lr=LR, foreach=False)]  # fmt: skip
-    state = sum(w.numel() for w in tables) * 4  # Adagrad's dense state_sum, made at step 1
-    return Library("pytorch", model, opts, "per_table", nbytes(tables), state)
-
-
-def arch_name(arch: nn.Module) -> str:
-    return next(name for name, cls in ARCHS.items() if type(arch) is cls)
-
-
-def nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def embedding_bytes(w: Workload, b: Batch, elem: int = 4, idx: int = 8) -> int:
@@ -522,7 +343,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", help="write the report here")
     p.add_argument("--compile", action="store_true", help="also time dtrec's compiled step")
     p.add_argument("--dense", default="small", choices=sorted(ARCHS),
-                   help="dense arch (benchmarks/dense_arch.py): small or MLPerf's")  # fmt: skip
+                   help="dense arch (common/dense_arch.py): small or MLPerf's")  # fmt: skip
     p.add_argument("--dense-dtype", default="fp32", choices=sorted(DTYPES),
                    help="the dense arch's compute dtype (bf16: torch.autocast)")  # fmt: skip
     p.add_argument("--compile-mode", default="default",
@@ -533,18 +354,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
         args.batches, args.max_rows, args.dim = "64", 2e4, 16
         args.steps, args.warmup, args.profile_steps = 2, 1, 1
     return args
-
-
-def bench_device(name: str) -> torch.device:
-    """The benchmark's device; on CUDA made current (with an index) and TF32 matmuls on,
-    as a training job would run its dense part."""
-    device = torch.device(name)
-    if device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-    return device
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,14 +17,14 @@ import argparse
 import datetime
 import json
 import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
 import dtrec
+from benchmarks.common.device import copy_bandwidth, timed
+from benchmarks.common.dlrm import dlrm_rows, make_ids
 from benchmarks.probes.machine import processor
 from dtrec.ops.lookup import Lookup
 from dtrec.ops.op import lookup_forward
@@ -38,49 +38,6 @@ class Config:
     batch: int
     pooling: int  # ids per bag (fixed L)
     dist: str  # "uniform" or "zipf"
-
-
-def dlrm_rows(num_tables: int, lo: float, hi: float, scale: float) -> list[int]:
-    """Table sizes spread geometrically between lo and hi rows."""
-    return [
-        max(1, int(scale * lo * (hi / lo) ** (i / max(num_tables - 1, 1))))
-        for i in range(num_tables)
-    ]
-
-
-def make_ids(
-    rows: int, n: int, dist: str, device: torch.device, gen: torch.Generator
-) -> torch.Tensor:
-    if dist == "uniform":
-        return torch.randint(0, rows, (n,), device=device, generator=gen)
-    # Zipf(1.1): inverse-CDF of a continuous power law, then a fixed scatter over the rows.
-    u = torch.rand(n, device=device, generator=gen, dtype=torch.float64)
-    rank = torch.floor((1 - u) ** (-1 / 0.1)).clamp(max=rows) - 1
-    return (rank.long() * 2654435761) % rows
-
-
-def timed(fn, iters: int, device: torch.device) -> float:
-    """Median seconds of ``fn()`` over ``iters`` runs after 2 warmups."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
-    """Device-to-device copy GB/s (read + write counted)."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    t = timed(lambda: dst.copy_(src), iters, device)
-    return 2 * nbytes / t / 1e9
 
 
 def traffic(cfg: Config, num_ids: int, unique_rows: int, elem: int, idx: int) -> dict[str, int]:

@@ -46,18 +46,17 @@ import torch
 import torch.distributed as dist
 
 import dtrec
-from benchmarks.distributed import zipf_ids
-from benchmarks.gpu_step import (
+from benchmarks.common.dense_arch import NUM_DENSE
+from benchmarks.common.device import bench_device, sync
+from benchmarks.common.dlrm import (
     LR,
     MLPERF_ROWS,
-    NUM_DENSE,
     Batch,
     Library,
     Workload,
-    bench_device,
     dtrec_dlrm,
-    sync,
 )
+from benchmarks.common.workloads import zipf_ids
 from benchmarks.probes.machine import processor
 from benchmarks.probes.report import dtrec_source, write_report
 from dtrec.planning.cost_model import UniformIds

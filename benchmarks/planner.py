@@ -27,12 +27,12 @@ import time
 
 import torch
 
-from benchmarks.distributed import (
+from benchmarks.common.run_loop import run_config
+from benchmarks.common.workloads import (
     EPS,
     LR,
-    _row_probs,
     dtrec_spec,
-    run_config,
+    row_probs,
     table_kinds,
     workload,
 )
@@ -111,7 +111,7 @@ def predicted_ms(kinds: list[str], world: int) -> float:
     costs = [
         table_cost(
             EmbeddingBagConfig(f"t{i}", w.rows[i], w.dim), dtrec_spec(k), axis, topology,
-            _row_probs(w.rows[i], w.zipf),
+            row_probs(w.rows[i], w.zipf),
         )
         for i, k in enumerate(kinds)
     ]  # fmt: skip
@@ -130,7 +130,7 @@ def compare_plans(world: int, steps: int, with_torchrec: bool) -> dict:
     plans["dtrec_planner"] = [_kind(choices[f"t{i}"].spec) for i in range(len(w.rows))]
     report: dict = {"dtrec_planning_seconds": dtrec_seconds}
     if with_torchrec:
-        from benchmarks.torchrec_baseline import torchrec_planner_kinds
+        from benchmarks.common.torchrec_side import torchrec_planner_kinds
 
         kinds, seconds = torchrec_planner_kinds(w.rows, w.dim, world, w.batch, w.mean_bag, LR, EPS)
         plans["torchrec_planner"] = kinds

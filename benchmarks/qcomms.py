@@ -33,10 +33,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import dtrec
-from benchmarks.distributed import (
+from benchmarks.common.run_loop import MALLOC_ENV
+from benchmarks.common.workloads import (
     EPS,
     LR,
-    MALLOC_ENV,
     Model,
     Workload,
     config_shards,

@@ -44,14 +44,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.checkpoint import _step, _written
-from benchmarks.distributed import (
-    Workload,
-    _build_dtrec,
-    _peak_rss_mb,
-    _quiet,
-    workload,
+from benchmarks.common.run_loop import (
+    build_dtrec,
+    dcp_bytes_written,
+    first_step,
+    peak_rss_mb,
+    quiet,
 )
+from benchmarks.common.workloads import Workload, workload
 from benchmarks.probes.report import dtrec_source, write_report
 from tests.multiprocess import WorldError, run_world
 
@@ -71,7 +71,7 @@ def _step_times(model, optimizers, w: Workload, rank: int, steps: int) -> list[f
     import dtrec
 
     return [
-        _timed(lambda: _step(model, optimizers, dtrec.KeyedJaggedTensor, w, rank))
+        _timed(lambda: first_step(model, optimizers, dtrec.KeyedJaggedTensor, w, rank))
         for _ in range(steps)
     ]
 
@@ -100,10 +100,10 @@ def run_rank(rank: int, world: int, w: Workload, opts: dict) -> dict:
     import dtrec
     from dtrec.checkpoint import dcp as checkpoint
 
-    _quiet()
+    quiet()
     torch.manual_seed(0)
     n = len(w.rows)
-    model, optimizers, _, _, _ = _build_dtrec(w, [START] * n, world)
+    model, optimizers, _, _, _ = build_dtrec(w, [START] * n, world)
     counters = dtrec.IdCounters(model)
     counted, before = _counted_step_times(model, optimizers, w, rank, opts["steps"], counters)
     found: list = []
@@ -120,12 +120,12 @@ def run_rank(rank: int, world: int, w: Workload, opts: dict) -> dict:
     def round_trip() -> None:
         published.append(checkpoint.save(root, model))
         torch.manual_seed(0)
-        other, other_optimizers, _, _, _ = _build_dtrec(w, [], shards, specs=target)
+        other, other_optimizers, _, _, _ = build_dtrec(w, [], shards, specs=target)
         checkpoint.load(published[0], other)
         fresh.extend([other, other_optimizers])
 
     round_trip_s = _timed(round_trip)
-    written = _written(published[0], rank)
+    written = dcp_bytes_written(published[0], rank)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(published[0])
@@ -150,7 +150,7 @@ def run_rank(rank: int, world: int, w: Workload, opts: dict) -> dict:
         "round_trip_s": round_trip_s,
         "round_trip_bytes_written": written,
         "same_as_round_trip": same,
-        "peak_rss_mb": _peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mb(),
     }
 
 

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dtrec
-from benchmarks.distributed import MALLOC_ENV, zipf_ids
+from benchmarks.common.run_loop import MALLOC_ENV
+from benchmarks.common.workloads import per_feature_batch
 from benchmarks.probes.comm import CollectiveCensus, CommCounter
 from benchmarks.probes.report import dtrec_source
 from benchmarks.probes.sequence_stages import (
@@ -78,15 +79,8 @@ def workload(scale: float = 1.0, batch: int = 256) -> Workload:
 
 def make_batch(w: Workload, rank: int, step: int) -> tuple[list[str], Tensor, Tensor, Tensor]:
     """Rank ``rank``'s batch of step ``step``: keys, ids, lengths, labels."""
-    gen = torch.Generator().manual_seed(1_000_003 * rank + step)
-    keys, values, lengths = [], [], []
-    for i, rows in enumerate(w.rows):
-        ls = torch.randint(w.min_len, w.max_len + 1, (w.batch,), generator=gen)
-        keys.append(f"f{i}")
-        lengths.append(ls)
-        values.append(zipf_ids(rows, int(ls.sum()), w.zipf, gen))
-    labels = torch.randint(0, 2, (w.batch,), generator=gen).float()
-    return keys, torch.cat(values), torch.cat(lengths), labels
+    features = [(f"f{i}", rows, (w.min_len, w.max_len)) for i, rows in enumerate(w.rows)]
+    return per_feature_batch(features, w.batch, w.zipf, rank, step)
 
 
 class SequenceHead(nn.Module):

@@ -37,7 +37,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 import dtrec
-from benchmarks.kernels import dlrm_rows, make_ids, timed
+from benchmarks.common.device import timed
+from benchmarks.common.dlrm import dlrm_rows, make_ids
 from dtrec.ops.lookup import Lookup
 from dtrec.ops.op import lookup_forward
 

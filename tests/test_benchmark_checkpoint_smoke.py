@@ -7,7 +7,7 @@ the state's unique bytes (plus DCP's per-item framing), not twice the replicated
 from __future__ import annotations
 
 from benchmarks.checkpoint import run_config, unique_bytes
-from benchmarks.distributed import workload
+from benchmarks.common.workloads import workload
 
 
 def test_2d_checkpoint_writes_each_block_once(tmp_path) -> None:

@@ -16,18 +16,17 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.distributed import (
-    check_targets,
+from benchmarks.common.cost_model import cost_model
+from benchmarks.common.run_loop import run_config
+from benchmarks.common.step_prediction import _dense, _zipf, check
+from benchmarks.common.workloads import (
     config_shards,
-    cost_model,
-    cost_model_table,
-    run_config,
     table_kinds,
     workload,
     zipf_ids,
     zipf_row_probs,
 )
-from benchmarks.distributed_predict import _dense, _zipf, check
+from benchmarks.distributed import check_targets, cost_model_table
 from benchmarks.probes import cpu_calibration
 from benchmarks.probes.stages import STAGES
 

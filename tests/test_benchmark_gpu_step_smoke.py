@@ -83,7 +83,7 @@ def test_mlperf_dense_arch_in_bf16_smoke(tmp_path) -> None:
     report names the arch and dtype beside samples/s."""
     import math
 
-    from benchmarks.dense_arch import MLPerfDenseArch
+    from benchmarks.common.dense_arch import MLPerfDenseArch
 
     out = tmp_path / "gpu_step_mlperf.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}

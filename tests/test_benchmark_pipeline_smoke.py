@@ -7,7 +7,8 @@ import importlib.util
 
 import pytest
 
-from benchmarks.distributed import run_config, workload
+from benchmarks.common.run_loop import run_config
+from benchmarks.common.workloads import workload
 
 TINY = workload(scale=0.01, batch=32)
 OPTS = {"steps": 2, "warmup": 1, "census_steps": 1, "timeout": 120.0, "pipeline": True}

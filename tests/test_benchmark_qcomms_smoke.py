@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.distributed import workload
+from benchmarks.common.workloads import workload
 from benchmarks.qcomms import PRECISIONS, QUANTIZED_KINDS, run_rank, summarize
 from tests.multiprocess import run_world
 

@@ -3,7 +3,7 @@ moved there in place and by a checkpoint round trip, at tiny sizes on 2 gloo ran
 
 from __future__ import annotations
 
-from benchmarks.distributed import workload
+from benchmarks.common.workloads import workload
 from benchmarks.replan import run
 
 

@@ -49,7 +49,7 @@ def _dlrm_step(backend: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     import dtrec
-    from benchmarks.gpu_step import MLPERF_ROWS, Workload, dtrec_dlrm, make_batch
+    from benchmarks.common.dlrm import MLPERF_ROWS, Workload, dtrec_dlrm, make_batch
     from benchmarks.probes.step import StepCounter
 
     dtrec.ops.set_backend(backend)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.distributed import Workload
-from benchmarks.distributed_predict import NOISE, misordered, predict
+from benchmarks.common.step_prediction import NOISE, misordered, predict
+from benchmarks.common.workloads import Workload
 from benchmarks.probes import cpu_calibration
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import DataParallel, RowWise, TableWise

@@ -42,7 +42,7 @@ def _count_step(rank: int, world: int, num_tables: int, plan_kind: str = "table_
     import torch
 
     import dtrec
-    from benchmarks.gpu_step import MLPERF_HOTNESS, MLPERF_ROWS
+    from benchmarks.common.dlrm import MLPERF_HOTNESS, MLPERF_ROWS
     from benchmarks.probes.step import count_steady_step
 
     dtrec.ops.set_backend("triton")

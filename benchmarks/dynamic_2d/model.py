@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from benchmarks.distributed import zipf_ids
+from benchmarks.common.workloads import per_feature_batch
 
 LR = 0.05
 
@@ -116,17 +116,9 @@ def reference_model(w: MixedWorkload) -> MixedModel:
 
 def make_batch(w: MixedWorkload, rank: int, step: int) -> tuple[list[str], Tensor, Tensor, Tensor]:
     """Rank ``rank``'s batch of step ``step``: (keys, values, key-major lengths, labels)."""
-    gen = torch.Generator().manual_seed(1_000_003 * rank + step)
-    keys, values, lengths = [], [], []
     features = [(f"pf{i}", r, w.bag_range) for i, r in enumerate(w.pooled_rows)]
     features += [(f"sf{i}", r, w.seq_range) for i, r in enumerate(w.seq_rows)]
-    for key, rows, (lo, hi) in features:
-        ls = torch.randint(lo, hi + 1, (w.batch,), generator=gen)
-        keys.append(key)
-        lengths.append(ls)
-        values.append(zipf_ids(rows, int(ls.sum()), w.zipf, gen))
-    labels = torch.randint(0, 2, (w.batch,), generator=gen).float()
-    return keys, torch.cat(values), torch.cat(lengths), labels
+    return per_feature_batch(features, w.batch, w.zipf, rank, step)
 
 
 def dmp_collection_configs(model: MixedModel, w: MixedWorkload) -> list:
@@ -136,7 +128,7 @@ def dmp_collection_configs(model: MixedModel, w: MixedWorkload) -> list:
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan
     from torchrec.distributed.types import DMPCollectionConfig, ShardingPlan
 
-    from benchmarks.torchrec_baseline import table_plan_helper
+    from benchmarks.common.torchrec_side import table_plan_helper
 
     sharders = torchrec_sharders()
     out = []

@@ -12,7 +12,7 @@ pooling) and a sequence collection (``torchrec.EmbeddingCollection`` ``seq``: ta
 ``s<i>``, feature ``sf<i>``); the pooled
 rows and each sequence feature's per-sample sum of rows -> Linear(., 64) -> ReLU ->
 Linear(64, 1), BCE-with-logits vs random labels. Bags of 10..30 ids (sequences 5..15), ids
-Zipf(1.1) scattered over the rows (``benchmarks.distributed.zipf_ids``). Rank r's batch of
+Zipf(1.1) scattered over the rows (``benchmarks.common.workloads.zipf_ids``). Rank r's batch of
 step s comes from the seed (r, s) for every library. Both libraries start from one
 reference model's weights (uniform in +-0.1 from seed 0: TorchRec's sharded tables are
 overwritten with it).
@@ -30,7 +30,7 @@ DTensor parameters). Replicas are synchronised every step (k=1), in three runs:
 
 * ``torchrec``: ``DMPCollection.sync()`` after every step (each replica group steps on its
   own, then weights are averaged over the replica groups: the CPU patches in
-  ``benchmarks/torchrec_baseline.py``);
+  ``benchmarks/common/torchrec_side.py``);
 * ``dtrec``: dtrec's exact per-step sync (the default, ``sync_every=None``: replica
   gradients summed in backward, one update);
 * ``dtrec_k1``: ``sync_every=1``, TorchRec's scheme (weights averaged after every step,
@@ -73,7 +73,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import dtrec
-from benchmarks.distributed import MALLOC_ENV, _ddp_estimate, _meta, _quiet
+from benchmarks.common.report import run_meta
+from benchmarks.common.run_loop import MALLOC_ENV, quiet
 from benchmarks.dynamic_2d.model import (
     LR,
     MixedModel,
@@ -114,7 +115,7 @@ class Side:
 
 
 def _build_torchrec(reference: MixedModel, w: MixedWorkload) -> Side:
-    from benchmarks import torchrec_baseline as trb
+    from benchmarks.common import torchrec_side as trb
 
     model = copy.deepcopy(reference)
     sharders = torchrec_sharders()
@@ -130,7 +131,9 @@ def _build_torchrec(reference: MixedModel, w: MixedWorkload) -> Side:
     )
     trb.load_full_weights(sharded, reference.state_dict())  # DMP made its own tables
     dense = [p for n, p in sharded.named_parameters() if n.startswith("dense.")]
-    ddp = _ddp_estimate([(m.process_group, m._module_parameters) for m in trb.ddp_modules(sharded)])
+    ddp = trb.ddp_estimate(
+        [(m.process_group, m._module_parameters) for m in trb.ddp_modules(sharded)]
+    )
     return Side("torchrec", sharded, [torch.optim.SGD(dense, lr=LR)], sharded.sync,
                 trb.KeyedJaggedTensor, ddp)  # fmt: skip
 
@@ -155,7 +158,7 @@ def _full_weights(side: Side) -> dict[str, Tensor]:
     from dtrec.checkpoint import full_state_dict
 
     if side.name == "torchrec":
-        from benchmarks.torchrec_baseline import full_weights
+        from benchmarks.common.torchrec_side import full_weights
 
         return full_weights(side.model)
     return full_state_dict(side.model)
@@ -163,7 +166,7 @@ def _full_weights(side: Side) -> dict[str, Tensor]:
 
 def run_rank(rank: int, world: int, w: MixedWorkload, opts: dict) -> dict:
     """Build every library's model from one reference, train them in turns, compare."""
-    _quiet()
+    quiet()
     libs = opts.get("libs", LIBS)
     reference = reference_model(w)
     initial = {k: v.detach().clone() for k, v in reference.state_dict().items()}
@@ -359,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"unknown libs {sorted(set(libs) - set(LIBS))}; choose from {LIBS}")
     opts = {"warmup": args.warmup, "steps": args.steps, "rounds": args.rounds, "libs": libs,
             "timeout": args.timeout, "env": MALLOC_ENV}  # fmt: skip
-    meta = _meta(argv, w)
+    meta = run_meta("benchmarks.dynamic_2d", argv, w)
     meta["command"] = " ".join(["python -m benchmarks.dynamic_2d", *argv])
     meta["world_size"] = args.world_size
     meta["sync"] = (

@@ -29,7 +29,7 @@ def _models():
     import torch
     from torch import nn
 
-    from benchmarks.torchrec_baseline import torchrec_ebc
+    from benchmarks.common.torchrec_side import torchrec_ebc
 
     class Model(nn.Module):
         def __init__(self) -> None:
@@ -57,7 +57,7 @@ def _check(rank: int, world: int) -> dict:
     import torchrec
 
     import dtrec
-    from benchmarks.torchrec_baseline import shard_torchrec
+    from benchmarks.common.torchrec_side import shard_torchrec
 
     theirs, _, _ = shard_torchrec(_models(), KINDS, world, lr=0.1, eps=1e-8)
     their_state = theirs.state_dict()
@@ -151,7 +151,7 @@ def _check_fused_state(rank: int, world: int) -> dict:
     import torchrec
 
     import dtrec
-    from benchmarks.torchrec_baseline import shard_torchrec
+    from benchmarks.common.torchrec_side import shard_torchrec
 
     theirs, _, _ = shard_torchrec(_models(), ("tw:1", "rw", "rw", "tw:0"), world, 0.1, 1e-8)
     gen = torch.Generator().manual_seed(rank)

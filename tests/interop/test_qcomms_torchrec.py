@@ -59,7 +59,7 @@ def _train(rank: int, world: int) -> dict:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TorchrecKJT
 
     import dtrec
-    from benchmarks.torchrec_baseline import UniformEBCModel
+    from benchmarks.common.torchrec_side import UniformEBCModel
 
     config = QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.FP16)
     reference = UniformEBCModel(ROWS, DIM)

@@ -65,7 +65,7 @@ def _train(rank: int, world: int, optimizer: str, kinds: tuple[str, ...], train:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TorchrecKJT
 
     import dtrec
-    from benchmarks.torchrec_baseline import UniformEBCModel
+    from benchmarks.common.torchrec_side import UniformEBCModel
     from dtrec.placements import ColumnWise, RowWise, TableWise
 
     lr = OPTIMIZERS[optimizer]

@@ -24,15 +24,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.distributed import (
-    MALLOC_ENV,
+from benchmarks.common.run_loop import MALLOC_ENV, build_dtrec
+from benchmarks.common.workloads import (
     Model,
     Workload,
-    _build_dtrec,
-    _row_probs,
     config_shards,
     dtrec_spec,
     make_batch,
+    row_probs,
     table_kinds,
     zipf_ids,
 )
@@ -69,7 +68,7 @@ def _floor_step_s(rank: int, world: int, w: Workload, steps: int = 8) -> tuple[f
     in them a rank runs alone on a core, faster than in a step where all ranks compute."""
     tiny = floor_workload(w)
     torch.manual_seed(0)  # every rank alike, as distribute_module checks
-    model, optimizers, *_ = _build_dtrec(tiny, table_kinds("table_wise", world), world)
+    model, optimizers, *_ = build_dtrec(tiny, table_kinds("table_wise", world), world)
     batches = []
     for s in range(steps + 2):
         keys, values, lengths, labels = make_batch(tiny, rank, s)
@@ -130,7 +129,7 @@ def predict(w: Workload, config: str, calibration: dict, world: int = 4) -> Plan
     )
     costs = [
         table_cost(EmbeddingBagConfig(f"t{i}", w.rows[i], w.dim), dtrec_spec(kind), axis,
-                   topology, _row_probs(w.rows[i], w.zipf))
+                   topology, row_probs(w.rows[i], w.zipf))
         for i, kind in enumerate(table_kinds(config, shards, len(w.rows)))
     ]  # fmt: skip
     dense_bytes = 4 * sum(p.numel() for p in _dense(w).parameters())

@@ -1,5 +1,5 @@
-"""TorchRec 1.8.0 side of benchmarks/distributed.py (and benchmarks/dynamic_2d/run.py): the same
-model and plans, sharded by TorchRec.
+"""TorchRec 1.8.0 side of the side-by-side benchmarks (distributed, checkpoint, planner,
+composed, dynamic_2d): the same model and plans, sharded by TorchRec.
 
 Only the benchmark imports this module (TorchRec is not a dtrec dependency). Plans are built by
 hand (``construct_module_sharding_plan``), so TorchRec's planner, which offers row-wise only
@@ -49,8 +49,12 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec.optim import RowWiseAdagrad
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from benchmarks.common.workloads import EPS, LR, Model, Workload
+
 __all__ = [
     "KeyedJaggedTensor",
+    "build_torchrec",
+    "ddp_estimate",
     "ShardingPlan",
     "cpu_dmp_collection",
     "ddp_modules",
@@ -228,6 +232,17 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _fused_sharder(lr: float, eps: float) -> EmbeddingBagCollectionSharder:
+    """TorchRec's sharder with FBGEMM's fused exact row-wise Adagrad."""
+    return EmbeddingBagCollectionSharder(
+        fused_params={
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            "learning_rate": lr,
+            "eps": eps,
+        }
+    )
+
+
 def ddp_modules(model: nn.Module) -> list[DistributedDataParallel]:
     """The DDP wrappers inside a sharded model: the dense one and data-parallel tables' lookups.
 
@@ -239,6 +254,26 @@ def ddp_modules(model: nn.Module) -> list[DistributedDataParallel]:
             if isinstance(m, DistributedDataParallel) and m not in found:
                 found.append(m)
     return found
+
+
+def ddp_estimate(ddps: Sequence[tuple[dist.ProcessGroup | None, list[nn.Parameter]]]) -> int:
+    """Bytes a rank sends in DDP's gradient all-reduces: 2 (g-1)/g x reduced bytes, per DDP."""
+    total = 0
+    for group, params in ddps:
+        size = (group or dist.group.WORLD).size()
+        nbytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        total += 2 * (size - 1) * nbytes // size
+    return total
+
+
+def build_torchrec(w: Workload, kinds: list[str], shard_group_size: int):
+    """(model, optimizers, per-step hook, DDP bytes estimate, KJT type) for TorchRec, as
+    ``run_loop.build_dtrec`` for dtrec."""
+    model, optimizers, hook = shard_torchrec(
+        Model(torchrec_ebc(w.rows, w.dim), w), kinds, shard_group_size, LR, EPS
+    )
+    ddp = ddp_estimate([(m.process_group, m._module_parameters) for m in ddp_modules(model)])
+    return model, optimizers, hook, ddp, KeyedJaggedTensor
 
 
 def shard_torchrec(
@@ -258,13 +293,7 @@ def shard_torchrec(
     (replica weights and optimizer state averaged after every step), else None.
     """
     world = dist.get_world_size()
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={
-            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-            "learning_rate": lr,
-            "eps": eps,
-        }
-    )
+    sharder = _fused_sharder(lr, eps)
     plan = _plan(model, kinds, shard_group_size, sharder)
     cpu = torch.device("cpu")
     hook = None
@@ -302,13 +331,7 @@ def torchrec_planner_kinds(
     from torchrec.distributed.planner import Topology as TorchRecTopology
     from torchrec.distributed.planner.types import ParameterConstraints
 
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={
-            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-            "learning_rate": lr,
-            "eps": eps,
-        }
-    )
+    sharder = _fused_sharder(lr, eps)
     planner = EmbeddingShardingPlanner(
         topology=TorchRecTopology(world_size=world, compute_device="cpu", local_world_size=world),
         batch_size=batch,
