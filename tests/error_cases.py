@@ -765,7 +765,7 @@ LOCAL: dict[str, Case] = {
             m, plan={"sparse._embedding_module.item": DataParallel()}
         ),
     ),
-    "E359": on_mesh(2, 2, lambda m: distributed_managed_collision(m, optimizer=None)),
+    "E359": on_mesh(2, 2, lambda m: distributed_managed_collision(m, plan=ShardingPlanTR({}))),
     "E360": on_mesh(2, 2, lambda m: distributed_managed_collision(m, same_batch=m["shard"])),
     "E152": lambda tmp: Cfg("t0", 10, 4, pooling=PoolingType.NONE),
     "E153": lambda tmp: EBC([EmbeddingBagConfig("t0", 10, 4, ["f0"], data_type=DataType.INT8)]),

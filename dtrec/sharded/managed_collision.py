@@ -23,10 +23,10 @@ TorchRec's ``ManagedCollisionEmbeddingBagCollection`` is converted to dtrec's fi
 
 A managed-collision table may be ``RowWise`` (unnamed tables are pinned to it),
 ``TableWise`` or ``ColumnWise``. What is not supported raises: any other type, an
-offloaded or fully sharded spec, no fused optimizer (a torch
-optimizer's sharded state of evicted rows is not reset yet), ``same_batch``, a
-TorchRec ``ShardingPlan``, and TorchRec ``init_fn`` tables (their reset draws from
-each rank's own generator).
+offloaded or fully sharded spec, ``same_batch``, a TorchRec ``ShardingPlan``, and
+TorchRec ``init_fn`` tables (their reset draws from each rank's own generator). Tables
+trained by a torch optimizer (no fused one) reset their evicted rows' state in an
+eviction hook: ``reset_torch_optimizer_rows`` zeroes the rows each rank's block holds.
 """
 
 from __future__ import annotations
@@ -94,7 +94,6 @@ def _mc_spec_unsupported(spec: TableSpec) -> str | None:
 def pin_row_wise(
     plan: Mapping[str, TableSpec] | None,
     collections: Mapping[str, ManagedCollisionLookup],
-    fused: Mapping[str, object],
     same_batch: object,
 ) -> dict[str, TableSpec] | None:
     """``plan`` with every managed-collision table the plan omits row-wise; ValueError for
@@ -113,12 +112,6 @@ def pin_row_wise(
     pinned = dict(plan or {})
     for fqn, mc in collections.items():
         inner = inner_fqn(fqn)
-        if fused.get(inner) is None:
-            raise ValueError(
-                f"managed-collision collection {fqn!r} needs a fused optimizer "
-                "(distribute_module(..., optimizer=dtrec.optim.SGD/Adam/RowWiseAdagrad)): "
-                "resetting a torch optimizer's sharded state of evicted rows is not supported"
-            )
         drawn = mc.tables_with_init_fn()
         if drawn:
             raise ValueError(

@@ -32,6 +32,9 @@ CONFIGS = {  # name: (shard group size, fused optimizer, steps, plan: default ro
     "2x2_adam": (2, "adam", 200, None),
     "1d_cw_tw_adam": (4, "adam", 60, ("cw", "tw")),
     "2x2_tw_cw_rowwise_adagrad": (2, "rowwise_adagrad", 60, ("tw", "cw")),
+    # no fused optimizer: torch Adam steps the tables; an eviction hook resets its state
+    "1d_torch_adam": (4, "torch_adam", 40, None),
+    "2x2_cw_tw_torch_adam": (2, "torch_adam", 40, ("cw", "tw")),
 }
 
 
@@ -117,23 +120,38 @@ def _one(rank, world, shard, opt_name, steps, kinds):
         "sgd": lambda: dtrec.optim.SGD(lr=LR),
         "adam": lambda: dtrec.optim.Adam(lr=LR / 10),
         "rowwise_adagrad": lambda: dtrec.optim.RowWiseAdagrad(lr=LR),
+        "torch_adam": lambda: None,
     }[opt_name]()
+    from dtrec.modules import reset_torch_optimizer_rows
+
     torch.manual_seed(0)
     reference = Model()
     mesh = dtrec.init_mesh("cpu", shard_group_size=shard)
     sharded = dtrec.distribute_module(copy.deepcopy(reference), mesh, _plan(kinds), optimizer=fused)
     ref_tables = reference.sparse._embedding_module.embedding_bags
-    state = {n: fused.init_state(t.weight) for n, t in ref_tables.items()}
+    state = {} if fused is None else {n: fused.init_state(t.weight) for n, t in ref_tables.items()}
     ref_evicted, evicted = {}, {}
 
     def ref_reset(table, rows):
         ref_evicted[table] = rows.clone()
-        fused.reset_rows(ref_tables[table].weight, state[table], rows)
+        if fused is None:
+            reset_torch_optimizer_rows(ref_opt, ref_tables[table].weight, rows)
+        else:
+            fused.reset_rows(ref_tables[table].weight, state[table], rows)
+
+    def reset(table, rows):
+        evicted[table] = rows.clone()
+        if fused is None:
+            reset_torch_optimizer_rows(opt, sharded.sparse.table_weight(table), rows)
 
     reference.sparse.register_eviction_hook(ref_reset)
-    sharded.sparse.register_eviction_hook(lambda t, r: evicted.__setitem__(t, r.clone()))
-    ref_opt = torch.optim.SGD(reference.dense.parameters(), lr=LR)
-    opt = torch.optim.SGD(sharded.parameters(), lr=LR)
+    sharded.sparse.register_eviction_hook(reset)
+    if fused is None:  # torch Adam on everything, tables included
+        ref_opt = torch.optim.Adam(reference.parameters(), lr=LR / 10)
+        opt = torch.optim.Adam(sharded.parameters(), lr=LR / 10)
+    else:
+        ref_opt = torch.optim.SGD(reference.dense.parameters(), lr=LR)
+        opt = torch.optim.SGD(sharded.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(1)
     hot = torch.randint(0, 2**62, (60,), generator=gen)
     out = {
@@ -171,6 +189,8 @@ def _one(rank, world, shard, opt_name, steps, kinds):
         ]
         torch.stack(losses).mean().backward()
         for cfg in reference.sparse._embedding_module.embedding_bag_configs():
+            if fused is None:
+                break  # ref_opt steps the tables
             weight = ref_tables[cfg.name].weight
             ids = torch.cat([ref_remapped[f].values() for f in cfg.feature_names])
             rows = torch.unique(ids)
@@ -206,7 +226,13 @@ def _one(rank, world, shard, opt_name, steps, kinds):
         (r0, r1), (c0, c1) = block.rows, block.cols
         want = ref_tables[name].weight.detach()[r0:r1, c0:c1]
         weight_diff = max(weight_diff, (table.weight.to_local() - want).abs().max().item())
-        for key, value in fused_state[name].items():
+        if fused is None:  # torch Adam's state, sharded like the weight
+            mine, want_state = opt.state[table.weight], ref_opt.state[ref_tables[name].weight]
+            for key in ("exp_avg", "exp_avg_sq"):
+                got = mine[key].to_local()
+                diff = (got - want_state[key][r0:r1, c0:c1]).abs().max().item()
+                state_diff = max(state_diff, diff)
+        for key, value in fused_state.get(name, {}).items():
             if value.dim():
                 ref_value = state[name][key][r0:r1]
                 ref_value = ref_value[:, c0:c1] if ref_value.dim() == 2 else ref_value
