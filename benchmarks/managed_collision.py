@@ -29,6 +29,7 @@ and the step's excess over ``modulo``; the eviction step apart (step, eviction, 
     python -m benchmarks.managed_collision \
         --json benchmarks/results/managed_collision_cpu_<date>.json
     python -m benchmarks.managed_collision --scale 0.01 --batch 32 --steps 4 --interval 2   # smoke
+    python -m benchmarks.managed_collision --eviction-cost 3   # an eviction's CPU, one process
 """
 
 from __future__ import annotations
@@ -162,7 +163,9 @@ class ModuloModel(nn.Module):
 
 
 class HostTimer:
-    """Host seconds inside wrapped callables, by name, for the current step."""
+    """Host seconds inside wrapped callables, by name, for the current step: wall time as
+    ``name`` and this thread's CPU time as ``name_cpu`` (on a shared machine the wall time
+    counts other processes' turns; the CPU time is the work)."""
 
     def __init__(self) -> None:
         self.step: dict[str, float] = {}
@@ -171,11 +174,13 @@ class HostTimer:
         inner = getattr(owner, attr)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return inner(*args, **kwargs)
             finally:
                 self.step[name] = self.step.get(name, 0.0) + time.perf_counter() - start
+                cpu_name = f"{name}_cpu"
+                self.step[cpu_name] = self.step.get(cpu_name, 0.0) + time.thread_time() - cpu
 
         setattr(owner, attr, timed)
 
@@ -193,6 +198,7 @@ def _build(kind: str, w: Workload, world: int) -> tuple[nn.Module, HostTimer]:
         remappers = model.sparse._managed_collision_collection._managed_collision_modules
         for mc in remappers.values():
             timer.wrap(mc, "_evict_window", "evict")
+            timer.wrap(mc, "_admit", "admit")  # the part of evict after the window gather
     return model, timer
 
 
@@ -265,6 +271,11 @@ def summarize(ranks: list[dict]) -> dict:
     ev_step = over_ranks(lambda r: _median([x["step_ms"] for x in mc_records(r, True)]))
     ev_evict = over_ranks(lambda r: _median([x["evict"] for x in mc_records(r, True)]))
     ev_reset = over_ranks(lambda r: _median([x.get("reset", 0.0) for x in mc_records(r, True)]))
+    ev_evict_cpu = over_ranks(lambda r: _median([x["evict_cpu"] for x in mc_records(r, True)]))
+    ev_admit_cpu = over_ranks(lambda r: _median([x["admit_cpu"] for x in mc_records(r, True)]))
+    ev_reset_cpu = over_ranks(
+        lambda r: _median([x.get("reset_cpu", 0.0) for x in mc_records(r, True)])
+    )
     eviction_steps = len(mc_records(ranks[0], True))
 
     def comm(kind: str) -> dict:
@@ -294,6 +305,9 @@ def summarize(ranks: list[dict]) -> dict:
             "step_ms": ev_step,
             "evict_ms": ev_evict,
             "reset_ms": ev_reset,
+            "evict_cpu_ms": ev_evict_cpu,
+            "admit_cpu_ms": ev_admit_cpu,
+            "reset_cpu_ms": ev_reset_cpu,
             "window_bytes_per_eviction_step": None if not eviction_steps
             else sum(v["bytes"] for v in window.values()) * steps / eviction_steps,
         },
@@ -349,11 +363,48 @@ def print_summary(s: dict) -> None:
         f"mc step over modulo: {'n/a' if excess is None else f'{100 * excess:.1f}%'} of the mc step"
     )
     print(f"eviction step      {_fmt(ev['step_ms'])} ({ev['steps_timed']} timed): evict "
-          f"{_fmt(ev['evict_ms'])}, reset {_fmt(ev['reset_ms'])}, window gather "
+          f"{_fmt(ev['evict_ms'])} ({_fmt(ev.get('evict_cpu_ms'))} CPU, of which scoring, "
+          f"re-sort, index {_fmt(ev.get('admit_cpu_ms'))}), reset "
+          f"{_fmt(ev['reset_ms'])} ({_fmt(ev.get('reset_cpu_ms'))} CPU), window gather "
           f"{ev['window_bytes_per_eviction_step'] or 0:,.0f} B")  # fmt: skip
     for model, kinds in s["comm_per_step"].items():
         for kind, v in kinds.items():
             print(f"  {model:6s} {kind:40s} {v['calls']:6.2f} calls {v['bytes']:14,.0f} B/step")
+
+
+def eviction_cost(w: Workload, world: int = 4, evictions: int = 3) -> dict:
+    """CPU seconds of one eviction of each table's remapper, in one process (no world).
+
+    Each remapper sees the global batch of every step (all ``world`` ranks' ids of its
+    table), so it makes the decisions every rank of the distributed run makes, and does
+    the work each of them does at an eviction step but the window gather: coalesce, score,
+    select, re-sort, index. Timed with this thread's CPU clock (a shared machine's load
+    does not count); the first eviction (which fills the empty map) is not timed, then the
+    median over ``evictions`` evictions per table."""
+    from dtrec.modules.eviction import DistanceLFU
+
+    torch.set_num_threads(1)
+    mcs = [
+        dtrec.MCHManagedCollisionModule(
+            r, eviction_policy=DistanceLFU(0.5), eviction_interval=w.interval, name=f"t{i}"
+        )
+        for i, r in enumerate(w.rows)
+    ]
+    cpu: list[list[float]] = [[] for _ in mcs]
+    for step in range((evictions + 1) * w.interval):
+        parts = []
+        for rank in range(world):
+            _, values, lengths, _ = make_batch(w, rank, step)
+            per_key = lengths.view(len(w.rows), w.batch).sum(1).tolist()
+            parts.append(values.split(per_key))
+        for t, mc in enumerate(mcs):
+            ids = torch.cat([p[t] for p in parts])
+            start = time.thread_time()
+            mc.profile(ids)
+            if (step + 1) % w.interval == 0 and step + 1 > w.interval:
+                cpu[t].append(time.thread_time() - start)
+    per_table = [statistics.median(c) for c in cpu]
+    return {"evict_cpu_s_per_table": per_table, "evict_cpu_s": sum(per_table)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -367,8 +418,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=None, help="default: interval + 2")
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument(
+        "--eviction-cost", type=int, default=0, metavar="N",
+        help="instead: CPU s of an eviction (median of N), one process",
+    )  # fmt: skip
     args = p.parse_args(argv)
     w = workload(args.scale, args.batch, args.vocab, args.interval)
+    if args.eviction_cost:
+        cost = eviction_cost(w, args.world, args.eviction_cost)
+        print(f"processor: {processor_line()}")
+        print(f"eviction CPU s, all {len(w.rows)} tables: {cost['evict_cpu_s']:.3f} (per table: "
+              + ", ".join(f"{c:.3f}" for c in cost["evict_cpu_s_per_table"]) + ")")  # fmt: skip
+        return
     warmup = args.interval + 2 if args.warmup is None else args.warmup
     report = run(w, {"warmup": warmup, "steps": args.steps}, world=args.world)
     report["meta"] = _meta(argv, w, args.world)

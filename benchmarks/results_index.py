@@ -28,8 +28,8 @@ NOT_RECORDED = "not recorded"
 
 BENCHMARKS = ("checkpoint", "composed", "cpu_lookup", "dense_step", "distributed", "dynamic_2d",
               "fully_sharded", "gpu_check", "gpu_profile", "gpu_step", "kernels", "loaded_suite",
-              "managed_collision", "offload", "planner", "qcomms", "replan", "scale",
-              "sequence", "soak")  # fmt: skip
+              "managed_collision", "managed_collision_quality", "offload", "planner", "qcomms",
+              "replan", "scale", "sequence", "soak")  # fmt: skip
 """Benchmark names a report's file name starts with (longest match wins)."""
 
 NAME = re.compile(
@@ -184,6 +184,16 @@ def _managed_collision(r: dict) -> str:
             f"{ev['reset_ms'] / 1e3:.2f} s)")  # fmt: skip
 
 
+def _managed_collision_quality(r: dict) -> str:
+    s, res = r["summary"], r["results"]
+    b, m = res[s["best_zch"]], res["modulo"]
+    return (f"{s['best_zch']} vs id % rows at {r['meta']['task']['rows']} rows, "
+            f"{r['meta']['task']['true_ids']} true ids: eval AUC {b['eval_auc']:.4f} vs "
+            f"{m['eval_auc']:.4f}, log loss {b['eval_logloss']:.4f} vs {m['eval_logloss']:.4f}; "
+            f"lookups colliding {b['collision_rate']['lookups']:.1%} vs "
+            f"{m['collision_rate']['lookups']:.1%}")  # fmt: skip
+
+
 def _offload(r: dict) -> str:
     parts = []
     for name, by_cache in r["results"].items():
@@ -238,6 +248,7 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "fully_sharded": _fully_sharded, "gpu_check": _gpu_check,
     "gpu_step": _gpu_step, "kernels": _kernels, "loaded_suite": _loaded_suite,
     "managed_collision": _managed_collision,
+    "managed_collision_quality": _managed_collision_quality,
     "offload": _offload, "planner": _planner, "qcomms": _qcomms, "replan": _replan,
     "scale": _scale,
     "sequence": _sequence, "soak": _soak,

@@ -332,6 +332,24 @@ def torchrec_mch_with_offset() -> None:
     from_torchrec_mch(mch, "user")
 
 
+def managed_collision_model() -> nn.Module:
+    """A model whose ``sparse`` is a managed-collision collection of one table ``item``."""
+    from dtrec.modules.eviction import LFU
+
+    cfgs = [dtrec.EmbeddingBagConfig("item", 10, 4, ["i0"])]
+    remap = dtrec.MCHManagedCollisionModule(10, eviction_policy=LFU(), eviction_interval=1)
+    model = nn.Module()
+    model.sparse = dtrec.ManagedCollisionEmbeddingBagCollection(
+        dtrec.EmbeddingBagCollection(cfgs), dtrec.ManagedCollisionCollection({"item": remap}, cfgs)
+    )
+    return model
+
+
+def distributed_managed_collision(mesh: DeviceMesh, **kwargs) -> nn.Module:
+    kwargs.setdefault("optimizer", SGD(lr=0.1))
+    return dtrec.distribute_module(managed_collision_model(), mesh, **kwargs)
+
+
 def mixed_dtype_sequence() -> nn.Module:
     """An EmbeddingCollection whose tables have two dtypes."""
     seq = dtrec.EmbeddingCollection(
@@ -762,6 +780,16 @@ LOCAL: dict[str, Case] = {
         2,
         lambda m: dtrec.reshard(distributed(m, None, SGD(0.1)), {}, mesh=dtrec.init_mesh("cpu", 4)),
     ),
+    # managed-collision collections in distribute_module
+    "E358": on_mesh(
+        2,
+        2,
+        lambda m: distributed_managed_collision(
+            m, plan={"sparse._embedding_module.item": DataParallel()}
+        ),
+    ),
+    "E359": on_mesh(2, 2, lambda m: distributed_managed_collision(m, plan=ShardingPlanTR({}))),
+    "E360": on_mesh(2, 2, lambda m: distributed_managed_collision(m, same_batch=m["shard"])),
     "E152": lambda tmp: Cfg("t0", 10, 4, pooling=PoolingType.NONE),
     "E153": lambda tmp: EBC([EmbeddingBagConfig("t0", 10, 4, ["f0"], data_type=DataType.INT8)]),
     "E154": lambda tmp: EBC([EmbeddingBagConfig("t0", 10, 4, ["f0"], use_virtual_table=True)]),

@@ -154,7 +154,31 @@ def select_evictions(scores: Tensor, zch_size: int) -> tuple[Tensor, Tensor]:
     ``scores`` holds the ``zch_size`` kept rows first, then the new ids. A stable
     descending sort ranks them; new ids in the top ``zch_size`` take the rows of the kept
     ids outside it, the k-th best newcomer the k-th best loser's row (TorchRec's pairing,
-    which decides which row each new id gets)."""
+    which decides which row each new id gets).
+
+    Only the ``n`` new ids' worth of candidates is sorted, not all ``zch_size + n``: the
+    ``n`` ranked last are those below the ``n``-th smallest score plus, of the ones equal
+    to it, those at the highest positions (a stable descending sort puts ties in position
+    order); ``select_evictions_by_sort`` is the full sort, and gives the same pairs."""
+    n = scores.numel() - zch_size
+    empty = torch.empty(0, dtype=torch.int64, device=scores.device)
+    if n <= 0:
+        return empty, empty
+    cut = torch.kthvalue(scores, n).values
+    last = scores < cut
+    tied = (scores == cut).nonzero().squeeze(1)
+    short = n - int(last.sum())  # how many of the tied rank last: the highest positions
+    last[tied[tied.numel() - short :]] = True
+    rest = last.nonzero().squeeze(1)
+    rest = rest[torch.argsort(scores[rest], descending=True, stable=True)]
+    top_new = (~last[zch_size:]).nonzero().squeeze(1) + zch_size
+    top_new = top_new[torch.argsort(scores[top_new], descending=True, stable=True)]
+    return rest[rest < zch_size], top_new - zch_size
+
+
+def select_evictions_by_sort(scores: Tensor, zch_size: int) -> tuple[Tensor, Tensor]:
+    """``select_evictions`` by one stable sort of every score (TorchRec's way; the
+    reference its tests compare with)."""
     order = torch.argsort(scores, descending=True, stable=True)
     top, rest = order[:zch_size], order[zch_size:]
     evicted = rest[rest < zch_size]
@@ -193,4 +217,5 @@ __all__ = [
     "dynamic_threshold_filter",
     "probabilistic_threshold_filter",
     "select_evictions",
+    "select_evictions_by_sort",
 ]

@@ -383,15 +383,22 @@ class MCHManagedCollisionModule(nn.Module):
         if self._evicted_rows is not None:  # not yet consumed by evict()
             rows = torch.unique(torch.cat([self._evicted_rows, rows]))
         self._evicted_rows = rows
-        self._sort()
+        self._sort(evicted)
         if self._eviction_interval > 1:  # worth an index: looked up interval times
             self._build_index()
 
     @torch.no_grad()
-    def _sort(self) -> None:
-        """Sort the kept ids (stable: empty slots keep their order, the miss row last)."""
-        order = torch.argsort(self._mch_sorted_raw_ids, stable=True)
-        self._mch_sorted_raw_ids.copy_(self._mch_sorted_raw_ids[order])
+    def _sort(self, changed: Tensor | None = None) -> None:
+        """Sort the kept ids (stable: empty slots keep their order, the miss row last).
+
+        ``changed``: the only positions written since the ids were last sorted (an
+        eviction's), each now a distinct id no other position holds: the untouched ids are
+        still in order, so the two sorted runs are merged (``merge_order``) instead of
+        sorting all ``zch_size`` ids again."""
+        kept = self._mch_sorted_raw_ids
+        full = changed is None
+        order = torch.argsort(kept, stable=True) if full else merge_order(kept, changed)
+        self._mch_sorted_raw_ids.copy_(kept[order])
         self._mch_remapped_ids_mapping.copy_(self._mch_remapped_ids_mapping[order])
         for meta in self._eviction_policy.metadata:
             buf = self._metadata(meta)
@@ -403,6 +410,33 @@ class MCHManagedCollisionModule(nn.Module):
             f"zch_size={self._zch_size}, eviction_policy={self._eviction_policy}, "
             f"eviction_interval={self._eviction_interval}, input_hash_size={self._input_hash_size}"
         )
+
+
+@torch.no_grad()
+def merge_order(values: Tensor, changed: Tensor) -> Tensor:
+    """The permutation a stable ``argsort(values)`` gives, when ``values`` was sorted but
+    for the positions ``changed``, which hold values no other position holds.
+
+    The untouched positions form one ascending run (ties: their position order) and the
+    changed ones, sorted, another; each element's place in the merge is its rank in its
+    own run plus the count of the other run's values below it (no value is in both): a
+    ``searchsorted`` of the changed values into the run, then a running count of where
+    they land for the untouched ones. One sort of ``changed`` and linear passes, not a sort
+    of ``values``."""
+    keep = torch.ones_like(values, dtype=torch.bool)
+    keep[changed] = False
+    same = keep.nonzero().squeeze(1)
+    new = changed[torch.argsort(values[changed])]
+    same_values = values[same]
+    below = torch.searchsorted(same_values, values[new])  # untouched values below each new
+    order = torch.empty(values.shape, dtype=torch.int64, device=values.device)
+    at_new = torch.arange(new.numel(), device=values.device)
+    order[at_new + below] = new
+    # untouched i has every new value with ``below <= i`` before it
+    landed = torch.bincount(below, minlength=same.numel() + 1)[: same.numel()]
+    at_same = torch.arange(same.numel(), device=values.device)
+    order[at_same + landed.cumsum(0)] = same
+    return order
 
 
 @torch.no_grad()
@@ -447,4 +481,10 @@ def _after_load(module: nn.Module, incompatible: object) -> None:
     module._evicted_rows = None
 
 
-__all__ = ["MCHManagedCollisionModule", "coalesce_window", "merge_windows", "remap_ids"]
+__all__ = [
+    "MCHManagedCollisionModule",
+    "coalesce_window",
+    "merge_order",
+    "merge_windows",
+    "remap_ids",
+]

@@ -42,6 +42,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils.hooks import RemovableHandle
 
 from dtrec.modules.config import EmbeddingBagConfig, as_bag_config
@@ -333,10 +335,24 @@ def reset_torch_optimizer_rows(
     optimizer: torch.optim.Optimizer, param: Tensor, rows: Tensor
 ) -> None:
     """Zero the per-row state (``exp_avg``, ``sum``, ``momentum_buffer``...) of ``rows`` of
-    ``param`` in a torch optimizer; scalar state (``step``) stays."""
+    ``param`` in a torch optimizer; scalar state (``step``) stays.
+
+    ``param`` may be a distributed table's DTensor weight (its state then DTensors placed
+    alike): ``rows`` are global, the same list on every rank, and each rank zeroes those
+    its block holds (torch's ``Shard`` offsets: row-wise, table-wise, column-wise)."""
+    local_rows = rows
+    if isinstance(param, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
+        if not shape or 0 in shape:  # no block of this table here (table-wise elsewhere)
+            return
+        r0, r1 = offset[0], offset[0] + shape[0]
+        local_rows = rows[(rows >= r0) & (rows < r1)] - r0
     for value in optimizer.state.get(param, {}).values():
         if isinstance(value, Tensor) and value.dim() and value.shape[0] == param.shape[0]:
-            value[rows] = 0
+            local = value.to_local() if isinstance(value, DTensor) else value
+            local[local_rows.to(local.device)] = 0
 
 
 __all__ = [

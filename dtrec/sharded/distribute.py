@@ -180,7 +180,7 @@ def distribute_module(
     optimizer = next(iter(rules.values()), None)
     remapped = remapped_collections(model)  # managed collision: dtrec.sharded.managed_collision
     if remapped:
-        plan = pin_row_wise(plan, remapped, rules, same_batch)  # type: ignore[arg-type]
+        plan = pin_row_wise(plan, remapped, same_batch)  # type: ignore[arg-type]
     tables = model_tables(model)
     if not meshes:  # per-collection meshes: each mesh's part is mapped onto it by plan()
         plan = from_torchrec(plan, tables, mesh)

@@ -21,11 +21,12 @@ window's unique ids from every rank.
 TorchRec's ``ManagedCollisionEmbeddingBagCollection`` is converted to dtrec's first
 (``adopt_torchrec_collections``): same weights, remapper state and state-dict keys.
 
-What is not supported raises: a plan putting a managed-collision table on any
-type but ``RowWise`` (unnamed tables are pinned to it), no fused optimizer (a torch
-optimizer's sharded state of evicted rows is not reset yet), ``same_batch``, a
-TorchRec ``ShardingPlan``, and TorchRec ``init_fn`` tables (their reset draws from
-each rank's own generator).
+A managed-collision table may be ``RowWise`` (unnamed tables are pinned to it),
+``TableWise`` or ``ColumnWise``. What is not supported raises: any other type, an
+offloaded or fully sharded spec, ``same_batch``, a TorchRec ``ShardingPlan``, and
+TorchRec ``init_fn`` tables (their reset draws from each rank's own generator). Tables
+trained by a torch optimizer (no fused one) reset their evicted rows' state in an
+eviction hook: ``reset_torch_optimizer_rows`` zeroes the rows each rank's block holds.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch.distributed import ProcessGroup
 from dtrec.interop.managed_collision import from_torchrec_mc_collection
 from dtrec.interop.modules import is_torchrec_mc_collection
 from dtrec.modules.mc_collection import ManagedCollisionLookup
-from dtrec.placements import RowWise, TableSpec
+from dtrec.placements import ColumnWise, RowWise, TableSpec, TableWise
 from dtrec.planning.plan import collection_configs
 
 INNER = "_embedding_module"
@@ -73,14 +74,30 @@ def inner_fqn(fqn: str) -> str:
     return f"{fqn}.{INNER}" if fqn else INNER
 
 
+MC_SPECS = (RowWise, TableWise, ColumnWise)
+"""The types a managed-collision table may take: each rank remaps its own batch, so the
+remapped ids take any of their input dists, and every rank resets the evicted rows of
+the block it holds (rows or columns; ``reset_rows_init`` hashes each element alone)."""
+
+
+def _mc_spec_unsupported(spec: TableSpec) -> str | None:
+    """Why ``spec`` cannot hold a managed-collision table (None: it can)."""
+    if not isinstance(spec, MC_SPECS):
+        return "only RowWise(), TableWise() and ColumnWise() are supported"
+    if getattr(spec, "cache_rows", None) is not None or getattr(spec, "cache_fraction", None):
+        return "offloaded tables (cache_rows / cache_fraction) are not supported"
+    if getattr(spec, "fully_sharded", False):
+        return "fully sharded 2D (fully_sharded=True) is not supported"
+    return None
+
+
 def pin_row_wise(
     plan: Mapping[str, TableSpec] | None,
     collections: Mapping[str, ManagedCollisionLookup],
-    fused: Mapping[str, object],
     same_batch: object,
 ) -> dict[str, TableSpec] | None:
-    """``plan`` with every managed-collision table row-wise; ValueError for what is not
-    supported (module docstring), naming the table or collection."""
+    """``plan`` with every managed-collision table the plan omits row-wise; ValueError for
+    what is not supported (module docstring), naming the table or collection."""
     if not collections:
         return None if plan is None else dict(plan)
     if plan is not None and not isinstance(plan, Mapping):
@@ -95,12 +112,6 @@ def pin_row_wise(
     pinned = dict(plan or {})
     for fqn, mc in collections.items():
         inner = inner_fqn(fqn)
-        if fused.get(inner) is None:
-            raise ValueError(
-                f"managed-collision collection {fqn!r} needs a fused optimizer "
-                "(distribute_module(..., optimizer=dtrec.optim.SGD/Adam/RowWiseAdagrad)): "
-                "resetting a torch optimizer's sharded state of evicted rows is not supported"
-            )
         drawn = mc.tables_with_init_fn()
         if drawn:
             raise ValueError(
@@ -110,10 +121,9 @@ def pin_row_wise(
         for cfg in collection_configs(mc._embedding_module):
             key = f"{inner}.{cfg.name}"
             spec = pinned.setdefault(key, RowWise())
-            if not isinstance(spec, RowWise):
-                raise ValueError(
-                    f"managed-collision table {key!r}: only RowWise() is supported, got {spec!r}"
-                )
+            why = _mc_spec_unsupported(spec)
+            if why is not None:
+                raise ValueError(f"managed-collision table {key!r}: {why}, got {spec!r}")
     return pinned
 
 

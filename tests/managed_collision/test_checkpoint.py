@@ -4,7 +4,8 @@ exactly (remapper buffers and the eviction window in progress included).
 World of 4 gloo ranks: a model sharded S=4 trains 8 steps (inside the "user" table's
 3-step window) and is saved; a fresh 2x2 model loads it and both continue 12 steps on
 the same batches: the same remapped ids and remapper state every step, weights and
-fused Adam state within 1e-5. A fused-SGD S=4 checkpoint then loads into a 2-rank world
+fused Adam state within 1e-5; the same from an S=4 model with a column-wise and a
+table-wise table into a 2x2 row-wise one. A fused-SGD S=4 checkpoint then loads into a 2-rank world
 (S=2) and into the unsharded model there; both continue 12 steps alike. A load that
 drops the window (``load_state_dict``, TorchRec's way) evicts differently: the window
 is what makes the resumed run exact.
@@ -25,6 +26,7 @@ from tests.managed_collision.test_sharded import (
     _batches,
     _global,
     _loss,
+    _plan,
     _remappers,
 )
 from tests.multiprocess import run_world
@@ -120,6 +122,31 @@ def _world4(rank, world, root):
     for _ in range(BEFORE):
         _train(sgd, _batches(world, gen, hot), rank, sgd_opt)
     dtrec.checkpoint.save(f"{root}/sgd", sgd, sgd_opt)
+
+    # column-wise "user" + table-wise "item" (S=4, Adam) saved, loaded into 2x2 row-wise
+    torch.manual_seed(0)
+    mesh4 = dtrec.init_mesh("cpu", 4)
+    typed = dtrec.distribute_module(
+        copy.deepcopy(base), mesh4, _plan(("cw", "tw")), optimizer=fused
+    )
+    typed_opt = torch.optim.SGD(typed.parameters(), lr=LR)
+    for _ in range(BEFORE):
+        _train(typed, _batches(world, gen, hot), rank, typed_opt)
+    dtrec.checkpoint.save(f"{root}/typed", typed, typed_opt)
+    torch.manual_seed(5)
+    rowwise = dtrec.distribute_module(Model(), dtrec.init_mesh("cpu", 2), optimizer=fused)
+    rowwise_opt = torch.optim.SGD(rowwise.parameters(), lr=LR)
+    dtrec.checkpoint.load(f"{root}/typed", rowwise, rowwise_opt)
+    out["typed_mismatch"] = []
+    for step in range(AFTER):
+        batches = _batches(world, gen, hot)
+        want = _train(typed, batches, rank, typed_opt)
+        got = _train(rowwise, batches, rank, rowwise_opt)
+        if any(not torch.equal(got[k].values(), want[k].values()) for k in KEYS):
+            out["typed_mismatch"].append((step, "remap"))
+        if not _same_state(_remapper_state(rowwise), _remapper_state(typed)):
+            out["typed_mismatch"].append((step, "remapper"))
+    out["typed_diff"] = _table_diff(rowwise, typed)
     return out
 
 
@@ -188,6 +215,14 @@ def test_resharded_s4_to_2x2_continues_exactly(results):
         assert got["mismatch"] == [], (rank, got["mismatch"][:5])
         assert got["adam_diff"] <= 1e-5, (rank, got["adam_diff"])
         assert got["dropped_differs"], rank  # without the window the run is not the same
+
+
+def test_column_and_table_wise_checkpoint_loads_row_wise_and_continues_exactly(results):
+    """S=4 with "user" column-wise and "item" table-wise (fused Adam), saved mid-window,
+    loaded into a 2x2 row-wise model: both continue with the same remaps and state."""
+    for rank, got in enumerate(results[0]):
+        assert got["typed_mismatch"] == [], (rank, got["typed_mismatch"][:5])
+        assert got["typed_diff"] <= 1e-5, (rank, got["typed_diff"])
 
 
 def test_s4_checkpoint_in_a_2_rank_world_continues_as_the_unsharded_model(results):

@@ -12,8 +12,10 @@ from dtrec.modules.eviction import (
     DistanceLFU,
     average_threshold_filter,
     dynamic_threshold_filter,
+    select_evictions,
+    select_evictions_by_sort,
 )
-from dtrec.modules.managed_collision import MCHManagedCollisionModule
+from dtrec.modules.managed_collision import MCHManagedCollisionModule, merge_order
 
 MAX = torch.iinfo(torch.int64).max
 
@@ -180,6 +182,38 @@ def test_equals_torchrec_over_a_stream(policy, zch_size, interval):
     assert ours.state_dict().keys() == theirs_state.keys()
     for key, value in ours.state_dict().items():
         assert torch.equal(value, theirs_state[key]), key
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32])
+def test_select_evictions_sorts_only_the_tail_and_pairs_as_a_full_sort(dtype):
+    """Many tied scores (LFU counts, LRU's few distances): the tail cut at the n-th
+    smallest score must take the tied candidates at the highest positions, as the stable
+    sort ranks them, and pair losers with newcomers in the same order."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        zch_size = int(torch.randint(1, 40, (1,), generator=gen))
+        new = int(torch.randint(0, 40, (1,), generator=gen))
+        scores = torch.randint(0, 5, (zch_size + new,), generator=gen).to(dtype)
+        if dtype.is_floating_point:
+            scores = -(scores + 1).pow(0.5)  # LRU-like: negative, few distinct values
+        got, want = select_evictions(scores, zch_size), select_evictions_by_sort(scores, zch_size)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (scores, zch_size)
+
+
+def test_merge_order_is_a_stable_argsort_after_an_eviction():
+    """Sorted kept ids (empty slots = int64 max at the end) with some positions rewritten to
+    new ids interleaving the untouched ones: the merge is the stable argsort."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(500):
+        kept = (
+            2 * torch.randperm(60, generator=gen)[: int(torch.randint(0, 40, (1,), generator=gen))]
+        )
+        empty = int(torch.randint(1, 6, (1,), generator=gen))
+        values = torch.cat([kept.sort().values, torch.full((empty,), MAX)])
+        k = int(torch.randint(0, values.numel(), (1,), generator=gen))
+        changed = torch.randperm(values.numel() - 1, generator=gen)[:k]  # the miss slot stays
+        values[changed] = 2 * torch.randperm(60, generator=gen)[:k] + 1  # odd: never kept
+        assert torch.equal(merge_order(values, changed), torch.argsort(values, stable=True))
 
 
 class _Ops(torch.utils._python_dispatch.TorchDispatchMode):

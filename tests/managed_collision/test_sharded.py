@@ -3,8 +3,9 @@
 Every rank remaps its own batch with its copy of each remapper; eviction steps merge
 every rank's window (``dtrec.sharded.managed_collision``). Over a stream of batches
 with evictions (one config 200 steps), on a 1D (S=4) and a 2x2 mesh, with fused SGD
-and Adam: each rank's remapped ids are the unsharded module's for its part of the
-global batch, every rank's remapper state equals the unsharded one after every
+and Adam on row-wise tables, and Adam / row-wise Adagrad on a table-wise and a
+column-wise table: each rank's remapped ids are the unsharded module's for its part of
+the global batch, every rank's remapper state equals the unsharded one after every
 step, the evicted rows are the same, only eviction steps add collectives (one
 window all-gather per evicting table), and the weights and fused state end within
 1e-5 (``zch_size`` 37 and 10: not multiples of the shard count).
@@ -24,12 +25,31 @@ from tests.multiprocess import run_world
 TABLES = [("user", 37, 6, ["u0", "u1"], "sum"), ("item", 10, 4, ["i0"], "mean")]
 KEYS = ["u0", "u1", "i0"]
 BATCH, LR = 4, 0.3
-CONFIGS = {  # name: (shard group size, fused optimizer, steps)
-    "1d_sgd": (4, "sgd", 40),
-    "1d_adam": (4, "adam", 40),
-    "2x2_sgd": (2, "sgd", 40),
-    "2x2_adam": (2, "adam", 200),
+CONFIGS = {  # name: (shard group size, fused optimizer, steps, plan: default row-wise)
+    "1d_sgd": (4, "sgd", 40, None),
+    "1d_adam": (4, "adam", 40, None),
+    "2x2_sgd": (2, "sgd", 40, None),
+    "2x2_adam": (2, "adam", 200, None),
+    "1d_cw_tw_adam": (4, "adam", 60, ("cw", "tw")),
+    "2x2_tw_cw_rowwise_adagrad": (2, "rowwise_adagrad", 60, ("tw", "cw")),
+    # no fused optimizer: torch Adam steps the tables; an eviction hook resets its state
+    "1d_torch_adam": (4, "torch_adam", 40, None),
+    "2x2_cw_tw_torch_adam": (2, "torch_adam", 40, ("cw", "tw")),
 }
+
+
+def _plan(kinds):
+    """user and item tables as ``kinds`` ("tw": table-wise on shard position 1, "cw":
+    column-wise over the shard axis), or None (row-wise, the default)."""
+    if kinds is None:
+        return None
+    from dtrec.placements import ColumnWise, TableWise
+
+    spec = {"tw": TableWise(rank=1), "cw": ColumnWise()}
+    return {
+        f"sparse._embedding_module.{t}": spec[k]
+        for t, k in zip(("user", "item"), kinds, strict=True)
+    }
 
 
 class Model(nn.Module):
@@ -92,27 +112,46 @@ def _remappers(model):
     return model.sparse._managed_collision_collection._managed_collision_modules
 
 
-def _one(rank, world, shard, opt_name, steps):
+def _one(rank, world, shard, opt_name, steps, kinds):
     import dtrec
     from dtrec.placements.mesh import shard_position
 
-    fused = dtrec.optim.SGD(lr=LR) if opt_name == "sgd" else dtrec.optim.Adam(lr=LR / 10)
+    fused = {
+        "sgd": lambda: dtrec.optim.SGD(lr=LR),
+        "adam": lambda: dtrec.optim.Adam(lr=LR / 10),
+        "rowwise_adagrad": lambda: dtrec.optim.RowWiseAdagrad(lr=LR),
+        "torch_adam": lambda: None,
+    }[opt_name]()
+    from dtrec.modules import reset_torch_optimizer_rows
+
     torch.manual_seed(0)
     reference = Model()
     mesh = dtrec.init_mesh("cpu", shard_group_size=shard)
-    sharded = dtrec.distribute_module(copy.deepcopy(reference), mesh, optimizer=fused)
+    sharded = dtrec.distribute_module(copy.deepcopy(reference), mesh, _plan(kinds), optimizer=fused)
     ref_tables = reference.sparse._embedding_module.embedding_bags
-    state = {n: fused.init_state(t.weight) for n, t in ref_tables.items()}
+    state = {} if fused is None else {n: fused.init_state(t.weight) for n, t in ref_tables.items()}
     ref_evicted, evicted = {}, {}
 
     def ref_reset(table, rows):
         ref_evicted[table] = rows.clone()
-        fused.reset_rows(ref_tables[table].weight, state[table], rows)
+        if fused is None:
+            reset_torch_optimizer_rows(ref_opt, ref_tables[table].weight, rows)
+        else:
+            fused.reset_rows(ref_tables[table].weight, state[table], rows)
+
+    def reset(table, rows):
+        evicted[table] = rows.clone()
+        if fused is None:
+            reset_torch_optimizer_rows(opt, sharded.sparse.table_weight(table), rows)
 
     reference.sparse.register_eviction_hook(ref_reset)
-    sharded.sparse.register_eviction_hook(lambda t, r: evicted.__setitem__(t, r.clone()))
-    ref_opt = torch.optim.SGD(reference.dense.parameters(), lr=LR)
-    opt = torch.optim.SGD(sharded.parameters(), lr=LR)
+    sharded.sparse.register_eviction_hook(reset)
+    if fused is None:  # torch Adam on everything, tables included
+        ref_opt = torch.optim.Adam(reference.parameters(), lr=LR / 10)
+        opt = torch.optim.Adam(sharded.parameters(), lr=LR / 10)
+    else:
+        ref_opt = torch.optim.SGD(reference.dense.parameters(), lr=LR)
+        opt = torch.optim.SGD(sharded.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(1)
     hot = torch.randint(0, 2**62, (60,), generator=gen)
     out = {
@@ -150,6 +189,8 @@ def _one(rank, world, shard, opt_name, steps):
         ]
         torch.stack(losses).mean().backward()
         for cfg in reference.sparse._embedding_module.embedding_bag_configs():
+            if fused is None:
+                break  # ref_opt steps the tables
             weight = ref_tables[cfg.name].weight
             ids = torch.cat([ref_remapped[f].values() for f in cfg.feature_names])
             rows = torch.unique(ids)
@@ -180,12 +221,21 @@ def _one(rank, world, shard, opt_name, steps):
     fused_state = inner.fused_optimizer_state()
     for name, table in inner.embedding_bags.items():
         block = table.layout.block_at(shard_position(mesh))
+        if block is None:  # a table-wise table on another rank
+            continue
         (r0, r1), (c0, c1) = block.rows, block.cols
         want = ref_tables[name].weight.detach()[r0:r1, c0:c1]
         weight_diff = max(weight_diff, (table.weight.to_local() - want).abs().max().item())
-        for key, value in fused_state[name].items():
+        if fused is None:  # torch Adam's state, sharded like the weight
+            mine, want_state = opt.state[table.weight], ref_opt.state[ref_tables[name].weight]
+            for key in ("exp_avg", "exp_avg_sq"):
+                got = mine[key].to_local()
+                diff = (got - want_state[key][r0:r1, c0:c1]).abs().max().item()
+                state_diff = max(state_diff, diff)
+        for key, value in fused_state.get(name, {}).items():
             if value.dim():
                 ref_value = state[name][key][r0:r1]
+                ref_value = ref_value[:, c0:c1] if ref_value.dim() == 2 else ref_value
                 state_diff = max(state_diff, (value - ref_value).abs().max().item())
     dense = sharded.dense.weight.to_local()
     out["weight_diff"] = weight_diff
