@@ -114,6 +114,8 @@ def _library() -> ctypes.CDLL | None:
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.dtrec_sort_keys.argtypes = [ptr, i64, i64, ptr]
     lib.dtrec_sort_keys.restype = i64
+    lib.dtrec_sort_bag_rows.argtypes = [ptr, ptr, i64, i64, *[ptr] * 4, i64, i64, i64, ptr]
+    lib.dtrec_sort_bag_rows.restype = i64
     lib.dtrec_sum_sorted.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, ptr]
     lib.dtrec_sum_sorted.restype = None
     lib.dtrec_indices_within.argtypes = [ptr, i64, i64]
@@ -188,6 +190,61 @@ def sum_rows_by_key(
         _ptr(pairs), n, _ptr(index), _ptr(scale), _ptr(rows), rows.stride(0), dim,
         _ptr(unique), _ptr(sums),
     )  # fmt: skip
+    return unique, sums
+
+
+def sum_bag_rows(
+    values: Tensor,
+    offsets: Tensor,
+    batch: int,
+    entries: list[int],
+    entry_base: list[int],
+    row_start: list[int],
+    row_stride: list[int],
+    rows: Tensor,
+    key_bound: int,
+) -> tuple[Tensor, Tensor] | None:
+    """``sum_rows_by_key`` of the bags of ``entries`` without per-id keys or index: each id
+    ``v`` of bag ``b`` of entry ``entries[j]`` (bag ``e * batch + b`` of ``offsets``) has the
+    key ``entry_base[e] + v`` and the gradient row ``row_start[j] + b * row_stride[j]`` of
+    ``rows``. (sorted distinct keys, per key the sum of its rows in occurrence order): the
+    same sums, bitwise, as ``sum_rows_by_key`` of the repeated keys and rows; None where not
+    served (the caller then builds those)."""
+    if (
+        not available()
+        or not 0 < key_bound <= _MAX_KEYS
+        or values.device.type != "cpu"
+        or not _rows_ok(rows)
+        or rows.shape[0] >= _MAX_KEYS
+        or offsets.numel() != len(entry_base) * batch + 1
+    ):
+        return None
+    lib = _library()
+    values = values.to(torch.int64).contiguous()
+    offsets = offsets.to(torch.int64).contiguous()
+    ends = offsets[[e * batch for e in entries] + [(e + 1) * batch for e in entries]].tolist()
+    n = max(0, sum(ends[len(entries) + j] - ends[j] for j in range(len(entries))))
+    if n >= _MAX_KEYS:
+        return None
+    if batch and any(r + (batch - 1) * s >= rows.shape[0] for r, s in zip(row_start, row_stride)):
+        raise IndexError(f"a bag's gradient row outside the {rows.shape[0]} rows given")
+    meta = torch.tensor([entries, row_start, row_stride], dtype=torch.int64)
+    bases = torch.tensor(entry_base, dtype=torch.int64)
+    pairs = torch.empty(2 * n, dtype=torch.int64)
+    distinct = lib.dtrec_sort_bag_rows(
+        _ptr(values), _ptr(offsets), batch, len(entries), _ptr(meta[0]), _ptr(bases),
+        _ptr(meta[1]), _ptr(meta[2]), key_bound, values.numel(), n, _ptr(pairs),
+    )  # fmt: skip
+    if distinct == -2:
+        raise IndexError(f"the bags' offsets do not lie within the {values.numel()} ids")
+    if distinct < 0:
+        raise IndexError(f"a key outside [0, {key_bound}) reached the row-sparse backward")
+    dim = rows.shape[1]
+    unique = torch.empty(distinct, dtype=torch.int64)
+    sums = torch.empty(distinct, dim, dtype=torch.float32)
+    lib.dtrec_sum_sorted(
+        _ptr(pairs), n, None, None, _ptr(rows), rows.stride(0), dim, _ptr(unique), _ptr(sums)
+    )
     return unique, sums
 
 

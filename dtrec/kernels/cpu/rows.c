@@ -54,6 +54,50 @@ int64_t dtrec_sort_keys(const int64_t *keys, int64_t n, int64_t key_bound, uint6
     return distinct;
 }
 
+/* The row-sparse backward's occurrences, built from the bags and sorted in one call: for
+ * each of the m entries entries[j] (bags e * batch .. e * batch + batch - 1 of `offsets`),
+ * each id v of its bag b gets the key entry_base[e] + v and carries the row of its bag's
+ * gradient, row_start[j] + b * row_stride[j], as the pair key << 32 | row. `pairs` (2n
+ * slots, n = the entries' ids; the second half is scratch) ends sorted stably by key, so
+ * dtrec_sum_sorted(index NULL, scale NULL) sums each key's rows in occurrence order: what
+ * dtrec_sort_keys does for keys and an index made by repeating per-bag values, without
+ * them. Returns the number of distinct keys, -1 for a key outside [0, key_bound), -2 for
+ * bags outside the num_values values or not holding n ids. */
+int64_t dtrec_sort_bag_rows(const int64_t *values, const int64_t *offsets, int64_t batch,
+                            int64_t m, const int64_t *entries, const int64_t *entry_base,
+                            const int64_t *row_start, const int64_t *row_stride,
+                            int64_t key_bound, int64_t num_values, int64_t n,
+                            uint64_t *pairs) {
+    int64_t total = 0; /* the bags must lie in values and hold n ids (pairs' capacity) */
+    for (int64_t j = 0; j < m; j++) {
+        for (int64_t b = entries[j] * batch; b < (entries[j] + 1) * batch; b++) {
+            if (offsets[b] < 0 || offsets[b + 1] > num_values || offsets[b + 1] < offsets[b])
+                return -2;
+            total += offsets[b + 1] - offsets[b];
+        }
+    }
+    if (total != n) return -2;
+    n = 0;
+    for (int64_t j = 0; j < m; j++) {
+        int64_t e = entries[j], base = entry_base[e];
+        for (int64_t b = 0; b < batch; b++) {
+            uint64_t row = (uint64_t)(row_start[j] + b * row_stride[j]);
+            for (int64_t i = offsets[e * batch + b]; i < offsets[e * batch + b + 1]; i++) {
+                int64_t k = base + values[i];
+                if (k < 0 || k >= key_bound) return -1;
+                pairs[n++] = ((uint64_t)k << 32) | row;
+            }
+        }
+    }
+    int key_bits = 0;
+    while (key_bits < 32 && ((int64_t)1 << key_bits) < key_bound) key_bits++;
+    radix_sort_pairs(pairs, pairs + n, n, key_bits);
+    int64_t distinct = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (i == 0 || (pairs[i] >> 32) != (pairs[i - 1] >> 32)) distinct++;
+    return distinct;
+}
+
 /* Per distinct key of the sorted `pairs` (dtrec_sort_keys), in key order: unique[u] = the
  * key, sums[u, :] = sum over its occurrences i, in their original order, of
  * rows[index[i], :] * scale[i] (index NULL: row i; scale NULL: 1). */

@@ -198,7 +198,9 @@ def row_grads(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     Vectorized over all tables of one embedding dim at once: each id occurrence
     gets the key ``row_base[table] + id``, and ``sum_rows_by_key`` sums each
     key's ``grad_out`` rows (times the occurrence's scale) in a fixed order:
-    deterministic (on CUDA prefer the Triton backend).
+    deterministic (on CUDA prefer the Triton backend). On CPU without scales
+    (sum pooling, no per-sample weights), ``dtrec.kernels.cpu.sum_bag_rows`` builds
+    the keys and bag rows from the offsets in C (no per-id tensors): the same sums.
     """
     weights, entry_table, values, offsets = (
         lookup.weights,
@@ -213,8 +215,6 @@ def row_grads(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     rows = [w.shape[0] for w in weights]
     bounds = [0, *itertools.accumulate(rows)]
     row_base = torch.tensor(bounds, device=device)
-    entry_base = row_base[:-1].index_select(0, torch.tensor(list(entry_table), device=device))
-    keys = torch.repeat_interleave(entry_base, per_entry, output_size=num_values) + values
     grad_out = grad_out.float()
     entry_cols = lookup.columns()
     result: list[tuple[Tensor, Tensor] | None] = [None] * len(weights)
@@ -222,36 +222,59 @@ def row_grads(lookup: Lookup, grad_out: Tensor) -> list[tuple[Tensor, Tensor]]:
     for t, w in enumerate(weights):
         if w.shape[1] == 0:  # an empty column shard has no gradient
             result[t] = (empty_ids, grad_out.new_zeros(0, 0))
-    bag = entry = None
+    keys = bag = entry = None  # per-id tensors, built once for all dims where needed
     for dim in sorted({w.shape[1] for w in weights} - {0}):
         dim_entries = [e for e, t in enumerate(entry_table) if weights[t].shape[1] == dim]
         if len(dim_entries) == num_entries:  # one dim: every occurrence, grad_out as is
             blocks = grad_out.reshape(-1, dim)  # bag e * B + b is row b * E + e
-            row_of_bag = torch.arange(batch * num_entries, device=device)
-            row_of_bag = row_of_bag.view(batch, num_entries).t().reshape(-1)
-            s_bag = torch.repeat_interleave(row_of_bag, lengths, output_size=num_values)
-            s_keys, s_scale = keys, scale
+            row_start, row_stride = dim_entries, [num_entries] * num_entries
         else:  # this dim's entries' blocks, in order: entry e's bags move to slot[e]
             blocks = torch.stack(
                 [grad_out[:, entry_cols[e] : entry_cols[e] + dim] for e in dim_entries]
             )
-            slot = torch.full((num_entries,), -1, dtype=torch.long, device=device)
-            slot[dim_entries] = torch.arange(len(dim_entries), device=device)
-            if bag is None:  # every id's bag and entry, built once for all dims
-                bag = torch.repeat_interleave(
-                    torch.arange(lengths.numel(), device=device), lengths, output_size=num_values
+            row_start, row_stride = (
+                [j * batch for j in range(len(dim_entries))],
+                [1] * len(dim_entries),
+            )
+        blocks = blocks.reshape(-1, dim)
+        summed = None
+        if scale is None and device.type == "cpu":
+            summed = cpu_kernels.sum_bag_rows(
+                values, offsets, batch, dim_entries, [bounds[t] for t in entry_table],
+                row_start, row_stride, blocks, bounds[-1],
+            )  # fmt: skip
+        if summed is None:
+            if keys is None:
+                entry_base = row_base[:-1].index_select(
+                    0, torch.tensor(list(entry_table), device=device)
                 )
-                entry = torch.repeat_interleave(
-                    torch.arange(num_entries, device=device), per_entry, output_size=num_values
-                )
-            sel = torch.nonzero(slot.index_select(0, entry) >= 0).squeeze(1)
-            s_entry = entry.index_select(0, sel)
-            s_bag = bag.index_select(0, sel) + (slot.index_select(0, s_entry) - s_entry) * batch
-            s_keys = keys.index_select(0, sel)
-            s_scale = None if scale is None else scale.index_select(0, sel)
-        unique, grad_rows = sum_rows_by_key(
-            s_keys, blocks.reshape(-1, dim), s_bag, s_scale, key_bound=bounds[-1]
-        )
+                keys = torch.repeat_interleave(entry_base, per_entry, output_size=num_values)
+                keys = keys + values
+            if len(dim_entries) == num_entries:
+                row_of_bag = torch.arange(batch * num_entries, device=device)
+                row_of_bag = row_of_bag.view(batch, num_entries).t().reshape(-1)
+                s_bag = torch.repeat_interleave(row_of_bag, lengths, output_size=num_values)
+                s_keys, s_scale = keys, scale
+            else:
+                slot = torch.full((num_entries,), -1, dtype=torch.long, device=device)
+                slot[dim_entries] = torch.arange(len(dim_entries), device=device)
+                if bag is None:
+                    bag = torch.repeat_interleave(
+                        torch.arange(lengths.numel(), device=device),
+                        lengths,
+                        output_size=num_values,
+                    )
+                    entry = torch.repeat_interleave(
+                        torch.arange(num_entries, device=device), per_entry, output_size=num_values
+                    )
+                assert entry is not None
+                sel = torch.nonzero(slot.index_select(0, entry) >= 0).squeeze(1)
+                s_entry = entry.index_select(0, sel)
+                s_bag = bag.index_select(0, sel) + (slot.index_select(0, s_entry) - s_entry) * batch
+                s_keys = keys.index_select(0, sel)
+                s_scale = None if scale is None else scale.index_select(0, sel)
+            summed = sum_rows_by_key(s_keys, blocks, s_bag, s_scale, key_bound=bounds[-1])
+        unique, grad_rows = summed
         # each table's keys are one run of the sorted unique keys
         edges = torch.searchsorted(unique, row_base).tolist()
         for t in range(len(weights)):
