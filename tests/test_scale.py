@@ -165,11 +165,11 @@ def test_one_gpu_step_within_15_percent_of_h200() -> None:
 def test_planner_mesh_choice_orders_2d_shapes_as_the_scale_model() -> None:
     """``dtrec.choose_shard_group_size``'s ranking (the planner's cost model, its H100 call
     latencies) orders the sweep's exact-sync 2D shapes of each W <= 256 as the scale
-    model's committed steps do (``scale_2026-11-29.json``; the sweep checks every W up to
+    model's committed steps do (``scale_2026-12-02.json``; the sweep checks every W up to
     4096 with ``--mesh-choice``)."""
     from benchmarks.scale.run import mesh_choices, mlperf
 
-    report = json.loads((RESULTS / "scale_2026-11-29.json").read_text())
+    report = json.loads((RESULTS / "scale_2026-12-02.json").read_text())
     rows = [r for r in report["configs"] if r["W"] <= 256]
     checked = mesh_choices(rows, mlperf(report["workload"]["batch_per_gpu"]))
     assert [c["W"] for c in checked] == [16, 32, 64, 128, 256]
@@ -231,3 +231,54 @@ def test_fully_sharded_rank_holds_its_slice_and_routes_rows_not_gradient_sums() 
         blocks = len(W.rows)  # uneven slices: at most one row per block more or less
         slack = blocks * (W.dim + 1) * 4
         assert abs(held_fs - held_exact / replicas) <= slack
+
+
+def test_scale_report_prices_fully_sharded_2d_at_every_world() -> None:
+    """The committed scale report has a fully sharded row beside every exact 2D shape with
+    replicas (W = 16 .. 4096; W = 8's only shape is S 8 x R 1): its table + state per rank
+    is exact's sharded part / R (data-parallel tables stay whole), its replicate-axis
+    bytes are the planner's cost model's ``replica_slices`` bytes for the rank, and it
+    runs no replica gradient sum."""
+    from benchmarks.scale.mirror_world import mirror_world
+    from benchmarks.scale.run import _fully_sharded, _planned, _topology, mlperf
+    from dtrec.placements.mesh import init_mesh, shard_axis
+    from dtrec.planning.cost_model import table_cost
+
+    report = json.loads((RESULTS / "scale_2026-12-02.json").read_text())
+    w = mlperf(report["workload"]["batch_per_gpu"])
+    rows = {(r["W"], r["plan"]): r for r in report["configs"] if "skipped" not in r}
+    exact = [r for r in rows.values() if r["plan"].startswith("2d_") and r["R"] > 1
+             and r.get("sync_every") is None and not r.get("fully_sharded")
+             and not r["plan"].endswith("_planner")]  # fmt: skip
+    assert {r["W"] for r in exact} == {2**k for k in range(4, 13)}
+    checked_bytes = 0
+    for ex in exact:
+        fs = rows[ex["W"], ex["plan"] + "_fs"]
+        assert fs["fully_sharded"]
+        assert (fs["S"], fs["R"], fs["rank"]) == (ex["S"], ex["R"], ex["rank"])
+        assert not any(k.startswith("grad_sync.replicate") for k in fs["comm"])
+        assert _replica_slice_bytes(fs["comm"]) > 0
+        assert fs["table_gb_per_rank"] < ex["table_gb_per_rank"]
+        assert (ex["W"], "2d_fs_planner") in rows
+        if ex["W"] not in (64, 4096):  # the planner runs per shape: two worlds suffice
+            continue
+        specs, rank = _planned(w, ex["W"], ex["S"])
+        assert rank == ex["rank"]
+        with mirror_world(rank, ex["W"]):
+            axis = shard_axis(init_mesh("cpu", ex["S"], 8))
+        position = rank // axis.replicas
+        whole = sum(r * (w.dim + 1) * 4 for c, r in zip(w.tables(), w.rows, strict=True)
+                    if type(specs[c.name]).__name__ == "DataParallel")  # fmt: skip
+        sharded = 1e9 * ex["table_gb_per_rank"] - whole
+        assert 1e9 * fs["table_gb_per_rank"] == pytest.approx(whole + sharded / ex["R"], rel=1e-3)
+        priced = 0.0
+        for cfg in w.tables():
+            cost = table_cost(cfg, _fully_sharded(specs)[cfg.name], axis, _topology(w))
+            for kind, sent in (cost.comm or {}).items():
+                if kind.startswith("replica_slices"):
+                    priced += float(sent[position])
+        assert priced > 0
+        sim = _replica_slice_bytes(fs["comm"])
+        assert sim == pytest.approx(priced, rel=0.02), (ex["W"], ex["plan"])
+        checked_bytes += 1
+    assert checked_bytes >= 2

@@ -33,8 +33,8 @@ lookups and dense math from this project's H200 step, scaled to H100 by copy ban
 The report checks the one-GPU calibration against every measured ``gpu_step`` config
 (``one_gpu_check``, within 15%) and places W = 8 next to NVIDIA's MLPerf v4.0 result.
 
-    python -m benchmarks.scale --json benchmarks/results/scale_2026-11-29.json \\
-        --png benchmarks/results/scale_2026-11-29.png --generated-batches 4
+    python -m benchmarks.scale --json benchmarks/results/scale_2026-12-02.json \\
+        --png benchmarks/results/scale_2026-12-02.png --generated-batches 4
 """
 
 from __future__ import annotations
