@@ -282,3 +282,44 @@ def test_scale_report_prices_fully_sharded_2d_at_every_world() -> None:
         assert sim == pytest.approx(priced, rel=0.02), (ex["W"], ex["plan"])
         checked_bytes += 1
     assert checked_bytes >= 2
+
+
+PLANS_FS = {  # W = 4: S 2 x R 2, every table but t1 fully sharded 2D
+    "2d_fs": (
+        2,
+        None,
+        {
+            "t0": RowWise(fully_sharded=True),
+            "t1": DataParallel(),
+            "t2": TableWise(rank=1, fully_sharded=True),
+            "t3": RowWise(fully_sharded=True),
+        },
+    ),  # fmt: skip
+}
+
+
+@pytest.fixture(scope="module")
+def real_fs() -> list[dict]:
+    return run_world(WORLD, _real_bytes, PLANS_FS, timeout=240)
+
+
+def test_simulated_fully_sharded_bytes_match_a_real_run(real_fs: list[dict]) -> None:
+    """Fully sharded 2D on 4 gloo ranks against the mirror world: the same collectives;
+    every kind but the replica exchanges byte for byte per rank; the replica exchanges'
+    bytes summed over the ranks within 10% (each replica asks its owners for its own
+    touched rows, which the mirror world answers with this rank's own counts)."""
+    shards, node, specs = PLANS_FS["2d_fs"]
+    dense = _Model("meta").dense
+    sims = [simulate_rank(W, specs, WORLD, shards, rank, node, dense) for rank in range(WORLD)]
+    for rank, sim in enumerate(sims):
+        real = real_fs[rank]["2d_fs"]
+        assert set(sim.comm) == set(real), rank
+        assert not any(k.startswith("grad_sync.replicate") for k in real)
+        for kind in real:
+            if not kind.startswith("replica_slices.") or kind.endswith(".counts"):
+                assert sim.comm[kind] == real[kind], (rank, kind)
+    for kind in ("replica_slices.fetch.ids", "replica_slices.fetch.rows",
+                 "replica_slices.grads.values"):  # fmt: skip
+        real = sum(r["2d_fs"][kind]["bytes"] for r in real_fs)
+        assert real > 0
+        assert sum(s.comm[kind]["bytes"] for s in sims) == pytest.approx(real, rel=0.10), kind
