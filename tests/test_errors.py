@@ -99,3 +99,36 @@ def test_refused_offloaded_batch_changes_nothing_and_the_next_step_runs(world_re
     for rank, r in enumerate(world_results):
         assert r["offloaded_unchanged"], rank
         assert r["offloaded_next_step"] is None, (rank, r["offloaded_next_step"])
+
+
+def test_e349_says_when_the_planner_chose_fully_sharded(monkeypatch) -> None:
+    """E349 when ``distribute_module(plan=None, sync_every=k)`` finds the planner fully
+    sharded a table (its replicated shard does not fit a rank's memory): the doc's message,
+    then that the planner chose it and how to keep whole shards; nothing is built first.
+    With room for the replicated shard the same call plans exact 2D and builds."""
+    import os
+
+    import dtrec
+    from tests.fake_world import fake_world
+    from tests.test_planner_fully_sharded import BIG, Model
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # Topology.cpu(): memory per rank = RAM / LOCAL_WORLD_SIZE; 100 MB here, where BIG's
+    # row-wise shard on S = 2 (132 MB) does not fit and its owner slice on R = 2 does
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(int(ram // 100e6)))
+    with fake_world(0, 4):
+        mesh = dtrec.init_mesh("cpu", 2)
+        assert dtrec.plan(Model(BIG), mesh)["sparse.big"].fully_sharded  # the premise
+        with pytest.raises(ValueError) as info:
+            dtrec.distribute_module(Model(BIG), mesh, None, dtrec.optim.SGD(0.1), sync_every=2)
+    text = message(info.value)
+    check(ROWS["E349"], "ValueError", text.replace("'sparse.big'", "'t0'"))
+    assert "the planner (plan=None" in text and "chose fully sharded 2D" in text
+    assert "pin their specs (plan={'sparse.big': RowWise()}" in text
+    assert "memory_per_rank=" in text
+    # a pinned fully sharded table is the user's choice: E349 without the planner's part
+    with fake_world(0, 4):
+        mesh = dtrec.init_mesh("cpu", 2)
+        pinned = {"sparse.big": dtrec.placements.RowWise(fully_sharded=True)}
+        with pytest.raises(ValueError, match="use sync_every=None$"):
+            dtrec.distribute_module(Model(BIG), mesh, pinned, dtrec.optim.SGD(0.1), sync_every=2)

@@ -165,11 +165,11 @@ def test_one_gpu_step_within_15_percent_of_h200() -> None:
 def test_planner_mesh_choice_orders_2d_shapes_as_the_scale_model() -> None:
     """``dtrec.choose_shard_group_size``'s ranking (the planner's cost model, its H100 call
     latencies) orders the sweep's exact-sync 2D shapes of each W <= 256 as the scale
-    model's committed steps do (``scale_2026-11-29.json``; the sweep checks every W up to
+    model's committed steps do (``scale_2026-12-02.json``; the sweep checks every W up to
     4096 with ``--mesh-choice``)."""
     from benchmarks.scale.run import mesh_choices, mlperf
 
-    report = json.loads((RESULTS / "scale_2026-11-29.json").read_text())
+    report = json.loads((RESULTS / "scale_2026-12-02.json").read_text())
     rows = [r for r in report["configs"] if r["W"] <= 256]
     checked = mesh_choices(rows, mlperf(report["workload"]["batch_per_gpu"]))
     assert [c["W"] for c in checked] == [16, 32, 64, 128, 256]
@@ -190,3 +190,136 @@ def test_one_d_layouts_are_torchrecs_own_plans() -> None:
         specs, _, source = _one_d(W, 16, kind)
         assert source == "torchrec plan via dtrec.interop.plans"
         assert specs == {f"t{i}": want(i) for i in range(4)}
+
+
+def _replica_slice_bytes(comm: dict) -> float:
+    return sum(v["bytes"] for k, v in comm.items() if k.startswith("replica_slices."))
+
+
+def test_fully_sharded_rank_holds_its_slice_and_routes_rows_not_gradient_sums() -> None:
+    """Fully sharded 2D on the mirror world (S 2 x R 4, every table row-wise): the real
+    ``fetch_touched`` / ``route_to_owners`` send (R-1)/R x U x (8D + 8) per rank over
+    the replicas (ids, rows, gradients back; ``docs/fully_sharded_2d.md``), no replica
+    gradient sum runs, and the rank holds 1/R of exact 2D's table + state."""
+    from benchmarks.scale.run import _fully_sharded, _memory
+
+    world, shards, replicas = 8, 2, 4
+    exact = {f"t{i}": RowWise() for i in range(4)}
+    sliced = _fully_sharded(exact)
+    assert all(s.fully_sharded for s in sliced.values())
+    for rank in (0, 5):
+        ex = simulate_rank(W, exact, world, shards, rank)
+        fs = simulate_rank(W, sliced, world, shards, rank)
+        assert not any(k.startswith("grad_sync.replicate") for k in fs.comm)
+        assert ex.comm["grad_sync.replicate.sparse"]["bytes"] > 0
+        # U: the distinct ids this rank's shard group (ranks q R + replica) sends its blocks
+        position, replica = divmod(rank, replicas)
+        batches = [make_features(W, q * replicas + replica).to_dict() for q in range(shards)]
+        touched = 0
+        for i, rows in enumerate(W.rows):
+            lo = position * -(-rows // shards)
+            hi = min(rows, lo + -(-rows // shards))
+            ids = torch.cat([b[f"f{i}"].values() for b in batches])
+            touched += torch.unique(ids[(ids >= lo) & (ids < hi)]).numel()
+        formula = (replicas - 1) / replicas * touched * (8 * W.dim + 8)
+        assert _replica_slice_bytes(fs.comm) == pytest.approx(formula, rel=0.03)
+        # shard-axis traffic is exact 2D's: only the replicate axis changes
+        for kind in ("input_dist.ids", "output_dist", "output_dist.backward"):
+            assert fs.comm[kind] == ex.comm[kind]
+        held_exact, _, _ = _memory(W, exact, world, shards, rank)
+        held_fs, _, _ = _memory(W, sliced, world, shards, rank)
+        blocks = len(W.rows)  # uneven slices: at most one row per block more or less
+        slack = blocks * (W.dim + 1) * 4
+        assert abs(held_fs - held_exact / replicas) <= slack
+
+
+def test_scale_report_prices_fully_sharded_2d_at_every_world() -> None:
+    """The committed scale report has a fully sharded row beside every exact 2D shape with
+    replicas (W = 16 .. 4096; W = 8's only shape is S 8 x R 1): its table + state per rank
+    is exact's sharded part / R (data-parallel tables stay whole), its replicate-axis
+    bytes are the planner's cost model's ``replica_slices`` bytes for the rank, and it
+    runs no replica gradient sum."""
+    from benchmarks.scale.mirror_world import mirror_world
+    from benchmarks.scale.run import _fully_sharded, _planned, _topology, mlperf
+    from dtrec.placements.mesh import init_mesh, shard_axis
+    from dtrec.planning.cost_model import table_cost
+
+    report = json.loads((RESULTS / "scale_2026-12-02.json").read_text())
+    w = mlperf(report["workload"]["batch_per_gpu"])
+    rows = {(r["W"], r["plan"]): r for r in report["configs"] if "skipped" not in r}
+    exact = [r for r in rows.values() if r["plan"].startswith("2d_") and r["R"] > 1
+             and r.get("sync_every") is None and not r.get("fully_sharded")
+             and not r["plan"].endswith("_planner")]  # fmt: skip
+    assert {r["W"] for r in exact} == {2**k for k in range(4, 13)}
+    checked_bytes = 0
+    for ex in exact:
+        fs = rows[ex["W"], ex["plan"] + "_fs"]
+        assert fs["fully_sharded"]
+        assert (fs["S"], fs["R"], fs["rank"]) == (ex["S"], ex["R"], ex["rank"])
+        assert not any(k.startswith("grad_sync.replicate") for k in fs["comm"])
+        assert _replica_slice_bytes(fs["comm"]) > 0
+        assert fs["table_gb_per_rank"] < ex["table_gb_per_rank"]
+        assert (ex["W"], "2d_fs_planner") in rows
+        if ex["W"] not in (64, 4096):  # the planner runs per shape: two worlds suffice
+            continue
+        specs, rank = _planned(w, ex["W"], ex["S"])
+        assert rank == ex["rank"]
+        with mirror_world(rank, ex["W"]):
+            axis = shard_axis(init_mesh("cpu", ex["S"], 8))
+        position = rank // axis.replicas
+        whole = sum(r * (w.dim + 1) * 4 for c, r in zip(w.tables(), w.rows, strict=True)
+                    if type(specs[c.name]).__name__ == "DataParallel")  # fmt: skip
+        sharded = 1e9 * ex["table_gb_per_rank"] - whole
+        assert 1e9 * fs["table_gb_per_rank"] == pytest.approx(whole + sharded / ex["R"], rel=1e-3)
+        priced = 0.0
+        for cfg in w.tables():
+            cost = table_cost(cfg, _fully_sharded(specs)[cfg.name], axis, _topology(w))
+            for kind, sent in (cost.comm or {}).items():
+                if kind.startswith("replica_slices"):
+                    priced += float(sent[position])
+        assert priced > 0
+        sim = _replica_slice_bytes(fs["comm"])
+        assert sim == pytest.approx(priced, rel=0.02), (ex["W"], ex["plan"])
+        checked_bytes += 1
+    assert checked_bytes >= 2
+
+
+PLANS_FS = {  # W = 4: S 2 x R 2, every table but t1 fully sharded 2D
+    "2d_fs": (
+        2,
+        None,
+        {
+            "t0": RowWise(fully_sharded=True),
+            "t1": DataParallel(),
+            "t2": TableWise(rank=1, fully_sharded=True),
+            "t3": RowWise(fully_sharded=True),
+        },
+    ),  # fmt: skip
+}
+
+
+@pytest.fixture(scope="module")
+def real_fs() -> list[dict]:
+    return run_world(WORLD, _real_bytes, PLANS_FS, timeout=240)
+
+
+def test_simulated_fully_sharded_bytes_match_a_real_run(real_fs: list[dict]) -> None:
+    """Fully sharded 2D on 4 gloo ranks against the mirror world: the same collectives;
+    every kind but the replica exchanges byte for byte per rank; the replica exchanges'
+    bytes summed over the ranks within 10% (each replica asks its owners for its own
+    touched rows, which the mirror world answers with this rank's own counts)."""
+    shards, node, specs = PLANS_FS["2d_fs"]
+    dense = _Model("meta").dense
+    sims = [simulate_rank(W, specs, WORLD, shards, rank, node, dense) for rank in range(WORLD)]
+    for rank, sim in enumerate(sims):
+        real = real_fs[rank]["2d_fs"]
+        assert set(sim.comm) == set(real), rank
+        assert not any(k.startswith("grad_sync.replicate") for k in real)
+        for kind in real:
+            if not kind.startswith("replica_slices.") or kind.endswith(".counts"):
+                assert sim.comm[kind] == real[kind], (rank, kind)
+    for kind in ("replica_slices.fetch.ids", "replica_slices.fetch.rows",
+                 "replica_slices.grads.values"):  # fmt: skip
+        real = sum(r["2d_fs"][kind]["bytes"] for r in real_fs)
+        assert real > 0
+        assert sum(s.comm[kind]["bytes"] for s in sims) == pytest.approx(real, rel=0.10), kind

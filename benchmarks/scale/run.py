@@ -19,7 +19,11 @@ Plans per W = 8, 16, ..., 4096:
   80 GB (the planner's memory model: rows, optimizer state, the step's buffers);
 - ``2d_*_k100``, ``2d_sync_planner``: the same shapes with ``sync_every=k`` (``--sync-every``,
   default 100): replicas update their own rows and average weights and row-wise Adagrad
-  state every k steps (TorchRec DMPCollection's periodic sync), 1/k of it per step.
+  state every k steps (TorchRec DMPCollection's periodic sync), 1/k of it per step;
+- ``2d_*_fs``, ``2d_fs_planner``: the same shapes (R > 1) fully sharded 2D (issue 43): the
+  planner's specs with ``fully_sharded=True`` on every sharded table, so each rank holds
+  1/R of its shard and state at rest; touched rows fetched from their owner slices and
+  their gradients sent back (``replica_slices``) instead of the replicas' gradient sum.
 
 Per configuration: the bytes one rank sends in every collective, from dtrec's own input
 dist, output dist, replica syncs and dense all-reduce run on a mirror world
@@ -29,8 +33,8 @@ lookups and dense math from this project's H200 step, scaled to H100 by copy ban
 The report checks the one-GPU calibration against every measured ``gpu_step`` config
 (``one_gpu_check``, within 15%) and places W = 8 next to NVIDIA's MLPerf v4.0 result.
 
-    python -m benchmarks.scale --json benchmarks/results/scale_2026-11-29.json \\
-        --png benchmarks/results/scale_2026-11-29.png --generated-batches 4
+    python -m benchmarks.scale --json benchmarks/results/scale_2026-12-02.json \\
+        --png benchmarks/results/scale_2026-12-02.png --generated-batches 4
 """
 
 from __future__ import annotations
@@ -53,8 +57,10 @@ from benchmarks.scale.mirror_world import mirror_world
 from benchmarks.scale.sim import RankStep, Workload, simulate_rank
 from dtrec.interop.plans import from_torchrec_plan
 from dtrec.placements import RowWise, TableRowWise, TableSpec
+from dtrec.placements.fully_sharded import slice_starts
 from dtrec.placements.mesh import init_mesh, shard_axis
 from dtrec.planning.cost_model import table_cost
+from dtrec.planning.fully_sharded_plan import fully_sharded_candidates
 from dtrec.planning.mesh_choice import rank_shard_group_sizes
 from dtrec.planning.planner import plan_tables
 from dtrec.planning.step_model import (
@@ -192,18 +198,24 @@ def _torchrec_layout(w: Workload, world: int, kind: str, mesh) -> dict[str, Tabl
 
 
 def _memory(w: Workload, specs: dict[str, TableSpec], world: int, shards: int, rank: int):
-    """Bytes the simulated rank holds: its table rows + row-wise Adagrad state, and all the
-    planner's cost model counts (with the step's buffers: ids received, partials pooled
-    for the shard group's samples), against the budget it plans within."""
+    """Bytes the simulated rank holds: its table rows + row-wise Adagrad state (its owner
+    slice of a fully sharded block), and all the planner's cost model counts (with the
+    step's buffers: ids received, partials pooled for the shard group's samples), against
+    the budget it plans within."""
     with mirror_world(rank, world):
         axis = shard_axis(init_mesh("cpu", shards, 8))
-    position = rank // axis.replicas
+    position, replica = divmod(rank, axis.replicas)
     rows, topology = 0, _topology(w)
     planned = 0.0
     for cfg in w.tables():
-        for b in specs[cfg.name].layout(cfg, axis).blocks:
+        layout = specs[cfg.name].layout(cfg, axis)
+        for b in layout.blocks:
             if b.position == position:
-                rows += b.num_rows * (b.num_cols + 1) * 4
+                held = b.num_rows
+                if layout.replica_sliced and not layout.batch_local:  # its owner slice
+                    starts = slice_starts(b.num_rows, axis.replicas)
+                    held = starts[replica + 1] - starts[replica]
+                rows += held * (b.num_cols + 1) * 4
         planned += float(table_cost(cfg, specs[cfg.name], axis, topology, with_comm=False)
                          .memory[position])  # fmt: skip
     return rows, planned, topology.memory_budget
@@ -233,6 +245,7 @@ def configuration(
         "S": shards,
         "R": world // shards,
         "sync_every": sync_every,
+        "fully_sharded": any(getattr(s, "fully_sharded", False) for s in specs.values()),
         "rank": rank,
         "types": _type_counts(specs),
         "table_gb_per_rank": table / 1e9,
@@ -311,13 +324,15 @@ def anchor(rows: list[dict], batch: int, device: Device) -> dict:
     }
 
 
-def _family(rows: list[dict], world: int, synced: bool) -> list[dict]:
+def _family(rows: list[dict], world: int, synced: bool, sliced: bool = False) -> list[dict]:
     """The simulated 2D shapes of one W that fit 80 GB: the exact-sync ones, or (``synced``)
-    the ``sync_every`` ones; not the ``*_planner`` picks."""
+    the ``sync_every`` ones, or (``sliced``) the fully sharded ones; not the ``*_planner``
+    picks."""
     return [r for r in rows if r["W"] == world and r["plan"].startswith("2d_")
             and not r["plan"].endswith("_planner") and "skipped" not in r
             and r.get("fits_memory", True)
-            and (r.get("sync_every") is not None) == synced]  # fmt: skip
+            and (r.get("sync_every") is not None) == synced
+            and bool(r.get("fully_sharded")) == sliced]  # fmt: skip
 
 
 def mesh_choices(rows: list[dict], w: Workload) -> list[dict]:
@@ -352,6 +367,12 @@ def mesh_choices(rows: list[dict], w: Workload) -> list[dict]:
     return out
 
 
+def _fully_sharded(specs: dict[str, TableSpec]) -> dict[str, TableSpec]:
+    """The specs with every sharded table fully sharded 2D (the planner's own variant,
+    ``fully_sharded_candidates``; data-parallel tables stay as they are)."""
+    return {k: (fully_sharded_candidates([s]) or [s])[0] for k, s in specs.items()}
+
+
 def _type_counts(specs: dict[str, TableSpec]) -> dict[str, int]:
     counts: dict[str, int] = {}
     for spec in specs.values():
@@ -359,10 +380,11 @@ def _type_counts(specs: dict[str, TableSpec]) -> dict[str, int]:
     return counts
 
 
-FAMILIES = ("1d_row_wise", "1d_table_row_wise", "1d_planner", "2d", "2d_sync")
-"""What ``--plans`` may name: the 1D plans, every 2D shape (with ``2d_planner``), and every
+FAMILIES = ("1d_row_wise", "1d_table_row_wise", "1d_planner", "2d", "2d_sync", "2d_fs")
+"""What ``--plans`` may name: the 1D plans, every 2D shape (with ``2d_planner``), every
 2D shape whose replicas average weights every ``--sync-every`` steps (TorchRec
-DMPCollection's way; with ``2d_sync_planner``)."""
+DMPCollection's way; with ``2d_sync_planner``), and every 2D shape with R > 1 fully
+sharded (``fully_sharded=True`` on the planner's sharded specs; with ``2d_fs_planner``)."""
 SYNC_EVERY = [100]  # --sync-every sets it
 
 
@@ -403,12 +425,14 @@ def sweep(
         shapes = [(f"2d_S{g}", g) for g in GROUPS if g <= world]
         shapes += [(f"2d_R{g}", world // g) for g in GROUPS if g < world]
         k = SYNC_EVERY[0]
-        for family, every, suffix in (("2d", None, ""), ("2d_sync", k, f"_k{k}")):
+        kinds = (("2d", None, "", False), ("2d_sync", k, f"_k{k}", False),
+                 ("2d_fs", None, "_fs", True))  # fmt: skip
+        for family, every, suffix, sliced in kinds:
             if family not in families:
                 continue
             twod = []
             for name, s in shapes:
-                if every is not None and s == world:
+                if (every is not None or sliced) and s == world:
                     continue  # no replicas: the same step as 2d_S{W}
                 try:
                     specs, rank = _planned(w, world, s)
@@ -416,9 +440,11 @@ def sweep(
                     here.append({"plan": name + suffix, "W": world, "S": s,
                                  "R": world // s, "skipped": str(exc)})  # fmt: skip
                     continue
+                if sliced:
+                    specs = _fully_sharded(specs)
                 twod.append(configuration(w, name + suffix, world, s, specs, rank, device, every))
             here += twod
-            fit = _family(twod, world, synced=every is not None)  # the fastest that fits
+            fit = _family(twod, world, every is not None, sliced)  # the fastest that fits
             if fit:
                 best = min(fit, key=lambda r: r["step_ms"])
                 here.append({**best, "plan": f"{family}_planner", "chosen": best["plan"]})
@@ -592,12 +618,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _choose_2d(rows: list[dict]) -> None:
-    """Re-pick each W's ``2d_planner`` and ``2d_sync_planner`` rows: the fastest 2D
-    configuration of each family as now priced."""
+    """Re-pick each W's ``2d_planner``, ``2d_sync_planner`` and ``2d_fs_planner`` rows: the
+    fastest 2D configuration of each family as now priced."""
     for world in sorted({r["W"] for r in rows}):
-        for family, synced in (("2d", False), ("2d_sync", True)):
+        for family, synced, sliced in (("2d", False, False), ("2d_sync", True, False),
+                                       ("2d_fs", False, True)):  # fmt: skip
             pick = f"{family}_planner"
-            twod = _family(rows, world, synced)
+            twod = _family(rows, world, synced, sliced)
             if not twod:
                 continue
             best = min(twod, key=lambda r: r["step_ms"])

@@ -31,13 +31,19 @@ from benchmarks.scale.mirror_world import mirror_world
 from dtrec.comm.collectives import all_reduce_coalesced_start, all_reduce_start, comm_stats
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.placements import TableSpec
-from dtrec.placements.mesh import SHARD, init_mesh, shard_axis, shard_position
+from dtrec.placements.mesh import REPLICATE, SHARD, init_mesh, shard_axis, shard_position
 from dtrec.planning.step_model import collective_of
 from dtrec.sharded.dense import KIND as DENSE_KIND
 from dtrec.sharded.dense_buckets import make_buckets as _buckets
 from dtrec.sharded.dist.groups import column_groups
 from dtrec.sharded.dist.input_dist import InputDist
 from dtrec.sharded.dist.output_dist import OutputDist
+from dtrec.sharded.dist.replica_slices import (
+    OwnerSlices,
+    fetch_of,
+    fetch_touched,
+    route_to_owners,
+)
 from dtrec.sharded.dist.routed_batch import wire_dtype
 from dtrec.sharded.dist.routing import Routing
 from dtrec.sharded.update.grad_sync import RowsShape, record_sync_rows
@@ -183,7 +189,10 @@ def simulate_rank(
                 w, routing, layouts, grid, coord, position, own, routed, exact_world, group_batches
             )
             sync_plan = GradSyncPlan(mesh, routing)
-            _syncs(routing, layouts, sync_plan, mesh, position, touched, tables, step, sync_every)
+            sliced = _fully_sharded(routing, layouts, world // axis.size)
+            _syncs(routing, layouts, sync_plan, mesh, position, touched, tables, step, sync_every,
+                   sliced)  # fmt: skip
+            _replica_slices(sliced, layouts, mesh, position, touched, tables, step)
             _data_parallel_lookups(routing, tables, own, step)
             if dense is not None:
                 for bucket in _buckets(list(dense.parameters())):
@@ -287,12 +296,13 @@ def _union(n: int, rows: int, sets: int) -> int:
 
 
 def _syncs(
-    routing, layouts, plan, mesh, position, touched, tables, step: RankStep, sync_every
-) -> None:
+    routing, layouts, plan, mesh, position, touched, tables, step: RankStep, sync_every,
+    sliced: frozenset[int] = frozenset(),
+) -> None:  # fmt: skip
     """The fused update's exchanges: column peers' row norms, then the replica syncs
     grouped as ``FusedUpdater._sync_and_update`` groups them (none for routed tables
-    whose replicas average weights instead, ``sync_every``); ``plan``: the step's
-    ``GradSyncPlan``."""
+    whose replicas average weights instead, ``sync_every``, nor for fully sharded ones,
+    ``sliced``: ``_replica_slices``); ``plan``: the step's ``GradSyncPlan``."""
     if sync_every is not None:  # each replica updates its own rows; no gradient sum
         touched = {
             t: Touched(v.own, v.own, v.own)
@@ -306,6 +316,11 @@ def _syncs(
     by_group: dict[int, tuple[object, str, list[int]]] = {}
     for t in sorted(touched):
         cols = _cols(layouts[t], position) if t in routed_layouts else tables[t].embedding_dim
+        if t in sliced:  # the owner updates its slice's share of the replicas' union
+            share = touched[t].union / mesh[REPLICATE].size()
+            step.updated += share * cols
+            step.rows_touched += int(round(share))
+            continue
         step.updated += touched[t].union * cols
         step.rows_touched += touched[t].union
         sync = plan.table(t, sync_every)
@@ -326,6 +341,46 @@ def _syncs(
             for t in ts
         ]
         record_sync_rows(shapes, [touched[t].padded for t in ts], group, kind)
+
+
+def _fully_sharded(routing, layouts, replicas: int) -> frozenset[int]:
+    """The local routed tables laid out fully sharded 2D (owner slices over R > 1)."""
+    if replicas < 2:
+        return frozenset()
+    return frozenset(
+        t
+        for t in routing.local_tables
+        if t not in routing.data_parallel_tables and layouts[t].replica_sliced
+    )
+
+
+def _replica_slices(sliced, layouts, mesh, position, touched, tables, step: RankStep) -> None:
+    """Fully sharded 2D's exchanges (``dtrec.sharded.dist.replica_slices``), the real
+    ``fetch_touched`` and ``route_to_owners`` on meta owner slices: each table's touched
+    rows (``Touched.own``: the distinct ids this rank's shard group sends to its block)
+    fetched from their owners, and their gradients sent back the way they came. The rows
+    are spread evenly over the block (uniform ids: as many to each owner, in
+    expectation); the mirror world answers each peer's requests with this rank's own."""
+    if not sliced:
+        return
+    group = mesh.get_group(REPLICATE)
+    keys = sorted(sliced)
+    owners, slices, uniques = {}, [], []
+    for i, t in enumerate(keys):
+        rows = _num_rows(layouts[t], position, tables[t])
+        owners[i] = OwnerSlices(rows, group)
+        cols = _cols(layouts[t], position)
+        slices.append(torch.empty(owners[i].slice_rows, cols, device="meta"))
+        n = min(touched[t].own, rows)
+        uniques.append(torch.arange(n, dtype=torch.long) * rows // max(n, 1))
+    value_table = torch.cat([torch.full((u.numel(),), i) for i, u in enumerate(uniques)])
+    compact, _ = fetch_touched(owners, slices, value_table, torch.cat(uniques))
+    merged = {i: (uniques[i], torch.empty_like(compact[i])) for i in owners}
+    fetched = {i: fetch_of(compact[i]) for i in owners}
+    route_to_owners(owners, merged, fetched)
+    for i in range(len(keys)):
+        step.updated += uniques[i].numel() * slices[i].shape[1]  # the compact rows' grads
+        step.rows_touched += uniques[i].numel()
 
 
 def _average_replicas(layouts, plan: GradSyncPlan, position: int) -> None:

@@ -45,6 +45,29 @@ OFFLOADED_STEP = (
 )
 
 
+def fully_sharded_sync_every_error(
+    names: list[str], sync_every: int, planned: bool = False
+) -> ValueError:
+    """E349: fully sharded tables and ``sync_every=k``; ``planned``: the planner chose to
+    fully shard them (``distribute_module(plan=None)``), so say how to keep them whole."""
+    text = (
+        f"table(s) {names}: fully sharded 2D (fully_sharded=True) keeps one owner per row, "
+        f"so replicas have nothing to average: sync_every={sync_every} expects whole "
+        "replicated shards; use sync_every=None"
+    )
+    if planned:
+        text += (
+            "; the planner (plan=None, or tables a plan leaves open) chose fully sharded 2D "
+            "for them because their "
+            "replicated shard and its optimizer state do not fit a rank's memory budget "
+            "(print(dtrec.plan(model, mesh)) says why): to keep whole shards, pin their "
+            f"specs (plan={{{names[0]!r}: RowWise()}}, on a mesh whose S makes a shard fit) "
+            "or give each rank more memory (plan=dtrec.plan(model, mesh, "
+            "topology=dtrec.Topology.cpu(memory_per_rank=...)))"
+        )
+    return ValueError(text)
+
+
 def check_sync_every(sync_every: int | None) -> None:
     """``sync_every``: None (replicas sync gradients every step) or a positive int."""
     if sync_every is not None and (
@@ -218,11 +241,7 @@ class ShardedCollection(nn.Module):
         if not names:
             return
         if sync_every is not None:
-            raise ValueError(
-                f"table(s) {names}: fully sharded 2D (fully_sharded=True) keeps one owner per "
-                f"row, so replicas have nothing to average: sync_every={sync_every} expects "
-                "whole replicated shards; use sync_every=None"
-            )
+            raise fully_sharded_sync_every_error(names, sync_every)
 
     def _owner_slices(self, position: int) -> dict[int, OwnerSlices]:
         """Fully sharded local tables' owner slices over the replica group (none with one

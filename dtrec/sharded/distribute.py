@@ -40,7 +40,11 @@ from dtrec.planning.plan import (
     table_fqn,
 )
 from dtrec.planning.plan import plan as make_plan
-from dtrec.sharded.collection import ShardedCollection, check_sync_every
+from dtrec.sharded.collection import (
+    ShardedCollection,
+    check_sync_every,
+    fully_sharded_sync_every_error,
+)
 from dtrec.sharded.copies import deepcopy_module
 from dtrec.sharded.dense import ReplicatedDense
 from dtrec.sharded.dense_setup import replicate_dense
@@ -186,6 +190,8 @@ def distribute_module(
         plan = from_torchrec(plan, tables, mesh)
         check_plan_keys(dict(plan or {}), tables)
     full_plan = make_plan(model, mesh, constraints=plan, meshes=meshes)
+    if sync_every is not None:
+        _check_planned_fully_sharded(full_plan, plan, sync_every)
     mesh_of = {fqn: (meshes or {}).get(fqn, mesh) for fqn in collections}  # checked by plan
     on_meta = any(
         collection_tables(ebc)[cfg.name].weight.is_meta
@@ -422,3 +428,19 @@ def check_same_on_every_rank(
         f"({detail}); "
         "every rank must distribute the same model config with the same plan and optimizer"
     )
+
+
+def _check_planned_fully_sharded(
+    full_plan: Mapping[str, TableSpec], given: object, sync_every: int
+) -> None:
+    """E349 before anything is built, where the planner (not the user's plan) made tables
+    fully sharded 2D and ``sync_every=k`` asks their replicas to average whole shards."""
+    pinned = given if isinstance(given, Mapping) else {}
+    planned = [
+        key
+        for key, spec in full_plan.items()
+        if getattr(spec, "fully_sharded", False)
+        and not getattr(pinned.get(key), "fully_sharded", False)
+    ]
+    if planned:
+        raise fully_sharded_sync_every_error(sorted(planned), sync_every, planned=True)
