@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from benchmarks.common.dlrm import MLPERF_HOTNESS, MLPERF_ROWS
 from benchmarks.common.workloads import workload, zipf_row_probs
-from benchmarks.scale.run import mlperf
 
 
 def distinct_uniform(rows: int, n: float) -> float:
@@ -73,10 +73,9 @@ def main() -> None:
     for s, r in ((2, 2), (2, 4), (4, 2)):
         cases.append(("CPU bench (8 x 1e5..1e6, D64, B512, Zipf 1.1)", s, r,
                       per_rank(cpu.rows, hot, cpu.dim, cpu.batch, s, r, probs)))  # fmt: skip
-    dlrm = mlperf(16384)
     for s, r in ((16, 2), (64, 8), (64, 64), (8, 512)):
         cases.append(("MLPerf DLRM (26 tables, D128, B16384, uniform)", s, r,
-                      per_rank(dlrm.rows, dlrm.hotness, dlrm.dim, 16384, s, r)))  # fmt: skip
+                      per_rank(MLPERF_ROWS, MLPERF_HOTNESS, 128, 16384, s, r)))  # fmt: skip
     print(
         "| workload | S x R | shard + state GB (exact) | slice GB (FS) | touched rows "
         "(share of shard) | exact sync GB/step (sparse / dense) | gather GB/step (peak GB) | "

@@ -55,7 +55,6 @@ from benchmarks.common.dense_arch import ARCHS, DTYPES, linear_output_dtypes, ma
 from benchmarks.common.device import bench_device, copy_bandwidth, sync
 from benchmarks.common.dlrm import (
     LR,
-    MLPERF_HOTNESS,  # noqa: F401  (benchmarks/scale/run.py imports it from here, for now)
     MLPERF_ROWS,
     Batch,
     Library,

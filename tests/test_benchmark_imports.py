@@ -5,8 +5,6 @@ TorchRec side, the run loop, report helpers), ``benchmarks.probes`` (the measuri
 instruments) and the modules of its own package (``benchmarks/soak/run.py`` reads
 ``benchmarks.soak.model``); nothing else of ``benchmarks``. ``common`` imports only
 ``common`` and ``probes``, ``probes`` only ``probes``. Imports inside functions count.
-``KNOWN`` lists the imports of files other sessions were editing when the harness landed;
-each entry must still be there (drop it once the file imports ``benchmarks.common``).
 """
 
 from __future__ import annotations
@@ -16,12 +14,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
-
-KNOWN = {
-    ("benchmarks/fully_sharded_bytes.py", "benchmarks.scale.run"),
-    ("benchmarks/scale/run.py", "benchmarks.dense_arch"),
-    ("benchmarks/scale/run.py", "benchmarks.gpu_step"),
-}
 
 
 def _module(path: Path) -> str:
@@ -65,17 +57,13 @@ def _allowed(module: str, target: str) -> bool:
 
 def test_benchmarks_import_only_the_harness() -> None:
     graph = _graph()
-    bad, seen = [], set()
-    for module, (path, targets) in sorted(graph.items()):
-        for target in sorted(targets):
-            if _allowed(module, target):
-                continue
-            if (path, target) in KNOWN:
-                seen.add((path, target))
-            else:
-                bad.append(f"{path} imports {target}")
+    bad = [
+        f"{path} imports {target}"
+        for module, (path, targets) in sorted(graph.items())
+        for target in sorted(targets)
+        if not _allowed(module, target)
+    ]
     assert not bad, "benchmarks import other benchmarks:\n" + "\n".join(bad)
-    assert seen == KNOWN, f"no longer imported, drop from KNOWN: {sorted(KNOWN - seen)}"
 
 
 def test_no_import_cycle() -> None:

@@ -50,8 +50,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.dense_arch import DenseArch
-from benchmarks.gpu_step import MLPERF_HOTNESS, MLPERF_ROWS
+from benchmarks.common.dense_arch import DenseArch
+from benchmarks.common.dlrm import MLPERF_HOTNESS, MLPERF_ROWS
 from benchmarks.probes.machine import processor
 from benchmarks.scale.mirror_world import mirror_world
 from benchmarks.scale.sim import RankStep, Workload, simulate_rank
