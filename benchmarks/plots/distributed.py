@@ -1,7 +1,7 @@
 """Plot ``benchmarks/distributed.py`` JSON: step time per config and where it goes.
 
     python -m benchmarks.plots.distributed \\
-        benchmarks/results/distributed_cpu_2026-11-29_session_end.json \\
+        benchmarks/results/distributed_cpu_2026-12-02.json \\
         -o /tmp/distributed.png
 
 Left: median step (ms) of dtrec and TorchRec per config, dtrec/TorchRec ratio on top.
