@@ -43,9 +43,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils.hooks import RemovableHandle
 
+from dtrec._torch_compat import local_shape_and_offset
 from dtrec.modules.config import EmbeddingBagConfig, as_bag_config
 from dtrec.modules.embedding import (
     EmbeddingCollection,
@@ -342,9 +342,7 @@ def reset_torch_optimizer_rows(
     its block holds (torch's ``Shard`` offsets: row-wise, table-wise, column-wise)."""
     local_rows = rows
     if isinstance(param, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(
-            param.shape, param.device_mesh, param.placements
-        )
+        shape, offset = local_shape_and_offset(param.shape, param.device_mesh, param.placements)
         if not shape or 0 in shape:  # no block of this table here (table-wise elsewhere)
             return
         r0, r1 = offset[0], offset[0] + shape[0]
