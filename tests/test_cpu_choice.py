@@ -105,3 +105,28 @@ def test_the_timed_lookup_is_served_by_both_implementations_alike() -> None:
     for a, b in zip(fused.weights + [s["sum"] for s in fused.states],
                     unfused.weights + [s["sum"] for s in unfused.states], strict=True):  # fmt: skip
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(fbgemm_ops() is None, reason="fbgemm_gpu does not load")
+def test_one_thread_times_cpu_not_the_wall(monkeypatch) -> None:
+    """With one torch thread the choice reads this thread's CPU time: a wall clock that
+    jumps (the rank waiting for a core) while one implementation runs changes nothing."""
+    import time
+
+    threads = torch.get_num_threads()
+    wall = {"now": 0.0}
+
+    def jumpy() -> float:  # every read a second later: any wall-clock timing sees ~1 s
+        wall["now"] += 1.0
+        return wall["now"]
+
+    monkeypatch.setattr(time, "perf_counter", jumpy)
+    try:
+        torch.set_num_threads(1)
+        assert cpu_choice._clock() is time.thread_time
+        times = cpu_choice._time_both(repeats=1)
+        assert all(0 < t < 0.5 for t in times.values()), times
+        torch.set_num_threads(2)
+        assert cpu_choice._clock() is time.perf_counter
+    finally:
+        torch.set_num_threads(threads)

@@ -131,10 +131,19 @@ class _NotServed(Exception):
     """fbgemm's backward declined the timing lookup (fbgemm_gpu does not load)."""
 
 
-def _time_both(repeats: int = 3) -> dict[str, float] | None:
+def _clock():
+    """What ``_time_both`` reads: with one torch thread (torchrun's default), this thread's
+    CPU time, which does not count the time the rank waited for a core while other ranks
+    or jobs ran: under such load a wall clock picked torch's path over a 1.6x faster
+    fbgemm one (2026-12-02, load 10-30 on 2 cores). With more threads, the wall clock:
+    it also sees fbgemm's OpenMP threads waiting on busy cores (``MARGIN``)."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def _time_both(repeats: int = 5) -> dict[str, float] | None:
     """Best-of-``repeats`` seconds of each implementation (None if fbgemm does not serve
     it) on a synthetic lookup: 2 tables (2e4 and 6e4 rows, D=64), 1024 bags of 20 ids
-    skewed toward low rows, with the process's threads as they are."""
+    skewed toward low rows, with the process's threads as they are, on ``_clock()``."""
     gen = torch.Generator().manual_seed(0)
     rows, dim, bags, per_bag = (20_000, 60_000), 64, 1024, 20
     ids = [(torch.rand(bags * per_bag, generator=gen) ** 3 * r).long() for r in rows]
@@ -148,7 +157,7 @@ def _time_both(repeats: int = 3) -> dict[str, float] | None:
         if not bench.torch_pass():  # dtrec.kernels.cpu's fused pass, else the unfused path
             bench.rows_then_update()
 
-    out = {}
+    out, clock = {}, _clock()
     with torch.no_grad():
         for name, fn in (("fbgemm", run_fbgemm), ("torch", run_torch)):
             try:
@@ -157,9 +166,9 @@ def _time_both(repeats: int = 3) -> dict[str, float] | None:
                 return None
             best = float("inf")
             for _ in range(repeats):
-                start = time.perf_counter()
+                start = clock()
                 fn()
-                best = min(best, time.perf_counter() - start)
+                best = min(best, clock() - start)
             out[name] = best
     return out
 
