@@ -82,11 +82,15 @@ def _draw_table(rng: random.Random, kind: str | None, shards: int, nodes: int | 
 
 def draw_cases(world: int, count: int, seed: int) -> list[dict]:
     """``count`` random cases for a ``world``-rank mesh (see the module docstring)."""
+    from dtrec.placements.mesh import positions_per_node
+
     rng = random.Random(seed)
     cases = []
     for i in range(count):
         shards, node_size, within = MESHES[world][i % len(MESHES[world])]
-        nodes = None if node_size is None else shards // node_size
+        nodes = None
+        if node_size is not None:  # shard positions per node, as init_mesh reads node_size
+            nodes = shards // positions_per_node(world, shards, node_size, within)
         kinds = FS_KINDS if nodes is not None else FS_KINDS[:3]
         first = kinds[(i + i // len(MESHES[world])) % len(kinds)]  # every kind, every mesh
         tables = [_draw_table(rng, first, shards, nodes)]
@@ -195,7 +199,9 @@ def _at_rest(mesh, model, opt) -> dict:
     return {"problems": problems, "held": held, "shard_bytes": shard_bytes, "slack": slack}
 
 
-def _run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
+def _run_cases(rank: int, world: int, cases: list[dict], device: str = "cpu") -> list[dict]:
+    """Every case on this rank (``device``: where meshes, tables and batches live; the CUDA
+    tier's ``tests/gpu/test_fully_sharded_cuda.py`` runs the first ones on a GPU)."""
     import dtrec
     from tests.distributed.numerics import check_numerics
 
@@ -204,7 +210,7 @@ def _run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
         shards, node_size, within = case["mesh"]
         if case["mesh"] not in meshes:
             meshes[case["mesh"]] = dtrec.init_mesh(
-                "cpu", shards, node_size=node_size, replicas_within_node=within
+                device, shards, node_size=node_size, replicas_within_node=within
             )
     fused = {
         "fused_sgd": lambda: dtrec.optim.SGD(lr=0.5),
@@ -228,7 +234,7 @@ def _run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
         }  # fmt: skip
         r = check_numerics(
             mesh, plan, case["weighted"], tables=tables, batch_sizes=case["batch_sizes"],
-            inspect=partial(_at_rest, mesh), **kwargs,
+            inspect=partial(_at_rest, mesh), device=device, **kwargs,
         )  # fmt: skip
         notes = list(r.notes)
         if not (r.grads_sharded_like_weights and r.shapes_match):
