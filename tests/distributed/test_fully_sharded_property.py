@@ -229,19 +229,41 @@ def _run_cases(rank: int, world: int, cases: list[dict], device: str = "cpu") ->
         ]  # fmt: skip
         plan = {f"t{i}": _spec(t["spec"]) for i, t in enumerate(case["tables"])}
         opt = case["optimizer"]
-        kwargs = {"fused": fused[opt]()} if opt in fused else {
-            "optimizer": opt.removeprefix("torch_"), "opt_kwargs": {"foreach": True}
-        }  # fmt: skip
-        r = check_numerics(
-            mesh, plan, case["weighted"], tables=tables, batch_sizes=case["batch_sizes"],
-            inspect=partial(_at_rest, mesh), device=device, **kwargs,
+
+        def optimizer(opt: str = opt) -> dict:  # a new fused optimizer for each run
+            if opt in fused:
+                return {"fused": fused[opt]()}
+            return {"optimizer": opt.removeprefix("torch_"), "opt_kwargs": {"foreach": True}}
+
+        run = partial(
+            check_numerics, mesh, weighted=case["weighted"], tables=tables,
+            batch_sizes=case["batch_sizes"], device=device,
         )  # fmt: skip
+        r = run(plan, inspect=partial(_at_rest, mesh), **optimizer())
         notes = list(r.notes)
         if not (r.grads_sharded_like_weights and r.shapes_match):
             notes.append("grads or outputs not shaped like the unsharded model's")
         worst = max(r.max_weight_diff, r.max_output_diff, r.max_loss_diff, r.max_grad_diff)
-        out.append({"worst": worst, "notes": notes, **r.inspected})
+        # float reassociation grows with the weights (fused SGD at lr 0.5 can make them
+        # hundreds): a case past TOLERANCE on any rank is held to exact 2D's own difference
+        # on the same case (every rank decides alike: the largest over the world)
+        largest = torch.tensor([worst], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX)
+        exact_worst = None
+        if largest.item() >= TOLERANCE:
+            exact_plan = {k: _exact(v) for k, v in plan.items()}
+            e = run(exact_plan, **optimizer())
+            exact_worst = max(e.max_weight_diff, e.max_output_diff, e.max_loss_diff,
+                              e.max_grad_diff)  # fmt: skip
+        out.append({"worst": worst, "exact_worst": exact_worst, "notes": notes, **r.inspected})
     return out
+
+
+def _exact(spec):
+    """The exact 2D spec of a fully sharded one (others as they are)."""
+    from dataclasses import replace
+
+    return replace(spec, fully_sharded=False) if getattr(spec, "fully_sharded", False) else spec
 
 
 def _cases(config: pytest.Config, world: int) -> list[dict]:
@@ -279,9 +301,15 @@ def test_random_cases_train_like_unsharded_and_hold_owner_slices(request, outcom
         label = f"case {index} ({_label(case).format(R=world // case['mesh'][0])})"
         for rank, results in enumerate(outcomes[world]):
             got = results[index]
-            if got["notes"] or got["problems"] or not got["worst"] < TOLERANCE:
+            bound = TOLERANCE
+            if got["exact_worst"] is not None:  # see _run_cases: exact 2D's own difference
+                bound = max(bound, 1.01 * got["exact_worst"])
+            if got["notes"] or got["problems"] or not got["worst"] < bound:
                 failed.append(f"{label}, rank {rank}: {got}\n  {case}")
     assert not failed, "\n".join(failed[:6])
+    # held to exact 2D's own difference: the exception, not the rule
+    fallbacks = sum(got["exact_worst"] is not None for got in outcomes[world][0])
+    assert fallbacks <= len(cases) // 5, fallbacks
     # at rest each rank holds 1/R of its shards' rows and state (R = 2 and 4 both met)
     for index, case in enumerate(cases):
         replicas = world // case["mesh"][0]
