@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_check.parts import PARTS, TIMEOUT_S, Run, plan_parts
+from benchmarks.gpu_check.parts import FULLY_SHARDED_MODULE, PARTS, TIMEOUT_S, Run, plan_parts
 from benchmarks.gpu_check.run import (
     NO_CUDA,
     TIMED_OUT,
@@ -92,7 +92,8 @@ def test_cpu_tier_device_without_smoke_runs_nothing() -> None:
 def test_halves_split_the_parts_and_fit_ten_minutes_each() -> None:
     assert parse([]).chosen == list(PARTS)
     tests, bench = parse(["--skip-step"]).chosen, parse(["--skip-tests"]).chosen
-    assert tests == ["tier", "soak"] and bench == ["step", "profile", "kernels", "offload"]
+    assert tests == ["tier", "fully_sharded", "soak"]
+    assert bench == ["step", "profile", "kernels", "offload"]
     assert parse(["--parts", "step,soak", "--skip", "soak"]).chosen == ["step"]
     with pytest.raises(SystemExit):
         parse(["--parts", "tier,nope"])
@@ -106,6 +107,10 @@ def test_halves_split_the_parts_and_fit_ten_minutes_each() -> None:
     assert [c[c.index("--world") + 1] for c in soak] == ["1", "4"]
     offload = plans["offload"][0].cmd
     assert offload[offload.index("--device") + 1] == "cuda"
+    # fully sharded 2D on the device: its own part, left out of the tier (run once)
+    [fully_sharded] = plans["fully_sharded"]
+    assert FULLY_SHARDED_MODULE in fully_sharded.cmd and fully_sharded.junit is not None
+    assert f"--ignore={FULLY_SHARDED_MODULE}" in plans["tier"][0].cmd
     assert all(str(p).startswith(str(RESULTS)) for runs in plans.values() for r in runs
                for p in r.reports)  # fmt: skip
 
@@ -152,7 +157,11 @@ def test_smoke_on_cpu_writes_every_part_report(tmp_path) -> None:
     """Every part but the tier (next test), tiny, on CPU: each report written, well-formed."""
     done, report = _smoke(tmp_path, "--skip", "tier")
     assert report["meta"]["device"] == "cpu" and report["meta"]["smoke"] is True
-    assert set(report) == {"meta", "gpu_step", "gpu_profile", "soak", "kernels", "offload"}
+    assert set(report) == {"meta", "fully_sharded", "gpu_step", "gpu_profile", "soak", "kernels",
+                           "offload"}  # fmt: skip
+    [fully_sharded] = report["fully_sharded"]["commands"]  # pytest's outcomes, no report
+    assert report["fully_sharded"]["ok"] and fully_sharded["counts"] == {"passed": 2}, fully_sharded
+    assert fully_sharded["env"] == {"DTREC_FS_GPU_SMOKE": "1"}
     for key in ("gpu_step", "gpu_profile", "soak", "kernels", "offload"):
         part = report[key]
         assert part["ok"], (key, part)
@@ -191,7 +200,7 @@ def test_smoke_tier_part_folds_outcomes_into_the_days_report(tmp_path) -> None:
     date = time.strftime("%Y-%m-%d", time.gmtime())
     earlier = {"meta": {"device": "cpu"}, "gpu_step": {"ok": True, "commands": []}}
     (tmp_path / f"gpu_check_cpu_smoke_{date}.json").write_text(json.dumps(earlier))
-    _, report = _smoke(tmp_path, "--skip-step", "--skip", "soak")
+    _, report = _smoke(tmp_path, "--skip-step", "--skip", "soak,fully_sharded")
     assert report["gpu_step"] == earlier["gpu_step"]  # the earlier half's part kept
     [command] = report["cuda_tier"]["commands"]
     assert command["counts"] == {"passed": 4}, command

@@ -129,6 +129,28 @@ def test_the_pick_follows_the_fabric() -> None:
     assert choice.shard_group_size == 16 and list(choice.per_size)[-1] == 1
 
 
+def test_a_mesh_whose_shards_do_not_fit_is_ranked_fully_sharded() -> None:
+    """Dear shard all-to-alls favour S=1 (R=8), where every rank would hold every table:
+    with 0.2 GB a rank that does not fit, so the planner fully shards the coldest table
+    that makes it fit over the 8 replicas (fully sharded 2D, issue 43) and the mesh is
+    still ranked, and picked, its line saying so; R=1 has no replicas to shard over."""
+    from dataclasses import replace
+
+    tables = _tables()
+    roomy = replace(_fabric(shard_dear=True), host_memory_per_rank=0.0)
+    choice = rank_shard_group_sizes(tables, 8, topology=roomy)
+    assert choice.shard_group_size == 1
+    assert not any("fully sharded" in c.name for c in choice.candidates)
+    tight = replace(roomy, memory_per_rank=0.2e9)
+    choice = rank_shard_group_sizes(tables, 8, topology=tight)
+    assert choice.shard_group_size == 1 and not choice.skipped
+    assert choice.per_size[1].name.endswith("(1 of 4 tables fully sharded)")
+    assert "fully sharded" not in choice.per_size[8].name
+    assert any(line.startswith("  * S=1 x R=8") and "fully sharded" in line
+               for line in choice.lines())  # fmt: skip
+    assert choose_shard_group_size(tables, 8, topology=tight) == 1
+
+
 def test_sizes_that_cannot_plan_are_skipped_with_why() -> None:
     """W=48 on nodes of 8: S=4, 8, 16 make replica groups of 12, 6, 3 ranks, which
     ``init_mesh`` refuses; given sizes that do not divide are skipped; a pinned spec that

@@ -11,19 +11,27 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PARTS = ("tier", "step", "profile", "soak", "kernels", "offload")
+PARTS = ("tier", "fully_sharded", "step", "profile", "soak", "kernels", "offload")
 """In the order they run: the tier and the step first, the longest benchmark last."""
-REPORT_KEYS = {"tier": "cuda_tier", "step": "gpu_step", "profile": "gpu_profile",
-               "soak": "soak", "kernels": "kernels", "offload": "offload"}  # fmt: skip
+TEST_PARTS = ("tier", "fully_sharded", "soak")
+"""The tests half (``--skip-step`` keeps these, ``--skip-tests`` leaves them out)."""
+REPORT_KEYS = {"tier": "cuda_tier", "fully_sharded": "fully_sharded", "step": "gpu_step",
+               "profile": "gpu_profile", "soak": "soak", "kernels": "kernels",
+               "offload": "offload"}  # fmt: skip
 """Each part's key in ``gpu_check_<card>_<date>.json`` (the tier's and the step's as the
 first H200 report has them)."""
 
-TIMEOUT_S = {"tier": 270, "step": 200, "profile": 90, "soak": 90, "kernels": 90, "offload": 150}
+TIMEOUT_S = {"tier": 270, "fully_sharded": 120, "step": 200, "profile": 90, "soak": 90,
+             "kernels": 90, "offload": 150}  # fmt: skip
 """Seconds per command on an H100/H200 (the soak has two commands, W=1 and W=4). Halves:
-tests (tier + soak) 450 s, bench (step, profile, kernels, offload) 530 s."""
-SMOKE_TIMEOUT_S = {"tier": 300, "step": 300, "profile": 180, "soak": 180, "kernels": 180,
-                   "offload": 300}  # fmt: skip
+tests (tier + fully_sharded + soak) 570 s, bench (step, profile, kernels, offload) 530 s."""
+SMOKE_TIMEOUT_S = {"tier": 300, "fully_sharded": 300, "step": 300, "profile": 180, "soak": 180,
+                   "kernels": 180, "offload": 300}  # fmt: skip
 """The same at ``--smoke`` sizes, generous for a loaded 2-core CPU machine."""
+
+FULLY_SHARDED_MODULE = "tests/gpu/test_fully_sharded_cuda.py"
+"""Fully sharded 2D on the device (issue 43): numerics and host syncs against exact 2D. Its
+own part (the tier leaves it out), so its outcome is one line of the report."""
 
 SMOKE_TIER_K = "W1 and round_trip"
 """The tier's cases at ``--smoke``: the 1-rank checkpoint round trips. A ``-k`` selection
@@ -63,7 +71,10 @@ def plan_parts(args, kind: str, results: Path, stem: str) -> dict[str, list[Run]
 
     junit = results / f"gpu_check_{stem}_junit.xml"
     tier = [py, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider",
-            f"--junitxml={junit}"]  # fmt: skip
+            f"--junitxml={junit}", f"--ignore={FULLY_SHARDED_MODULE}"]  # fmt: skip
+    fs_junit = results / f"gpu_check_{stem}_fully_sharded_junit.xml"
+    fully_sharded = [py, "-m", "pytest", "-m", "gpu", FULLY_SHARDED_MODULE, "-q", "-rs", "-p",
+                     "no:cacheprovider", f"--junitxml={fs_junit}"]  # fmt: skip
     if smoke:
         tier += ["-k", SMOKE_TIER_K]
     step = results / f"gpu_step_{stem}.json"
@@ -82,6 +93,9 @@ def plan_parts(args, kind: str, results: Path, stem: str) -> dict[str, list[Run]
     plans = {
         "tier": [Run("pytest", tier + extra("tier"), results / f"gpu_check_{stem}_pytest.log",
                      timeout["tier"], junit=junit)],
+        "fully_sharded": [Run("pytest", fully_sharded + extra("fully_sharded"),
+                              log("fully_sharded"), timeout["fully_sharded"], junit=fs_junit,
+                              env={"DTREC_FS_GPU_SMOKE": "1"} if smoke else {})],
         "step": [Run("gpu_step", [py, "benchmarks/gpu_step.py", "--device", dev, *step_args,
                                   "--json", str(step), *extra("step")],
                      log("step"), timeout["step"], [step])],

@@ -9,7 +9,9 @@ skipped and reported so):
 ======== ======= ============================================================ =========
 part     half    command (full size)                                          timeout
 ======== ======= ============================================================ =========
-tier     tests   ``pytest -m gpu tests/gpu`` (the CUDA tier)                  270 s
+tier     tests   ``pytest -m gpu tests/gpu`` (the CUDA tier, but the next)    270 s
+fully_   tests   ``pytest -m gpu tests/gpu/test_fully_sharded_cuda.py``:      120 s
+sharded          fully sharded 2D exact on the device, host syncs <= exact 2D
 step     bench   ``benchmarks/gpu_step.py --steps 10 --profile-steps 2``      200 s
 profile  bench   ``benchmarks/gpu_profile.py`` (B16384 multi-/one-hot)        90 s
 soak     tests   ``benchmarks/soak/run.py --device cuda`` at W=1 (NCCL) and at    2 x 90 s
@@ -33,7 +35,8 @@ switch) with ``--smoke`` runs every part on CPU at tiny sizes instead: a check o
 wiring (``tests/test_gpu_check.py``), never a substitute for the GPU run.
 
     make gpu-check                                  # every part, about 9 minutes
-    make gpu-check GPU_CHECK_ARGS=--skip-step       # the tests half: tier + soak
+    make gpu-check GPU_CHECK_ARGS=--skip-step       # the tests half: tier, fully_sharded,
+                                                    # soak
     make gpu-check GPU_CHECK_ARGS=--skip-tests      # the bench half: step, profile, kernels,
                                                     # offload (each half well under 10 min)
     python -m benchmarks.gpu_check --parts step,profile --step-args="--batches 16384"
@@ -63,7 +66,14 @@ REPO = Path(__file__).resolve().parents[2]
 if __package__ in (None, ""):  # run as a script (make gpu-check): the repository importable
     sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu_check.parts import PARTS, REPORT_KEYS, Run, plan_parts, summarize  # noqa: E402
+from benchmarks.gpu_check.parts import (  # noqa: E402
+    PARTS,
+    REPORT_KEYS,
+    TEST_PARTS,
+    Run,
+    plan_parts,
+    summarize,
+)
 
 RESULTS = REPO / "benchmarks" / "results"
 NO_CUDA = 2
@@ -235,7 +245,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--install", default="torch", help="pip spec used only if torch is missing")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
     p.add_argument("--skip", default="", help="parts to leave out, comma-separated")
-    p.add_argument("--skip-tests", action="store_true", help="leave out the tier and the soak")
+    p.add_argument("--skip-tests", action="store_true",
+                   help="leave out the tier, fully_sharded and the soak")  # fmt: skip
     p.add_argument("--skip-step", action="store_true",
                    help="leave out the benchmarks: step, profile, kernels, offload")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny sizes (on CPU: the wiring check)")
@@ -253,9 +264,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
     if args.skip_tests:
-        skipped |= {"tier", "soak"}
+        skipped |= set(TEST_PARTS)
     if args.skip_step:
-        skipped |= {"step", "profile", "kernels", "offload"}
+        skipped |= set(PARTS) - set(TEST_PARTS)
     args.chosen = [x for x in PARTS if x in chosen and x not in skipped]
     return args
 

@@ -69,7 +69,9 @@ class MeshChoice:
     """Every plan compared on every size, named ``"S=4 x R=2: row_wise"``, fastest first;
     ``chosen`` marks the pick (``compare_shard_group_sizes``' ranking)."""
     per_size: dict[int, PlanCandidate]
-    """S -> the plan ``dtrec.plan`` would pick on that mesh, fastest size first."""
+    """S -> the plan ``dtrec.plan`` would pick on that mesh, fastest size first (named
+    with how many tables it fully shards over the replicas, when the exact plan does not
+    fit: "S=1 x R=16: greedy (2 of 4 tables fully sharded)")."""
     skipped: dict[int, str] = field(default_factory=dict)
     """Sizes not compared, and why (not a divisor, the node size, tables that do not fit)."""
 
@@ -198,9 +200,13 @@ def _compare_one(
     per_node = None if node_size is None else positions_per_node(world_size, size, node_size)
     axis = ShardAxis(size, world_size // size, per_node)
     compared: list[PlanCandidate] = []
-    plan_tables(tables, axis, constraints, topology, compared)
+    choices, _ = plan_tables(tables, axis, constraints, topology, compared)
     prefix = f"S={size} x R={world_size // size}: "
-    return [replace(c, name=prefix + c.name) for c in compared]
+    # a mesh whose replicated shards do not fit is ranked with the tables the planner fully
+    # sharded over its replicas (fully sharded 2D): its name says how many
+    sliced = sum(bool(getattr(c.spec, "fully_sharded", False)) for c in choices.values())
+    suffix = f" ({sliced} of {len(choices)} tables fully sharded)" if sliced else ""
+    return [replace(c, name=prefix + c.name + suffix) for c in compared]
 
 
 def _ranked(out: list[PlanCandidate]) -> list[PlanCandidate]:

@@ -8,7 +8,7 @@ reports the largest differences.
 from __future__ import annotations
 
 import copy
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -109,6 +109,8 @@ class Result:
     """This rank's pooled output had the unsharded one's shape every step (``(0, D)`` for an
     empty batch); a mismatch is described in ``notes``."""
     notes: list[str] = field(default_factory=list)
+    inspected: object = None
+    """What ``check_numerics``'s ``inspect`` returned (None without one)."""
 
 
 def check_numerics(
@@ -129,6 +131,7 @@ def check_numerics(
     batch_sizes: Sequence[Sequence[int]] | None = None,
     opt_kwargs: Mapping[str, object] | None = None,
     clip: Mapping[str, object] | None = None,
+    inspect: Callable[[nn.Module, torch.optim.Optimizer], object] | None = None,
 ) -> Result:
     """Train sharded and unsharded side by side; return the largest differences.
 
@@ -146,7 +149,9 @@ def check_numerics(
     ``torch.nn.utils.clip_grad_norm_`` run on both models' parameters before each step
     (with a fused optimizer the unsharded model clips its dense part only: the sharded
     tables have no ``.grad``), the largest difference of the returned norms in
-    ``Result.max_norm_diff``.
+    ``Result.max_norm_diff``; ``inspect``: called with the sharded model and its torch
+    optimizer after the last step, its return value kept in ``Result.inspected`` (e.g. what
+    a rank holds at rest).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     tables = tables if tables is not None else make_tables(weighted)
@@ -267,6 +272,8 @@ def check_numerics(
         ref_opt.zero_grad()
     if sync_every is not None:
         sharded.sparse.sync_replicas()  # the last steps since a sync
+    if inspect is not None:
+        result.inspected = inspect(sharded, opt)
 
     for name, table in sharded.sparse.embedding_bags.items():
         if blocks[name] is None:

@@ -24,6 +24,7 @@ exchanges (one replica group per collection).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,6 +56,10 @@ class Fetch:
     """Per (source, table), source-major: the shard rows that source asked for."""
     rows: list[Tensor]
     """Per table: the sorted shard rows of its compact table (what this rank asked)."""
+    sent_counts: list[list[int]]
+    """``sent`` on the host (read once, with ``got``: sizes the way back needs no wait)."""
+    got_counts: list[list[int]]
+    """``got`` on the host."""
 
 
 class OwnerSlices:
@@ -75,9 +80,12 @@ class OwnerSlices:
         self.slice_rows = starts[self.replica + 1] - self.start
         self._ends = torch.tensor(starts[1 : self.replicas], dtype=torch.long)
 
-    def owners(self, rows: Tensor) -> Tensor:
-        """The replica (0..R-1) owning each shard row in ``rows``."""
-        return torch.searchsorted(self._ends.to(rows.device), rows, right=True)
+    def owner_counts(self, rows: Tensor) -> Tensor:
+        """How many of the sorted shard rows ``rows`` each replica (0..R-1) owns (on the
+        rows' device: no wait for it)."""
+        ends = torch.searchsorted(rows, self._ends.to(rows.device))
+        total = torch.full((1,), rows.numel(), dtype=torch.long, device=rows.device)
+        return torch.cat([ends, total]).diff(prepend=total.new_zeros(1))
 
 
 def block_rows_of(compact: Tensor, rows: Tensor) -> Tensor:
@@ -98,31 +106,38 @@ def _exchange_counts(counts: Tensor, group: ProcessGroup, kind: str) -> Tensor:
     return got.view(replicas, tables)
 
 
-def _by_destination(parts: Sequence[Tensor], counts: Tensor) -> tuple[Tensor, list[int]]:
-    """Rows of each table (sorted by destination, ``counts[k, d]`` each) laid out
-    destination-major, then table: one flat send buffer and its split per destination."""
-    pieces = [p.split(c.tolist()) for p, c in zip(parts, counts, strict=True)]
-    send = [pieces[k][d].reshape(-1) for d in range(counts.shape[1]) for k in range(len(parts))]
+def _by_destination(parts: Sequence[Tensor], counts: list[list[int]]) -> tuple[Tensor, list[int]]:
+    """Rows of each table (sorted by destination, ``counts[k][d]`` each: host ints) laid
+    out destination-major, then table: one flat send buffer and its split per destination."""
+    pieces = [p.split(c) for p, c in zip(parts, counts, strict=True)]
+    replicas = len(counts[0]) if counts else 0
+    send = [pieces[k][d].reshape(-1) for d in range(replicas) for k in range(len(parts))]
     widths = [p.shape[1] if p.dim() > 1 else 1 for p in parts]
     flat = torch.cat(send) if send else parts[0].new_empty(0)
-    width = torch.tensor(widths, dtype=torch.long)
-    return flat, (counts * width[:, None]).sum(0).tolist()
+    splits = [sum(c[d] * w for c, w in zip(counts, widths, strict=True)) for d in range(replicas)]
+    return flat, splits
 
 
-def entry_value_tables(entry_table: list[int], offsets: Tensor) -> Tensor:
+def entry_value_tables(
+    entry_table: list[int], offsets: Tensor, num_values: int | None = None
+) -> Tensor:
     """The table (index into the lookup's tables) of every id of a pooled lookup in
-    ``dtrec.ops.lookup``'s layout (entry-major bags, ``E * B + 1`` offsets)."""
+    ``dtrec.ops.lookup``'s layout (entry-major bags, ``E * B + 1`` offsets);
+    ``num_values``: the ids' count, when known (no wait for the device on CUDA)."""
     entries = len(entry_table)
     batch = (offsets.numel() - 1) // entries
     per_entry = offsets[::batch].diff() if batch else offsets.new_zeros(entries)
     tables = torch.tensor(entry_table, dtype=torch.long, device=offsets.device)
-    return tables.repeat_interleave(per_entry)
+    return tables.repeat_interleave(per_entry, output_size=num_values)
 
 
-def run_value_tables(run_table: list[int], run_counts: Tensor) -> Tensor:
-    """The table of every id of a sequence lookup's runs (``lookup.sequence.IdRuns``)."""
+def run_value_tables(
+    run_table: list[int], run_counts: Tensor, num_values: int | None = None
+) -> Tensor:
+    """The table of every id of a sequence lookup's runs (``lookup.sequence.IdRuns``);
+    ``num_values``: the ids' count, when known (no wait for the device on CUDA)."""
     tables = torch.tensor(run_table, dtype=torch.long, device=run_counts.device)
-    return tables.repeat_interleave(run_counts)
+    return tables.repeat_interleave(run_counts, output_size=num_values)
 
 
 def fetch_touched(
@@ -135,47 +150,77 @@ def fetch_touched(
     slice); ``value_table``: each id's position in ``tables`` (``entry_value_tables``,
     ``run_value_tables``). Collective over the replica group: every replica calls it with
     the same tables, in the same order.
+
+    The host waits for the device twice, whatever the number of tables: for the number
+    of distinct touched rows (one ``unique`` over every table's ids, keyed by table) and
+    for the request counts (one read, after their exchange, which runs on the device).
     """
     keys = sorted(owners)
     group = owners[keys[0]].group
-    values = values.clone()
-    masks, uniques, counts = [], [], []
-    for i in keys:
-        mask = value_table == i
-        unique, inverse = torch.unique(values[mask].long(), sorted=True, return_inverse=True)
-        values[mask] = inverse.to(values.dtype)
-        masks.append(mask)
-        uniques.append(unique)
-        counts.append(torch.bincount(owners[i].owners(unique), minlength=owners[i].replicas))
-    sent = torch.stack(counts).cpu()
-    got = _exchange_counts(sent, group, "replica_slices.fetch.counts")
+    replicas = owners[keys[0]].replicas
+    device = values.device
+    # every fully sharded table's shard rows end to end: table k's row r is key base[k] + r
+    base = [0, *itertools.accumulate(owners[i].block_rows for i in keys)]
+    slot = [-1] * len(tables)
+    for k, i in enumerate(keys):
+        slot[i] = k
+    # (table, owner) buckets of the sorted keys: their edges (each table's slice starts)
+    edges = [base[k] + lo for k, i in enumerate(keys)
+             for lo in slice_starts(owners[i].block_rows, replicas)[:-1]] + [base[-1]]  # fmt: skip
+    small = torch.tensor(slot + base + edges, dtype=torch.long)
+    cuda = device.type == "cuda"  # one copy, from pinned memory: the host does not wait
+    small = (small.pin_memory() if cuda else small).to(device, non_blocking=cuda)
+    slot_t, base_t, edges_t = small.split([len(slot), len(base), len(edges)])
+    k_of = slot_t[value_table.long()]
+    sliced = k_of >= 0
+    # the other tables' ids share one key past the end (the last unique key, if any)
+    key = torch.where(sliced, base_t[k_of.clamp(min=0)] + values.long(), base[-1])
+    unique, inverse = torch.unique(key, sorted=True, return_inverse=True)
+    bounds = torch.searchsorted(unique, edges_t)  # each bucket's first key
+    starts = bounds[::replicas]  # each table's first compact row among the keys
+    values = torch.where(sliced, (inverse - starts[k_of.clamp(min=0)]).to(values.dtype), values)
+    got = _exchange_counts(bounds.diff().view(len(keys), replicas), group,
+                           "replica_slices.fetch.counts")  # fmt: skip
+    host = torch.cat([bounds.diff(), got.view(-1)]).tolist()
+    sent = [host[k * replicas : (k + 1) * replicas] for k in range(len(keys))]
+    sent_n = len(keys) * replicas
+    got_l = [host[sent_n + s * len(keys) : sent_n + (s + 1) * len(keys)]
+             for s in range(replicas)]  # fmt: skip
+    touched = [sum(c) for c in sent]
+    rows = unique[: sum(touched)]  # the sliced tables' keys (the other tables' key after)
+    owned = torch.searchsorted(base_t[1:], rows, right=True)
+    rows = rows - base_t[owned]  # shard rows, table by table, each sorted
+    uniques = list(rows.split(touched))
     ids, splits = _by_destination(uniques, sent)
-    asked = all_to_all(ids, got.sum(1).tolist(), splits, group, "replica_slices.fetch.ids")
+    asked = all_to_all(ids, [sum(g) for g in got_l], splits, group, "replica_slices.fetch.ids")
     # answer every source, table by table, with the rows it asked for from our slices
-    asked_parts = asked.split(got.view(-1).tolist())
+    asked_parts = asked.split([c for g in got_l for c in g])
     answer = []
-    for source in range(got.shape[0]):
+    for source in range(replicas):
         for k, i in enumerate(keys):
-            rows = asked_parts[source * len(keys) + k] - owners[i].start
-            answer.append(tables[i].index_select(0, rows).reshape(-1))
-    dims = torch.tensor([tables[i].shape[1] for i in keys], dtype=torch.long)
+            local = asked_parts[source * len(keys) + k] - owners[i].start
+            answer.append(tables[i].index_select(0, local).reshape(-1))
+    dims = [int(tables[i].shape[1]) for i in keys]
     flat = torch.cat(answer) if answer else tables[keys[0]].new_empty(0)
     received = all_to_all(
         flat,
-        (sent * dims[:, None]).sum(0).tolist(),
-        (got * dims[None, :]).sum(1).tolist(),
+        [sum(sent[k][d] * dims[k] for k in range(len(keys))) for d in range(replicas)],
+        [sum(g[k] * dims[k] for k in range(len(keys))) for g in got_l],
         group,
         "replica_slices.fetch.rows",
     )
     # received: per owner, per table, the rows in ascending order; owners hold ascending
     # slices, so per table the owners' parts in order are the sorted unique rows
-    pieces = received.split((sent.t() * dims[None, :]).reshape(-1).tolist())
+    pieces = received.split([sent[k][d] * dims[k] for d in range(replicas)
+                             for k in range(len(keys))])  # fmt: skip
     out = list(tables)
-    fetch = Fetch(sent, got, list(asked_parts), uniques)
+    fetch = Fetch(
+        torch.tensor(sent, dtype=torch.long), torch.tensor(got_l, dtype=torch.long),
+        list(asked_parts), uniques, sent, got_l,
+    )  # fmt: skip
     for k, i in enumerate(keys):
-        dim = int(dims[k])
-        parts = [pieces[d * len(keys) + k].view(-1, dim) for d in range(sent.shape[1])]
-        compact = torch.cat(parts) if parts else tables[i].new_empty(0, dim)
+        parts = [pieces[d * len(keys) + k].view(-1, dims[k]) for d in range(replicas)]
+        compact = torch.cat(parts) if parts else tables[i].new_empty(0, dims[k])
         setattr(compact, _BLOCK_ROWS, uniques[k])
         setattr(compact, _FETCH, (fetch, k))
         out[i] = compact
@@ -205,32 +250,33 @@ def route_to_owners(
     group = owners[keys[0]].group
     rows = [merged[t][0].long() for t in keys]
     grads = [merged[t][1] for t in keys]
-    sent = torch.stack(
-        [torch.bincount(owners[t].owners(r), minlength=owners[t].replicas) for t, r in zip(keys, rows)]
-    ).cpu()
-    got = _exchange_counts(sent, group, "replica_slices.grads.counts")
+    replicas = owners[keys[0]].replicas
+    counts = torch.stack([owners[t].owner_counts(r) for t, r in zip(keys, rows, strict=True)])
+    got_t = _exchange_counts(counts, group, "replica_slices.grads.counts")
+    host = torch.cat([counts.view(-1), got_t.view(-1)]).tolist()
+    n = len(keys) * replicas
+    sent = [host[k * replicas : (k + 1) * replicas] for k in range(len(keys))]
+    got = [host[n + s * len(keys) : n + (s + 1) * len(keys)] for s in range(replicas)]
     flat_rows, row_splits = _by_destination(rows, sent)
     got_rows = all_to_all(
-        flat_rows, got.sum(1).tolist(), row_splits, group, "replica_slices.grads.rows"
+        flat_rows, [sum(g) for g in got], row_splits, group, "replica_slices.grads.rows"
     )
-    dims = torch.tensor([g.shape[1] for g in grads], dtype=torch.long)
+    dims = [int(g.shape[1]) for g in grads]
     flat_grads, grad_splits = _by_destination(grads, sent)
     got_grads = all_to_all(
         flat_grads,
-        (got * dims[None, :]).sum(1).tolist(),
+        [sum(c * d for c, d in zip(g, dims, strict=True)) for g in got],
         grad_splits,
         group,
         "replica_slices.grads.values",
     )
-    row_parts = got_rows.split(got.view(-1).tolist())
-    grad_parts = got_grads.split((got * dims[None, :]).view(-1).tolist())
+    row_parts = got_rows.split([c for g in got for c in g])
+    grad_parts = got_grads.split([c * d for g in got for c, d in zip(g, dims, strict=True)])
     out = {}
     for k, t in enumerate(keys):
-        owner, dim = owners[t], int(dims[k])
-        ids = torch.cat([row_parts[s * len(keys) + k] for s in range(got.shape[0])])
-        values = torch.cat(
-            [grad_parts[s * len(keys) + k].view(-1, dim) for s in range(got.shape[0])]
-        )
+        owner, dim = owners[t], dims[k]
+        ids = torch.cat([row_parts[s * len(keys) + k] for s in range(replicas)])
+        values = torch.cat([grad_parts[s * len(keys) + k].view(-1, dim) for s in range(replicas)])
         out[t] = sum_by_row(ids - owner.start, values, max(owner.slice_rows, 1))
     return out
 
@@ -259,22 +305,25 @@ def _back_along(
     group = owners[order[0]].group
     grads = []
     for k, t in enumerate(order):
-        rows, grad = merged[t][0].long(), merged[t][1]
+        rows, grad = merged[t][0], merged[t][1]
         asked = fetch.rows[k]
-        if not torch.equal(rows, asked):  # every id of the lookup has a gradient row
+        # both sorted and distinct, rows among the fetched ones: the same count is the
+        # same rows (a host-side check: comparing values would wait for the device)
+        if rows.numel() != asked.numel():  # every id of the lookup has a gradient row
             raise RuntimeError(
                 f"dtrec internal error: table {t}'s gradient rows ({rows.numel()}) are not "
                 f"the {asked.numel()} rows its lookup fetched"
             )
         grads.append(grad)
-    dims = torch.tensor([g.shape[1] for g in grads], dtype=torch.long)
-    flat, splits = _by_destination(grads, fetch.sent)
-    got = fetch.got * dims[None, :]
-    back = all_to_all(flat, got.sum(1).tolist(), splits, group, "replica_slices.grads.values")
-    parts = back.split(got.view(-1).tolist())
+    dims = [int(g.shape[1]) for g in grads]
+    flat, splits = _by_destination(grads, fetch.sent_counts)
+    got = [[c * d for c, d in zip(g, dims, strict=True)] for g in fetch.got_counts]
+    back = all_to_all(flat, [sum(g) for g in got], splits, group, "replica_slices.grads.values")
+    parts = back.split([c for g in got for c in g])
     out = {}
+    sources = len(fetch.got_counts)
     for k, t in enumerate(order):
-        owner, dim, sources = owners[t], int(dims[k]), fetch.got.shape[0]
+        owner, dim = owners[t], dims[k]
         ids = torch.cat([fetch.asked[s * len(order) + k] for s in range(sources)])
         values = torch.cat([parts[s * len(order) + k].view(-1, dim) for s in range(sources)])
         out[t] = sum_by_row(ids - owner.start, values, max(owner.slice_rows, 1))

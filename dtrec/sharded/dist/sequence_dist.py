@@ -223,7 +223,7 @@ class SequenceLookup:
         weights = [local[t] for t in self._tables]
         owners = {u: self._owners[t] for u, t in enumerate(self._tables) if t in self._owners}
         if owners:  # fully sharded tables: compact tables of their touched rows
-            value_table = run_value_tables(runs.run_table, runs.run_counts)
+            value_table = run_value_tables(runs.run_table, runs.run_counts, ids.numel())
             if self._updater is None:  # their gradients reach the owners by autograd
                 ids, *weights = FetchTouched.apply(owners, value_table, ids, *weights)
             else:  # the fused updater sends their row gradients to the owners

@@ -116,7 +116,7 @@ class LocalLookup:
         # fully sharded tables: read compact tables of their touched rows
         owners = {i: self._owners[t] for i, t in enumerate(table_ids) if t in self._owners}
         if owners:
-            value_table = entry_value_tables(entry_table, offsets)
+            value_table = entry_value_tables(entry_table, offsets, values.numel())
         if owners and self._updater is None:  # their gradients reach the owners by autograd
             values, *tables = FetchTouched.apply(owners, value_table, values, *tables)
         elif owners:  # the fused updater sends their row gradients to the owners
