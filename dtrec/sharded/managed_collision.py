@@ -2,13 +2,13 @@
 
 Each rank remaps its own batch with a full copy of every table's remapper (one
 ``searchsorted`` on the raw ids, no communication), then the remapped ids take
-the table's row-wise input dist once, as any batch does. Eviction decisions must
-be the ones the unsharded module makes on the global batch, the same on every
-shard and replica rank: at an eviction step (every ``eviction_interval`` steps,
-off the hot path) each rank all-gathers its window summary (unique ids, counts,
-last access) over the world and every rank runs the same deterministic eviction
-on the merged window, so no rank decides for the others and no broadcast is
-needed. Every rank then knows the global list of evicted rows and resets those
+the table's input dist once, as any batch does. Eviction decisions must be the
+ones the unsharded module makes on the global batch, the same on every shard and
+replica rank: at an eviction step (every ``eviction_interval`` steps, off the hot
+path) each rank all-gathers its window summary (unique ids, counts, last access)
+over the world, decides for the raw ids of its range, and the ranks exchange their
+decisions (``dtrec.modules.split_eviction``), so every rank applies the same
+eviction. Every rank then knows the global list of evicted rows and resets those
 it holds (weights and fused optimizer state), as the unsharded table would.
 
 Remapping after the input dist on the owner of a raw-id range (TorchRec's way)

@@ -116,7 +116,7 @@ def _world4(rank, world, root):
     first = dtrec.distribute_module(copy.deepcopy(base), dtrec.init_mesh("cpu", 4), optimizer=fused)
     opt = torch.optim.SGD(first.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(1)
-    hot = torch.randint(0, 2**62, (60,), generator=gen)
+    hot = torch.randint(0, 2**63 - 1, (60,), generator=gen)
     for _ in range(BEFORE):
         _train(first, _batches(world, gen, hot), rank, opt)
     dtrec.checkpoint.save(f"{root}/adam", first, opt)
@@ -225,7 +225,7 @@ def _world2(rank, world, root):
     tables = reference.sparse._embedding_module.embedding_bags
     state = {n: fused.init_state(t.weight) for n, t in tables.items()}
     gen = torch.Generator().manual_seed(3)
-    hot = torch.randint(0, 2**62, (60,), generator=gen)
+    hot = torch.randint(0, 2**63 - 1, (60,), generator=gen)
     out = {"mismatch": [], "evictions": 0}
     evicted = []
     sharded.sparse.register_eviction_hook(lambda t, r: evicted.append(t))

@@ -94,7 +94,8 @@ class Model(nn.Module):
 
 
 def _batches(world, gen, hot):
-    """Every rank's batch of one step: ids mostly from a hot set, the rest cold 62-bit."""
+    """Every rank's batch of one step: ids mostly from a hot set, the rest cold, all over
+    [0, 2**63 - 1) (so every raw-id range of a split eviction gets some)."""
     import dtrec
 
     out = []
@@ -102,7 +103,7 @@ def _batches(world, gen, hot):
         lengths = torch.randint(0, 4, (len(KEYS) * BATCH,), generator=gen)
         n = int(lengths.sum())
         pick = hot[torch.randint(0, hot.numel(), (n,), generator=gen)]
-        cold = torch.randint(0, 2**62, (n,), generator=gen)
+        cold = torch.randint(0, 2**63 - 1, (n,), generator=gen)
         values = torch.where(torch.rand(n, generator=gen) < 0.8, pick, cold)
         out.append(
             (dtrec.KeyedJaggedTensor(KEYS, values, lengths), torch.randn(BATCH, generator=gen))
@@ -175,7 +176,7 @@ def _one(rank, world, shard, opt_name, steps, kinds):
         ref_opt = torch.optim.SGD(reference.dense.parameters(), lr=LR)
         opt = torch.optim.SGD(sharded.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(1)
-    hot = torch.randint(0, 2**62, (60,), generator=gen)
+    hot = torch.randint(0, 2**63 - 1, (60,), generator=gen)
     out = {
         "remap_mismatch": [],
         "state_mismatch": [],
