@@ -30,6 +30,7 @@ and the step's excess over ``modulo``; the eviction step apart (step, eviction, 
         --json benchmarks/results/managed_collision_cpu_<date>.json
     python -m benchmarks.managed_collision --scale 0.01 --batch 32 --steps 4 --interval 2   # smoke
     python -m benchmarks.managed_collision --eviction-cost 3   # an eviction's CPU, one process
+    python -m benchmarks.managed_collision --split-cost 3      # per rank, split vs not, 4 ranks
 """
 
 from __future__ import annotations
@@ -198,7 +199,9 @@ def _build(kind: str, w: Workload, world: int) -> tuple[nn.Module, HostTimer]:
         remappers = model.sparse._managed_collision_collection._managed_collision_modules
         for mc in remappers.values():
             timer.wrap(mc, "_evict_window", "evict")
-            timer.wrap(mc, "_admit", "admit")  # the part of evict after the window gather
+            # the part of evict after the window gather (split over the ranks or not)
+            timer.wrap(mc, "_admit", "admit")
+            timer.wrap(mc, "_admit_split", "admit")
     return model, timer
 
 
@@ -407,6 +410,63 @@ def eviction_cost(w: Workload, world: int = 4, evictions: int = 3) -> dict:
     return {"evict_cpu_s_per_table": per_table, "evict_cpu_s": sum(per_table)}
 
 
+def _split_cost_rank(rank: int, world: int, w: Workload, evictions: int) -> dict:
+    """One rank of ``split_eviction_cost``: CPU s of each table's eviction, split and not."""
+    from dtrec.modules.eviction import DistanceLFU
+
+    torch.set_num_threads(1)
+
+    def remappers(split: bool) -> list[dtrec.MCHManagedCollisionModule]:
+        mcs = [
+            dtrec.MCHManagedCollisionModule(
+                r, eviction_policy=DistanceLFU(0.5), eviction_interval=w.interval, name=f"t{i}"
+            )
+            for i, r in enumerate(w.rows)
+        ]
+        for mc in mcs:
+            mc.share_window(None)
+            mc.split_eviction = split
+        return mcs
+
+    runs = {"split": remappers(True), "unsplit": remappers(False)}
+    cpu: dict[str, list[list[float]]] = {k: [[] for _ in w.rows] for k in runs}
+    for step in range((evictions + 1) * w.interval):
+        _, values, lengths, _ = make_batch(w, rank, step)
+        parts = values.split(lengths.view(len(w.rows), w.batch).sum(1).tolist())
+        timed = (step + 1) % w.interval == 0 and step + 1 > w.interval
+        order = ["split", "unsplit"] if step % 2 else ["unsplit", "split"]  # alternate
+        for t in range(len(w.rows)):
+            for kind in order:
+                dist.barrier()  # every rank starts the eviction together: CPU, not waiting
+                start = time.thread_time()
+                runs[kind][t].profile(parts[t])
+                if timed:
+                    cpu[kind][t].append(time.thread_time() - start)
+    same = all(
+        torch.equal(a._mch_sorted_raw_ids, b._mch_sorted_raw_ids)
+        and torch.equal(a._mch_remapped_ids_mapping, b._mch_remapped_ids_mapping)
+        for a, b in zip(runs["split"], runs["unsplit"], strict=True)
+    )
+    return {
+        kind: sum(statistics.median(c) for c in per_table) for kind, per_table in cpu.items()
+    } | {"same_map": same}
+
+
+def split_eviction_cost(w: Workload, world: int = 4, evictions: int = 3) -> dict:
+    """CPU s per rank of one eviction of every table in a ``world``-rank gloo world (each
+    rank its own batch, windows shared), decided by raw-id range over the ranks
+    (``split_eviction``) and by every rank alone, the two alternating on the same
+    batches; median over ``evictions`` evictions (the first, which fills the map, not
+    timed) per table, summed. The thread CPU clock: a shared machine's load and the
+    collectives' waiting do not count."""
+    ranks = run_world(world, _split_cost_rank, w, evictions, timeout=1800.0)
+    return {
+        "split_cpu_s": [r["split"] for r in ranks],
+        "unsplit_cpu_s": [r["unsplit"] for r in ranks],
+        "same_map": all(r["same_map"] for r in ranks),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -422,8 +482,23 @@ def main(argv: list[str] | None = None) -> None:
         "--eviction-cost", type=int, default=0, metavar="N",
         help="instead: CPU s of an eviction (median of N), one process",
     )  # fmt: skip
+    p.add_argument(
+        "--split-cost", type=int, default=0, metavar="N",
+        help="instead: CPU s per rank of an eviction split by raw-id range vs not "
+        "(median of N), in a --world gloo world",
+    )  # fmt: skip
     args = p.parse_args(argv)
     w = workload(args.scale, args.batch, args.vocab, args.interval)
+    if args.split_cost:
+        cost = split_eviction_cost(w, args.world, args.split_cost)
+        print(f"processor: {processor_line()}")
+        for kind in ("unsplit", "split"):
+            per_rank = cost[f"{kind}_cpu_s"]
+            print(f"{kind:8s} eviction CPU s per rank, all {len(w.rows)} tables: "
+                  + ", ".join(f"{c:.3f}" for c in per_rank)
+                  + f" (median {statistics.median(per_rank):.3f})")  # fmt: skip
+        print(f"same map on every rank, split or not: {cost['same_map']}")
+        return
     if args.eviction_cost:
         cost = eviction_cost(w, args.world, args.eviction_cost)
         print(f"processor: {processor_line()}")

@@ -785,7 +785,7 @@ LOCAL: dict[str, Case] = {
         2,
         2,
         lambda m: distributed_managed_collision(
-            m, plan={"sparse._embedding_module.item": DataParallel()}
+            m, plan={"sparse._embedding_module.item": RowWise(cache_rows=4)}
         ),
     ),
     "E359": on_mesh(2, 2, lambda m: distributed_managed_collision(m, plan=ShardingPlanTR({}))),

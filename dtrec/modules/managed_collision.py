@@ -37,6 +37,7 @@ from dtrec.comm.collectives import all_gather_varied
 from dtrec.modules.eviction import INT64_MAX, EvictionPolicy, as_policy, select_evictions
 from dtrec.modules.features import check_bounds_mode
 from dtrec.modules.remap_index import HashRemapIndex
+from dtrec.modules.split_eviction import coalesce_window, split_admit
 from dtrec.sparse import JaggedTensor
 
 #: TorchRec's ``_output_segments_tensor`` length (up to 1024 row-wise segments)
@@ -128,13 +129,19 @@ class MCHManagedCollisionModule(nn.Module):
         # set by share_window: the ranks whose batches form one global batch
         self._window_shared = False
         self._window_group: ProcessGroup | None = None
+        #: a shared window's eviction is decided by raw-id range over its ranks
+        #: (``dtrec.modules.split_eviction``; False: every rank decides everything alone,
+        #: the same decisions)
+        self.split_eviction = True
         self.register_load_state_dict_post_hook(_after_load)
 
     def share_window(self, group: ProcessGroup | None) -> None:
         """Evict over the ids every rank of ``group`` (None: the default group) saw, not
         only this rank's: each rank then makes the decisions the unsharded module makes on
         the global batch. Every rank of ``group`` must step it in lockstep: an eviction
-        step all-gathers each rank's window summary (unique ids, counts, last access)."""
+        step all-gathers each rank's window summary (unique ids, counts, last access) and,
+        with ``split_eviction`` (the default), each rank decides for its raw-id range and
+        the ranks exchange the decisions (``dtrec.modules.split_eviction``)."""
         self._window_shared, self._window_group = True, group
 
     # -- what it is --------------------------------------------------------------------
@@ -341,6 +348,9 @@ class MCHManagedCollisionModule(nn.Module):
         """Coalesce the window, score, let winners take losers' rows, re-sort."""
         uniq, counts, window_access = self._window_summary()
         self._history, self._carried = [], None
+        if self._split_eviction():
+            self._evict_split(uniq, counts, window_access)
+            return
         access = window_access if "last_access_iter" in self._eviction_policy.metadata else None
         if self._window_shared:
             uniq, counts, access = merge_windows(uniq, counts, access, self._window_group)
@@ -378,7 +388,52 @@ class MCHManagedCollisionModule(nn.Module):
             mch_counts[evicted] = counts[new][admitted]
         if mch_access is not None:
             mch_access[evicted] = access[new][admitted]  # type: ignore[index]
-        kept[evicted] = ids[new][admitted]
+        self._take(evicted, ids[new][admitted])
+
+    def _split_eviction(self) -> bool:
+        """Whether this eviction is decided by raw-id range over the window's ranks
+        (``dtrec.modules.split_eviction``): a shared window of more than one rank, and no
+        threshold filter (which reads the whole window)."""
+        return (
+            self.split_eviction
+            and self._window_shared
+            and self._eviction_policy.threshold_filter is None
+            and dist.get_world_size(self._window_group) > 1
+        )
+
+    def _evict_split(self, uniq: Tensor, counts: Tensor, access: Tensor) -> None:
+        packed = torch.stack([uniq, counts, access], dim=1).flatten()
+        window = torch.cat(
+            all_gather_varied(packed, self._window_group, "managed_collision.window")
+        )
+        self._admit_split(window.view(-1, 3))
+
+    def _admit_split(self, window: Tensor) -> None:
+        """The split eviction after the window gather (``window``: every rank's summaries,
+        ``[N, 3]``): decide by range, exchange, apply."""
+        kept, it, last = self._mch_sorted_raw_ids, self._current_iter, self._zch_size - 1
+        mch_counts, mch_access = self._metadata("counts"), self._metadata("last_access_iter")
+        d = split_admit(
+            kept, mch_counts, mch_access, self._eviction_policy, it, window,
+            self._input_hash_size, self._window_group,
+        )  # fmt: skip
+        if mch_counts is not None:
+            assert d.matched_counts is not None and d.admitted_counts is not None
+            mch_counts[d.matched] = d.matched_counts
+            mch_counts[last] = INT64_MAX
+            mch_counts[d.evicted] = d.admitted_counts
+        if mch_access is not None:
+            assert d.matched_access is not None and d.admitted_access is not None
+            mch_access[d.matched] = d.matched_access
+            mch_access[last] = it
+            mch_access[d.evicted] = d.admitted_access
+        self._take(d.evicted, d.admitted)
+
+    def _take(self, evicted: Tensor, admitted: Tensor) -> None:
+        """Give the map positions ``evicted`` to the raw ids ``admitted`` (paired in order;
+        their metadata already written), report their rows, re-sort, re-index."""
+        kept = self._mch_sorted_raw_ids
+        kept[evicted] = admitted
         rows = self._mch_remapped_ids_mapping[evicted]
         if self._evicted_rows is not None:  # not yet consumed by evict()
             rows = torch.unique(torch.cat([self._evicted_rows, rows]))
@@ -453,22 +508,6 @@ def merge_windows(
     return coalesce_window(
         gathered[:, 0], gathered[:, 1], None if access is None else gathered[:, 2]
     )
-
-
-@torch.no_grad()
-def coalesce_window(
-    ids: Tensor, counts: Tensor, access: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Window summaries with repeated ids as one: sorted unique ids, summed counts,
-    latest access (``torch.unique`` over the ids they summarise gives the same)."""
-    merged, inverse = torch.unique(ids, return_inverse=True)
-    total = torch.zeros_like(merged).scatter_add_(0, inverse, counts)
-    if access is None:
-        return merged, total, None
-    latest = torch.zeros_like(merged).scatter_reduce_(
-        0, inverse, access, reduce="amax", include_self=False
-    )
-    return merged, total, latest
 
 
 def _after_load(module: nn.Module, incompatible: object) -> None:

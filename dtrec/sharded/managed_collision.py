@@ -2,13 +2,13 @@
 
 Each rank remaps its own batch with a full copy of every table's remapper (one
 ``searchsorted`` on the raw ids, no communication), then the remapped ids take
-the table's row-wise input dist once, as any batch does. Eviction decisions must
-be the ones the unsharded module makes on the global batch, the same on every
-shard and replica rank: at an eviction step (every ``eviction_interval`` steps,
-off the hot path) each rank all-gathers its window summary (unique ids, counts,
-last access) over the world and every rank runs the same deterministic eviction
-on the merged window, so no rank decides for the others and no broadcast is
-needed. Every rank then knows the global list of evicted rows and resets those
+the table's input dist once, as any batch does. Eviction decisions must be the
+ones the unsharded module makes on the global batch, the same on every shard and
+replica rank: at an eviction step (every ``eviction_interval`` steps, off the hot
+path) each rank all-gathers its window summary (unique ids, counts, last access)
+over the world, decides for the raw ids of its range, and the ranks exchange their
+decisions (``dtrec.modules.split_eviction``), so every rank applies the same
+eviction. Every rank then knows the global list of evicted rows and resets those
 it holds (weights and fused optimizer state), as the unsharded table would.
 
 Remapping after the input dist on the owner of a raw-id range (TorchRec's way)
@@ -22,11 +22,12 @@ TorchRec's ``ManagedCollisionEmbeddingBagCollection`` is converted to dtrec's fi
 (``adopt_torchrec_collections``): same weights, remapper state and state-dict keys.
 
 A managed-collision table may be ``RowWise`` (unnamed tables are pinned to it),
-``TableWise`` or ``ColumnWise``. What is not supported raises: any other type, an
-offloaded or fully sharded spec, ``same_batch``, a TorchRec ``ShardingPlan``, and
-TorchRec ``init_fn`` tables (their reset draws from each rank's own generator). Tables
-trained by a torch optimizer (no fused one) reset their evicted rows' state in an
-eviction hook: ``reset_torch_optimizer_rows`` zeroes the rows each rank's block holds.
+``TableWise``, ``ColumnWise``, ``DataParallel``, ``TableRowWise`` or ``Grid``. What is
+not supported raises: another (user-defined) type, an offloaded or fully sharded spec,
+``same_batch``, a TorchRec ``ShardingPlan``, and TorchRec ``init_fn`` tables (their
+reset draws from each rank's own generator). Tables trained by a torch optimizer (no
+fused one) reset their evicted rows' state in an eviction hook:
+``reset_torch_optimizer_rows`` zeroes the rows each rank's block holds.
 """
 
 from __future__ import annotations
@@ -39,7 +40,15 @@ from torch.distributed import ProcessGroup
 from dtrec.interop.managed_collision import from_torchrec_mc_collection
 from dtrec.interop.modules import is_torchrec_mc_collection
 from dtrec.modules.mc_collection import ManagedCollisionLookup
-from dtrec.placements import ColumnWise, RowWise, TableSpec, TableWise
+from dtrec.placements import (
+    ColumnWise,
+    DataParallel,
+    Grid,
+    RowWise,
+    TableRowWise,
+    TableSpec,
+    TableWise,
+)
 from dtrec.planning.plan import collection_configs
 
 INNER = "_embedding_module"
@@ -74,20 +83,29 @@ def inner_fqn(fqn: str) -> str:
     return f"{fqn}.{INNER}" if fqn else INNER
 
 
-MC_SPECS = (RowWise, TableWise, ColumnWise)
+MC_SPECS = (RowWise, TableWise, ColumnWise, DataParallel, TableRowWise, Grid)
 """The types a managed-collision table may take: each rank remaps its own batch, so the
-remapped ids take any of their input dists, and every rank resets the evicted rows of
-the block it holds (rows or columns; ``reset_rows_init`` hashes each element alone)."""
+remapped ids take any of their input dists (or none: a data-parallel table looks its own
+batch up), and every rank resets the evicted rows of the block it holds (rows, columns or
+both; the whole table on every rank when replicated; ``reset_rows_init`` hashes each
+element alone, so every holder of an element draws the same value)."""
 
 
 def _mc_spec_unsupported(spec: TableSpec) -> str | None:
     """Why ``spec`` cannot hold a managed-collision table (None: it can)."""
     if not isinstance(spec, MC_SPECS):
-        return "only RowWise(), TableWise() and ColumnWise() are supported"
+        names = ", ".join(f"{t.__name__}()" for t in MC_SPECS)
+        return f"only {names} are supported"
     if getattr(spec, "cache_rows", None) is not None or getattr(spec, "cache_fraction", None):
-        return "offloaded tables (cache_rows / cache_fraction) are not supported"
+        return (
+            "offloaded tables (cache_rows / cache_fraction) are not supported: evicted rows "
+            "would have to be reset in the host block and in the device cache"
+        )
     if getattr(spec, "fully_sharded", False):
-        return "fully sharded 2D (fully_sharded=True) is not supported"
+        return (
+            "fully sharded 2D (fully_sharded=True) is not supported: evicted rows would have "
+            "to be reset in each replica's owner slice"
+        )
     return None
 
 

@@ -74,6 +74,37 @@ def _table_diff(a, b):
     return diff
 
 
+def _torch_adam(model):
+    """A torch Adam over every parameter (tables included: no fused optimizer) whose state
+    of evicted rows an eviction hook resets, as the unsharded module's user does."""
+    from dtrec.modules import reset_torch_optimizer_rows
+
+    opt = torch.optim.Adam(model.parameters(), lr=LR / 10)
+    model.sparse.register_eviction_hook(
+        lambda t, rows: reset_torch_optimizer_rows(opt, model.sparse.table_weight(t), rows)
+    )
+    return opt
+
+
+def _adam_state_diff(a, opt_a, b, opt_b):
+    """Largest difference of two models' weights and torch Adam state (``exp_avg``,
+    ``exp_avg_sq``, ``step``), parameter by parameter name, sharded or not."""
+    import dtrec
+
+    def full(t):
+        return dtrec.checkpoint.full_tensor(t).double() if t.dim() else t.double()
+
+    params_b = dict(b.named_parameters())
+    diff = 0.0
+    for name, pa in a.named_parameters():
+        pb = params_b[name]
+        diff = max(diff, (full(pa.detach()) - full(pb.detach())).abs().max().item())
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            diff = max(diff, (full(sa[key]) - full(sb[key])).abs().max().item())
+    return diff
+
+
 def _world4(rank, world, root):
     """S=4 Adam -> 2x2 (continued beside the uninterrupted S=4 model); S=4 SGD saved."""
     import dtrec
@@ -85,7 +116,7 @@ def _world4(rank, world, root):
     first = dtrec.distribute_module(copy.deepcopy(base), dtrec.init_mesh("cpu", 4), optimizer=fused)
     opt = torch.optim.SGD(first.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(1)
-    hot = torch.randint(0, 2**62, (60,), generator=gen)
+    hot = torch.randint(0, 2**63 - 1, (60,), generator=gen)
     for _ in range(BEFORE):
         _train(first, _batches(world, gen, hot), rank, opt)
     dtrec.checkpoint.save(f"{root}/adam", first, opt)
@@ -147,6 +178,35 @@ def _world4(rank, world, root):
         if not _same_state(_remapper_state(rowwise), _remapper_state(typed)):
             out["typed_mismatch"].append((step, "remapper"))
     out["typed_diff"] = _table_diff(rowwise, typed)
+
+    # torch Adam on every parameter (no fused optimizer), S=4 row-wise, saved mid-window
+    # with evictions behind it; loaded into 2x2 with "user" column-wise and "item"
+    # table-wise, both continue: the Adam state of rows evicted after the load is reset
+    # alike, that of rows evicted before it was saved reset
+    torch.manual_seed(0)
+    plain = dtrec.distribute_module(copy.deepcopy(base), dtrec.init_mesh("cpu", 4))
+    plain_opt = _torch_adam(plain)
+    for _ in range(BEFORE):
+        _train(plain, _batches(world, gen, hot), rank, plain_opt)
+    dtrec.checkpoint.save(f"{root}/torch_adam", plain, plain_opt)
+    torch.manual_seed(5)
+    moved = dtrec.distribute_module(Model(), dtrec.init_mesh("cpu", 2), _plan(("cw", "tw")))
+    moved_opt = _torch_adam(moved)
+    dtrec.checkpoint.load(f"{root}/torch_adam", moved, moved_opt)
+    out["torch_loaded_diff"] = _adam_state_diff(moved, moved_opt, plain, plain_opt)
+    out["torch_mismatch"] = []
+    evicted = []
+    moved.sparse.register_eviction_hook(lambda t, rows: evicted.append(t))
+    for step in range(AFTER):
+        batches = _batches(world, gen, hot)
+        want = _train(plain, batches, rank, plain_opt)
+        got = _train(moved, batches, rank, moved_opt)
+        if any(not torch.equal(got[k].values(), want[k].values()) for k in KEYS):
+            out["torch_mismatch"].append((step, "remap"))
+        if not _same_state(_remapper_state(moved), _remapper_state(plain)):
+            out["torch_mismatch"].append((step, "remapper"))
+    out["torch_evictions"] = len(evicted)
+    out["torch_diff"] = _adam_state_diff(moved, moved_opt, plain, plain_opt)
     return out
 
 
@@ -165,7 +225,7 @@ def _world2(rank, world, root):
     tables = reference.sparse._embedding_module.embedding_bags
     state = {n: fused.init_state(t.weight) for n, t in tables.items()}
     gen = torch.Generator().manual_seed(3)
-    hot = torch.randint(0, 2**62, (60,), generator=gen)
+    hot = torch.randint(0, 2**63 - 1, (60,), generator=gen)
     out = {"mismatch": [], "evictions": 0}
     evicted = []
     sharded.sparse.register_eviction_hook(lambda t, r: evicted.append(t))
@@ -198,6 +258,37 @@ def _world2(rank, world, root):
         (full[k].double() - v.double()).abs().max().item()
         for k, v in reference.state_dict().items()
     )
+
+    # the S=4 torch-Adam checkpoint: S=2 sharded and unsharded, each with its torch Adam
+    torch.manual_seed(7)
+    sharded = dtrec.distribute_module(Model(), dtrec.init_mesh("cpu", 2))
+    opt = _torch_adam(sharded)
+    dtrec.checkpoint.load(f"{root}/torch_adam", sharded, opt)
+    reference = Model()
+    ref_opt = _torch_adam(reference)
+    dtrec.checkpoint.load(f"{root}/torch_adam", reference, ref_opt)
+    out["torch_loaded_diff"] = _adam_state_diff(sharded, opt, reference, ref_opt)
+    out["torch_mismatch"], evicted = [], []
+    sharded.sparse.register_eviction_hook(lambda t, r: evicted.append(t))
+    for step in range(AFTER):
+        batches = _batches(world, gen, hot)
+        remapped = _train(sharded, batches, rank, opt)
+        pooled, ref_remapped = reference.sparse(_global(batches))
+        pred = reference.dense(pooled.values()).squeeze(1)
+        losses = [_loss(pred[r * BATCH : (r + 1) * BATCH], t) for r, (_, t) in enumerate(batches)]
+        torch.stack(losses).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for key in KEYS:
+            counts = [int(b[key].lengths().sum()) for b, _ in batches]
+            start = sum(counts[:rank])
+            want = ref_remapped[key].values()[start : start + counts[rank]]
+            if not torch.equal(remapped[key].values(), want):
+                out["torch_mismatch"].append((step, key))
+        if not _same_state(_remapper_state(sharded), _remapper_state(reference)):
+            out["torch_mismatch"].append((step, "remapper"))
+    out["torch_evictions"] = len(evicted)
+    out["torch_diff"] = _adam_state_diff(sharded, opt, reference, ref_opt)
     return out
 
 
@@ -230,3 +321,24 @@ def test_s4_checkpoint_in_a_2_rank_world_continues_as_the_unsharded_model(result
         assert got["mismatch"] == [], (rank, got["mismatch"][:5])
         assert got["evictions"] >= 5, (rank, got["evictions"])
         assert got["weight_diff"] <= 1e-5, (rank, got["weight_diff"])
+
+
+def test_torch_adam_checkpoint_resharded_continues_exactly(results):
+    """Tables trained by torch Adam (an eviction hook resets evicted rows' state), saved
+    S=4 row-wise mid-window: loaded into 2x2 column- and table-wise, the state equals the
+    saved one and both continue with the same remaps, evictions, weights and Adam state."""
+    for rank, got in enumerate(results[0]):
+        assert got["torch_loaded_diff"] == 0.0, (rank, got["torch_loaded_diff"])
+        assert got["torch_mismatch"] == [], (rank, got["torch_mismatch"][:5])
+        assert got["torch_evictions"] >= 5, (rank, got["torch_evictions"])
+        assert got["torch_diff"] <= 1e-5, (rank, got["torch_diff"])
+
+
+def test_torch_adam_checkpoint_in_a_2_rank_world_continues_as_the_unsharded_model(results):
+    """The same checkpoint in a 2-rank world, S=2 and unsharded (torch Adam each): both
+    load the same state and continue alike over evictions."""
+    for rank, got in enumerate(results[1]):
+        assert got["torch_loaded_diff"] == 0.0, (rank, got["torch_loaded_diff"])
+        assert got["torch_mismatch"] == [], (rank, got["torch_mismatch"][:5])
+        assert got["torch_evictions"] >= 5, (rank, got["torch_evictions"])
+        assert got["torch_diff"] <= 1e-5, (rank, got["torch_diff"])

@@ -16,6 +16,7 @@ from dtrec.modules.mc_collection import (
     reset_torch_optimizer_rows,
 )
 from dtrec.optim import Adam
+from dtrec.placements import TableSpec
 from tests.managed_collision.torchrec_mc import torchrec_remappers
 
 # table "user" read by two features (one remapper step sees both), "item" by one
@@ -192,6 +193,13 @@ def test_mismatched_tables_are_clear_errors():
         mcc(KeyedJaggedTensor(["x"], torch.tensor([1]), torch.tensor([1])))
 
 
+class _OtherSpec(TableSpec):
+    """A user-defined table type: managed collision does not know how it holds rows."""
+
+    def layout(self, table, axis):
+        raise NotImplementedError
+
+
 def test_distribute_module_refuses_what_is_not_supported_by_name():
     import dtrec
     from dtrec.planning.plan import find_collections
@@ -207,8 +215,14 @@ def test_distribute_module_refuses_what_is_not_supported_by_name():
     with fake_world(0, 2):
         mesh = dtrec.init_mesh("cpu", 2)
         sgd = dtrec.optim.SGD(lr=0.1)
-        plan = {"sparse._embedding_module.item": dtrec.placements.DataParallel()}
-        with pytest.raises(ValueError, match="'sparse._embedding_module.item': only RowWise"):
-            dtrec.distribute_module(model, mesh, plan, optimizer=sgd)
+        refused = {
+            "offloaded tables": dtrec.placements.RowWise(cache_rows=4),
+            "fully sharded": dtrec.placements.TableWise(rank=0, fully_sharded=True),
+            "only RowWise": _OtherSpec(),
+        }
+        for why, spec in refused.items():
+            plan = {"sparse._embedding_module.item": spec}
+            with pytest.raises(ValueError, match=f"'sparse._embedding_module.item': {why}"):
+                dtrec.distribute_module(model, mesh, plan, optimizer=sgd)
         with pytest.raises(ValueError, match="same_batch"):
             dtrec.distribute_module(model, mesh, optimizer=sgd, same_batch=mesh["shard"])

@@ -4,10 +4,12 @@ converted and distributed, equals the unsharded TorchRec module.
 Unsharded: converted after 4 steps (inside both windows), dtrec's module remaps, evicts
 and looks up as TorchRec's keeps doing. On 4 gloo ranks (S=4 with fused SGD, 2x2 with
 Adam, row-wise; S=4 Adam and 2x2 SGD with a column-wise and a table-wise table; 30 steps
-with evictions): every rank's remapped ids, evicted rows and remapper
-buffers are those of the unsharded TorchRec module on the global batch (run in TorchRec's
-sharded order: remap, reset evicted rows, look up), weights within 1e-5; state-dict keys
-are TorchRec's and the sharded state dict loads into the unsharded module.
+with evictions; on a node-aware mesh S=4 grid + data-parallel under Adam and 2x2
+data-parallel + table-row-wise under SGD, 20 steps): every rank's remapped ids, evicted
+rows and remapper buffers are those of the unsharded TorchRec module on the global batch
+(run in TorchRec's sharded order: remap, reset evicted rows, look up), weights within
+1e-5; state-dict keys are TorchRec's and the sharded state dict loads into the unsharded
+module.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ CONFIGS = {  # name: (shard group size, fused optimizer, steps, plan: default ro
     "2x2_adam": (2, "adam", 30, None),
     "1d_cw_tw_adam": (4, "adam", 30, ("cw", "tw")),
     "2x2_tw_cw_sgd": (2, "sgd", 30, ("tw", "cw")),
+    # the other types, on a node-aware mesh (2 nodes)
+    "1d_grid_dp_adam": (4, "adam", 20, ("grid", "dp")),
+    "2x2_dp_trw_sgd": (2, "sgd", 20, ("dp", "trw")),
 }
 
 
@@ -90,7 +95,8 @@ def _one(rank, world, shard, opt_name, steps, kinds):
     torch.manual_seed(0)
     model = Model()
     ref = copy.deepcopy(model)
-    mesh = dtrec.init_mesh("cpu", shard_group_size=shard)
+    nodes = kinds is not None and bool({"trw", "grid"} & set(kinds))  # 2 nodes
+    mesh = dtrec.init_mesh("cpu", shard_group_size=shard, node_size=shard // 2 if nodes else None)
     sharded = dtrec.distribute_module(model, mesh, _plan(kinds), optimizer=fused)
     out = {"mismatch": [], "evictions": 0, "kind": type(sharded.sparse).__name__}
     out["same_keys"] = list(sharded.state_dict()) == list(ref.state_dict())

@@ -3,12 +3,13 @@
 Every rank remaps its own batch with its copy of each remapper; eviction steps merge
 every rank's window (``dtrec.sharded.managed_collision``). Over a stream of batches
 with evictions (one config 200 steps), on a 1D (S=4) and a 2x2 mesh, with fused SGD
-and Adam on row-wise tables, and Adam / row-wise Adagrad on a table-wise and a
-column-wise table: each rank's remapped ids are the unsharded module's for its part of
-the global batch, every rank's remapper state equals the unsharded one after every
-step, the evicted rows are the same, only eviction steps add collectives (one
-window all-gather per evicting table), and the weights and fused state end within
-1e-5 (``zch_size`` 37 and 10: not multiples of the shard count).
+and Adam on row-wise tables, Adam / row-wise Adagrad / SGD (fused and torch) on a
+table-wise and a column-wise table, and data-parallel, table-row-wise and grid tables
+(a node-aware mesh, 2 nodes) under fused Adam / SGD and torch Adam: each rank's
+remapped ids are the unsharded module's for its part of the global batch, every rank's
+remapper state equals the unsharded one after every step, the evicted rows are the same,
+only eviction steps add collectives (one window all-gather per evicting table), and the
+weights and fused state end within 1e-5 (``zch_size`` 37 and 10: not multiples of the shard count).
 """
 
 from __future__ import annotations
@@ -35,17 +36,31 @@ CONFIGS = {  # name: (shard group size, fused optimizer, steps, plan: default ro
     # no fused optimizer: torch Adam steps the tables; an eviction hook resets its state
     "1d_torch_adam": (4, "torch_adam", 40, None),
     "2x2_cw_tw_torch_adam": (2, "torch_adam", 40, ("cw", "tw")),
+    # plain SGD (no state: only the weights' reset) on table- and column-wise tables
+    "1d_tw_cw_sgd": (4, "sgd", 20, ("tw", "cw")),
+    "2x2_cw_tw_torch_sgd": (2, "torch_sgd", 20, ("cw", "tw")),
+    # the other types (node-aware mesh: 2 shard positions per node when S=4)
+    "1d_dp_trw_adam": (4, "adam", 20, ("dp", "trw")),
+    "1d_grid_dp_torch_adam": (4, "torch_adam", 20, ("grid", "dp")),
+    "2x2_trw_grid_sgd": (2, "sgd", 20, ("trw", "grid")),
 }
 
 
 def _plan(kinds):
     """user and item tables as ``kinds`` ("tw": table-wise on shard position 1, "cw":
-    column-wise over the shard axis), or None (row-wise, the default)."""
+    column-wise over the shard axis, "dp": data-parallel, "trw": table-row-wise on the
+    last node, "grid"), or None (row-wise, the default)."""
     if kinds is None:
         return None
-    from dtrec.placements import ColumnWise, TableWise
+    from dtrec.placements import ColumnWise, DataParallel, Grid, TableRowWise, TableWise
 
-    spec = {"tw": TableWise(rank=1), "cw": ColumnWise()}
+    spec = {
+        "tw": TableWise(rank=1),
+        "cw": ColumnWise(),
+        "dp": DataParallel(),
+        "trw": TableRowWise(node=1),
+        "grid": Grid(),
+    }
     return {
         f"sparse._embedding_module.{t}": spec[k]
         for t, k in zip(("user", "item"), kinds, strict=True)
@@ -79,7 +94,8 @@ class Model(nn.Module):
 
 
 def _batches(world, gen, hot):
-    """Every rank's batch of one step: ids mostly from a hot set, the rest cold 62-bit."""
+    """Every rank's batch of one step: ids mostly from a hot set, the rest cold, all over
+    [0, 2**63 - 1) (so every raw-id range of a split eviction gets some)."""
     import dtrec
 
     out = []
@@ -87,7 +103,7 @@ def _batches(world, gen, hot):
         lengths = torch.randint(0, 4, (len(KEYS) * BATCH,), generator=gen)
         n = int(lengths.sum())
         pick = hot[torch.randint(0, hot.numel(), (n,), generator=gen)]
-        cold = torch.randint(0, 2**62, (n,), generator=gen)
+        cold = torch.randint(0, 2**63 - 1, (n,), generator=gen)
         values = torch.where(torch.rand(n, generator=gen) < 0.8, pick, cold)
         out.append(
             (dtrec.KeyedJaggedTensor(KEYS, values, lengths), torch.randn(BATCH, generator=gen))
@@ -121,12 +137,15 @@ def _one(rank, world, shard, opt_name, steps, kinds):
         "adam": lambda: dtrec.optim.Adam(lr=LR / 10),
         "rowwise_adagrad": lambda: dtrec.optim.RowWiseAdagrad(lr=LR),
         "torch_adam": lambda: None,
+        "torch_sgd": lambda: None,
     }[opt_name]()
     from dtrec.modules import reset_torch_optimizer_rows
 
     torch.manual_seed(0)
     reference = Model()
-    mesh = dtrec.init_mesh("cpu", shard_group_size=shard)
+    # node-aware specs need nodes: two of them (S/2 shard positions each)
+    nodes = kinds is not None and bool({"trw", "grid"} & set(kinds))
+    mesh = dtrec.init_mesh("cpu", shard_group_size=shard, node_size=shard // 2 if nodes else None)
     sharded = dtrec.distribute_module(copy.deepcopy(reference), mesh, _plan(kinds), optimizer=fused)
     ref_tables = reference.sparse._embedding_module.embedding_bags
     state = {} if fused is None else {n: fused.init_state(t.weight) for n, t in ref_tables.items()}
@@ -146,14 +165,18 @@ def _one(rank, world, shard, opt_name, steps, kinds):
 
     reference.sparse.register_eviction_hook(ref_reset)
     sharded.sparse.register_eviction_hook(reset)
-    if fused is None:  # torch Adam on everything, tables included
-        ref_opt = torch.optim.Adam(reference.parameters(), lr=LR / 10)
-        opt = torch.optim.Adam(sharded.parameters(), lr=LR / 10)
+    if fused is None:  # a torch optimizer on everything, tables included
+        torch_opt = {
+            "torch_adam": lambda ps: torch.optim.Adam(ps, lr=LR / 10),
+            "torch_sgd": lambda ps: torch.optim.SGD(ps, lr=LR),
+        }[opt_name]
+        ref_opt = torch_opt(reference.parameters())
+        opt = torch_opt(sharded.parameters())
     else:
         ref_opt = torch.optim.SGD(reference.dense.parameters(), lr=LR)
         opt = torch.optim.SGD(sharded.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(1)
-    hot = torch.randint(0, 2**62, (60,), generator=gen)
+    hot = torch.randint(0, 2**63 - 1, (60,), generator=gen)
     out = {
         "remap_mismatch": [],
         "state_mismatch": [],
@@ -226,9 +249,9 @@ def _one(rank, world, shard, opt_name, steps, kinds):
         (r0, r1), (c0, c1) = block.rows, block.cols
         want = ref_tables[name].weight.detach()[r0:r1, c0:c1]
         weight_diff = max(weight_diff, (table.weight.to_local() - want).abs().max().item())
-        if fused is None:  # torch Adam's state, sharded like the weight
+        if fused is None:  # the torch optimizer's state, sharded like the weight
             mine, want_state = opt.state[table.weight], ref_opt.state[ref_tables[name].weight]
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in ("exp_avg", "exp_avg_sq") if opt_name == "torch_adam" else ():
                 got = mine[key].to_local()
                 diff = (got - want_state[key][r0:r1, c0:c1]).abs().max().item()
                 state_diff = max(state_diff, diff)

@@ -1,8 +1,10 @@
 """TorchRec's ManagedCollisionEmbeddingBagCollection as a drop-in for distribute_module.
 
 The TorchRec module is converted (``dtrec.interop.managed_collision``: same weights,
-remapper state and window in progress, same state-dict keys) and sharded row-wise. On
-4 gloo ranks (S=4 and 2x2, fused SGD and Adam) over a stream of batches with evictions,
+remapper state and window in progress, same state-dict keys) and sharded row-wise, or on
+the types TorchRec does not shard managed collision on (grid and data-parallel S=4 under
+Adam, table-row-wise and column-wise 2x2 under SGD). On 4 gloo ranks (S=4 and 2x2, fused
+SGD and Adam) over a stream of batches with evictions,
 the distributed model equals the unsharded TorchRec module run on the global batch in
 TorchRec's sharded order (remap, reset the evicted rows, look up): each rank's
 remapped ids, the evicted rows and every remapper buffer are TorchRec's after every
@@ -18,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.managed_collision.test_sharded import _plan
 from tests.managed_collision.torchrec_mc import torchrec_remappers
 from tests.multiprocess import run_world
 
@@ -27,9 +30,12 @@ TABLES = [("user", 37, 6, ["u0", "u1"], "sum"), ("item", 10, 4, ["i0"], "mean")]
 KEYS = ["u0", "u1", "i0"]
 BATCH, LR, PER_BAG = 4, 0.3, 2
 INTERVAL = {"user": 3, "item": 1}
-CONFIGS = {  # name: (shard group size, fused optimizer, steps)
-    "1d_sgd": (4, "sgd", 40),
-    "2x2_adam": (2, "adam", 40),
+CONFIGS = {  # name: (shard group size, fused optimizer, steps, plan: default row-wise)
+    "1d_sgd": (4, "sgd", 40, None),
+    "2x2_adam": (2, "adam", 40, None),
+    # the types TorchRec does not shard managed collision on (it is row-wise only)
+    "1d_grid_dp_adam": (4, "adam", 25, ("grid", "dp")),
+    "2x2_trw_cw_sgd": (2, "sgd", 25, ("trw", "cw")),
 }
 
 
@@ -144,7 +150,7 @@ class Reference:
         return remapped, evicted
 
 
-def _one(rank, world, shard, opt_name, steps):
+def _one(rank, world, shard, opt_name, steps, kinds):
     import dtrec
     from dtrec.placements.mesh import shard_position
 
@@ -152,8 +158,9 @@ def _one(rank, world, shard, opt_name, steps):
     torch.manual_seed(0)
     model = Model()
     reference = Reference(copy.deepcopy(model), fused)
-    mesh = dtrec.init_mesh("cpu", shard_group_size=shard)
-    sharded = dtrec.distribute_module(model, mesh, optimizer=fused)
+    nodes = kinds is not None and bool({"trw", "grid"} & set(kinds))  # 2 nodes
+    mesh = dtrec.init_mesh("cpu", shard_group_size=shard, node_size=shard // 2 if nodes else None)
+    sharded = dtrec.distribute_module(model, mesh, _plan(kinds), optimizer=fused)
     out = {"mismatch": [], "evictions": 0, "is_dtrec": type(sharded.sparse).__module__}
     out["same_keys"] = list(sharded.state_dict()) == list(reference.model.state_dict())
     evicted = {}
@@ -189,13 +196,17 @@ def _one(rank, world, shard, opt_name, steps):
     out["weight_diff"] = out["state_diff"] = 0.0
     for name, table in inner.embedding_bags.items():
         block = table.layout.block_at(shard_position(mesh))
+        if block is None:  # a table-wise table on another rank
+            continue
         (r0, r1), (c0, c1) = block.rows, block.cols
         want = reference.tables[name].weight.detach()[r0:r1, c0:c1]
         diff = (table.weight.to_local() - want).abs().max().item()
         out["weight_diff"] = max(out["weight_diff"], diff)
         for key, value in fused_state[name].items():
             if value.dim():
-                diff = (value - reference.state[name][key][r0:r1]).abs().max().item()
+                ref_value = reference.state[name][key][r0:r1]
+                ref_value = ref_value[:, c0:c1] if ref_value.dim() == 2 else ref_value
+                diff = (value - ref_value).abs().max().item()
                 out["state_diff"] = max(out["state_diff"], diff)
     out["dense_diff"] = (
         (sharded.dense.weight.to_local() - reference.model.dense.weight).abs().max().item()
