@@ -534,6 +534,8 @@ ALL_CASES = {  # name -> (mesh before, mesh after, plan A, plan B, sequence coll
     **{name: (src, dst, a, b, False) for name, (src, dst, a, b) in MESH_CASES.items()},
     **{name: (src, dst, a, b, True) for name, (src, dst, a, b) in SEQUENCE_CASES.items()},
     **{name: (src, dst, a, b, False) for name, (src, dst, a, b) in OFFLOAD_CASES.items()},
+    # a sequence collection's offloaded tables (2 x 2: updates of rows the other replica read)
+    "qo2_between": (2, 2, *OFFLOAD_CASES["o2_between"][2:], True),
 }
 
 
