@@ -23,10 +23,18 @@ Adam, each also ``foreach=True``; Adagrad on some): the optimizer object passed 
 ``reshard(..., optimizers=[opt])`` goes on, its params and state keys the new tables
 and its state moved (only moved cells sent), bitwise equal to a model distributed to
 plan B with that state loaded, and within 1e-5 of the unsharded model.
+
+Offloaded tables (``"RW@4"``: behind a cache of 4 rows per block) onto, off and between
+host tiers, resharded with their caches as training left them; every case's
+``model.sharding_plan`` prints as the directly distributed model's (the planner's report
+of the new layout). Refusals before anything moves (the model unchanged): among them
+FSDP2 / TP dense layers given a new mesh, a dense optimizer left out, a target that fits
+the memory budget at rest but not the move's peak.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 
@@ -464,7 +472,11 @@ def _one_case(
     dense_optimizer = _dense_optimizer(model)
     scheduler = StepLR(model.fused_optimizer, step_size=1, gamma=0.5)
     _train(model, range(2), scheduler, dense_optimizer)
-    before = _full_state(model, dense_optimizer)
+    if any("@" in spec for spec in a):  # offloaded: read a copy, so that the reshard
+        before = _full_state(copy.deepcopy(model))  # finds its caches as training left them
+        _dense_state(model, dense_optimizer, before)  # (reading the model flushes them)
+    else:
+        before = _full_state(model, dense_optimizer)
     groups = model.fused_optimizer.saved_param_groups()
     sparse = model.sparse
     moves = {} if to == shard else {"mesh": mesh}
@@ -977,6 +989,36 @@ def _composed(meshes: dict) -> dict:
     return out
 
 
+def _eval_offloaded(meshes: dict) -> dict:
+    """A model without a fused optimizer (eval only: offloaded tables train only with one)
+    moves its offloaded tables to other host tiers on another mesh (``optimizers=[]``):
+    every table whole and equal, the same outputs."""
+    import torch
+
+    import dtrec
+    from dtrec.checkpoint import full_state_dict
+
+    rank = torch.distributed.get_rank()
+    model = dtrec.distribute_module(_model(), meshes[4], _plan(["RW@4", "TW(1)@10", "CW", "DP"]))
+    model.eval()
+    kjt, _ = _batches(0)[rank]
+    with torch.no_grad():
+        before_out = model(kjt)
+    before = full_state_dict(model)
+    b = ["TW(1)@9", "RW@5", "RW@2", "CW@11"]
+    dtrec.reshard(model, _plan(b), mesh=meshes[2], optimizers=[])
+    after = full_state_dict(model)
+    with torch.no_grad():
+        after_out = model(kjt)
+    return {
+        "same_state": sorted(before) == sorted(after)
+        and all(torch.equal(before[k], after[k]) for k in before),
+        "out_rel": ((after_out - before_out).abs().max() / before_out.abs().max()).item(),
+        "plan": all(model.sharding_plan[k] == v for k, v in _plan(b).items()),
+        "on_mesh": model.sparse.mesh is meshes[2],
+    }
+
+
 def _counted(meshes: dict) -> dict:
     """``dtrec.IdCounters`` on a distributed model: 2 steps counted on every rank and summed
     over the world (vs the counts of every rank's known batches), a re-plan from them, the
@@ -1100,6 +1142,7 @@ def _run_all(rank: int, world_size: int) -> dict:
     out["errors"] = _errors(meshes)
     out["shapes"] = _shapes(meshes)
     out["composed"] = _composed(meshes)
+    out["eval_offloaded"] = _eval_offloaded(meshes)
     out["counted"] = _counted(meshes)
     out["torchrec"] = _torchrec_target(meshes)
     return out
@@ -1213,6 +1256,13 @@ def test_fsdp_and_tp_dense_layers_are_refused_a_new_mesh(results):
             for word in words + ["meshes="]:
                 assert word in got[case]["error"], (rank, case, got[case]["error"])
         assert got["fsdp_tables_moved"], rank
+
+
+def test_eval_only_offloaded_tables_move(results):
+    for rank, per_rank in enumerate(results):
+        got = per_rank["eval_offloaded"]
+        assert got["same_state"] and got["plan"] and got["on_mesh"], (rank, got)
+        assert got["out_rel"] <= 1e-6, (rank, got)
 
 
 def test_id_counters_replan(results):
