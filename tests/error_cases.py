@@ -112,6 +112,29 @@ def distributed(mesh, plan=None, optimizer=None, model: nn.Module | None = None)
     return dtrec.distribute_module(model or Model(), mesh, plan, optimizer)
 
 
+def _reshard_torch_state_offloaded(mesh: DeviceMesh) -> None:
+    """A table with torch Adam state (set by hand: a step needs real peers) to an offloaded
+    spec, which trains only with a fused optimizer."""
+    model = distributed(mesh, {"sparse.t0": RowWise(), "sparse.t1": RowWise()})
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    weight = model.sparse.embedding_bags["t0"].weight
+    optimizer.state[weight] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(weight)}
+    dtrec.reshard(model, {"sparse.t0": RowWise(cache_rows=2)}, optimizers=[optimizer])
+
+
+def _reshard_tensor_parallel(mesh: DeviceMesh) -> None:
+    """A dense layer TP distributed before distribute_module, to a new mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = Model()
+    tp = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    parallelize_module(model, tp, {"dense": ColwiseParallel()})
+    model = dtrec.distribute_module(model, mesh, None, SGD(0.1))
+    dtrec.reshard(model, {}, mesh=dtrec.init_mesh("cpu", 4), optimizers=[])
+
+
 def all_dp(mesh: DeviceMesh) -> nn.Module:
     """A distributed model whose input-dist needs no collective (all tables data parallel)."""
     return distributed(mesh, {"sparse.t0": DataParallel(), "sparse.t1": DataParallel()})
@@ -779,6 +802,44 @@ LOCAL: dict[str, Case] = {
         4,
         2,
         lambda m: dtrec.reshard(distributed(m, None, SGD(0.1)), {}, mesh=dtrec.init_mesh("cpu", 4)),
+    ),
+    "E370": on_mesh(
+        4,
+        2,
+        lambda m: dtrec.reshard(
+            dtrec.distribute_module(Model(), m, None, SGD(0.1), sync_every=2),
+            {"sparse.t0": RowWise(cache_rows=2)},
+        ),
+    ),
+    "E371": on_mesh(4, 2, lambda m: _reshard_torch_state_offloaded(m)),
+    "E372": on_mesh(
+        4,
+        2,
+        lambda m: dtrec.reshard(
+            distributed(m, {"sparse.t0": RowWise(), "sparse.t1": RowWise()}, SGD(0.1)),
+            {"sparse.t0": RowWise(cache_rows=2)},
+            topology=dtrec.Topology.cpu(memory_per_rank=1e6, host_memory_per_rank=50.0),
+        ),
+    ),
+    "E373": on_mesh(
+        4,
+        2,
+        lambda m: dtrec.reshard(
+            distributed(m, {"sparse.t0": RowWise(), "sparse.t1": RowWise()}, SGD(0.1)),
+            {"sparse.t0": TableWise(rank=0), "sparse.t1": TableWise(rank=0)},
+            topology=dtrec.Topology.cpu(memory_per_rank=300.0),
+        ),
+    ),
+    "E374": on_mesh(4, 2, lambda m: _reshard_tensor_parallel(m)),
+    "E375": on_mesh(
+        4,
+        2,
+        lambda m: dtrec.reshard(
+            distributed(m, None, SGD(0.1)),
+            {},
+            mesh=dtrec.init_mesh("cpu", 4),
+            optimizers=[torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)],
+        ),
     ),
     # managed-collision collections in distribute_module
     "E358": on_mesh(

@@ -57,3 +57,16 @@ def test_rounds_keep_every_byte_and_the_bound(chunk):
         for pair in {(p.src, p.dst) for p in r}:
             size = sum(p.nbytes for p in r if (p.src, p.dst) == pair)
             assert size <= max(chunk // 4, row)
+
+
+def test_round_buffers_count_send_and_receive():
+    """TW(0) -> RW on 4 positions: position 0 sends rows 3..9 (3 + 3 + 1 rows of 32 bytes).
+    In one round it holds its packed pieces and send buffer at once (2 x 224 bytes); each
+    receiver its buffer and one received piece (2 x its rows). Cut in rounds of at most
+    one row per pair, the sender holds 2 x 3 rows, a receiver 2 rows."""
+    from dtrec.sharded.reshard.exchange import round_buffers
+
+    pieces = _moves(TableWise(rank=0), RowWise())
+    row = 8 * 4
+    assert round_buffers(pieces, 4, 1 << 20) == {0: 2 * 7 * row, 1: 6 * row, 2: 6 * row, 3: 2 * row}
+    assert round_buffers(pieces, 4, 4 * row) == {0: 2 * 3 * row, 1: 2 * row, 2: 2 * row, 3: 2 * row}

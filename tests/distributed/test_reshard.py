@@ -23,10 +23,19 @@ Adam, each also ``foreach=True``; Adagrad on some): the optimizer object passed 
 ``reshard(..., optimizers=[opt])`` goes on, its params and state keys the new tables
 and its state moved (only moved cells sent), bitwise equal to a model distributed to
 plan B with that state loaded, and within 1e-5 of the unsharded model.
+
+Offloaded tables (``"RW@4"``: behind a cache of 4 rows per block) onto, off and between
+host tiers, resharded with their caches as training left them; every case's
+``model.sharding_plan`` prints as the directly distributed model's (the planner's report
+of the new layout). Refusals before anything moves (the model unchanged): among them
+FSDP2 / TP dense layers given a new mesh, a dense optimizer left out, a target that fits
+the memory budget at rest but not the move's peak.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import random
 
 import pytest
@@ -115,14 +124,36 @@ SEQUENCE_CASES = {  # name -> (mesh before, mesh after, plan A, plan B) of an Em
     "q4to2": (4, 2, _types(4), ["RW", "CW", "DP", "TW(1)"]),
     "q2to4": (2, 4, _types(2), ["CW(0,2)", "DP", "TW(3)", "RW"]),
 }
+OFFLOAD_CASES = {  # name -> (mesh before, mesh after, plan A, plan B): "@n" offloaded
+    # onto, off and between host tiers (LRU caches that evict, and caches of whole blocks);
+    # the caches are as small as the batches' distinct rows per block allow
+    "o4_in": (4, 4, ["TW(0)", "RW", "CW", "DP"], ["CW@12", "TW(2)@10", "RW@1", "TW(1)@16"]),
+    "o4_out": (4, 4, ["TW(1)@12", "RW@4", "CW@3", "CW@16"], ["RW", "TW(3)", "DP", "TW(0)"]),
+    "o2_between": (
+        2,
+        2,
+        ["TW(0)@0.7", "RW@5", "CW@3", "TW(1)@11"],
+        ["RW@6", "CW@9", "TW(1)@3", "RW@7"],
+    ),  # fmt: skip
+    "o4to2": (4, 2, ["CW@12", "TW(2)@10", "RW", "TW(0)@16"], ["TW(1)@9", "RW@5", "CW@3", "CW@11"]),
+}
 RULES = ("sgd", "rowwise_adagrad", "adam")
+PEAK_FITS = 1e4
+"""A memory per rank that holds the errors case's move of t0 to row-wise at its peak."""
 CHUNK_BYTES = {2: 96}  # to the 2 x 2 mesh: rounds of at most 24 bytes per peer (4 ranks)
 DENSE_LR = 0.05
 
 
 def _spec(text: str):
+    """A spec from its short name; ``"<spec>@<n>"``: offloaded behind a cache of n rows per
+    block (``"@0.5"``: of half of each block's rows)."""
     from dtrec.placements import ColumnWise, DataParallel, Grid, RowWise, TableRowWise, TableWise
 
+    if "@" in text:
+        text, cache = text.split("@")
+        key = "cache_fraction" if "." in cache else "cache_rows"
+        value = float(cache) if "." in cache else int(cache)
+        return dataclasses.replace(_spec(text), **{key: value})
     if text.startswith("TRW"):
         return TableRowWise(node=int(text[4:-1]))
     if text == "GRID":
@@ -441,7 +472,11 @@ def _one_case(
     dense_optimizer = _dense_optimizer(model)
     scheduler = StepLR(model.fused_optimizer, step_size=1, gamma=0.5)
     _train(model, range(2), scheduler, dense_optimizer)
-    before = _full_state(model, dense_optimizer)
+    if any("@" in spec for spec in a):  # offloaded: read a copy, so that the reshard
+        before = _full_state(copy.deepcopy(model))  # finds its caches as training left them
+        _dense_state(model, dense_optimizer, before)  # (reading the model flushes them)
+    else:
+        before = _full_state(model, dense_optimizer)
     groups = model.fused_optimizer.saved_param_groups()
     sparse = model.sparse
     moves = {} if to == shard else {"mesh": mesh}
@@ -483,6 +518,8 @@ def _one_case(
         "expected_bytes": _expected_bytes(meshes, shard, a, b, rule_name, to),
         "same_objects": returned is model and model.sparse is sparse,
         "plan": plan_ok,
+        # the planner's report of the new layout, as the model distributed there carries
+        "report": str(model.sharding_plan) == str(direct.sharding_plan),
         "on_mesh": on_mesh and every_copy,
         "lr": model.fused_optimizer.param_groups[0]["lr"],
     }
@@ -508,6 +545,9 @@ ALL_CASES = {  # name -> (mesh before, mesh after, plan A, plan B, sequence coll
     **{name: (shard, shard, a, b, False) for name, (shard, a, b) in CASES.items()},
     **{name: (src, dst, a, b, False) for name, (src, dst, a, b) in MESH_CASES.items()},
     **{name: (src, dst, a, b, True) for name, (src, dst, a, b) in SEQUENCE_CASES.items()},
+    **{name: (src, dst, a, b, False) for name, (src, dst, a, b) in OFFLOAD_CASES.items()},
+    # a sequence collection's offloaded tables (2 x 2: updates of rows the other replica read)
+    "qo2_between": (2, 2, *OFFLOAD_CASES["o2_between"][2:], True),
 }
 
 
@@ -663,6 +703,7 @@ def _one_torch_case(
         "expected_bytes": _expected_bytes(meshes, shard, a, b, "sgd", to)
         * (1 + TORCH_ENTRIES[name]),
         "on_mesh": model.sparse.mesh is mesh and (not dense or model.scale.device_mesh is mesh),
+        "report": str(model.sharding_plan) == str(direct.sharding_plan),
     }
 
 
@@ -688,6 +729,7 @@ def _refused(model, plan, before: dict, prepare=None, **kwargs) -> dict:
 
 def _errors(meshes: dict) -> dict:
     """Refused reshards, each before anything moved; the model then still trains."""
+    import torch
     import torch.distributed as dist
     from torch.optim.lr_scheduler import StepLR
 
@@ -706,7 +748,6 @@ def _errors(meshes: dict) -> dict:
         "rank_off_mesh": _refused(model, {"sparse.t1": TableWise(rank=4)}, before),
         "unresolved": _refused(model, {"sparse.t1": TableWise()}, before),
         "node_aware": _refused(model, {"sparse.t3": TableRowWise(node=0)}, before),
-        "offloaded": _refused(model, {"sparse.t0": RowWise(cache_rows=4)}, before),
         "fully_sharded": _refused(model, {"sparse.t0": RowWise(fully_sharded=True)}, before),
         "not_a_spec": _refused(model, {"sparse.t0": "RW"}, before),
         "disagree": _refused(model, {"sparse.t0": TableWise(rank=rank % 2)}, before),
@@ -743,8 +784,14 @@ def _errors(meshes: dict) -> dict:
     # still trains, and a reshard after the failures works
     kjt, target = _batches(2)[rank]
     _loss(model(kjt), target).backward()
-    dtrec.reshard(  # a target that fits the same budget
-        model, {"sparse.t0": RowWise()}, topology=dtrec.Topology.cpu(memory_per_rank=2e3)
+    # a target that fits the same budget at rest (1,656 bytes on rank 0), but not the move
+    # to it: the old collection, the new one and the exchange buffers together
+    before = _full_state(model)
+    out["peak"] = _refused(
+        model, {"sparse.t0": RowWise()}, before, topology=dtrec.Topology.cpu(memory_per_rank=2e3)
+    )
+    dtrec.reshard(  # a budget that holds the peak
+        model, {"sparse.t0": RowWise()}, topology=dtrec.Topology.cpu(memory_per_rank=PEAK_FITS)
     )
     out["after"] = str(model.sharding_plan["sparse.t0"])
     # to another mesh: a spec the plan omits is kept and must fit the new mesh; meshes=
@@ -758,6 +805,32 @@ def _errors(meshes: dict) -> dict:
 
     plain = dtrec.distribute_module(_model(), meshes[4], _plan(a))
     out["no_fused"] = {"error": error_of(lambda: dtrec.reshard(plain, {"sparse.t0": RowWise()}))}
+    # offloaded tables train only with a fused optimizer and the per-step replica sync
+    opt = torch.optim.Adam(plain.parameters(), lr=0.01)
+    _train_torch(plain, opt, range(1), StepLR(opt, step_size=1))
+    out["offloaded_torch_state"] = {
+        "error": error_of(
+            lambda: dtrec.reshard(plain, {"sparse.t1": RowWise(cache_rows=4)}, optimizers=[opt])
+        )
+    }
+    # a dense optimizer left out of optimizers= while the tables' one is given
+    split = dtrec.distribute_module(_model(dense=True), meshes[4], _plan(a))
+    tables_opt = torch.optim.Adam(split.sparse.parameters(), lr=0.01)
+    dense_opt = torch.optim.Adam([split.scale], lr=0.01)
+    for optimizer in (tables_opt, dense_opt):
+        _train_torch(split, optimizer, range(1), StepLR(optimizer, step_size=1))
+    out["dense_left_out"] = {
+        "error": error_of(
+            lambda: dtrec.reshard(split, {}, mesh=meshes[2], optimizers=[tables_opt])
+        ),
+        "unchanged": split.scale.device_mesh is meshes[4] and split.sparse.mesh is meshes[4],
+    }
+    averaged = dtrec.distribute_module(
+        _model(), meshes[2], _plan(a), optimizer=_rule("sgd"), sync_every=2
+    )
+    out["offloaded_sync_every"] = {
+        "error": error_of(lambda: dtrec.reshard(averaged, {"sparse.t3": RowWise(cache_rows=4)}))
+    }
     out["bad_optimizers"] = {
         "error": error_of(lambda: dtrec.reshard(plain, {"sparse.t0": RowWise()}, optimizers="adam"))
     }
@@ -855,12 +928,95 @@ def _shapes(meshes: dict) -> dict:
         after, expected = _full_state(two), _full_state(direct)
         out["per_collection"].append(
             {
+                "report": str(two.sharding_plan) == str(direct.sharding_plan)
+                and (two.sharding_plan.report or two.sharding_plan.reports) is not None,
                 "moved_exact": moved,
                 "bitwise": all(torch.equal(after[k], expected[k]) for k in expected),
                 "meshes": [two.sparse.mesh.mesh.tolist(), two.other.mesh.mesh.tolist()],
             }
         )
     return out
+
+
+def _composed(meshes: dict) -> dict:
+    """Dense layers that torch's parallelisms distribute do not follow ``mesh=``: FSDP2 on
+    dtrec's 2 x 2 mesh (SPMD mode, after distribute_module) and TP before it are refused
+    naming the parameter, the model unchanged; the tables still move with ``meshes=``
+    (exact), and the FSDP model trains on."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import dtrec
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sparse = dtrec.EmbeddingBagCollection(_configs())
+            self.mlp = nn.Sequential(nn.Linear(sum(t[2] for t in TABLES), 4))
+
+        def forward(self, kjt):
+            return self.mlp(self.sparse(kjt).values())
+
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = dtrec.distribute_module(Net(), meshes[2], _plan(_types(2)), optimizer=_rule("adam"))
+    fully_shard(
+        model.mlp, mesh=meshes[2], dp_mesh_dims=DataParallelMeshDims(("shard", "replicate"))
+    )
+    dense = torch.optim.Adam(model.mlp.parameters(), lr=DENSE_LR)
+    kjt, target = _batches(0)[rank]
+    _loss(model(kjt), target).backward()
+    dense.step()
+    before = _full_state(model)
+    out = {
+        "fsdp": _refused(model, {}, before, mesh=meshes[4], optimizers=[dense]),
+    }
+    dtrec.reshard(model, _plan(_types(4)), meshes={"sparse": meshes[4]})
+    out["fsdp_tables_moved"] = _max_rel(_full_state(model), before) == 0.0
+    kjt, target = _batches(1)[rank]
+    _loss(model(kjt), target).backward()  # trains on: FSDP on its mesh, the tables on theirs
+    dense.step()
+
+    torch.manual_seed(0)
+    net = Net()
+    tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    parallelize_module(net.mlp, tp, {"0": ColwiseParallel()})
+    model = dtrec.distribute_module(net, meshes[4], _plan(_types(4)), optimizer=_rule("sgd"))
+    out["tp"] = _refused(model, {}, _full_state(model), mesh=meshes[2], optimizers=[])
+    return out
+
+
+def _eval_offloaded(meshes: dict) -> dict:
+    """A model without a fused optimizer (eval only: offloaded tables train only with one)
+    moves its offloaded tables to other host tiers on another mesh (``optimizers=[]``):
+    every table whole and equal, the same outputs."""
+    import torch
+
+    import dtrec
+    from dtrec.checkpoint import full_state_dict
+
+    rank = torch.distributed.get_rank()
+    model = dtrec.distribute_module(_model(), meshes[4], _plan(["RW@4", "TW(1)@10", "CW", "DP"]))
+    model.eval()
+    kjt, _ = _batches(0)[rank]
+    with torch.no_grad():
+        before_out = model(kjt)
+    before = full_state_dict(model)
+    b = ["TW(1)@9", "RW@5", "RW@2", "CW@11"]
+    dtrec.reshard(model, _plan(b), mesh=meshes[2], optimizers=[])
+    after = full_state_dict(model)
+    with torch.no_grad():
+        after_out = model(kjt)
+    return {
+        "same_state": sorted(before) == sorted(after)
+        and all(torch.equal(before[k], after[k]) for k in before),
+        "out_rel": ((after_out - before_out).abs().max() / before_out.abs().max()).item(),
+        "plan": all(model.sharding_plan[k] == v for k, v in _plan(b).items()),
+        "on_mesh": model.sparse.mesh is meshes[2],
+    }
 
 
 def _counted(meshes: dict) -> dict:
@@ -907,9 +1063,9 @@ def _counted(meshes: dict) -> dict:
 
 def _torchrec_target(meshes: dict) -> dict:
     """A TorchRec ``ShardingPlan`` (built by its own helpers) as the target: mapped onto the
-    mesh as ``distribute_module`` maps one, the move exact, training goes on; an entry
-    reshard does not move yet (UVM caching: an offloaded table) is a ValueError naming the
-    table before anything moves."""
+    mesh as ``distribute_module`` maps one, the move exact, training goes on; a UVM-caching
+    entry moves its table into host memory behind a cache, exact; an entry dtrec has no
+    kernel for (plain UVM) is a ValueError naming the table before anything moves."""
     from tests.interop.torchrec_or_skip import torchrec
 
     if torchrec is None:
@@ -949,11 +1105,19 @@ def _torchrec_target(meshes: dict) -> dict:
     }
     dtrec.reshard(model, plan_of(per_table))
     moved = _max_rel(_full_state(model), before)
+    plan = {k: repr(v) for k, v in model.sharding_plan.items()}
     _train(model, range(2, 3), scheduler)
-    bad = plan_of(per_table | {"t3": sp.row_wise(compute_kernel="fused_uvm_caching")})
+    before = _full_state(model)  # UVM caching: the table offloaded (a fifth of its rows cached)
+    dtrec.reshard(
+        model, plan_of(per_table | {"t3": sp.row_wise(compute_kernel="fused_uvm_caching")})
+    )
+    cached = _max_rel(_full_state(model), before)
+    bad = plan_of(per_table | {"t3": sp.row_wise(compute_kernel="fused_uvm")})
     return {
-        "plan": {k: repr(v) for k, v in model.sharding_plan.items()},
+        "plan": plan,
         "moved_exact": moved,
+        "cached": repr(model.sharding_plan["sparse.t3"]),
+        "cached_exact": cached,
         "bad": error_of(lambda: dtrec.reshard(model, bad)),
     }
 
@@ -973,10 +1137,12 @@ def _run_all(rank: int, world_size: int) -> dict:
         for rule in RULES
     }
     for name, (src, dst, a, b, sequence) in ALL_CASES.items():
-        for rule in TORCH_CASES[name]:
+        for rule in TORCH_CASES.get(name, ()):
             out[f"{name}-torch-{rule}"] = _one_torch_case(meshes, src, a, b, rule, dst, sequence)
     out["errors"] = _errors(meshes)
     out["shapes"] = _shapes(meshes)
+    out["composed"] = _composed(meshes)
+    out["eval_offloaded"] = _eval_offloaded(meshes)
     out["counted"] = _counted(meshes)
     out["torchrec"] = _torchrec_target(meshes)
     return out
@@ -1000,6 +1166,7 @@ def test_continuation_is_exact(results, case, rule):
         assert got["bitwise"] and got["vs_direct"] == 0.0, (where, got)
         assert got["vs_unsharded"] <= 1e-5, (where, got)
         assert got["same_objects"] and got["plan"] and got["on_mesh"], where
+        assert got["report"], where
         assert got["lr"] == pytest.approx(LR[rule] * 0.5**4), where
 
 
@@ -1032,7 +1199,7 @@ def test_torch_optimizer_continues_exactly(results, case, rule):
     for rank, per_rank in enumerate(results):
         got = per_rank[f"{case}-torch-{rule}"]
         where = f"rank {rank}, {a} on {src} -> {b} on {dst}, {rule}"
-        assert got["repointed"] and got["on_mesh"], where
+        assert got["repointed"] and got["on_mesh"] and got["report"], where
         assert got["moved_exact"] == 0.0, where
         assert got["bitwise"] and got["vs_direct"] == 0.0, (where, got)
         assert got["vs_unsharded"] <= 1e-5, (where, got)
@@ -1049,7 +1216,9 @@ ERRORS = {  # case -> words its error names
     "rank_off_mesh": ["ValueError", "sparse.t1", "TableWise(rank=4)"],
     "unresolved": ["ValueError", "sparse.t1", "resolved"],
     "node_aware": ["ValueError", "sparse.t3", "node-aware mesh", "node_size"],
-    "offloaded": ["ValueError", "sparse.t0", "offloaded"],
+    "offloaded_torch_state": ["ValueError", "sparse.t1", "exp_avg", "fused optimizer"],
+    "dense_left_out": ["ValueError", "['scale']", "none of the 1 optimizer(s)", "requires_grad_"],
+    "offloaded_sync_every": ["ValueError", "sparse.t3", "sync_every=2"],
     "fully_sharded": ["ValueError", "sparse.t0", "fully sharded 2D", "does not move yet"],
     "not_a_spec": ["TypeError", "sparse.t0"],
     "disagree": ["ValueError", "another plan"],
@@ -1057,6 +1226,7 @@ ERRORS = {  # case -> words its error names
     "meshes_unknown": ["KeyError", "nope"],
     "memory": ["ValueError", "3.06 KiB", "on rank 0", "'sparse.t0'", "budget of 1.76 KiB"],
     "prefetched": ["ValueError", "prefetched batch"],
+    "peak": ["ValueError", "at its peak", "on rank 0", "budget of 1.76 KiB", "chunk_bytes="],
     "mid_move": ["CollectiveError", "simulated"],
     "no_fused": ["ValueError", "sparse.t0", "torch optimizer", "optimizers=[opt]"],
     "bad_optimizers": ["TypeError", "torch.optim.Optimizer"],
@@ -1072,6 +1242,27 @@ def test_refusals_leave_the_model_as_it_was(results, case):
             assert word in got["error"], (rank, case, got["error"])
         assert got.get("unchanged", True), (rank, case)
         assert per_rank["errors"]["after"] == "RW"
+
+
+def test_fsdp_and_tp_dense_layers_are_refused_a_new_mesh(results):
+    """E374 before anything moves, naming the parameter and who distributes it."""
+    for rank, per_rank in enumerate(results):
+        got = per_rank["composed"]
+        for case, words in (
+            ("fsdp", ["mlp.0.weight", "fully_shard"]),
+            ("tp", ["mlp.0.weight", "parallelize_module"]),
+        ):
+            assert "ValueError" in got[case]["error"] and got[case]["unchanged"], (rank, got)
+            for word in words + ["meshes="]:
+                assert word in got[case]["error"], (rank, case, got[case]["error"])
+        assert got["fsdp_tables_moved"], rank
+
+
+def test_eval_only_offloaded_tables_move(results):
+    for rank, per_rank in enumerate(results):
+        got = per_rank["eval_offloaded"]
+        assert got["same_state"] and got["plan"] and got["on_mesh"], (rank, got)
+        assert got["out_rel"] <= 1e-6, (rank, got)
 
 
 def test_id_counters_replan(results):
@@ -1097,8 +1288,9 @@ def test_torchrec_plan_as_target(results):
             "sparse.t2": "DataParallel()",
             "sparse.t3": "RowWise()",
         }, (rank, got)
-        assert "ValueError" in got["bad"] and "sparse.t3" in got["bad"], got["bad"]
-        assert "offloaded" in got["bad"], got["bad"]
+        assert got["cached"] == "RowWise(cache_fraction=0.2)" and got["cached_exact"] == 0.0
+        assert "ValueError" in got["bad"] and "t3" in got["bad"], got["bad"]
+        assert "fused_uvm" in got["bad"], got["bad"]
 
 
 def test_model_shapes(results):
@@ -1108,7 +1300,7 @@ def test_model_shapes(results):
         assert got["root_plan"] == "RW CW", (rank, got)
         assert got["two_groups"] and got["two_state"], (rank, got)
         first, second = got["per_collection"]
-        assert first["moved_exact"] and first["bitwise"], (rank, first)
+        assert first["moved_exact"] and first["bitwise"] and first["report"], (rank, first)
         assert first["meshes"] == [[[0, 1], [2, 3]], [[0], [1], [2], [3]]], first
-        assert second["moved_exact"] and second["bitwise"], (rank, second)
+        assert second["moved_exact"] and second["bitwise"] and second["report"], (rank, second)
         assert second["meshes"] == [[[0, 1], [2, 3]], [[0, 1], [2, 3]]], second

@@ -158,6 +158,38 @@ def refusal_of(
                         f"reshard: table {table_fqn(fqn, cfg.name)!r}: {spec!r} is {why}, "
                         "which reshard does not move yet"
                     )
+            target = specs[cfg.name]
+            if collection.sync_every is not None and target.layout(cfg, now).offloaded:
+                return ValueError(
+                    f"reshard: table {table_fqn(fqn, cfg.name)!r}: {target!r} is offloaded, "
+                    "and offloaded tables train with the exact per-step replica sync only, "
+                    f"not its collection's sync_every={collection.sync_every}; keep it on "
+                    "the device"
+                )
+    return None
+
+
+def offloaded_torch_state(
+    collections: Mapping[str, ShardedCollection],
+    changes: Mapping[str, Mapping[str, TableSpec]],
+    entries: Mapping[str, Mapping[int, list[str]]],
+    targets: Mapping[str, DeviceMesh],
+) -> ValueError | None:
+    """Why a table with torch optimizer state cannot go where reshard would put it: an
+    offloaded table trains only with a fused optimizer, so that state would be stranded."""
+    for fqn, tables in entries.items():
+        collection, axis = collections[fqn], shard_axis(targets[fqn])
+        for t, names in tables.items():
+            cfg = collection._tables[t]
+            spec = changes[fqn][cfg.name]
+            if names and spec.layout(cfg, axis).offloaded:
+                return ValueError(
+                    f"reshard: table {table_fqn(fqn, cfg.name)!r} has torch optimizer state "
+                    f"({', '.join(n.split('.', 1)[1] for n in names)}), but {spec!r} is "
+                    "offloaded, and offloaded tables "
+                    "train only with a fused optimizer (distribute_module(..., "
+                    "optimizer=dtrec.optim...)); keep it on the device"
+                )
     return None
 
 
@@ -177,8 +209,6 @@ def torch_entries(
 
 
 def _unsupported(layout: TableLayout) -> str | None:
-    if layout.offloaded:
-        return "offloaded"
     if layout.replica_sliced:
         return "fully sharded 2D (fully_sharded=True)"
     return None

@@ -14,11 +14,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from dtrec.comm.collectives import all_to_all
 from dtrec.placements.layout import Block
+from dtrec.placements.mesh import world_group
 from dtrec.sharded.reshard.moves import Piece, rounds
 
 ROWS_KIND = "reshard.rows"
@@ -38,6 +41,40 @@ def _view(tensors: Locals, piece: Piece) -> Tensor:
     tensor, block = tensors[piece.table, piece.entry]
     (r0, _), (c0, _) = block.rows, block.cols
     return tensor[piece.rows[0] - r0 : piece.rows[1] - r0, piece.cols[0] - c0 : piece.cols[1] - c0]
+
+
+def exchange_ranks(
+    old: DeviceMesh, new: DeviceMesh
+) -> tuple[ProcessGroup | None, dict[int, int], list[list[int]], list[list[int]]]:
+    """The group a move from mesh ``old`` to mesh ``new`` runs over (the model's world;
+    None: the default group), global rank -> its index in it, and each mesh's ranks per
+    shard position as those indices (what ``moves.entry_moves`` takes)."""
+    group = world_group(old)
+    members = dist.get_process_group_ranks(group) if group is not None else None
+    index = {g: i for i, g in enumerate(members or range(dist.get_world_size()))}
+    old_ranks = [[index[g] for g in row] for row in old.mesh.tolist()]
+    new_ranks = [[index[g] for g in row] for row in new.mesh.tolist()]
+    return group, index, old_ranks, new_ranks
+
+
+def round_buffers(pieces: list[Piece], size: int, chunk_bytes: int) -> dict[int, int]:
+    """Per member of the exchange: the most bytes of buffers one round of ``move`` holds on
+    it at once: its send buffer and either the pieces it is cut from (while they are
+    packed) or the receive buffer and one received piece (while it is unpacked)."""
+    most: dict[int, int] = {}
+    for round_pieces in rounds(pieces, size, chunk_bytes):
+        send: dict[int, int] = {}
+        receive: dict[int, int] = {}
+        piece: dict[int, int] = {}
+        for p in round_pieces:
+            send[p.src] = send.get(p.src, 0) + p.nbytes
+            receive[p.dst] = receive.get(p.dst, 0) + p.nbytes
+            piece[p.dst] = max(piece.get(p.dst, 0), p.nbytes)
+        for rank in send.keys() | receive.keys():
+            out = send.get(rank, 0)
+            held = max(2 * out, out + receive.get(rank, 0) + piece.get(rank, 0))
+            most[rank] = max(most.get(rank, 0), held)
+    return most
 
 
 def _as_bytes(t: Tensor) -> Tensor:
@@ -74,6 +111,7 @@ def move(
         parts = [_as_bytes(_view(old, p)) for ps in outgoing for p in ps]
         empty = torch.empty(0, dtype=torch.uint8, device=device)
         send = torch.cat(parts).to(device) if parts else empty
+        del parts  # the round's buffers: ``round_buffers`` counts them
         received = all_to_all(send, out_splits, in_splits, group, ROWS_KIND)
         sent += sum(in_splits)
         offset = 0

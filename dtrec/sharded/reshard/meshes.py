@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from dtrec._torch_compat import move_to_mesh
+from dtrec._torch_compat import fsdp_managed, move_to_mesh
 from dtrec.placements.mesh import shard_axis
 from dtrec.planning.plan import mesh_groups, model_tables
 from dtrec.sharded.collection import ShardedCollection
@@ -94,15 +94,70 @@ def dense_names(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if id(p) in ids]
 
 
+def foreign_dense(
+    model: nn.Module, collections: Mapping[str, ShardedCollection]
+) -> list[tuple[str, str]]:
+    """(FQN, who distributes it) of each dense DTensor parameter that dtrec does not
+    replicate: ``fully_shard``'s (FSDP2) and those distributed before ``distribute_module``
+    (``parallelize_module``, ``distribute_tensor``), which it leaves to their owners."""
+    tables = {id(p) for c in collections.values() for p in c.parameters()}
+    dense = model._dtrec_state.dense
+    own = {id(p) for p in dense._params} if dense is not None else set()
+    out, seen = [], set()
+    for prefix, module in model.named_modules():
+        for name, p in module._parameters.items():
+            if not isinstance(p, DTensor) or id(p) in tables | own | seen:
+                continue
+            seen.add(id(p))
+            holder = (
+                "torch's fully_shard (FSDP2)"
+                if fsdp_managed(module)
+                else "torch's parallelize_module or distribute_tensor (a DTensor on its own "
+                f"mesh of shape {tuple(p.device_mesh.mesh.shape)})"
+            )
+            out.append((f"{prefix}.{name}" if prefix else name, holder))
+    return out
+
+
 def dense_refusal(
     model: nn.Module,
     collections: Mapping[str, ShardedCollection],
     mesh: DeviceMesh | None,
     optimizers: Sequence[torch.optim.Optimizer] | None,
 ) -> ValueError | None:
-    """Why the dense part cannot follow ``mesh`` yet: its parameters' optimizer state
-    would stay on the old mesh unless the optimizers holding them are given."""
-    if mesh is None or optimizers is not None or same_mesh(mesh, model_mesh(model, collections)):
+    """Why the dense part cannot follow ``mesh`` yet: some of it is distributed by torch's
+    own parallelisms (FSDP2, TP), whose state reshard cannot move (E374); or its
+    parameters' optimizer state would stay on the old mesh unless the optimizers holding
+    them are given (E357), each trained one held by one of them (E375; ``[]``: none holds
+    them, unchecked: state in an optimizer not given is out of sight)."""
+    if mesh is None or same_mesh(mesh, model_mesh(model, collections)):
+        return None
+    foreign = foreign_dense(model, collections)
+    if foreign:
+        name, holder = foreign[0]
+        return ValueError(
+            f"reshard: dense parameter {name!r} is distributed by {holder}, which reshard "
+            f"cannot move to a new mesh ({len(foreign)} such parameter(s)); move only the "
+            "tables, reshard(model, plan, meshes={collection fqn: new_mesh, ...}), leaving "
+            "the dense part where it is, or save a checkpoint (dtrec.checkpoint.save) and "
+            "build the model again on the new mesh"
+        )
+    if optimizers:  # each trained dense parameter held by one of them: its state moves
+        held = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
+        dense = model._dtrec_state.dense
+        ids = {id(p) for p in dense._params} if dense is not None else set()
+        left = [
+            n for n, p in model.named_parameters()
+            if id(p) in ids and p.requires_grad and id(p) not in held
+        ]  # fmt: skip
+        if left:
+            return ValueError(
+                f"reshard: the dense parameters {left[:3]} move to the new mesh, but none of "
+                f"the {len(optimizers)} optimizer(s) given holds them: pass the optimizer "
+                "that trains them too (its state of them would stay on the old mesh), or "
+                "freeze those no optimizer trains (requires_grad_(False))"
+            )
+    if optimizers is not None:
         return None
     names = dense_names(model)
     if not names:

@@ -25,21 +25,22 @@ from dtrec.comm.collectives import all_reduce
 from dtrec.placements import TableSpec
 from dtrec.placements.layout import Block
 from dtrec.placements.mesh import mesh_device, shard_position, world_group
-from dtrec.planning.plan import ShardingPlan, table_fqn
 from dtrec.planning.topology import Topology
 from dtrec.sharded.collection import ShardedCollection
 from dtrec.sharded.module import ShardedEmbeddingBagCollection
 from dtrec.sharded.reshard.checks import (
     agree,
     as_specs,
+    offloaded_torch_state,
     plan_changes,
     refusal_of,
     torch_entries,
 )
-from dtrec.sharded.reshard.exchange import CHUNK_BYTES, Locals, move
+from dtrec.sharded.reshard.exchange import CHUNK_BYTES, Locals, exchange_ranks, move
 from dtrec.sharded.reshard.memory import check_topology, default_topology, memory_refusal
 from dtrec.sharded.reshard.meshes import dense_refusal, model_mesh, move_dense, target_meshes
 from dtrec.sharded.reshard.moves import Piece, entry_moves
+from dtrec.sharded.reshard.plan_after import plan_after
 from dtrec.sharded.reshard.torch_state import (
     TorchStates,
     check_optimizers,
@@ -88,10 +89,11 @@ def reshard(
     one mesh: within each replica group) in rounds of at most ``chunk_bytes`` per rank,
     counted by ``dtrec.comm_stats`` as ``"reshard.rows"`` (Adam's per-table step: one
     small all-reduce, ``"reshard.scalars"``). Peak extra memory per rank: the new blocks
-    and state of the collections that change, plus two round buffers. Training then
+    and state of the collections that change, plus one round's buffers. Training then
     continues exactly as on a model distributed to the new plan with the same weights
-    and state; ``model.sharding_plan`` is the new plan and ``model.fused_optimizer``
-    keeps its param groups (LR schedulers keep working).
+    and state; ``model.sharding_plan`` is the new plan (its planner reports those of the
+    new layout) and ``model.fused_optimizer`` keeps its param groups (LR schedulers keep
+    working).
 
     Tables trained by a ``torch.optim`` optimizer (``distribute_module(...,
     optimizer=None)``): pass the optimizer(s) holding them as ``optimizers``. Each is
@@ -108,18 +110,27 @@ def reshard(
     copy; tables the plan omits keep their spec (a ValueError if it does not fit the new
     mesh). The dense parameters stay the same objects on the new mesh (nothing sent:
     each rank holds them whole); pass the optimizer(s) holding them as ``optimizers``
-    so their state follows (ValueError without).
+    so their state follows (ValueError without, or with a trained one none of them
+    holds). Dense layers distributed by ``fully_shard`` or ``parallelize_module`` do not
+    follow ``mesh``: ValueError (move the tables with ``meshes=``).
 
     ``topology``: the memory budget the target must fit (``Topology.memory_budget`` per
-    rank, for the tables and optimizer state each rank holds after the move; default
-    what ``dtrec.plan`` assumes): a target that does not fit is a ValueError on every
-    rank before anything moves.
+    rank, for the tables and optimizer state each rank holds after the move, and for the
+    move's peak: old and new collections and a round's buffers together; offloaded
+    blocks' host memory against ``Topology.host_memory_per_rank`` when set; default what
+    ``dtrec.plan`` assumes): a target that does not fit is a ValueError on every rank
+    before anything moves.
+
+    Offloaded tables (host tier behind a device cache) move onto, off and between host
+    tiers: caches are flushed first, the host blocks and their host-tier optimizer state
+    move like device blocks, and the new caches start empty.
 
     Supported: data-parallel, table-wise, row-wise, column-wise, table-row-wise and grid
     tables of ``EmbeddingBagCollection``s and ``EmbeddingCollection``s (the last two types
     on a mesh built with ``node_size``), any of them to any other, on 1-D and 2-D meshes.
-    Refused with a ValueError naming the table, before anything moves: offloaded and
-    fully sharded 2D tables, ``same_batch`` collections, a prefetched batch not consumed
+    Refused with a ValueError naming the table, before anything moves: fully sharded 2D
+    tables, offloaded targets in ``sync_every`` collections or holding torch optimizer
+    state, ``same_batch`` collections, a prefetched batch not consumed
     yet, a gradient accumulation in progress; and any spec that does not fit the mesh
     (``TableWise(rank=None)``: give the rank). Collective: every rank calls it with the
     same plan and meshes (checked: ranks that disagree all raise).
@@ -147,6 +158,7 @@ def reshard(
     collections = _collections(model)
     held: list[torch.optim.Optimizer] | None = None
     targets: dict[str, DeviceMesh] = {}
+    new_plan = model._dtrec_state.sharding_plan  # no change: it stays, reports and all
     try:  # a rank that refuses still joins the agreement, so no peer waits on it
         held = check_optimizers(optimizers)
         budget = check_topology(topology)
@@ -157,8 +169,12 @@ def reshard(
             refusal = dense_refusal(model, collections, mesh, held)
         if refusal is None and changes:
             budget = budget or default_topology(model_mesh(model, collections))
-            refusal = memory_refusal(collections, changes, targets, held, budget)
+            refusal = memory_refusal(collections, changes, targets, held, budget, chunk_bytes)
         entries = {} if refusal is not None else torch_entries(collections, changes, held)
+        if refusal is None:
+            refusal = offloaded_torch_state(collections, changes, entries, targets)
+        if refusal is None and changes:
+            new_plan = plan_after(model, collections, changes, targets, mesh, topology, plan)
     except (KeyError, TypeError, ValueError) as exc:
         changes, refusal, entries = {}, exc, {}
     agree(collections, changes, refusal, entries, targets)
@@ -173,12 +189,7 @@ def reshard(
         if states is not None:
             states.repoint()
     move_dense(model, collections, mesh, held)
-    state = model._dtrec_state
-    moved = {table_fqn(fqn, n): s for fqn, specs in changes.items() for n, s in specs.items()}
-    new_plan = ShardingPlan(
-        {key: moved.get(key, spec) for key, spec in state.sharding_plan.items()}
-    )
-    model._dtrec_state = dataclasses.replace(state, sharding_plan=new_plan)
+    model._dtrec_state = dataclasses.replace(model._dtrec_state, sharding_plan=new_plan)
     return model
 
 
@@ -222,11 +233,7 @@ def _rebuilt(
     new._steps, new._averaged_at = old._steps, old._averaged_at
     old_position, new_position = shard_position(old.mesh), shard_position(mesh)
     assert old_position is not None and new_position is not None
-    group = world_group(old.mesh)
-    members = dist.get_process_group_ranks(group) if group is not None else None
-    index = {g: i for i, g in enumerate(members or range(dist.get_world_size()))}
-    old_ranks = [[index[g] for g in row] for row in old.mesh.mesh.tolist()]
-    new_ranks = [[index[g] for g in row] for row in mesh.mesh.tolist()]
+    group, index, old_ranks, new_ranks = exchange_ranks(old.mesh, mesh)
     old_weights, new_weights = weights_of(old._stored()), weights_of(new._stored())
     fused = {} if old.optimizer is None else old.optimizer.state_layout()
     states = None
@@ -283,7 +290,15 @@ def _rebuilt(
 
 
 def _state(collection: ShardedCollection, t: int, entry: str) -> torch.Tensor:
+    """Fused state ``entry`` of table ``t``'s block here: an offloaded table's per-row
+    entries from its host tier (every row's, current after ``_settle``), its scalars
+    and every other table's state from the updater."""
     assert collection._updater is not None
+    offload = collection._offload
+    if offload is not None and t in offload.caches:
+        host = offload.caches[t].host_state
+        if entry in host:
+            return host[entry]
     return collection._updater.state[t][entry]
 
 
