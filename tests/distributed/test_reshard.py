@@ -24,6 +24,9 @@ Adam, each also ``foreach=True``; Adagrad on some): the optimizer object passed 
 and its state moved (only moved cells sent), bitwise equal to a model distributed to
 plan B with that state loaded, and within 1e-5 of the unsharded model.
 
+Quantized communication (``QCOMMS_CASES``: bf16 forward and replica sums, fp16 gradients):
+the config moves with the model, bitwise the model distributed to plan B with it.
+
 Offloaded tables (``"RW@4"``: behind a cache of 4 rows per block) onto, off and between
 host tiers, resharded with their caches as training left them; every case's
 ``model.sharding_plan`` prints as the directly distributed model's (the planner's report
@@ -138,6 +141,13 @@ OFFLOAD_CASES = {  # name -> (mesh before, mesh after, plan A, plan B): "@n" off
     "o4to2": (4, 2, ["CW@12", "TW(2)@10", "RW", "TW(0)@16"], ["TW(1)@9", "RW@5", "CW@3", "CW@11"]),
 }
 RULES = ("sgd", "rowwise_adagrad", "adam")
+QCOMMS = {"forward_precision": "bf16", "backward_precision": "fp16",
+          "replica_sync_precision": "bf16"}  # fmt: skip
+QCOMMS_CASES = {  # name -> (mesh before, mesh after, plan A, plan B), with QCOMMS
+    "c4_shift1": (4, 4, _types(4), _types(4)[1:] + _types(4)[:1]),
+    "c4to2": (4, 2, _types(4), ["RW", "CW", "DP", "TW(1)"]),
+    "c2to4": (2, 4, ["RW", "RW", "CW", "TW(1)"], ["CW(0,2)", "DP", "TW(3)", "RW"]),
+}
 PEAK_FITS = 1e4
 """A memory per rank that holds the errors case's move of t0 to row-wise at its peak."""
 CHUNK_BYTES = {2: 96}  # to the 2 x 2 mesh: rounds of at most 24 bytes per peer (4 ranks)
@@ -453,10 +463,20 @@ def _load_dense(direct, before: dict):
 
 
 def _one_case(
-    meshes: dict, shard, a: list[str], b: list[str], rule_name: str, to=None, sequence=False
+    meshes: dict,
+    shard,
+    a: list[str],
+    b: list[str],
+    rule_name: str,
+    to=None,
+    sequence=False,
+    qcomms=None,
+    keep_after=False,
 ) -> dict:
     """Plan A on mesh ``shard``, 2 steps, reshard to plan B (on mesh ``to``: with a dense
-    scale trained by a torch Adam, which follows), 2 steps; vs a model distributed there."""
+    scale trained by a torch Adam, which follows), 2 steps; vs a model distributed there
+    (both with ``qcomms``, a ``dtrec.QCommsConfig``'s fields, if given; ``keep_after``:
+    the state after the 4 steps comes back too, as ``"after"``)."""
     import torch
     import torch.distributed as dist
     from torch.optim.lr_scheduler import StepLR
@@ -466,8 +486,9 @@ def _one_case(
     to = shard if to is None else to
     dense = to != shard and not sequence
     mesh = meshes[to]
+    q = None if qcomms is None else dtrec.QCommsConfig(**qcomms)
     model = dtrec.distribute_module(
-        _model(dense, sequence), meshes[shard], _plan(a), optimizer=_rule(rule_name)
+        _model(dense, sequence), meshes[shard], _plan(a), optimizer=_rule(rule_name), qcomms=q
     )
     dense_optimizer = _dense_optimizer(model)
     scheduler = StepLR(model.fused_optimizer, step_size=1, gamma=0.5)
@@ -497,7 +518,7 @@ def _one_case(
 
     direct = _model(dense, sequence)
     _copy_into(direct, before, dense)
-    direct = dtrec.distribute_module(direct, mesh, _plan(b), optimizer=_rule(rule_name))
+    direct = dtrec.distribute_module(direct, mesh, _plan(b), optimizer=_rule(rule_name), qcomms=q)
     direct_dense = _load_dense(direct, before)
     state: dict = {f"sparse.{name}": {} for name, *_ in TABLES}
     for key, value in before.items():
@@ -522,6 +543,8 @@ def _one_case(
         "report": str(model.sharding_plan) == str(direct.sharding_plan),
         "on_mesh": on_mesh and every_copy,
         "lr": model.fused_optimizer.param_groups[0]["lr"],
+        "qcomms": model.sparse.qcomms == q,
+        **({"after": after} if keep_after else {}),
     }
 
 
@@ -1139,6 +1162,11 @@ def _run_all(rank: int, world_size: int) -> dict:
     for name, (src, dst, a, b, sequence) in ALL_CASES.items():
         for rule in TORCH_CASES.get(name, ()):
             out[f"{name}-torch-{rule}"] = _one_torch_case(meshes, src, a, b, rule, dst, sequence)
+    for name, (src, dst, a, b) in QCOMMS_CASES.items():
+        got = _one_case(meshes, src, a, b, "rowwise_adagrad", dst, qcomms=QCOMMS, keep_after=True)
+        fp32 = _one_case(meshes, src, a, b, "rowwise_adagrad", dst, keep_after=True)
+        got["vs_fp32"] = _max_rel(got.pop("after"), fp32["after"])  # the precisions mattered
+        out[f"{name}-qcomms"] = got
     out["errors"] = _errors(meshes)
     out["shapes"] = _shapes(meshes)
     out["composed"] = _composed(meshes)
@@ -1304,3 +1332,19 @@ def test_model_shapes(results):
         assert first["meshes"] == [[[0, 1], [2, 3]], [[0], [1], [2], [3]]], first
         assert second["moved_exact"] and second["bitwise"] and second["report"], (rank, second)
         assert second["meshes"] == [[[0, 1], [2, 3]], [[0, 1], [2, 3]]], second
+
+
+@pytest.mark.parametrize("case", sorted(QCOMMS_CASES))
+def test_qcomms_settings_move_with_the_model(results, case):
+    """A model distributed with quantized communication (bf16 forward and replica sums,
+    fp16 gradients) keeps its ``QCommsConfig`` through ``reshard``: the continuation is
+    bitwise the model distributed to plan B with the same config (and differs from the
+    fp32 run, so a reshard that dropped the config fails), only moved rows travel."""
+    src, dst, a, b = QCOMMS_CASES[case]
+    for rank, per_rank in enumerate(results):
+        got = per_rank[f"{case}-qcomms"]
+        where = f"rank {rank}, {a} on {src} -> {b} on {dst}"
+        assert got["qcomms"] and got["moved_exact"] == 0.0, where
+        assert got["bitwise"] and got["vs_direct"] == 0.0, (where, got)
+        assert got["vs_fp32"] > 1e-6, (where, got["vs_fp32"])
+        assert got["bytes"] == got["expected_bytes"], where
