@@ -140,21 +140,25 @@ def _lookup(dims=(8, 4, 8), mean=False, psw=False, seed=3) -> Lookup:
 
 
 @pytest.mark.parametrize(
-    "kind,mean,psw",
-    [("rowwise_adagrad", False, False), ("rowwise_adagrad", True, True), ("sgd", False, False),
-     ("sgd", True, False), ("rowwise_adagrad", False, True)],
+    "kind,mean,psw,scale",
+    [("rowwise_adagrad", False, False, 0.5), ("rowwise_adagrad", True, True, 0.5),
+     ("sgd", False, False, 0.5), ("sgd", True, False, 0.5), ("rowwise_adagrad", False, True, 0.5),
+     ("rowwise_adagrad", False, False, 1.0), ("sgd", False, False, 1.0)],
 )  # fmt: skip
-def test_fused_backward_update_matches_row_grads_then_update(torch_only, kind, mean, psw) -> None:
+def test_fused_backward_update_matches_row_grads_then_update(
+    torch_only, kind, mean, psw, scale
+) -> None:
     """The one C pass equals torch's row grads + the rule's torch update (bitwise for
     sum pooling's gradients; the step within an ulp), on mixed dims, repeated tables,
-    empty bags, mean and weighted entries, with a grad scale."""
+    empty bags, mean and weighted entries, with a grad scale (1: the pass that skips the
+    multiply)."""
     lookup = _lookup(mean=mean, psw=psw)
     grad_out = torch.randn(lookup.batch, lookup.columns()[-1])
     rule = StepRule(kind, 0.05, 1e-8)
     states = [{"sum": torch.rand(w.shape[0])} for w in lookup.weights]
     before = [w.clone() for w in lookup.weights], [st["sum"].clone() for st in states]
 
-    assert TorchBackend().backward_update(lookup, grad_out, rule, states, 0.5)
+    assert TorchBackend().backward_update(lookup, grad_out, rule, states, scale)
     fused = [w.clone() for w in lookup.weights], [st["sum"].clone() for st in states]
 
     for w, b in zip(lookup.weights, before[0]):
@@ -162,10 +166,10 @@ def test_fused_backward_update_matches_row_grads_then_update(torch_only, kind, m
     for st, b in zip(states, before[1]):
         st["sum"].copy_(b)
     torch_only()
-    assert not TorchBackend().backward_update(lookup, grad_out, rule, states, 0.5)
+    assert not TorchBackend().backward_update(lookup, grad_out, rule, states, scale)
     optimizer = RowWiseAdagrad(0.05) if kind == "rowwise_adagrad" else None
     for w, st, (ids, g) in zip(
-        lookup.weights, states, TorchBackend().backward_rows(lookup, grad_out * 0.5)
+        lookup.weights, states, TorchBackend().backward_rows(lookup, grad_out * scale)
     ):
         if optimizer is not None:
             optimizer.update_rows(w, st, ids, g)

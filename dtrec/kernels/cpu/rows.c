@@ -234,13 +234,22 @@ int64_t dtrec_backward_update(const int64_t *restrict values, int64_t n,
         if (offsets[b + 1] < offsets[b]) return -3;
     int any_mean = 0;
     for (int64_t e = 0; e < num_entries; e++) any_mean |= entry_mean[e];
+    /* Sum pooling without weights (the common case): an occurrence needs only its bag's
+     * gradient row, so the pair carries that row's offset in grad_out (not the id's
+     * position): the summing pass reads it straight, with no bag_of load or division. */
+    int plain = !any_mean && !psw && batch * ld_grad <= (int64_t)0xffffffff;
     for (int64_t b = 0; b < num_entries * batch; b++) {
         int64_t e = b / batch, t = entry_table[e];
+        uint64_t grad_at = (uint64_t)((b - e * batch) * ld_grad + entry_col[e]);
         for (int64_t i = offsets[b]; i < offsets[b + 1]; i++) {
             int64_t v = values[i];
             if (v < 0 || v >= table_rows[t]) return -1;
-            bag_of[i] = (int32_t)b;
-            pairs[i] = ((uint64_t)(row_base[t] + v) << 32) | (uint64_t)i;
+            if (plain) {
+                pairs[i] = ((uint64_t)(row_base[t] + v) << 32) | grad_at;
+            } else {
+                bag_of[i] = (int32_t)b;
+                pairs[i] = ((uint64_t)(row_base[t] + v) << 32) | (uint64_t)i;
+            }
         }
     }
     int key_bits = 0;
@@ -264,6 +273,17 @@ int64_t dtrec_backward_update(const int64_t *restrict values, int64_t n,
         }
         memset(rowbuf, 0, (size_t)D * sizeof(float));
         int64_t j = i;
+        if (plain && grad_scale == 1.0f) { /* g * 1 is g: the same sums without the multiply */
+            for (; j < n && (pairs[j] >> 32) == key; j++) {
+                const float *restrict g = grad_out + (pairs[j] & 0xffffffffu);
+                for (int64_t d = 0; d < D; d++) rowbuf[d] += g[d];
+            }
+        } else if (plain) {
+            for (; j < n && (pairs[j] >> 32) == key; j++) {
+                const float *restrict g = grad_out + (pairs[j] & 0xffffffffu);
+                for (int64_t d = 0; d < D; d++) rowbuf[d] += g[d] * grad_scale;
+            }
+        }
         for (; j < n && (pairs[j] >> 32) == key; j++) {
             int64_t at = (int64_t)(pairs[j] & 0xffffffffu), b = bag_of[at];
             int64_t e = b / batch;
