@@ -53,12 +53,8 @@ class ReplicaSliceable:
         """``layout`` split over the replicas when ``fully_sharded`` (a row split only)."""
         if not self.fully_sharded:
             return layout
-        if layout.offloaded:
-            raise ValueError(
-                f"table {table.name!r}: {self!r} is both offloaded and fully sharded; "
-                "fully sharded 2D does not serve offloaded tables yet: drop cache_rows / "
-                "cache_fraction or fully_sharded"
-            )
+        # offloaded too: the owner slice is the host block, its cache holds slice rows
+        # (``cache_capacity`` of the slice's rows, ``sharded.tables.storage``)
         *shard, _replicate = layout.placements
         return replace(layout, placements=(*shard, Shard(0)), replica_sliced=True)
 

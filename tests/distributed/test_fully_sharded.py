@@ -40,6 +40,9 @@ SEQUENCE_PLANS = {
     **PLANS,
     "table_wise": {t[0]: TableWise(rank=i % 2, fully_sharded=True) for i, t in enumerate(TABLES)},
 }
+SEQUENCE_OFFLOADED = {  # caches of 70% of the larger slices (tests/sequence/numerics.py)
+    t[0]: RowWise(cache_fraction=1.0 if t[1] < 60 else 0.7, fully_sharded=True) for t in TABLES
+}
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
 TORCH_OPTIMIZERS = ("sgd", "adagrad", "adam")  # optimizer=None: torch's on the DTensors
 
@@ -167,6 +170,10 @@ def _sequence(mesh) -> dict:
             r = check_sequence_numerics(mesh, plan, fused)
             worst = max(r.max_weight_diff, r.max_output_diff, r.max_grad_diff)
             out[(plan_name, opt)] = (worst, r.keys_match and r.lengths_match)
+    for opt in OPTIMIZERS:  # and offloaded: slices in host memory behind their caches
+        r = check_sequence_numerics(mesh, SEQUENCE_OFFLOADED, _fused(opt))
+        worst = max(r.max_weight_diff, r.max_output_diff, r.max_grad_diff)
+        out[("row_wise_offloaded", opt)] = (worst, r.keys_match and r.lengths_match)
     return out
 
 
@@ -295,6 +302,76 @@ def _several_lookups(mesh) -> dict:
     return out
 
 
+OFFLOADED_TABLES = [  # (name, rows, dim, features, pooling): slices of 20 and 15 rows
+    ("t0", 80, 4, ["f0", "f1"], "sum"),
+    ("t1", 60, 3, ["f2"], "mean"),
+]
+OFFLOADED_PLANS = {  # caches smaller than the slice rows the replicas ask for
+    "row_wise": {"t0": RowWise(cache_rows=8, fully_sharded=True),
+                 "t1": RowWise(cache_fraction=0.5, fully_sharded=True)},
+    "table_wise": {"t0": TableWise(rank=0, cache_rows=12, fully_sharded=True),
+                   "t1": TableWise(rank=1, cache_rows=10, fully_sharded=True)},
+    "column_wise": {"t0": ColumnWise(cache_rows=14, fully_sharded=True),
+                    "t1": ColumnWise(cache_rows=12, fully_sharded=True)},
+    # on 2 nodes of 1 shard position each (``_offloaded``): TRW = TW, grid = CW
+    "table_row_wise": {"t0": TableRowWise(node=0, cache_rows=12, fully_sharded=True),
+                       "t1": TableRowWise(node=1, cache_rows=10, fully_sharded=True)},
+    "grid": {"t0": Grid(cache_rows=14, fully_sharded=True),
+             "t1": Grid(cache_rows=12, fully_sharded=True)},
+}  # fmt: skip
+OFFLOADED_STEPS = 6
+
+
+def _offloaded(mesh) -> dict:
+    """Fully sharded and offloaded: each owner slice in host memory behind a cache smaller
+    than the rows the replicas ask for. Against the unsharded model (within 1e-5) and
+    counted: misses, write-backs, rows answered from host memory, and staged updates of
+    rows only another replica's batch read (rows not cached here: this rank's fills
+    cache only the rows of its slice its own lookups read)."""
+    import dtrec
+    from dtrec.sharded.offload.row_cache import RowCache
+    from tests.distributed.numerics import check_numerics
+
+    tables = [dtrec.EmbeddingBagConfig(n, r, d, f, p) for n, r, d, f, p in OFFLOADED_TABLES]
+    counts = {"staged": 0, "answered_from_host": 0}
+    stage, read_rows = RowCache.stage, RowCache.read_rows
+
+    def counted_stage(cache, rows, weight, state):
+        counts["staged"] += rows.numel()
+        stage(cache, rows, weight, state)
+
+    def counted_read(cache, rows):
+        counts["answered_from_host"] += int((cache.slot_of.index_select(0, rows) < 0).sum())
+        return read_rows(cache, rows)
+
+    def settle(model, _opt):  # the host tier is the table at the end; what the cache did
+        model.sparse.flush_offloaded()
+        caches = model.sparse._offload.caches  # rows written back on eviction: the group's
+        evicted = sum(c.group.table_counts()[c._k][2] for c in caches.values())
+        stats = model.sparse.cache_stats()
+        capacity = sum(c.capacity for c in caches.values())
+        rows = sum(c.num_rows for c in caches.values())
+        return {"misses": sum(s["misses"] for s in stats.values()), "written_back": evicted,
+                "capacity": capacity, "slice_rows": rows}  # fmt: skip
+
+    out = {}
+    node_mesh = dtrec.init_mesh("cpu", 2, node_size=1)
+    RowCache.stage, RowCache.read_rows = counted_stage, counted_read  # this process only
+    try:
+        for plan_name, plan in OFFLOADED_PLANS.items():
+            on = node_mesh if plan_name in ("table_row_wise", "grid") else mesh
+            for opt in OPTIMIZERS if on is mesh else ("rowwise_adagrad",):
+                counts.update(staged=0, answered_from_host=0)
+                r = check_numerics(
+                    on, plan, False, steps=OFFLOADED_STEPS, batch=2, tables=tables,
+                    fused=_fused(opt), inspect=settle,
+                )  # fmt: skip
+                out[(plan_name, opt)] = (*_summary(r), {**r.inspected, **counts})
+    finally:
+        RowCache.stage, RowCache.read_rows = stage, read_rows
+    return out
+
+
 def _world(rank: int, world: int, root: str) -> dict:
     import dtrec
 
@@ -305,6 +382,7 @@ def _world(rank: int, world: int, root: str) -> dict:
         "errors": _errors(mesh),
         "sequence": _sequence(mesh),
         "several_lookups": _several_lookups(mesh),
+        "offloaded": _offloaded(mesh),
         "checkpoints": _checkpoints(Path(root)),
     }
 
@@ -411,6 +489,26 @@ def test_trains_like_unsharded(results, case):
         assert output_diff < TOLERANCE, (rank, case, output_diff)
 
 
+@pytest.mark.parametrize(
+    ("plan", "opt"),
+    [(p, o) for p in ("row_wise", "table_wise", "column_wise") for o in OPTIMIZERS]
+    + [(p, "rowwise_adagrad") for p in ("table_row_wise", "grid")],
+)
+def test_offloaded_slices_train_like_unsharded(results, plan, opt):
+    """Owner slices in host memory behind caches smaller than what the replicas ask for:
+    misses, evictions with write-backs, rows answered from host memory and staged updates
+    of rows only another replica read all happen, and the model is the unsharded one's."""
+    for rank, r in enumerate(results):
+        worst, _output, notes, seen = r["offloaded"][(plan, opt)]
+        assert not notes, (rank, notes)
+        assert worst <= TOLERANCE, (rank, worst)
+        assert seen["capacity"] < seen["slice_rows"], (rank, seen)  # caches smaller
+        assert seen["misses"] > seen["capacity"], (rank, seen)  # so rows were evicted
+        assert seen["written_back"] > 0, (rank, seen)
+        assert seen["answered_from_host"] > 0, (rank, seen)
+        assert seen["staged"] > 0, (rank, seen)
+
+
 def test_tables_at_rest_are_owner_slices(results):
     """Placements say the truth, ``full_tensor()`` is the table, the replicas of a shard
     hold disjoint slices covering it, and fused state is sized like the slice."""
@@ -442,11 +540,14 @@ def test_tables_at_rest_are_owner_slices(results):
 
 
 @pytest.mark.parametrize(
-    "case", [(p, o) for p in PLANS for o in (*OPTIMIZERS, "torch_sgd")], ids="-".join
+    "case",
+    [(p, o) for p in PLANS for o in (*OPTIMIZERS, "torch_sgd")]
+    + [("row_wise_offloaded", o) for o in OPTIMIZERS],
+    ids="-".join,
 )
 def test_sequence_collections_train_like_unsharded(results, case):
-    """``EmbeddingCollection`` tables fully sharded: rows, slice gradients and weights
-    equal the unsharded collection's on the global batch."""
+    """``EmbeddingCollection`` tables fully sharded (and offloaded): rows, slice gradients
+    and weights equal the unsharded collection's on the global batch."""
     for rank, result in enumerate(results):
         worst, layout_ok = result["sequence"][case]
         assert layout_ok, (rank, case)
@@ -532,8 +633,9 @@ def test_spec_option():
         layout.replica_sliced
         and layout.blocks == RowWise().layout(table, ShardAxis(2, 2, None)).blocks
     )
-    with pytest.raises(ValueError, match="'big'.*offloaded and fully sharded"):
-        RowWise(cache_rows=2, fully_sharded=True).layout(table, ShardAxis(2, 2, None))
+    both = RowWise(cache_rows=2, fully_sharded=True)  # offloaded owner slices
+    layout = both.layout(table, ShardAxis(2, 2, None))
+    assert layout.replica_sliced and layout.offloaded and str(both) == "RW+cache(2)+FS"
     placements = ColumnWise(fully_sharded=True).layout(table, ShardAxis(2, 2, None)).placements
     assert placements == (Shard(1), Shard(0))
 
