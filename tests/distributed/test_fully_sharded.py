@@ -43,6 +43,12 @@ SEQUENCE_PLANS = {
 SEQUENCE_OFFLOADED = {  # caches of 70% of the larger slices (tests/sequence/numerics.py)
     t[0]: RowWise(cache_fraction=1.0 if t[1] < 60 else 0.7, fully_sharded=True) for t in TABLES
 }
+CHECKPOINT_OFFLOADED = {  # "mixed" with t0 and t2 offloaded behind caches under their slices
+    "t0": RowWise(cache_rows=10, fully_sharded=True),
+    "t1": TableWise(rank=0, fully_sharded=True),
+    "t2": RowWise(cache_fraction=0.7, fully_sharded=True),
+    "t3": DataParallel(),
+}
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
 TORCH_OPTIMIZERS = ("sgd", "adagrad", "adam")  # optimizer=None: torch's on the DTensors
 
@@ -208,13 +214,19 @@ def _checkpoints(root: Path) -> dict:
     fully_sharded = PLANS["mixed"]
     exact = {"t0": RowWise(), "t1": TableWise(rank=0), "t2": RowWise(), "t3": DataParallel()}
     one_d = ckpt._other_s4()
+    offloaded = CHECKPOINT_OFFLOADED
     out = {}
     for opt in ("rowwise_adagrad", "adam"):
         for source, plan, targets in (
             ("fully_sharded", fully_sharded, {"exact": (exact, 2), "one_d": (one_d, 4),
                                               "fully_sharded": (fully_sharded, 2)}),
-            ("exact", exact, {"fully_sharded": (fully_sharded, 2)}),
+            ("exact", exact, {"fully_sharded": (fully_sharded, 2),
+                              "offloaded": (offloaded, 2)}),
             ("one_d", one_d, {"fully_sharded": (fully_sharded, 2)}),
+            # owner slices in host memory (their caches written back by the save) to and
+            # from exact 2D on the device, host-tier optimizer state included
+            ("offloaded", offloaded, {"exact": (exact, 2), "one_d": (one_d, 4),
+                                      "offloaded": (offloaded, 2)}),
         ):  # fmt: skip
             shards = 4 if source == "one_d" else 2
             model, dense = ckpt._build(plan, shards, seed=0, fused=_fused(opt))
@@ -605,12 +617,16 @@ def test_unserved_is_a_clear_error(results, case, words):
     [(o, "fully_sharded", t) for o in ("rowwise_adagrad", "adam")
      for t in ("exact", "one_d", "fully_sharded")]
     + [(o, s, "fully_sharded") for o in ("rowwise_adagrad", "adam") for s in ("exact", "one_d")]
+    + [(o, s, t) for o in ("rowwise_adagrad", "adam")
+       for s, t in (("offloaded", "exact"), ("offloaded", "one_d"), ("offloaded", "offloaded"),
+                    ("exact", "offloaded"))]
     + [("torch_adam", "fully_sharded", "exact"), ("torch_adam", "exact", "fully_sharded")],
     ids="-".join,
 )  # fmt: skip
 def test_checkpoints_reshard_both_ways(results, case):
     """Saved fully sharded, loaded exact 2D or 1D (and back): the same weights and fused
-    state, then the same training as the uninterrupted run."""
+    state, then the same training as the uninterrupted run; offloaded fully sharded (owner
+    slices and their state in host memory) to exact 2D on the device and back too."""
     from tests.distributed.test_checkpoint import _check_continuation
 
     for rank, result in enumerate(results):
