@@ -9,8 +9,10 @@ chunk semantics) along the "replicate" axis, so the table's DTensor is
 ``(Shard(1), Shard(0))`` for column-wise (each column block's rows split). A step
 fetches the rows its lookups touch from their owners and sends their gradients back
 (``dtrec.sharded.dist.replica_slices``); only an owner updates a row and its optimizer
-state, so training stays exact. Every spec but ``DataParallel`` takes the option;
-docs/fully_sharded_2d.md has the design and its bytes::
+state, so training stays exact. Every spec but ``DataParallel`` takes the option, also
+with the offload option (``cache_rows`` / ``cache_fraction``: the owner slice is then the
+host block, its cache counts slice rows); docs/fully_sharded_2d.md has the design and
+its bytes::
 
     RowWise(fully_sharded=True)
     TableWise(rank=1, fully_sharded=True)

@@ -381,7 +381,52 @@ def _offloaded(mesh) -> dict:
                 out[(plan_name, opt)] = (*_summary(r), {**r.inspected, **counts})
     finally:
         RowCache.stage, RowCache.read_rows = stage, read_rows
+    out["pipeline"] = _offloaded_pipeline(mesh, tables)
     return out
+
+
+def _offloaded_pipeline(mesh, tables: list) -> dict:
+    """``TrainPipeline`` (batch i + 1 filled before batch i's update, two batches' rows
+    pinned) on offloaded owner slices against the device's fully sharded model trained by
+    the plain loop: the largest difference of weights and fused state."""
+    import torch.distributed as dist
+
+    import dtrec
+    from dtrec.checkpoint import full_state_dict
+    from tests.distributed.numerics import TinyModel, make_batch, rank_loss
+    from tests.distributed.test_checkpoint import _full_fused
+
+    def build(cache: dict):
+        torch.manual_seed(0)
+        plan = {f"sparse.{n}": RowWise(fully_sharded=True, **cache) for n, *_ in OFFLOADED_TABLES}
+        model = dtrec.distribute_module(TinyModel(tables), mesh, plan, optimizer=_fused("adam"))
+        dense = [p for n, p in model.named_parameters() if n.startswith("dense")]
+        return model, torch.optim.SGD(dense, lr=0.1)
+
+    gen = torch.Generator().manual_seed(5)
+    world = dist.get_world_size()
+    batches = [[make_batch(tables, 2, False, gen) for _ in range(world)][dist.get_rank()]
+               for _ in range(OFFLOADED_STEPS)]  # fmt: skip
+    (plain, plain_dense), (cached, dense) = build({}), build({"cache_rows": 12})
+    for kjt, target in batches:
+        rank_loss(plain(kjt), target).backward()
+        plain_dense.step()
+        plain_dense.zero_grad()
+    fills = []
+    offload = cached.sparse._offload
+    fill = offload.fill
+    offload.fill = lambda *a, **k: (fills.append(1), fill(*a, **k))[1]
+    pipeline = dtrec.TrainPipeline(
+        cached, dense, lambda m, b: rank_loss(m(b[0]), b[1]), sparse_features=lambda b: b[0]
+    )
+    for _ in pipeline.run(batches):
+        pass
+    want = {**full_state_dict(plain), **_full_fused(plain)}
+    got = {**full_state_dict(cached), **_full_fused(cached)}
+    return {
+        "largest": max((want[k] - got[k]).abs().max().item() for k in want),
+        "prefetched": len(fills),
+    }
 
 
 def _world(rank: int, world: int, root: str) -> dict:
@@ -519,6 +564,15 @@ def test_offloaded_slices_train_like_unsharded(results, plan, opt):
         assert seen["written_back"] > 0, (rank, seen)
         assert seen["answered_from_host"] > 0, (rank, seen)
         assert seen["staged"] > 0, (rank, seen)
+
+
+def test_offloaded_slices_through_the_pipeline(results):
+    """``TrainPipeline`` prefetches (fills batch i + 1 before batch i's update) and trains
+    offloaded owner slices like the device's fully sharded model in a plain loop."""
+    for rank, r in enumerate(results):
+        got = r["offloaded"]["pipeline"]
+        assert got["prefetched"] >= OFFLOADED_STEPS - 1, (rank, got)
+        assert got["largest"] <= TOLERANCE, (rank, got)
 
 
 def test_tables_at_rest_are_owner_slices(results):
