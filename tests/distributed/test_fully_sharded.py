@@ -382,7 +382,31 @@ def _offloaded(mesh) -> dict:
     finally:
         RowCache.stage, RowCache.read_rows = stage, read_rows
     out["pipeline"] = _offloaded_pipeline(mesh, tables)
+    out["planned"] = _offloaded_planned(mesh)
     return out
+
+
+def _offloaded_planned(mesh) -> tuple:
+    """``dtrec.plan`` with 20 kB of device memory and 50 kB of host memory per rank: t0's
+    shard (8000 x 4, 64 kB + state) fits neither the device, nor as an owner slice, nor
+    whole in host memory, so the planner offloads its owner slices; the planned model
+    trains like the unsharded one."""
+    import dtrec
+    from tests.distributed.numerics import TinyModel, check_numerics
+
+    specs = [("t0", 8000, 4, ["f0", "f1"], "sum"), ("t1", 100, 3, ["f2"], "mean")]
+    tables = [dtrec.EmbeddingBagConfig(n, r, d, f, p) for n, r, d, f, p in specs]
+    topology = dtrec.Topology.cpu(
+        memory_per_rank=20e3, memory_headroom=0.0, host_memory_per_rank=50e3,
+        batch_size_per_rank=2, default_pooling_factor=2.0,
+    )  # fmt: skip
+    plan = dtrec.plan(TinyModel(tables), mesh, topology=topology)
+    chosen = {k.removeprefix("sparse."): v for k, v in plan.items()}
+    r = check_numerics(
+        mesh, chosen, False, steps=3, batch=2, tables=tables,
+        fused=_fused("rowwise_adagrad"), inspect=lambda m, _: m.sparse.flush_offloaded(),
+    )  # fmt: skip
+    return {k: str(v) for k, v in chosen.items()}, _summary(r)
 
 
 def _offloaded_pipeline(mesh, tables: list) -> dict:
@@ -573,6 +597,15 @@ def test_offloaded_slices_through_the_pipeline(results):
         got = r["offloaded"]["pipeline"]
         assert got["prefetched"] >= OFFLOADED_STEPS - 1, (rank, got)
         assert got["largest"] <= TOLERANCE, (rank, got)
+
+
+def test_the_planner_offloads_owner_slices_that_train_exactly(results):
+    """A plan whose table fits neither the device (whole or sliced) nor host memory whole
+    offloads its owner slices; that model equals the unsharded one."""
+    for rank, r in enumerate(results):
+        specs, (worst, _output, notes) = r["offloaded"]["planned"]
+        assert specs["t0"].startswith("RW+cache(") and specs["t0"].endswith(")+FS"), specs
+        assert not notes and worst <= TOLERANCE, (rank, worst, notes)
 
 
 def test_tables_at_rest_are_owner_slices(results):
