@@ -381,6 +381,17 @@ def _offloaded(mesh) -> dict:
                 out[(plan_name, opt)] = (*_summary(r), {**r.inspected, **counts})
     finally:
         RowCache.stage, RowCache.read_rows = stage, read_rows
+    # S 1 x R 4: slices of 20 rows behind 8-row caches, and a 3-row table's slices of
+    # 1, 1, 1 and 0 rows behind 1-row caches (an empty host block and cache on rank 3)
+    few = [*OFFLOADED_TABLES[:1], ("t1", 3, 5, ["f2"], "mean")]
+    few_tables = [dtrec.EmbeddingBagConfig(n, r, d, f, p) for n, r, d, f, p in few]
+    plan = {"t0": RowWise(cache_rows=8, fully_sharded=True),
+            "t1": RowWise(cache_rows=1, fully_sharded=True)}  # fmt: skip
+    r = check_numerics(
+        dtrec.init_mesh("cpu", 1), plan, False, steps=4, batch=2, tables=few_tables,
+        fused=_fused("adam"), inspect=lambda m, _: m.sparse.flush_offloaded(),
+    )  # fmt: skip
+    out["one_shard"] = _summary(r)
     out["pipeline"] = _offloaded_pipeline(mesh, tables)
     out["planned"] = _offloaded_planned(mesh)
     return out
@@ -588,6 +599,14 @@ def test_offloaded_slices_train_like_unsharded(results, plan, opt):
         assert seen["written_back"] > 0, (rank, seen)
         assert seen["answered_from_host"] > 0, (rank, seen)
         assert seen["staged"] > 0, (rank, seen)
+
+
+def test_offloaded_slices_on_one_shard_with_an_empty_slice(results):
+    """S 1 x R 4 (every rank a replica of the one shard), a 3-row table's last slice
+    empty: still the unsharded model."""
+    for rank, r in enumerate(results):
+        worst, _output, notes = r["offloaded"]["one_shard"]
+        assert not notes and worst <= TOLERANCE, (rank, worst, notes)
 
 
 def test_offloaded_slices_through_the_pipeline(results):
