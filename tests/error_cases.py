@@ -965,13 +965,6 @@ LOCAL: dict[str, Case] = {
         ),
     ),
     "E345": lambda tmp: RowWise(fully_sharded=1),
-    "E346": on_mesh(
-        4,
-        2,
-        lambda m: distributed(
-            m, {"sparse.t0": RowWise(cache_rows=4, fully_sharded=True)}, SGD(0.1)
-        ),
-    ),
     "E349": on_mesh(
         4,
         2,

@@ -11,7 +11,9 @@ import dtrec
 from dtrec.placements import RowWise, TableWise
 from dtrec.placements.mesh import ShardAxis
 from dtrec.planning.cost_model import UniformIds, table_cost
-from dtrec.planning.planner import TableConstraint
+from dtrec.planning.explain import explain
+from dtrec.planning.plan import model_tables
+from dtrec.planning.planner import TableConstraint, plan_tables
 from dtrec.planning.step_model import collective_of
 from tests.fake_world import fake_world
 
@@ -150,3 +152,56 @@ def test_planner_cli_fully_shards_and_says_why(tmp_path, capsys) -> None:
     main([*args, "--memory-per-rank-gb", "1"])  # room for both replicated: exact 2D
     out = capsys.readouterr().out
     assert "+FS" not in out and "why: fully sharded" not in out
+
+
+def _host_plan(host: float):
+    topology = dtrec.Topology.cpu(
+        memory_per_rank=40e6, host_memory_per_rank=host, batch_size_per_rank=64
+    )
+    with fake_world(0, 4):
+        plan = dtrec.plan(Model(BIG, ("small", 1000)), dtrec.init_mesh("cpu", 2), topology=topology)
+    return plan, topology
+
+
+def test_owner_slices_are_offloaded_when_host_memory_cannot_hold_whole_shards() -> None:
+    # neither the shard (132 MB) nor its slice (66 MB) fits the 36 MB device budget; host
+    # memory of 100 MB holds the slice but not the shard: offloaded owner slices
+    plan, topology = _host_plan(100e6)
+    big = plan["sparse.big"]
+    assert big.fully_sharded and big.offloaded, plan
+    assert 0 < big.cache_rows < 2_000_000 // 4  # rows of a slice, fewer than the slice's
+    report = plan.report
+    assert max(report.memory) <= topology.memory_budget
+    assert 0 < max(report.host_memory) <= topology.host_budget
+    assert "as owner slices (fully sharded 2D)" in str(plan)
+    assert not plan["sparse.small"].offloaded
+    with fake_world(0, 4):  # explain: the cache's share of an owner slice
+        axis = ShardAxis(2, 2, None)
+        tables = model_tables(Model(BIG, ("small", 1000)))
+        choices, _ = plan_tables(tables, axis, None, topology)
+        why = explain(tables, choices, axis, topology)
+    share = 100 * big.cache_rows / (2_000_000 // 4)
+    assert f"device caches of {big.cache_rows} rows (up to {share:.2f}% of an owner slice)" in why
+    # with host memory for whole shards, the offloaded table keeps them (as before)
+    whole, _ = _host_plan(400e6)
+    assert whole["sparse.big"].offloaded and not whole["sparse.big"].fully_sharded, whole
+    # and with too little host memory even for the slices, the error says both
+    with pytest.raises(ValueError, match="owner slices over the 2 replicas"):
+        _host_plan(30e6)
+
+
+def test_an_offloaded_slice_is_priced_in_host_memory_and_its_cache() -> None:
+    cfg = dtrec.EmbeddingBagConfig("t", 1_000_000, 16, ["f"])
+    axis = ShardAxis(2, 2, None)
+    whole = table_cost(cfg, RowWise(cache_rows=10_000), axis, TOPOLOGY)
+    sliced = table_cost(cfg, RowWise(cache_rows=10_000, fully_sharded=True), axis, TOPOLOGY)
+    row = 16 * 4 + 4  # weight + row-wise Adagrad's sum
+    assert whole.host_memory[0] == 500_000 * row
+    assert sliced.host_memory[0] == 250_000 * row  # the owner slice
+    # the same cache rows (of the slice), plus a step's compact table and its gradients
+    touched = UniformIds(1_000_000).unique(2 * 256 * 1.0, 0, 500_000)
+    assert sliced.memory[0] - whole.memory[0] == pytest.approx(
+        touched * 16 * 8 - 250_000 * 4,
+        rel=1e-3,  # (the slot map: half the rows)
+    )
+    assert sliced.host_link_bytes[0] > 0 and sliced.replica_bytes[0] > 0

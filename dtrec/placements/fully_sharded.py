@@ -9,8 +9,10 @@ chunk semantics) along the "replicate" axis, so the table's DTensor is
 ``(Shard(1), Shard(0))`` for column-wise (each column block's rows split). A step
 fetches the rows its lookups touch from their owners and sends their gradients back
 (``dtrec.sharded.dist.replica_slices``); only an owner updates a row and its optimizer
-state, so training stays exact. Every spec but ``DataParallel`` takes the option;
-docs/fully_sharded_2d.md has the design and its bytes::
+state, so training stays exact. Every spec but ``DataParallel`` takes the option, also
+with the offload option (``cache_rows`` / ``cache_fraction``: the owner slice is then the
+host block, its cache counts slice rows); docs/fully_sharded_2d.md has the design and
+its bytes::
 
     RowWise(fully_sharded=True)
     TableWise(rank=1, fully_sharded=True)
@@ -53,12 +55,8 @@ class ReplicaSliceable:
         """``layout`` split over the replicas when ``fully_sharded`` (a row split only)."""
         if not self.fully_sharded:
             return layout
-        if layout.offloaded:
-            raise ValueError(
-                f"table {table.name!r}: {self!r} is both offloaded and fully sharded; "
-                "fully sharded 2D does not serve offloaded tables yet: drop cache_rows / "
-                "cache_fraction or fully_sharded"
-            )
+        # offloaded too: the owner slice is the host block, its cache holds slice rows
+        # (``cache_capacity`` of the slice's rows, ``sharded.tables.storage``)
         *shard, _replicate = layout.placements
         return replace(layout, placements=(*shard, Shard(0)), replica_sliced=True)
 

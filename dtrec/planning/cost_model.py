@@ -51,6 +51,7 @@ from dtrec.comm.collectives import sync_bytes
 from dtrec.modules.config import EmbeddingBagConfig
 from dtrec.modules.embedding import EmbeddingConfig
 from dtrec.placements import TableSpec
+from dtrec.placements.layout import Block
 from dtrec.placements.mesh import ShardAxis
 from dtrec.planning.offload import (
     MAP_BYTES,
@@ -239,7 +240,10 @@ def table_cost(
                 cost.add("optim.row_sq_sum", p, norms)
         sources = 1 if layout.batch_local else s_size
         buffers = n_ids * 8 + 2 * sources * out_rows * cols * 4  # ids, outputs, grads
-        if layout.offloaded:  # the block in host memory, a cache of it on the device
+        if layout.offloaded and sliced:  # owner slices in host memory, caches of them
+            _offloaded_slice(cost, p, cfg, layout.cache_rows[i], block, cols, elt, state,
+                             touched, buffers, ids, axis, topology, batch, pooling)  # fmt: skip
+        elif layout.offloaded:  # the block in host memory, a cache of it on the device
             cache = layout.cache_rows[i]
             row = cols * elt + state / rows
             cost.memory[p] += cache * (row + SLOT_BYTES) + (rows + 1) * MAP_BYTES + buffers
@@ -293,6 +297,46 @@ def table_cost(
                 cost.add(f"{sync_kind}.{path}", p, sent)
                 cost.add(f"{sync_kind}.counts", p, (sync_group - 1) * 8)
     return cost
+
+
+def _offloaded_slice(
+    cost: TableCost,
+    p: int,
+    cfg: EmbeddingBagConfig,
+    cache_rows: int,
+    block: Block,
+    cols: int,
+    elt: int,
+    state: float,
+    touched: float,
+    buffers: float,
+    ids: IdDistribution,
+    axis: ShardAxis,
+    topology: Topology,
+    batch: int,
+    pooling: float,
+) -> None:
+    """An offloaded fully sharded block's memory and host-link bytes at position ``p``:
+    each replica's owner slice (1/R of the block, its largest) and its state in host
+    memory, a cache of ``min(cache_rows, slice rows)`` rows (the spec's cache counts slice
+    rows) and a step's compact table on the device. On the host link: the misses of its
+    own reads (the block's hit rate with R times the cache: a slice sees 1/R of the
+    reads), and, as if none were cached, the slice's rows only another replica reads
+    (answered from host memory, then staged with their state both ways for the update)."""
+    r = axis.replicas
+    rows = -(-block.num_rows // r)
+    cache = min(cache_rows, rows)
+    row = cols * elt + state / max(block.num_rows, 1)
+    cost.memory[p] += cache * (row + SLOT_BYTES) + (rows + 1) * MAP_BYTES + buffers
+    cost.memory[p] += touched * cols * (elt + 4)  # the compact table and its gradient rows
+    cost.host_memory[p] += rows * row
+    per_step = block_ids_per_step(cfg, axis, topology)
+    _, misses = expected_misses(*row_buckets(ids, *block.rows), per_step, cache * r)
+    union = ids.unique(axis.size * r * batch * pooling, *block.rows)
+    others = max(union - touched, 0.0) / r  # rows of the slice no own lookup read
+    moved = misses / r * row + others * (cols * elt + 2 * row)
+    cost.host_link_bytes[p] += moved
+    cost.add("offload.host_to_device", p, moved)
 
 
 def table_ids(cfg: EmbeddingBagConfig, topology: Topology) -> IdDistribution:

@@ -164,12 +164,20 @@ def offload_line(
     """An offloaded table's cache: its size, expected hit rate and the assumption behind it."""
     ids = table_ids(cfg, topology)
     per_step = block_ids_per_step(cfg, axis, topology)
+    # fully sharded: caches of owner slices (1/R of a block's rows, its reads): priced as
+    # the block with R times the cache (``cost_model._offloaded_slice``)
+    r = axis.replicas if layout.replica_sliced else 1  # type: ignore[attr-defined]
     read = missed = 0.0
     for block, rows in zip(layout.blocks, layout.cache_rows, strict=True):  # type: ignore[attr-defined]
-        r, m = expected_misses(*row_buckets(ids, *block.rows), per_step, rows)
-        read, missed = read + r, missed + m
+        rows = min(rows, -(-block.num_rows // r))
+        got, m = expected_misses(*row_buckets(ids, *block.rows), per_step, rows * r)
+        read, missed = read + got / r, missed + m / r
     blocks = layout.blocks  # type: ignore[attr-defined]
-    share = max(c / b.num_rows for c, b in zip(layout.cache_rows, blocks, strict=True))  # type: ignore[attr-defined]
+    share = max(
+        min(c, -(-b.num_rows // r)) / -(-b.num_rows // r)
+        for c, b in zip(layout.cache_rows, blocks, strict=True)  # type: ignore[attr-defined]
+    )
+    whose = "an owner slice" if r > 1 else "a block"
     assumed = (
         f"Zipf({topology.zipf_exponent:g}) ids, hot rows scattered over the blocks"
         if topology.zipf_exponent > 0
@@ -178,7 +186,7 @@ def offload_line(
     hit = 1.0 - missed / read if read else 1.0
     return (
         f"  offloaded: blocks in host memory ({_mib(host_memory)} on the fullest rank), device "
-        f"caches of {max(layout.cache_rows)} rows (up to {100 * share:.2f}% of a block); "  # type: ignore[attr-defined]
+        f"caches of {max(layout.cache_rows)} rows (up to {100 * share:.2f}% of {whose}); "  # type: ignore[attr-defined]
         f"expected hit rate {100 * hit:.1f}% of the distinct rows a step reads (LRU, Che's "
         f"approximation, {assumed}): {missed:.0f} rows copied in (and out) per step over all "
         "blocks"

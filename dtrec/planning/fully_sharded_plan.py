@@ -15,7 +15,8 @@ lookups) backward per step over "replicate" instead of one gradient sync, so the
 never picks it while the exact plan fits; that is also why plans that fit exactly are
 unchanged. It runs before the host tier
 (``offload_plan``): a fully sharded table stays on the device and exact, an offloaded one
-pays cache misses over the host link. Fully sharded and offloaded do not combine (E346).
+pays cache misses over the host link. Both at once (offloaded owner slices) only when
+host memory cannot hold the offloaded tables' whole shards (``planner.plan_tables``).
 """
 
 from __future__ import annotations

@@ -145,9 +145,13 @@ def offloaded_spec(
     if isinstance(spec, DataParallel) or not hasattr(spec, "cache_rows"):
         return None
     layout = replace(spec, cache_rows=None, cache_fraction=None).layout(cfg, axis)  # type: ignore[type-var]
+    blocks = list(layout.blocks)
+    if layout.replica_sliced and axis.replicas > 1:  # fully sharded: caches of owner slices
+        r = axis.replicas  # (the largest, first one of each block)
+        blocks = [replace(b, rows=(b.rows[0], b.rows[0] + -(-b.num_rows // r))) for b in blocks]
     rows = max(
         max(math.ceil(fraction * b.num_rows), min_cache_rows(cfg, b, ids, axis, topology))
-        for b in layout.blocks
+        for b in blocks
     )
     return replace(spec, cache_rows=rows, cache_fraction=None)  # type: ignore[type-var]
 

@@ -29,8 +29,10 @@ naming it and the bytes missing, unless ``Topology.host_memory_per_rank`` offers
 second tier: then the device keeps what fits
 and the rest is offloaded (``offload_tables``): the tables with the fewest ids per byte
 first, as few as needed, behind device caches of one fraction of their rows, the largest
-fraction that still fits (cache misses priced by ``dtrec.planning.offload``). A world
-whose tables fit neither way raises ValueError before anything is allocated.
+fraction that still fits (cache misses priced by ``dtrec.planning.offload``). When host
+memory cannot hold their whole shards either (R > 1), the same search offloads their
+owner slices instead (fully sharded and offloaded: 1/R of each shard in host memory). A
+world whose tables fit none of these ways raises ValueError before anything is allocated.
 ``dtrec.planning.dry_run`` runs this search at scale in one process (``python -m
 dtrec.planner``).
 """
@@ -221,13 +223,49 @@ def plan_tables(
             )
     if topology.host_budget <= 0:
         raise ValueError(exact_full)
-    return offload_tables(
-        tables,
-        axis,
-        topology,
-        order,
-        lambda offloaded: search_plan(tables, axis, constraints, topology, offloaded, compared),
-    )
+    try:
+        return offload_tables(
+            tables,
+            axis,
+            topology,
+            order,
+            lambda offloaded: search_plan(tables, axis, constraints, topology, offloaded, compared),
+        )
+    except ValueError as exc:
+        if axis.replicas < 2 or not order:
+            raise
+        whole_shards = str(exc)
+    # even host memory cannot hold the offloaded tables' whole shards on every replica:
+    # offload their owner slices (1/R each) instead (fully sharded and offloaded)
+    try:
+        choices, sums = offload_tables(
+            tables,
+            axis,
+            topology,
+            order,
+            lambda offloaded: search_plan(
+                tables,
+                axis,
+                constraints,
+                topology,
+                offloaded,
+                compared,
+                sliced=frozenset(offloaded),
+            ),  # fmt: skip
+        )
+    except ValueError as exc:
+        raise ValueError(
+            f"{whole_shards}; offloaded as owner slices over the {axis.replicas} replicas "
+            f"(fully sharded) too: {exc}"
+        ) from None
+    for choice in choices.values():
+        if getattr(choice.spec, "fully_sharded", False) and choice.spec.offloaded:  # type: ignore[attr-defined]
+            choice.why += (
+                f"; as owner slices (fully sharded 2D): host memory cannot hold the whole "
+                f"shards on each of the {axis.replicas} replicas, each holds 1/"
+                f"{axis.replicas} of them, cached from its slice"
+            )
+    return choices, sums
 
 
 def search_plan(

@@ -156,8 +156,11 @@ class ShardedCollection(nn.Module):
         self._prefetched: list[tuple[object, Any]] = []
         self._offload: OffloadedTables | None = offload_tables(
             names, self._layouts, stored, self._routing.local_tables, self._updater, mesh,
-            sync_every,
+            sync_every, {t: owner.start for t, owner in self._owners.items()},
         )  # fmt: skip
+        for t, owner in self._owners.items():  # fully sharded and offloaded: answers and
+            if self._offload is not None and t in self._offload.caches:  # updates through
+                owner.cache = self._offload.caches[t]  # the cache of its slice
         """Offloaded tables' caches (None: every table is on the device)."""
         if self._updater is not None:
             self._updater.after_update = self._after_fused_update

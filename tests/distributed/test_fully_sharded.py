@@ -40,6 +40,15 @@ SEQUENCE_PLANS = {
     **PLANS,
     "table_wise": {t[0]: TableWise(rank=i % 2, fully_sharded=True) for i, t in enumerate(TABLES)},
 }
+SEQUENCE_OFFLOADED = {  # caches of 70% of the larger slices (tests/sequence/numerics.py)
+    t[0]: RowWise(cache_fraction=1.0 if t[1] < 60 else 0.7, fully_sharded=True) for t in TABLES
+}
+CHECKPOINT_OFFLOADED = {  # "mixed" with t0 and t2 offloaded behind caches under their slices
+    "t0": RowWise(cache_rows=10, fully_sharded=True),
+    "t1": TableWise(rank=0, fully_sharded=True),
+    "t2": RowWise(cache_fraction=0.7, fully_sharded=True),
+    "t3": DataParallel(),
+}
 OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
 TORCH_OPTIMIZERS = ("sgd", "adagrad", "adam")  # optimizer=None: torch's on the DTensors
 
@@ -167,6 +176,10 @@ def _sequence(mesh) -> dict:
             r = check_sequence_numerics(mesh, plan, fused)
             worst = max(r.max_weight_diff, r.max_output_diff, r.max_grad_diff)
             out[(plan_name, opt)] = (worst, r.keys_match and r.lengths_match)
+    for opt in OPTIMIZERS:  # and offloaded: slices in host memory behind their caches
+        r = check_sequence_numerics(mesh, SEQUENCE_OFFLOADED, _fused(opt))
+        worst = max(r.max_weight_diff, r.max_output_diff, r.max_grad_diff)
+        out[("row_wise_offloaded", opt)] = (worst, r.keys_match and r.lengths_match)
     return out
 
 
@@ -201,13 +214,19 @@ def _checkpoints(root: Path) -> dict:
     fully_sharded = PLANS["mixed"]
     exact = {"t0": RowWise(), "t1": TableWise(rank=0), "t2": RowWise(), "t3": DataParallel()}
     one_d = ckpt._other_s4()
+    offloaded = CHECKPOINT_OFFLOADED
     out = {}
     for opt in ("rowwise_adagrad", "adam"):
         for source, plan, targets in (
             ("fully_sharded", fully_sharded, {"exact": (exact, 2), "one_d": (one_d, 4),
                                               "fully_sharded": (fully_sharded, 2)}),
-            ("exact", exact, {"fully_sharded": (fully_sharded, 2)}),
+            ("exact", exact, {"fully_sharded": (fully_sharded, 2),
+                              "offloaded": (offloaded, 2)}),
             ("one_d", one_d, {"fully_sharded": (fully_sharded, 2)}),
+            # owner slices in host memory (their caches written back by the save) to and
+            # from exact 2D on the device, host-tier optimizer state included
+            ("offloaded", offloaded, {"exact": (exact, 2), "one_d": (one_d, 4),
+                                      "offloaded": (offloaded, 2)}),
         ):  # fmt: skip
             shards = 4 if source == "one_d" else 2
             model, dense = ckpt._build(plan, shards, seed=0, fused=_fused(opt))
@@ -295,6 +314,156 @@ def _several_lookups(mesh) -> dict:
     return out
 
 
+OFFLOADED_TABLES = [  # (name, rows, dim, features, pooling): slices of 20 and 15 rows
+    ("t0", 80, 4, ["f0", "f1"], "sum"),
+    ("t1", 60, 3, ["f2"], "mean"),
+]
+OFFLOADED_PLANS = {  # caches smaller than the slice rows the replicas ask for
+    "row_wise": {"t0": RowWise(cache_rows=8, fully_sharded=True),
+                 "t1": RowWise(cache_fraction=0.5, fully_sharded=True)},
+    "table_wise": {"t0": TableWise(rank=0, cache_rows=12, fully_sharded=True),
+                   "t1": TableWise(rank=1, cache_rows=10, fully_sharded=True)},
+    "column_wise": {"t0": ColumnWise(cache_rows=14, fully_sharded=True),
+                    "t1": ColumnWise(cache_rows=12, fully_sharded=True)},
+    # on 2 nodes of 1 shard position each (``_offloaded``): TRW = TW, grid = CW
+    "table_row_wise": {"t0": TableRowWise(node=0, cache_rows=12, fully_sharded=True),
+                       "t1": TableRowWise(node=1, cache_rows=10, fully_sharded=True)},
+    "grid": {"t0": Grid(cache_rows=14, fully_sharded=True),
+             "t1": Grid(cache_rows=12, fully_sharded=True)},
+}  # fmt: skip
+OFFLOADED_STEPS = 6
+
+
+def _offloaded(mesh) -> dict:
+    """Fully sharded and offloaded: each owner slice in host memory behind a cache smaller
+    than the rows the replicas ask for. Against the unsharded model (within 1e-5) and
+    counted: misses, write-backs, rows answered from host memory, and staged updates of
+    rows only another replica's batch read (rows not cached here: this rank's fills
+    cache only the rows of its slice its own lookups read)."""
+    import dtrec
+    from dtrec.sharded.offload.row_cache import RowCache
+    from tests.distributed.numerics import check_numerics
+
+    tables = [dtrec.EmbeddingBagConfig(n, r, d, f, p) for n, r, d, f, p in OFFLOADED_TABLES]
+    counts = {"staged": 0, "answered_from_host": 0}
+    stage, read_rows = RowCache.stage, RowCache.read_rows
+
+    def counted_stage(cache, rows, weight, state):
+        counts["staged"] += rows.numel()
+        stage(cache, rows, weight, state)
+
+    def counted_read(cache, rows):
+        counts["answered_from_host"] += int((cache.slot_of.index_select(0, rows) < 0).sum())
+        return read_rows(cache, rows)
+
+    def settle(model, _opt):  # the host tier is the table at the end; what the cache did
+        model.sparse.flush_offloaded()
+        caches = model.sparse._offload.caches  # rows written back on eviction: the group's
+        evicted = sum(c.group.table_counts()[c._k][2] for c in caches.values())
+        stats = model.sparse.cache_stats()
+        capacity = sum(c.capacity for c in caches.values())
+        rows = sum(c.num_rows for c in caches.values())
+        return {"misses": sum(s["misses"] for s in stats.values()), "written_back": evicted,
+                "capacity": capacity, "slice_rows": rows}  # fmt: skip
+
+    out = {}
+    node_mesh = dtrec.init_mesh("cpu", 2, node_size=1)
+    RowCache.stage, RowCache.read_rows = counted_stage, counted_read  # this process only
+    try:
+        for plan_name, plan in OFFLOADED_PLANS.items():
+            on = node_mesh if plan_name in ("table_row_wise", "grid") else mesh
+            for opt in OPTIMIZERS if on is mesh else ("rowwise_adagrad",):
+                counts.update(staged=0, answered_from_host=0)
+                r = check_numerics(
+                    on, plan, False, steps=OFFLOADED_STEPS, batch=2, tables=tables,
+                    fused=_fused(opt), inspect=settle,
+                )  # fmt: skip
+                out[(plan_name, opt)] = (*_summary(r), {**r.inspected, **counts})
+    finally:
+        RowCache.stage, RowCache.read_rows = stage, read_rows
+    # S 1 x R 4: slices of 20 rows behind 8-row caches, and a 3-row table's slices of
+    # 1, 1, 1 and 0 rows behind 1-row caches (an empty host block and cache on rank 3)
+    few = [*OFFLOADED_TABLES[:1], ("t1", 3, 5, ["f2"], "mean")]
+    few_tables = [dtrec.EmbeddingBagConfig(n, r, d, f, p) for n, r, d, f, p in few]
+    plan = {"t0": RowWise(cache_rows=8, fully_sharded=True),
+            "t1": RowWise(cache_rows=1, fully_sharded=True)}  # fmt: skip
+    r = check_numerics(
+        dtrec.init_mesh("cpu", 1), plan, False, steps=4, batch=2, tables=few_tables,
+        fused=_fused("adam"), inspect=lambda m, _: m.sparse.flush_offloaded(),
+    )  # fmt: skip
+    out["one_shard"] = _summary(r)
+    out["pipeline"] = _offloaded_pipeline(mesh, tables)
+    out["planned"] = _offloaded_planned(mesh)
+    return out
+
+
+def _offloaded_planned(mesh) -> tuple:
+    """``dtrec.plan`` with 20 kB of device memory and 50 kB of host memory per rank: t0's
+    shard (8000 x 4, 64 kB + state) fits neither the device, nor as an owner slice, nor
+    whole in host memory, so the planner offloads its owner slices; the planned model
+    trains like the unsharded one."""
+    import dtrec
+    from tests.distributed.numerics import TinyModel, check_numerics
+
+    specs = [("t0", 8000, 4, ["f0", "f1"], "sum"), ("t1", 100, 3, ["f2"], "mean")]
+    tables = [dtrec.EmbeddingBagConfig(n, r, d, f, p) for n, r, d, f, p in specs]
+    topology = dtrec.Topology.cpu(
+        memory_per_rank=20e3, memory_headroom=0.0, host_memory_per_rank=50e3,
+        batch_size_per_rank=2, default_pooling_factor=2.0,
+    )  # fmt: skip
+    plan = dtrec.plan(TinyModel(tables), mesh, topology=topology)
+    chosen = {k.removeprefix("sparse."): v for k, v in plan.items()}
+    r = check_numerics(
+        mesh, chosen, False, steps=3, batch=2, tables=tables,
+        fused=_fused("rowwise_adagrad"), inspect=lambda m, _: m.sparse.flush_offloaded(),
+    )  # fmt: skip
+    return {k: str(v) for k, v in chosen.items()}, _summary(r)
+
+
+def _offloaded_pipeline(mesh, tables: list) -> dict:
+    """``TrainPipeline`` (batch i + 1 filled before batch i's update, two batches' rows
+    pinned) on offloaded owner slices against the device's fully sharded model trained by
+    the plain loop: the largest difference of weights and fused state."""
+    import torch.distributed as dist
+
+    import dtrec
+    from dtrec.checkpoint import full_state_dict
+    from tests.distributed.numerics import TinyModel, make_batch, rank_loss
+    from tests.distributed.test_checkpoint import _full_fused
+
+    def build(cache: dict):
+        torch.manual_seed(0)
+        plan = {f"sparse.{n}": RowWise(fully_sharded=True, **cache) for n, *_ in OFFLOADED_TABLES}
+        model = dtrec.distribute_module(TinyModel(tables), mesh, plan, optimizer=_fused("adam"))
+        dense = [p for n, p in model.named_parameters() if n.startswith("dense")]
+        return model, torch.optim.SGD(dense, lr=0.1)
+
+    gen = torch.Generator().manual_seed(5)
+    world = dist.get_world_size()
+    batches = [[make_batch(tables, 2, False, gen) for _ in range(world)][dist.get_rank()]
+               for _ in range(OFFLOADED_STEPS)]  # fmt: skip
+    (plain, plain_dense), (cached, dense) = build({}), build({"cache_rows": 12})
+    for kjt, target in batches:
+        rank_loss(plain(kjt), target).backward()
+        plain_dense.step()
+        plain_dense.zero_grad()
+    fills = []
+    offload = cached.sparse._offload
+    fill = offload.fill
+    offload.fill = lambda *a, **k: (fills.append(1), fill(*a, **k))[1]
+    pipeline = dtrec.TrainPipeline(
+        cached, dense, lambda m, b: rank_loss(m(b[0]), b[1]), sparse_features=lambda b: b[0]
+    )
+    for _ in pipeline.run(batches):
+        pass
+    want = {**full_state_dict(plain), **_full_fused(plain)}
+    got = {**full_state_dict(cached), **_full_fused(cached)}
+    return {
+        "largest": max((want[k] - got[k]).abs().max().item() for k in want),
+        "prefetched": len(fills),
+    }
+
+
 def _world(rank: int, world: int, root: str) -> dict:
     import dtrec
 
@@ -305,6 +474,7 @@ def _world(rank: int, world: int, root: str) -> dict:
         "errors": _errors(mesh),
         "sequence": _sequence(mesh),
         "several_lookups": _several_lookups(mesh),
+        "offloaded": _offloaded(mesh),
         "checkpoints": _checkpoints(Path(root)),
     }
 
@@ -411,6 +581,52 @@ def test_trains_like_unsharded(results, case):
         assert output_diff < TOLERANCE, (rank, case, output_diff)
 
 
+@pytest.mark.parametrize(
+    ("plan", "opt"),
+    [(p, o) for p in ("row_wise", "table_wise", "column_wise") for o in OPTIMIZERS]
+    + [(p, "rowwise_adagrad") for p in ("table_row_wise", "grid")],
+)
+def test_offloaded_slices_train_like_unsharded(results, plan, opt):
+    """Owner slices in host memory behind caches smaller than what the replicas ask for:
+    misses, evictions with write-backs, rows answered from host memory and staged updates
+    of rows only another replica read all happen, and the model is the unsharded one's."""
+    for rank, r in enumerate(results):
+        worst, _output, notes, seen = r["offloaded"][(plan, opt)]
+        assert not notes, (rank, notes)
+        assert worst <= TOLERANCE, (rank, worst)
+        assert seen["capacity"] < seen["slice_rows"], (rank, seen)  # caches smaller
+        assert seen["misses"] > seen["capacity"], (rank, seen)  # so rows were evicted
+        assert seen["written_back"] > 0, (rank, seen)
+        assert seen["answered_from_host"] > 0, (rank, seen)
+        assert seen["staged"] > 0, (rank, seen)
+
+
+def test_offloaded_slices_on_one_shard_with_an_empty_slice(results):
+    """S 1 x R 4 (every rank a replica of the one shard), a 3-row table's last slice
+    empty: still the unsharded model."""
+    for rank, r in enumerate(results):
+        worst, _output, notes = r["offloaded"]["one_shard"]
+        assert not notes and worst <= TOLERANCE, (rank, worst, notes)
+
+
+def test_offloaded_slices_through_the_pipeline(results):
+    """``TrainPipeline`` prefetches (fills batch i + 1 before batch i's update) and trains
+    offloaded owner slices like the device's fully sharded model in a plain loop."""
+    for rank, r in enumerate(results):
+        got = r["offloaded"]["pipeline"]
+        assert got["prefetched"] >= OFFLOADED_STEPS - 1, (rank, got)
+        assert got["largest"] <= TOLERANCE, (rank, got)
+
+
+def test_the_planner_offloads_owner_slices_that_train_exactly(results):
+    """A plan whose table fits neither the device (whole or sliced) nor host memory whole
+    offloads its owner slices; that model equals the unsharded one."""
+    for rank, r in enumerate(results):
+        specs, (worst, _output, notes) = r["offloaded"]["planned"]
+        assert specs["t0"].startswith("RW+cache(") and specs["t0"].endswith(")+FS"), specs
+        assert not notes and worst <= TOLERANCE, (rank, worst, notes)
+
+
 def test_tables_at_rest_are_owner_slices(results):
     """Placements say the truth, ``full_tensor()`` is the table, the replicas of a shard
     hold disjoint slices covering it, and fused state is sized like the slice."""
@@ -442,11 +658,14 @@ def test_tables_at_rest_are_owner_slices(results):
 
 
 @pytest.mark.parametrize(
-    "case", [(p, o) for p in PLANS for o in (*OPTIMIZERS, "torch_sgd")], ids="-".join
+    "case",
+    [(p, o) for p in PLANS for o in (*OPTIMIZERS, "torch_sgd")]
+    + [("row_wise_offloaded", o) for o in OPTIMIZERS],
+    ids="-".join,
 )
 def test_sequence_collections_train_like_unsharded(results, case):
-    """``EmbeddingCollection`` tables fully sharded: rows, slice gradients and weights
-    equal the unsharded collection's on the global batch."""
+    """``EmbeddingCollection`` tables fully sharded (and offloaded): rows, slice gradients
+    and weights equal the unsharded collection's on the global batch."""
     for rank, result in enumerate(results):
         worst, layout_ok = result["sequence"][case]
         assert layout_ok, (rank, case)
@@ -504,12 +723,16 @@ def test_unserved_is_a_clear_error(results, case, words):
     [(o, "fully_sharded", t) for o in ("rowwise_adagrad", "adam")
      for t in ("exact", "one_d", "fully_sharded")]
     + [(o, s, "fully_sharded") for o in ("rowwise_adagrad", "adam") for s in ("exact", "one_d")]
+    + [(o, s, t) for o in ("rowwise_adagrad", "adam")
+       for s, t in (("offloaded", "exact"), ("offloaded", "one_d"), ("offloaded", "offloaded"),
+                    ("exact", "offloaded"))]
     + [("torch_adam", "fully_sharded", "exact"), ("torch_adam", "exact", "fully_sharded")],
     ids="-".join,
 )  # fmt: skip
 def test_checkpoints_reshard_both_ways(results, case):
     """Saved fully sharded, loaded exact 2D or 1D (and back): the same weights and fused
-    state, then the same training as the uninterrupted run."""
+    state, then the same training as the uninterrupted run; offloaded fully sharded (owner
+    slices and their state in host memory) to exact 2D on the device and back too."""
     from tests.distributed.test_checkpoint import _check_continuation
 
     for rank, result in enumerate(results):
@@ -532,8 +755,9 @@ def test_spec_option():
         layout.replica_sliced
         and layout.blocks == RowWise().layout(table, ShardAxis(2, 2, None)).blocks
     )
-    with pytest.raises(ValueError, match="'big'.*offloaded and fully sharded"):
-        RowWise(cache_rows=2, fully_sharded=True).layout(table, ShardAxis(2, 2, None))
+    both = RowWise(cache_rows=2, fully_sharded=True)  # offloaded owner slices
+    layout = both.layout(table, ShardAxis(2, 2, None))
+    assert layout.replica_sliced and layout.offloaded and str(both) == "RW+cache(2)+FS"
     placements = ColumnWise(fully_sharded=True).layout(table, ShardAxis(2, 2, None)).placements
     assert placements == (Shard(1), Shard(0))
 

@@ -169,6 +169,7 @@ def check_sequence_numerics(
         ref_opt.step()
         ref_opt.zero_grad()
 
+    sharded.flush_offloaded()  # offloaded tables: the host tier is the table
     for name, table in sharded.embeddings.items():
         if blocks[name] is None:
             continue

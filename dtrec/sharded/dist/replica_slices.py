@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,19 @@ class OwnerSlices:
         """First shard row of this rank's own slice."""
         self.slice_rows = starts[self.replica + 1] - self.start
         self._ends = torch.tensor(starts[1 : self.replicas], dtype=torch.long)
+        self.cache: Any = None
+        """An offloaded table's ``dtrec.sharded.offload.RowCache`` of this slice (its host
+        block), whose fills cache the rows of it this rank's own lookups read: the owner
+        answers from a row's slot if cached, else from host memory, evicting nothing; the
+        update steps cached rows in their slots and stages the others
+        (``RowCache.row_updates``). None: the slice is on the device."""
+
+    def read(self, local: Tensor, rows: Tensor) -> Tensor:
+        """Rows ``rows`` of this slice (``local``: its device tensor, or an offloaded
+        slice's cache) as they are now."""
+        if self.cache is None:
+            return local.index_select(0, rows)
+        return self.cache.read_rows(rows)
 
     def owner_counts(self, rows: Tensor) -> Tensor:
         """How many of the sorted shard rows ``rows`` each replica (0..R-1) owns (on the
@@ -199,7 +213,7 @@ def fetch_touched(
     for source in range(replicas):
         for k, i in enumerate(keys):
             local = asked_parts[source * len(keys) + k] - owners[i].start
-            answer.append(tables[i].index_select(0, local).reshape(-1))
+            answer.append(owners[i].read(tables[i], local).reshape(-1))
     dims = [int(tables[i].shape[1]) for i in keys]
     flat = torch.cat(answer) if answer else tables[keys[0]].new_empty(0)
     received = all_to_all(

@@ -29,10 +29,12 @@ def offload_tables(
     updater: FusedUpdater | None,
     mesh: DeviceMesh,
     sync_every: int | None,
+    slice_starts: dict[int, int] | None = None,
 ) -> OffloadedTables | None:
     """The collection's ``OffloadedTables`` (None when no table is offloaded), its caches
     hooked into ``updater``. Collective when some cache can overflow (the verdict group):
-    every rank calls it with the same layouts."""
+    every rank calls it with the same layouts. ``slice_starts``: fully sharded local
+    tables -> the shard row where this rank's owner slice (its host block) starts."""
     offloaded = [name for name, layout in zip(names, layouts, strict=True) if layout.offloaded]
     if not offloaded:
         return None
@@ -54,10 +56,11 @@ def offload_tables(
         host = table.weight.to_local()
         state = updater.state[t] if updater is not None else {}
         caches[t] = RowCache(names[t], host, host_state, table.cache, state, jobs.copies)
+        caches[t].slice_start = (slice_starts or {}).get(t)
         if updater is not None:
             updater.tables[t].cache = caches[t]
-    can_overflow = any(
-        rows < block.num_rows
+    can_overflow = any(  # a fully sharded table's cache may be smaller than its slice
+        rows < block.num_rows or layout.replica_sliced
         for layout in layouts
         for block, rows in zip(layout.blocks, layout.cache_rows, strict=False)
     )

@@ -28,6 +28,8 @@ over a direct table's slots (a sort of every slot was 75 ms of a 145 ms CPU step
 every table cached whole, issue 31). An LRU table whose distinct missing rows outnumber
 its free slots overflows (``Plan.over``).
 Duplicated ids get the same rank, so the same slot, and write the same values.
+A fully sharded table (``RowCache.slice_start``) caches only the ids in this rank's owner
+slice (its host block) and keeps its ids: its lookup reads the rows its fetch gathers.
 
 Copies (``move``): per tier (the weight, each per-row optimizer state entry), one gather
 and one scatter over the flat host and device buffers, at element indices ``[N, widest
@@ -165,6 +167,13 @@ class CacheGroup:
             k_of[t] = k
         self._k_of_table = k_of
         self.rows, self.caps = as_tensor(rows + [0]), as_tensor(caps + [0])
+        starts = [c.slice_start for c in caches_k]
+        self.id_base = as_tensor([s or 0 for s in starts] + [0])
+        """Per table: what its ids have above its host rows (a fully sharded table's
+        owner slice start; ``RowCache.slice_start``), 0 for the others."""
+        self.keeps_ids = torch.tensor([s is not None for s in starts] + [False], device=device)
+        """Per table: its lookup reads its ids, not cache slots (fully sharded: it reads the
+        compact table its fetch builds, whose owners answer from the cache)."""
         self.row_base, self.slot_base = as_tensor(row_base), as_tensor(slot_base)
         self._runs: dict[tuple[int, ...], Tensor] = {}
         self._tick = 0
@@ -221,8 +230,9 @@ class CacheGroup:
         offloaded = k >= 0
         k = k.clamp(min=0)
         id_dtype, ids = ids.dtype, ids.long()
-        valid = offloaded & (ids >= 0) & (ids < self.rows.index_select(0, k))
-        row = torch.where(valid, ids, 0)
+        local = ids - self.id_base.index_select(0, k)  # fully sharded: rows of its own slice
+        valid = offloaded & (local >= 0) & (local < self.rows.index_select(0, k))
+        row = torch.where(valid, local, 0)
         group_row = torch.where(valid, self.row_base.index_select(0, k) + row, self.sentinel)
         slot = self.slot_of.index_select(0, group_row).long()
         hit = slot >= 0  # the sentinel is never cached
@@ -291,7 +301,8 @@ class CacheGroup:
         self.counts.index_add_(1, k_sorted, counted)
         caps = self.caps.index_select(0, k)
         reads = torch.where(plan.hit | assign, touched - base, caps)
-        slot_ids = torch.where(plan.offloaded, reads, plan.ids).to(plan.id_dtype)
+        reads_slots = plan.offloaded & self.keeps_ids.index_select(0, k).logical_not()
+        slot_ids = torch.where(reads_slots, reads, plan.ids).to(plan.id_dtype)
         moves = (assign, written, k, local_slot, old, plan.row)
         return Fill(slot_ids, touched, moves)
 

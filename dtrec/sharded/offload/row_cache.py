@@ -74,6 +74,11 @@ class RowCache:
         self.copies = copies
         self.group: CacheGroup | None = None
         """The ``group.CacheGroup`` that owns this block's bookkeeping (``bind``)."""
+        self.slice_start: int | None = None
+        """Fully sharded (``dtrec.sharded.dist.replica_slices``): the shard row of this
+        rank's owner slice's first row, the host block; the lookup's ids index the shard,
+        and a fill caches only the ids in this slice (``CacheGroup.plan``). None: the ids
+        index the block."""
         self._k = -1
         self._staged: tuple[Tensor, Tensor, dict[str, Tensor]] | None = None
         self._other_bytes = {"h2d_bytes": 0, "d2h_bytes": 0}
@@ -121,8 +126,9 @@ class RowCache:
         """(device cache, host tier) of the weight and of each per-row state entry."""
         return [(self.weight, self.host)] + [(self.state[k], v) for k, v in self.host_state.items()]
 
-    def _row_bytes(self) -> int:
-        return sum(h[0].numel() * h.element_size() if h.numel() else 0 for _, h in self._tiers())
+    def _row_bytes(self, weight_only: bool = False) -> int:
+        tiers = self._tiers()[:1] if weight_only else self._tiers()
+        return sum(h[0].numel() * h.element_size() if h.numel() else 0 for _, h in tiers)
 
     def count_prefill(self) -> None:
         """Count a whole-table copy into the cache (``CacheGroup.prefill``) in ``stats``."""
@@ -182,6 +188,22 @@ class RowCache:
             self, far_rows, grads.index_select(0, far), _pick(row_sq_sum, far), full_dim, tile_dim
         )
         return update, staged
+
+    def read_rows(self, rows: Tensor) -> Tensor:
+        """The current values of the block's rows ``rows`` (any order, repeats allowed) on
+        the device, without changing the cache: a cached row from its slot (its only
+        current copy), the others from host memory (written back on eviction), one indexed
+        host gather and one copy. What a fully sharded owner answers its replicas with
+        (``replica_slices.fetch_touched``); the host reads which rows missed."""
+        slots = self.slot_of.index_select(0, rows).long()
+        cached = slots >= 0
+        out = self.weight.index_select(0, slots.clamp(min=0))
+        far = torch.nonzero(cached.logical_not()).squeeze(1)
+        if far.numel():
+            host_rows = rows.index_select(0, far).cpu()
+            out.index_copy_(0, far, self.copies.to_device(self.host.index_select(0, host_rows)))
+            self._other_bytes["h2d_bytes"] += far.numel() * self._row_bytes(weight_only=True)
+        return out
 
     def stage(self, rows: Tensor, weight: Tensor, state: dict[str, Tensor]) -> None:
         """Copy host rows ``rows`` (and their state) into staging buffers ``weight`` and

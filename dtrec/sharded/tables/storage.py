@@ -102,7 +102,7 @@ def shard_tables(
     requires_grad: bool,
 ) -> nn.ModuleDict:
     """Table name -> ``ShardedTable``, each weight distributed per its spec."""
-    into = _packed_meta_blocks(tables, weights, layouts, position, mesh)
+    into = _packed_meta_blocks(tables, weights, specs, layouts, position, mesh)
     out = nn.ModuleDict()
     for cfg, layout in zip(tables, layouts, strict=True):
         target = None if layout.offloaded else into.get(cfg.name)  # offloaded: a host block
@@ -121,7 +121,7 @@ def shard_tables(
         out[cfg.name] = ShardedTable(
             nn.Parameter(dtensor, requires_grad=requires_grad), specs[cfg.name], layout, block
         )
-        cache_rows = layout.cache_rows_at(position)
+        cache_rows = cache_rows_here(layout, specs[cfg.name], position, block)
         if block is not None and cache_rows is not None:  # its cache: packed with the blocks
             out[cfg.name].cache = into.get(cfg.name, None)
             if out[cfg.name].cache is None:
@@ -134,6 +134,7 @@ def shard_tables(
 def _packed_meta_blocks(
     tables: list[EmbeddingBagConfig],
     weights: dict[str, Tensor],
+    specs: dict[str, TableSpec],
     layouts: list[TableLayout],
     position: int,
     mesh: DeviceMesh,
@@ -144,13 +145,27 @@ def _packed_meta_blocks(
     if not tables or not all(weights[cfg.name].is_meta for cfg in tables):
         return {}
     dtype = weights[tables[0].name].dtype
-    shapes = {
-        cfg.name: (layout.cache_rows_at(position) or block.num_rows, block.num_cols)
-        for cfg, layout in zip(tables, layouts, strict=True)
-        if (block := rank_block(layout, mesh, position)) is not None
-    }
+    shapes = {}
+    for cfg, layout in zip(tables, layouts, strict=True):
+        block = rank_block(layout, mesh, position)
+        if block is not None:
+            cache = cache_rows_here(layout, specs[cfg.name], position, block)
+            shapes[cfg.name] = (block.num_rows if cache is None else cache, block.num_cols)
     views = packed_views(list(shapes.values()), dtype, mesh_device(mesh))
     return dict(zip(shapes, views, strict=True))
+
+
+def cache_rows_here(
+    layout: TableLayout, spec: TableSpec, position: int, block: Block | None
+) -> int | None:
+    """Device cache rows of this rank's stored ``block`` of an offloaded table (None: on
+    the device): the layout's per block, or, fully sharded, the spec's cache option
+    applied to this replica's owner slice (``block``), which is its host block."""
+    if block is None or not layout.offloaded:
+        return None
+    if layout.replica_sliced:
+        return spec.cache_capacity(block.num_rows)  # type: ignore[attr-defined]
+    return layout.cache_rows_at(position)
 
 
 def pack_local_shards(tables: list[ShardedTable]) -> None:

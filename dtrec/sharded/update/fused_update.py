@@ -202,10 +202,11 @@ class FusedUpdater:
                 continue
             rows = lookup_backward_rows(lookup, grad_out)
             for t, part, compact in zip(table_ids, rows, lookup.weights, strict=True):
-                if self.tables[t].owner is not None:  # compact rows -> shard rows
-                    part = (block_rows_of(compact, part[0]), part[1])
-                    fetched.setdefault(t, []).append(fetch_of(compact))
                 cache = self.tables[t].cache
+                if self.tables[t].owner is not None:  # compact rows -> shard rows (an
+                    part = (block_rows_of(compact, part[0]), part[1])  # offloaded one's
+                    fetched.setdefault(t, []).append(fetch_of(compact))  # too: no slots)
+                    cache = None
                 parts.setdefault(t, []).append(part if cache is None else cache.to_rows(*part))
         one = {t: f[0] for t, f in fetched.items() if len(f) == 1}
         self._sync_and_update(rule, parts, scale, one)
