@@ -244,14 +244,8 @@ def _world2(rank, world, root):
             weight.grad = None
         ref_opt.step()
         ref_opt.zero_grad()
-        for key in KEYS:
-            counts = [int(b[key].lengths().sum()) for b, _ in batches]
-            start = sum(counts[:rank])
-            want = ref_remapped[key].values()[start : start + counts[rank]]
-            if not torch.equal(remapped[key].values(), want):
-                out["mismatch"].append((step, key))
-        if not _same_state(_remapper_state(sharded), _remapper_state(reference)):
-            out["mismatch"].append((step, "remapper"))
+        out["mismatch"] += _remap_mismatches(step, batches, rank, remapped, ref_remapped,
+                                             sharded, reference)  # fmt: skip
     out["evictions"] = len(evicted)
     full = dtrec.checkpoint.full_state_dict(sharded)
     out["weight_diff"] = max(
@@ -279,17 +273,28 @@ def _world2(rank, world, root):
         torch.stack(losses).mean().backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        for key in KEYS:
-            counts = [int(b[key].lengths().sum()) for b, _ in batches]
-            start = sum(counts[:rank])
-            want = ref_remapped[key].values()[start : start + counts[rank]]
-            if not torch.equal(remapped[key].values(), want):
-                out["torch_mismatch"].append((step, key))
-        if not _same_state(_remapper_state(sharded), _remapper_state(reference)):
-            out["torch_mismatch"].append((step, "remapper"))
+        out["torch_mismatch"] += _remap_mismatches(step, batches, rank, remapped, ref_remapped,
+                                                   sharded, reference)  # fmt: skip
     out["torch_evictions"] = len(evicted)
     out["torch_diff"] = _adam_state_diff(sharded, opt, reference, ref_opt)
     return out
+
+
+def _remap_mismatches(step, batches, rank, remapped, ref_remapped, sharded, reference) -> list:
+    """(step, feature or "remapper") where this rank's remapped ids differ from the
+    reference's slice of the global batch, or the remappers' states differ."""
+    import torch
+
+    bad = []
+    for key in KEYS:
+        counts = [int(b[key].lengths().sum()) for b, _ in batches]
+        start = sum(counts[:rank])
+        want = ref_remapped[key].values()[start : start + counts[rank]]
+        if not torch.equal(remapped[key].values(), want):
+            bad.append((step, key))
+    if not _same_state(_remapper_state(sharded), _remapper_state(reference)):
+        bad.append((step, "remapper"))
+    return bad
 
 
 @pytest.fixture(scope="module")
