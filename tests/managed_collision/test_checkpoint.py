@@ -173,10 +173,7 @@ def _world4(rank, world, root):
         batches = _batches(world, gen, hot)
         want = _train(typed, batches, rank, typed_opt)
         got = _train(rowwise, batches, rank, rowwise_opt)
-        if any(not torch.equal(got[k].values(), want[k].values()) for k in KEYS):
-            out["typed_mismatch"].append((step, "remap"))
-        if not _same_state(_remapper_state(rowwise), _remapper_state(typed)):
-            out["typed_mismatch"].append((step, "remapper"))
+        out["typed_mismatch"] += _lockstep_mismatches(step, got, want, rowwise, typed)
     out["typed_diff"] = _table_diff(rowwise, typed)
 
     # torch Adam on every parameter (no fused optimizer), S=4 row-wise, saved mid-window
@@ -201,10 +198,7 @@ def _world4(rank, world, root):
         batches = _batches(world, gen, hot)
         want = _train(plain, batches, rank, plain_opt)
         got = _train(moved, batches, rank, moved_opt)
-        if any(not torch.equal(got[k].values(), want[k].values()) for k in KEYS):
-            out["torch_mismatch"].append((step, "remap"))
-        if not _same_state(_remapper_state(moved), _remapper_state(plain)):
-            out["torch_mismatch"].append((step, "remapper"))
+        out["torch_mismatch"] += _lockstep_mismatches(step, got, want, moved, plain)
     out["torch_evictions"] = len(evicted)
     out["torch_diff"] = _adam_state_diff(moved, moved_opt, plain, plain_opt)
     return out
@@ -278,6 +272,19 @@ def _world2(rank, world, root):
     out["torch_evictions"] = len(evicted)
     out["torch_diff"] = _adam_state_diff(sharded, opt, reference, ref_opt)
     return out
+
+
+def _lockstep_mismatches(step, got, want, model, other) -> list:
+    """(step, "remap" / "remapper") where two sharded models fed the same batches differ
+    in their remapped ids ``got`` / ``want`` or in their remappers' states."""
+    import torch
+
+    bad = []
+    if any(not torch.equal(got[k].values(), want[k].values()) for k in KEYS):
+        bad.append((step, "remap"))
+    if not _same_state(_remapper_state(model), _remapper_state(other)):
+        bad.append((step, "remapper"))
+    return bad
 
 
 def _remap_mismatches(step, batches, rank, remapped, ref_remapped, sharded, reference) -> list:
