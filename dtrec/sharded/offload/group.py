@@ -168,6 +168,9 @@ class CacheGroup:
         self._k_of_table = k_of
         self.rows, self.caps = as_tensor(rows + [0]), as_tensor(caps + [0])
         starts = [c.slice_start for c in caches_k]
+        self.sliced = any(s is not None for s in starts)
+        """Whether some table is fully sharded: only then does a fill shift ids by
+        ``id_base`` and keep ``keeps_ids`` tables' ids (no ops on the others' hot path)."""
         self.id_base = as_tensor([s or 0 for s in starts] + [0])
         """Per table: what its ids have above its host rows (a fully sharded table's
         owner slice start; ``RowCache.slice_start``), 0 for the others."""
@@ -230,7 +233,8 @@ class CacheGroup:
         offloaded = k >= 0
         k = k.clamp(min=0)
         id_dtype, ids = ids.dtype, ids.long()
-        local = ids - self.id_base.index_select(0, k)  # fully sharded: rows of its own slice
+        # fully sharded: the rows of its own slice
+        local = ids - self.id_base.index_select(0, k) if self.sliced else ids
         valid = offloaded & (local >= 0) & (local < self.rows.index_select(0, k))
         row = torch.where(valid, local, 0)
         group_row = torch.where(valid, self.row_base.index_select(0, k) + row, self.sentinel)
@@ -301,7 +305,9 @@ class CacheGroup:
         self.counts.index_add_(1, k_sorted, counted)
         caps = self.caps.index_select(0, k)
         reads = torch.where(plan.hit | assign, touched - base, caps)
-        reads_slots = plan.offloaded & self.keeps_ids.index_select(0, k).logical_not()
+        reads_slots = plan.offloaded
+        if self.sliced:
+            reads_slots = reads_slots & self.keeps_ids.index_select(0, k).logical_not()
         slot_ids = torch.where(reads_slots, reads, plan.ids).to(plan.id_dtype)
         moves = (assign, written, k, local_slot, old, plan.row)
         return Fill(slot_ids, touched, moves)
