@@ -97,7 +97,15 @@ PRELOAD = [
 """What the fork server imports once (a missing one, e.g. torchrec without the bench
 extra, is skipped): every rank is forked from it with these loaded."""
 
-READ_AT_USE = frozenset({"DTREC_BACKEND", "DTREC_CPU_ROWWISE_ADAGRAD", "DTREC_OFFLOAD_WORKER"})
+CPU_LOG = "DTREC_WORLD_CPU_LOG"
+"""A file each rank of every world appends its ``fn``'s CPU seconds to, where set: the
+suite's time goes to worlds of ranks that share the cores, so a world's CPU is what a
+change to it is measured by (wall time moves with the machine's other load)."""
+
+
+READ_AT_USE = frozenset(
+    {"DTREC_BACKEND", "DTREC_CPU_ROWWISE_ADAGRAD", "DTREC_OFFLOAD_WORKER", CPU_LOG}
+)
 """Variables dtrec reads when it first needs them, not at import: a forked rank that sets
 them before its ``fn`` runs behaves as a spawned one born with them."""
 
@@ -191,7 +199,9 @@ def _worker(
             world_size=world_size,
             timeout=timedelta(seconds=collective_timeout),
         )
+        started = time.process_time()
         result = fn(rank, world_size, *args)
+        _log_cpu(fn, rank, world_size, time.process_time() - started)
         # Pickle here, not in the queue's feeder thread, so that an unpicklable result is
         # reported as this rank's error instead of being lost silently.
         payload = pickle.dumps(result)
@@ -215,6 +225,13 @@ def _worker(
         result_queue.close()
         result_queue.join_thread()  # the report is written before the process ends
         os._exit(0)
+
+
+def _log_cpu(fn: Callable[..., Any], rank: int, world_size: int, seconds: float) -> None:
+    path = os.environ.get(CPU_LOG)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{fn.__module__}.{fn.__qualname__} {world_size} {rank} {seconds:.2f}\n")
 
 
 @contextlib.contextmanager

@@ -61,7 +61,7 @@ from dtrec.checkpoint.model_state import (
     unflatten,
 )
 from dtrec.checkpoint.plain import is_plain_dcp, load_plain
-from dtrec.sharded.tables.tensor import full_tensor
+from dtrec.sharded.tables.tensor import full_tensor, full_tensors
 from dtrec.sharded.update.fused_optimizer import FusedOptimizerView
 
 MARKER = "COMPLETE.json"
@@ -345,16 +345,16 @@ def to_full_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
 
         plain.load_state_dict(dtrec.checkpoint.to_full_state_dict(model.state_dict()))
     """
-    return {
-        key: full_tensor(value) if isinstance(value, Tensor) else value
-        for key, value in state_dict.items()
-    }
+    keys = [key for key, value in state_dict.items() if isinstance(value, Tensor)]
+    fulls = dict(zip(keys, full_tensors([state_dict[k] for k in keys]), strict=True))
+    return {key: fulls.get(key, value) for key, value in state_dict.items()}
 
 
 __all__ = [
     "CheckpointError",
     "full_state_dict",
     "full_tensor",
+    "full_tensors",
     "load",
     "read_marker",
     "resolve",

@@ -272,7 +272,15 @@ def all_gather_varied(tensor: Tensor, group: ProcessGroup | None, kind: str) -> 
     counts = torch.empty(size, dtype=torch.long, device=tensor.device)
     with collective(kind + ".sizes", (size - 1) * 8, group):
         all_gather_flat(counts, count, group)
-    sizes = counts.tolist()
+    return all_gather_sized(tensor, counts.tolist(), group, kind)
+
+
+def all_gather_sized(
+    tensor: Tensor, sizes: Sequence[int], group: ProcessGroup | None, kind: str
+) -> list[Tensor]:
+    """Every member's 1-D ``tensor`` by rank, where every member already knows each one's
+    size (``sizes``, by rank): one all-gather of the data padded to the largest."""
+    size = dist.get_world_size(group)
     most = max(sizes)
     padded = tensor.new_zeros(most)
     padded[: tensor.numel()] = tensor

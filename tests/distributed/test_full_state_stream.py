@@ -26,14 +26,22 @@ def _assemble_by_rounds(rank: int, world: int) -> dict:
 
     tensor_module._STREAM_BYTES = ROUND_BYTES
     sent: list[int] = []
-    gather = tensor_module.all_gather_varied
+    varied, sized = tensor_module.all_gather_varied, tensor_module.all_gather_sized
 
-    def recorded(data, group, kind):
+    def record(data, kind) -> None:
         if kind == "full_tensor":
             sent.append(data.numel() * data.element_size())
-        return gather(data, group, kind)
 
-    tensor_module.all_gather_varied = recorded
+    def recorded_varied(data, group, kind):  # a block streamed alone
+        record(data, kind)
+        return varied(data, group, kind)
+
+    def recorded_sized(data, sizes, group, kind):  # small blocks gathered together
+        record(data, kind)
+        return sized(data, sizes, group, kind)
+
+    tensor_module.all_gather_varied = recorded_varied
+    tensor_module.all_gather_sized = recorded_sized
     mesh = dtrec.init_mesh("cpu", world)
     out = {}
     for kind in ("row_wise", "column_wise", "table_wise"):

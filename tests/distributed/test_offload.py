@@ -122,13 +122,13 @@ def _step(model, dense, kjt, target, sequence: bool) -> None:
 
 def _state(model) -> dict[str, torch.Tensor]:
     """Every weight and fused optimizer state entry as a full tensor (this rank's view)."""
-    from dtrec.checkpoint import full_state_dict, full_tensor
+    from dtrec.checkpoint import to_full_state_dict
 
-    out = dict(full_state_dict(model))
+    state = dict(model.state_dict())
     for table, entries in model.fused_optimizer.state_dict()["state"].items():
         for name, value in entries.items():
-            out[f"{table}.{name}"] = full_tensor(value)
-    return out
+            state[f"{table}.{name}"] = value
+    return to_full_state_dict(state)  # one gather of them all
 
 
 def _differences(a: dict, b: dict) -> list[str]:
@@ -408,10 +408,10 @@ def _round_trip(root: Path, optimizer: str) -> dict:
 
 def _snapshot(model) -> dict:
     """The model's and its fused optimizer's state as full tensors (a copy)."""
-    from dtrec.checkpoint import full_state_dict, full_tensor
+    from dtrec.checkpoint import full_state_dict, to_full_state_dict
 
     fused = model.fused_optimizer.state_dict()
-    state = {t: {n: full_tensor(v) for n, v in e.items()} for t, e in fused["state"].items()}
+    state = {t: to_full_state_dict(e) for t, e in fused["state"].items()}
     return {"model": full_state_dict(model), "fused": {**fused, "state": state}}
 
 

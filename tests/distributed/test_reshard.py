@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import random
 
 import pytest
@@ -306,21 +307,26 @@ def _dense_state(model, optimizer, out: dict) -> None:
 def _full_state(model, dense=None) -> dict:
     """Full weights and fused state (scalars: the largest over ranks), and the dense part's
     with its optimizer ``dense``. Collective."""
+    import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from dtrec.checkpoint import full_state_dict, full_tensor
+    from dtrec.checkpoint import to_full_state_dict
 
-    out = {k: v.float() for k, v in full_state_dict(model).items() if _is_table(k)}
-    _dense_state(model, dense, out)
+    gathered = {k: v for k, v in model.state_dict().items() if _is_table(k)}
+    scalars = {}
     for table, entries in model.fused_optimizer.state_dict()["state"].items():
         for name, value in entries.items():
             if isinstance(value, DTensor):
-                out[f"{table}.{name}"] = full_tensor(value).float()
+                gathered[f"{table}.{name}"] = value
             else:
-                scalar = value.detach().float().clone()
-                dist.all_reduce(scalar, op=dist.ReduceOp.MAX)
-                out[f"{table}.{name}"] = scalar
+                scalars[f"{table}.{name}"] = value.detach().float().clone()
+    out = {k: v.float() for k, v in to_full_state_dict(gathered).items()}  # one gather
+    _dense_state(model, dense, out)
+    if scalars:  # the largest over ranks, all in one all-reduce
+        stacked = torch.stack(list(scalars.values()))
+        dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+        out.update(zip(scalars, stacked.unbind()))
     return out
 
 
@@ -329,9 +335,11 @@ def _tables_of(model):
     return sparse.embeddings if hasattr(sparse, "embeddings") else sparse.embedding_bags
 
 
+@functools.cache
 def _reference(rule_name: str, steps: int, dense: bool = False, sequence: bool = False) -> dict:
     """The unsharded model, the rule's math on the rows the global batch touched (the dense
-    scale: torch Adam on the mean of the ranks' losses)."""
+    scale: torch Adam on the mean of the ranks' losses). Computed once per arguments in a
+    rank: callers only read it."""
     import torch
 
     model = _model(dense, sequence)
@@ -605,24 +613,27 @@ def _torch_state(model, optimizer) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from dtrec.checkpoint import full_tensor
+    from dtrec.checkpoint import to_full_state_dict
 
     bags = _tables_of(model)
     attr = "embeddings" if hasattr(model.sparse, "embeddings") else "embedding_bags"
     out = {}
     if hasattr(model, "scale"):
         _dense_state(model, optimizer, out)
+    gathered, scalars = {}, {}
     for name, *_ in TABLES:
         weight = bags[name].weight
-        out[f"sparse.{attr}.{name}.weight"] = full_tensor(weight).float()
+        gathered[f"sparse.{attr}.{name}.weight"] = weight
         for key, value in sorted(optimizer.state[weight].items()):
             if isinstance(value, DTensor):
-                out[f"sparse.{name}.{key}"] = full_tensor(value).float()
+                gathered[f"sparse.{name}.{key}"] = value
             elif isinstance(value, torch.Tensor):
-                scalar = value.detach().float().clone()
-                if isinstance(weight, DTensor):
-                    dist.all_reduce(scalar, op=dist.ReduceOp.MAX)
-                out[f"sparse.{name}.{key}"] = scalar
+                scalars[f"sparse.{name}.{key}"] = (value.detach().float().clone(), weight)
+    out.update({k: v.float() for k, v in to_full_state_dict(gathered).items()})  # one gather
+    for key, (scalar, weight) in scalars.items():
+        if isinstance(weight, DTensor):
+            dist.all_reduce(scalar, op=dist.ReduceOp.MAX)
+        out[key] = scalar
     return out
 
 
