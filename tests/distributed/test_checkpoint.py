@@ -81,14 +81,14 @@ def _train(model, opt, steps: int, offset: int) -> list[float]:
 
 
 def _full_fused(model) -> dict[str, torch.Tensor]:
-    from dtrec.checkpoint import full_tensor
+    from dtrec.checkpoint import to_full_state_dict
 
-    return {  # Adam's step is checked through training: non-holders keep their own
-        f"{table}.{name}": full_tensor(value)
+    return to_full_state_dict({  # Adam's step is checked through training: non-holders
+        f"{table}.{name}": value  # keep their own
         for table, state in model.fused_optimizer.state_dict()["state"].items()
         for name, value in state.items()
         if value.dim()
-    }
+    })  # fmt: skip
 
 
 def _max_diff(a: dict, b: dict) -> float:

@@ -65,12 +65,12 @@ def _table_diff(a, b):
     full_a, full_b = dtrec.checkpoint.full_state_dict(a), dtrec.checkpoint.full_state_dict(b)
     diff = max((full_a[k].double() - full_b[k].double()).abs().max().item() for k in full_a)
     fa, fb = a.fused_optimizer.state_dict()["state"], b.fused_optimizer.state_dict()["state"]
-    for table in fa:
-        for key, value in fa[table].items():
-            if isinstance(value, torch.Tensor) and value.dim():
-                left = dtrec.checkpoint.full_tensor(value).double()
-                right = dtrec.checkpoint.full_tensor(fb[table][key]).double()
-                diff = max(diff, (left - right).abs().max().item())
+    keys = [(t, k) for t in fa for k, v in fa[t].items() if isinstance(v, torch.Tensor) and v.dim()]
+    full = dtrec.checkpoint.full_tensors(  # both models' state in one gather
+        [fa[t][k] for t, k in keys] + [fb[t][k] for t, k in keys]
+    )
+    for left, right in zip(full[: len(keys)], full[len(keys) :], strict=True):
+        diff = max(diff, (left.double() - right.double()).abs().max().item())
     return diff
 
 
