@@ -264,7 +264,12 @@ def _train(
         ref_opt.zero_grad()
         loss_errs.append(_rel(loss.detach(), ref_losses[group].detach()))
     got = {_unwrapped(name): p for name, p in model.named_parameters()}
-    weight_errs = {name: _rel(_full(got[name]), p.detach()) for name, p in ref.named_parameters()}
+    names = [name for name, _ in ref.named_parameters()]
+    fulls = dtrec.checkpoint.full_tensors([got[name].detach() for name in names])  # few gathers
+    weight_errs = {
+        name: _rel(full, p.detach())
+        for name, full, (_, p) in zip(names, fulls, ref.named_parameters(), strict=True)
+    }
     mlp = list(model.mlp.parameters())
     return {
         "loss": max(loss_errs),

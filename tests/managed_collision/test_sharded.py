@@ -15,6 +15,7 @@ weights and fused state end within 1e-5 (``zch_size`` 37 and 10: not multiples o
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -128,28 +129,42 @@ def _remappers(model):
     return model.sparse._managed_collision_collection._managed_collision_modules
 
 
-def _one(rank, world, shard, opt_name, steps, kinds):
+def _fused(opt_name):
+    """A new fused optimizer for ``opt_name`` (None: a torch optimizer steps the tables)."""
     import dtrec
-    from dtrec.placements.mesh import shard_position
 
-    fused = {
+    return {
         "sgd": lambda: dtrec.optim.SGD(lr=LR),
         "adam": lambda: dtrec.optim.Adam(lr=LR / 10),
         "rowwise_adagrad": lambda: dtrec.optim.RowWiseAdagrad(lr=LR),
         "torch_adam": lambda: None,
         "torch_sgd": lambda: None,
     }[opt_name]()
+
+
+def _torch_opt(opt_name, params):
+    return {
+        "torch_adam": lambda ps: torch.optim.Adam(ps, lr=LR / 10),
+        "torch_sgd": lambda ps: torch.optim.SGD(ps, lr=LR),
+    }[opt_name](params)
+
+
+@functools.cache
+def _unsharded(opt_name, world, lengths):
+    """The unsharded module's run under ``opt_name`` on the global batches: the same for
+    every config with that optimizer (the plan and mesh change only the sharded side), so
+    each rank computes it once, ``max(lengths)`` steps. Per step: every rank's batch, the
+    remapped global batch, the remappers' state and the evicted rows; after each step
+    count in ``lengths``: the tables, their optimizer state and the dense weight."""
     from dtrec.modules import reset_torch_optimizer_rows
 
+    fused = _fused(opt_name)
     torch.manual_seed(0)
     reference = Model()
-    # node-aware specs need nodes: two of them (S/2 shard positions each)
-    nodes = kinds is not None and bool({"trw", "grid"} & set(kinds))
-    mesh = dtrec.init_mesh("cpu", shard_group_size=shard, node_size=shard // 2 if nodes else None)
-    sharded = dtrec.distribute_module(copy.deepcopy(reference), mesh, _plan(kinds), optimizer=fused)
+    run = {"initial": copy.deepcopy(reference), "keys": list(reference.state_dict())}
     ref_tables = reference.sparse._embedding_module.embedding_bags
     state = {} if fused is None else {n: fused.init_state(t.weight) for n, t in ref_tables.items()}
-    ref_evicted, evicted = {}, {}
+    ref_evicted = {}
 
     def ref_reset(table, rows):
         ref_evicted[table] = rows.clone()
@@ -158,53 +173,17 @@ def _one(rank, world, shard, opt_name, steps, kinds):
         else:
             fused.reset_rows(ref_tables[table].weight, state[table], rows)
 
-    def reset(table, rows):
-        evicted[table] = rows.clone()
-        if fused is None:
-            reset_torch_optimizer_rows(opt, sharded.sparse.table_weight(table), rows)
-
     reference.sparse.register_eviction_hook(ref_reset)
-    sharded.sparse.register_eviction_hook(reset)
     if fused is None:  # a torch optimizer on everything, tables included
-        torch_opt = {
-            "torch_adam": lambda ps: torch.optim.Adam(ps, lr=LR / 10),
-            "torch_sgd": lambda ps: torch.optim.SGD(ps, lr=LR),
-        }[opt_name]
-        ref_opt = torch_opt(reference.parameters())
-        opt = torch_opt(sharded.parameters())
+        ref_opt = _torch_opt(opt_name, reference.parameters())
     else:
         ref_opt = torch.optim.SGD(reference.dense.parameters(), lr=LR)
-        opt = torch.optim.SGD(sharded.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(1)
     hot = torch.randint(0, 2**63 - 1, (60,), generator=gen)
-    out = {
-        "remap_mismatch": [],
-        "state_mismatch": [],
-        "evicted_mismatch": [],
-        "window_calls": [],
-        "evictions": 0,
-    }
-    out["same_keys"] = list(sharded.state_dict()) == list(reference.state_dict())
-    for step in range(steps):
+    run["steps"], run["after"] = [], {}
+    for step in range(max(lengths)):
         batches = _batches(world, gen, hot)
         ref_evicted.clear()
-        evicted.clear()
-        kjt, target = batches[rank]
-        with dtrec.comm_stats() as stats:
-            pred, remapped = sharded(kjt)
-        # an eviction step gathers each evicting table's window once (sizes, then data);
-        # "item" evicts every step, "user" every third: no other step talks for the remap
-        evicting = 1 + ((step + 1) % 3 == 0)
-        calls = (
-            stats.calls["managed_collision.window"],
-            stats.calls["managed_collision.window.sizes"],
-        )
-        if calls != (evicting, evicting):
-            out["window_calls"].append((step, calls))
-        _loss(pred, target).backward()
-        opt.step()
-        opt.zero_grad()
-
         pooled, ref_remapped = reference.sparse(_global(batches))
         ref_pred = reference.dense(pooled.values()).squeeze(1)
         losses = [
@@ -222,23 +201,98 @@ def _one(rank, world, shard, opt_name, steps, kinds):
             weight.grad = None
         ref_opt.step()
         ref_opt.zero_grad()
+        run["steps"].append({
+            "batches": batches,
+            "remapped": {key: ref_remapped[key].values().clone() for key in KEYS},
+            "remappers": {
+                name: {k: v.clone() for k, v in mc.state_dict().items()}
+                for name, mc in _remappers(reference).items()
+            },
+            "evicted": {k: v.tolist() for k, v in ref_evicted.items()},
+        })  # fmt: skip
+        if step + 1 in lengths:
+            run["after"][step + 1] = {
+                "tables": {n: t.weight.detach().clone() for n, t in ref_tables.items()},
+                "fused": {n: {k: v.clone() for k, v in s.items()} for n, s in state.items()},
+                "torch": {
+                    n: {k: v.clone() for k, v in ref_opt.state[t.weight].items()}
+                    for n, t in ref_tables.items()
+                    if fused is None
+                },
+                "dense": reference.dense.weight.detach().clone(),
+            }
+    return run
+
+
+def _one(rank, world, shard, opt_name, steps, kinds):
+    import dtrec
+    from dtrec.modules import reset_torch_optimizer_rows
+    from dtrec.placements.mesh import shard_position
+
+    lengths = tuple(sorted({c[2] for c in CONFIGS.values() if c[1] == opt_name} | {steps}))
+    ref = _unsharded(opt_name, world, lengths)
+    fused = _fused(opt_name)
+    # node-aware specs need nodes: two of them (S/2 shard positions each)
+    nodes = kinds is not None and bool({"trw", "grid"} & set(kinds))
+    mesh = dtrec.init_mesh("cpu", shard_group_size=shard, node_size=shard // 2 if nodes else None)
+    sharded = dtrec.distribute_module(
+        copy.deepcopy(ref["initial"]), mesh, _plan(kinds), optimizer=fused
+    )
+    evicted = {}
+
+    def reset(table, rows):
+        evicted[table] = rows.clone()
+        if fused is None:
+            reset_torch_optimizer_rows(opt, sharded.sparse.table_weight(table), rows)
+
+    sharded.sparse.register_eviction_hook(reset)
+    if fused is None:  # a torch optimizer on everything, tables included
+        opt = _torch_opt(opt_name, sharded.parameters())
+    else:
+        opt = torch.optim.SGD(sharded.parameters(), lr=LR)
+    out = {
+        "remap_mismatch": [],
+        "state_mismatch": [],
+        "evicted_mismatch": [],
+        "window_calls": [],
+        "evictions": 0,
+    }
+    out["same_keys"] = list(sharded.state_dict()) == ref["keys"]
+    for step in range(steps):
+        want_step = ref["steps"][step]
+        batches = want_step["batches"]
+        evicted.clear()
+        kjt, target = batches[rank]
+        with dtrec.comm_stats() as stats:
+            pred, remapped = sharded(kjt)
+        # an eviction step gathers each evicting table's window once (sizes, then data);
+        # "item" evicts every step, "user" every third: no other step talks for the remap
+        evicting = 1 + ((step + 1) % 3 == 0)
+        calls = (
+            stats.calls["managed_collision.window"],
+            stats.calls["managed_collision.window.sizes"],
+        )
+        if calls != (evicting, evicting):
+            out["window_calls"].append((step, calls))
+        _loss(pred, target).backward()
+        opt.step()
+        opt.zero_grad()
 
         for key in KEYS:  # this rank's part of the global batch, remapped alike
             counts = [int(b[key].lengths().sum()) for b, _ in batches]
             start = sum(counts[:rank])
-            want = ref_remapped[key].values()[start : start + counts[rank]]
+            want = want_step["remapped"][key][start : start + counts[rank]]
             if not torch.equal(remapped[key].values(), want):
                 out["remap_mismatch"].append((step, key))
         for name, mc in _remappers(sharded).items():
-            mine, want = mc.state_dict(), _remappers(reference)[name].state_dict()
+            mine, want = mc.state_dict(), want_step["remappers"][name]
             if any(not torch.equal(mine[k], want[k]) for k in want):
                 out["state_mismatch"].append((step, name))
-        if {k: v.tolist() for k, v in evicted.items()} != {
-            k: v.tolist() for k, v in ref_evicted.items()
-        }:
+        if {k: v.tolist() for k, v in evicted.items()} != want_step["evicted"]:
             out["evicted_mismatch"].append(step)
         out["evictions"] += sum(v.numel() > 0 for v in evicted.values())
 
+    after = ref["after"][steps]
     weight_diff, state_diff = 0.0, 0.0
     inner = sharded.sparse._embedding_module
     fused_state = inner.fused_optimizer_state()
@@ -247,23 +301,23 @@ def _one(rank, world, shard, opt_name, steps, kinds):
         if block is None:  # a table-wise table on another rank
             continue
         (r0, r1), (c0, c1) = block.rows, block.cols
-        want = ref_tables[name].weight.detach()[r0:r1, c0:c1]
+        want = after["tables"][name][r0:r1, c0:c1]
         weight_diff = max(weight_diff, (table.weight.to_local() - want).abs().max().item())
         if fused is None:  # the torch optimizer's state, sharded like the weight
-            mine, want_state = opt.state[table.weight], ref_opt.state[ref_tables[name].weight]
+            mine, want_state = opt.state[table.weight], after["torch"][name]
             for key in ("exp_avg", "exp_avg_sq") if opt_name == "torch_adam" else ():
                 got = mine[key].to_local()
                 diff = (got - want_state[key][r0:r1, c0:c1]).abs().max().item()
                 state_diff = max(state_diff, diff)
         for key, value in fused_state.get(name, {}).items():
             if value.dim():
-                ref_value = state[name][key][r0:r1]
+                ref_value = after["fused"][name][key][r0:r1]
                 ref_value = ref_value[:, c0:c1] if ref_value.dim() == 2 else ref_value
                 state_diff = max(state_diff, (value - ref_value).abs().max().item())
     dense = sharded.dense.weight.to_local()
     out["weight_diff"] = weight_diff
     out["state_diff"] = state_diff
-    out["dense_diff"] = (dense - reference.dense.weight).abs().max().item()
+    out["dense_diff"] = (dense - after["dense"]).abs().max().item()
     # every rank holds the same remapper: compare a digest across the world
     digest = torch.stack([m._mch_sorted_raw_ids.sum() for m in _remappers(sharded).values()])
     digests = [torch.empty_like(digest) for _ in range(world)]
