@@ -7,7 +7,6 @@ reports the largest differences.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -152,47 +151,29 @@ def check_numerics(
     ``Result.max_norm_diff``; ``inspect``: called with the sharded model and its torch
     optimizer after the last step, its return value kept in ``Result.inspected`` (e.g. what
     a rank holds at rest).
+
+    The unsharded run depends on none of plan, mesh and ``sync_every``: it is trained once
+    per everything else in a rank (``_unsharded_run``) and read by every plan that shares it.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     tables = tables if tables is not None else make_tables(weighted)
     empty = empty or {}
-    torch.manual_seed(seed)
-    reference = TinyModel(tables)
-    if device != "cpu":
-        reference.to(device)
-    reference.sparse.to(dtype)
+    if batch_sizes is None:
+        batch_sizes = [[batch] * world] * steps
+    setup = _Setup(tables, weighted, seed, fused, dtype, empty, device, batch_sizes)
+    ref = _unsharded_run(setup, optimizer, lr, opt_kwargs or {}, clip)
     sharded = dtrec.distribute_module(
-        copy.deepcopy(reference),
+        _initial_model(setup),
         mesh,
         {f"sparse.{k}": v for k, v in plan.items()},
         optimizer=fused,
         sync_every=sync_every,
     )
-    if fused is not None:
-        reference.sparse.float()
-    fused_state = (
-        {
-            name: fused.init_state(table.weight)
-            for name, table in reference.sparse.embedding_bags.items()
-        }
-        if fused is not None
-        else {}
-    )
-    kw = dict(opt_kwargs or {})
-    make_opt = {
-        "sgd": lambda ps: torch.optim.SGD(ps, lr=lr, **kw),
-        "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=lr / 5, momentum=0.9, **kw),
-        "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=lr, **kw),
-        "adam": lambda ps: torch.optim.Adam(ps, lr=lr / 10, **kw),
-        "adamw": lambda ps: torch.optim.AdamW(ps, lr=lr / 10, weight_decay=0.1, **kw),
-        "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=lr / 50, **kw),
-    }[optimizer]
-    ref_opt, opt = make_opt(reference.parameters()), make_opt(sharded.parameters())
+    opt = _torch_optimizer(optimizer, lr, opt_kwargs or {})(sharded.parameters())
     result = Result()
     gen = torch.Generator().manual_seed(seed + 1)
     # this rank's stored block (a fully sharded table's: its owner slice)
     blocks = {name: table.block for name, table in sharded.sparse.embedding_bags.items()}
-    ref_tables = reference.sparse.embedding_bags
 
     def block_of(name: str, full: torch.Tensor) -> torch.Tensor:
         block = blocks[name]
@@ -200,36 +181,23 @@ def check_numerics(
 
     seen: dict[str, torch.Tensor] = {}
     sharded.sparse.register_forward_hook(lambda m, i, out: seen.update(pooled=out.values()))
-    if batch_sizes is None:
-        batch_sizes = [[batch] * world] * steps
     for step, sizes in enumerate(batch_sizes):
-        batches = [
-            make_batch(tables, sizes[r], weighted, gen, empty.get(r, ())) for r in range(world)
-        ]
-        if device != "cpu":
-            batches = [(kjt.to(device), target.to(device)) for kjt, target in batches]
-        kjt, target = batches[rank]
+        kjt, target = _step_batches(setup, sizes, gen)[rank]
         loss = rank_loss(sharded(kjt), target)  # the root forward: dense grad sync
         pooled = seen["pooled"]
         loss.backward()
 
-        ref_pooled = [reference.sparse(k).values() for k, _ in batches]
-        ref_losses = [rank_loss(reference.head(p), t) for p, (_, t) in zip(ref_pooled, batches)]
-        torch.stack(ref_losses).mean().backward()
-        result.max_loss_diff = max(result.max_loss_diff, abs(loss.item() - ref_losses[rank].item()))
-        if pooled.shape != ref_pooled[rank].shape:
+        want_pooled = ref.pooled[step][rank]
+        result.max_loss_diff = max(result.max_loss_diff, abs(loss.item() - ref.losses[step][rank]))
+        if pooled.shape != want_pooled.shape:
             result.shapes_match = False
             result.notes.append(f"step {step}: output {tuple(pooled.shape)}, want "
-                                f"{tuple(ref_pooled[rank].shape)}")  # fmt: skip
+                                f"{tuple(want_pooled.shape)}")  # fmt: skip
         out_diff = (
-            (pooled.float() - ref_pooled[rank].float()).abs().max().item()
-            if pooled.numel()
-            else 0.0
+            (pooled.float() - want_pooled.float()).abs().max().item() if pooled.numel() else 0.0
         )
         result.max_output_diff = max(result.max_output_diff, out_diff)
-        result.max_output = max(
-            [result.max_output] + [p.abs().max().item() for p in ref_pooled if p.numel()]
-        )
+        result.max_output = max(result.max_output, ref.max_output[step])
 
         for name, table in sharded.sparse.embedding_bags.items():
             w, g = table.weight, table.weight.grad
@@ -246,8 +214,7 @@ def check_numerics(
             # with sync_every replicas keep their own gradients (summed over S, not W)
             # (a fully sharded table's owner slice may be empty: no rows to compare)
             if fused is None and sync_every is None and blocks[name] and blocks[name].numel:
-                want = ref_tables[name].weight.grad
-                want = torch.zeros_like(ref_tables[name].weight) if want is None else want
+                want = ref.grads[step][name]
                 got = torch.zeros_like(w.to_local()) if g is None else g.to_local()
                 diff = (got.float() - block_of(name, want).float()).abs().max().item()
                 result.max_grad_diff = max(result.max_grad_diff, diff if got.numel() else 0.0)
@@ -256,20 +223,11 @@ def check_numerics(
                 )
         if clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(sharded.parameters(), **clip)
-            ref_params = reference.dense if fused is not None else reference
-            want_norm = torch.nn.utils.clip_grad_norm_(ref_params.parameters(), **clip)
             norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-            result.max_norm_diff = max(result.max_norm_diff, (norm - want_norm).abs().item())
-            result.max_norm = max(result.max_norm, want_norm.item())
+            result.max_norm_diff = max(result.max_norm_diff, (norm - ref.norms[step]).abs().item())
+            result.max_norm = max(result.max_norm, ref.norms[step].item())
         opt.step()
         opt.zero_grad()
-
-        if fused is not None:
-            fused_reference_update(
-                reference, tables, fused, fused_state, [k for k, _ in batches], dtype
-            )
-        ref_opt.step()
-        ref_opt.zero_grad()
     if sync_every is not None:
         sharded.sparse.sync_replicas()  # the last steps since a sync
     if inspect is not None:
@@ -278,7 +236,7 @@ def check_numerics(
     for name, table in sharded.sparse.embedding_bags.items():
         if blocks[name] is None:
             continue
-        full = ref_tables[name].weight.detach()
+        full = ref.weights[name]
         want = block_of(name, full)
         diff = (table.weight.to_local().float() - want.float()).abs()
         if dtype != torch.float32 and diff.numel():  # the unit: set by the row's largest
@@ -290,10 +248,132 @@ def check_numerics(
         )
     dense = sharded.dense.weight  # a DTensor replicated over the mesh: every rank's copy
     dense = dense.to_local() if isinstance(dense, DTensor) else dense
-    result.max_dense_diff = (dense - reference.dense.weight).abs().max().item()
+    result.max_dense_diff = (dense - ref.dense).abs().max().item()
     if dtype == torch.float32:
         result.max_weight_diff = max(result.max_weight_diff, result.max_dense_diff)
     return result
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What the models' start and the batches depend on (the same for both models)."""
+
+    tables: list[dtrec.EmbeddingBagConfig]
+    weighted: bool
+    seed: int
+    fused: dtrec.optim.FusedOptimizer | None
+    dtype: torch.dtype
+    empty: Mapping[int, Collection[str]]
+    device: str
+    batch_sizes: Sequence[Sequence[int]]
+
+    def key(self) -> str:
+        fused = self.fused
+        rule = None if fused is None else (type(fused).__qualname__, repr(vars(fused)))
+        return repr((self.tables, self.weighted, self.seed, rule, self.dtype,
+                     sorted((r, sorted(f)) for r, f in self.empty.items()), self.device,
+                     [list(s) for s in self.batch_sizes]))  # fmt: skip
+
+
+def _initial_model(setup: _Setup) -> TinyModel:
+    """Both models' start: the same seed, the tables in ``setup.dtype``."""
+    torch.manual_seed(setup.seed)
+    model = TinyModel(setup.tables)
+    if setup.device != "cpu":
+        model.to(setup.device)
+    model.sparse.to(setup.dtype)
+    return model
+
+
+def _step_batches(setup: _Setup, sizes: Sequence[int], gen: torch.Generator) -> list:
+    """Every rank's (kjt, target) of one step, drawn on CPU from ``gen``."""
+    batches = [
+        make_batch(setup.tables, n, setup.weighted, gen, setup.empty.get(r, ()))
+        for r, n in enumerate(sizes)
+    ]
+    if setup.device != "cpu":
+        batches = [(kjt.to(setup.device), target.to(setup.device)) for kjt, target in batches]
+    return batches
+
+
+def _torch_optimizer(
+    optimizer: str, lr: float, kw: Mapping[str, object]
+) -> Callable[..., torch.optim.Optimizer]:
+    return {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=lr, **kw),
+        "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=lr / 5, momentum=0.9, **kw),
+        "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=lr, **kw),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=lr / 10, **kw),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=lr / 10, weight_decay=0.1, **kw),
+        "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=lr / 50, **kw),
+    }[optimizer]
+
+
+@dataclass
+class _UnshardedRun:
+    """The unsharded model's run, as ``check_numerics`` compares with it, per step: every
+    rank's pooled output and loss, the largest pooled magnitude, the tables' full
+    gradients (zeros where none), the clipped norm; then the final weights."""
+
+    pooled: list[list[torch.Tensor]] = field(default_factory=list)
+    losses: list[list[float]] = field(default_factory=list)
+    max_output: list[float] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    norms: list[torch.Tensor] = field(default_factory=list)
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    dense: torch.Tensor | None = None
+
+
+_UNSHARDED_RUNS: dict[str, _UnshardedRun] = {}
+
+
+def _unsharded_run(
+    setup: _Setup,
+    optimizer: str,
+    lr: float,
+    opt_kwargs: Mapping[str, object],
+    clip: Mapping[str, object] | None,
+) -> _UnshardedRun:
+    """The unsharded model trained on the global batches (each rank's loss over its own
+    batch, their mean), kept per everything it depends on."""
+    key = repr((setup.key(), optimizer, lr, sorted(opt_kwargs.items()), clip))
+    if key in _UNSHARDED_RUNS:
+        return _UNSHARDED_RUNS[key]
+    fused = setup.fused
+    reference = _initial_model(setup)
+    if fused is not None:
+        reference.sparse.float()
+    state = {n: fused.init_state(t.weight) for n, t in reference.sparse.embedding_bags.items()
+             } if fused is not None else {}  # fmt: skip
+    ref_opt = _torch_optimizer(optimizer, lr, opt_kwargs)(reference.parameters())
+    ref_tables = reference.sparse.embedding_bags
+    run = _UnshardedRun()
+    gen = torch.Generator().manual_seed(setup.seed + 1)
+    for sizes in setup.batch_sizes:
+        batches = _step_batches(setup, sizes, gen)
+        ref_pooled = [reference.sparse(k).values() for k, _ in batches]
+        ref_losses = [rank_loss(reference.head(p), t) for p, (_, t) in zip(ref_pooled, batches)]
+        torch.stack(ref_losses).mean().backward()
+        run.pooled.append([p.detach().clone() for p in ref_pooled])
+        run.losses.append([x.item() for x in ref_losses])
+        run.max_output.append(max([0.0] + [p.abs().max().item() for p in ref_pooled if p.numel()]))
+        run.grads.append({
+            name: torch.zeros_like(t.weight) if t.weight.grad is None else t.weight.grad.clone()
+            for name, t in ref_tables.items()
+        })  # fmt: skip
+        if clip is not None:
+            ref_params = reference.dense if fused is not None else reference
+            run.norms.append(torch.nn.utils.clip_grad_norm_(ref_params.parameters(), **clip))
+        if fused is not None:
+            fused_reference_update(
+                reference, setup.tables, fused, state, [k for k, _ in batches], setup.dtype
+            )
+        ref_opt.step()
+        ref_opt.zero_grad()
+    run.weights = {name: t.weight.detach().clone() for name, t in ref_tables.items()}
+    run.dense = reference.dense.weight.detach().clone()
+    _UNSHARDED_RUNS[key] = run
+    return run
 
 
 def rank_loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
