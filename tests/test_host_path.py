@@ -37,7 +37,10 @@ MAX_STEP_LAUNCHES = 60
 MAX_EMBEDDING_LAUNCHES = 15
 MAX_ATEN_OPS = 2200
 MAX_DTENSOR_DISPATCHES = 8
-BATCH, DIM = 32, 16
+# Every count below is per step, whatever the batch size (the same launches, syncs and ATen
+# ops at 8 as at 32); the Triton interpreter's time grows with the ids: 8 rows (was 32: 24 ->
+# 9 s of CPU for the one-rank world).
+BATCH, DIM = 8, 16
 
 
 def _dlrm_step(backend: str) -> dict:
