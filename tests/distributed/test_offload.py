@@ -161,8 +161,11 @@ def _batches(gen: torch.Generator, sequence: bool = False) -> list:
     return [(kjt.to(DEVICE), target.to(DEVICE)) for kjt, target in batches]
 
 
-def _side_by_side(mesh, kind: str, optimizer: str, steps: int, sequence: bool = False) -> dict:
-    """Device model vs 5%-cache model, ``steps`` steps on the same batches."""
+def _side_by_side(
+    mesh, kind: str, optimizer: str, steps: int, sequence: bool = False, device_state=None
+) -> dict:
+    """Device model vs 5%-cache model, ``steps`` steps on the same batches (seed 11); the
+    device model's state also into the dict ``device_state`` where given."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -175,6 +178,8 @@ def _side_by_side(mesh, kind: str, optimizer: str, steps: int, sequence: bool = 
         _step(*cached, kjt, target, sequence)
     stats = cached[0].sparse.cache_stats()
     want, got = _state(plain[0]), _state(cached[0])
+    if device_state is not None:
+        device_state.update(want)
     return {
         "differ": _differences(want, got),
         "largest": _largest_difference(want, got),
@@ -281,20 +286,24 @@ def _inference(mesh, steps: int) -> dict:
     return {"differ": differ, "refused": refused}
 
 
-def _pipelined(mesh, optimizer: str, steps: int) -> dict:
+def _pipelined(mesh, optimizer: str, steps: int, device_state: dict | None = None) -> dict:
     """Device model, plain loop vs 5%-cache model, ``TrainPipeline``; the order of the
-    cached model's forwards, fills and updates, and the threads its row copies ran on."""
+    cached model's forwards, fills and updates, and the threads its row copies ran on.
+    ``device_state``: the device model's state after these steps, where ``_side_by_side``
+    of row-wise on this mesh has trained it (the same build and batches), else trained here."""
     import torch.distributed as dist
 
     import dtrec
 
     rank = dist.get_rank()
-    plain = _build(mesh, "row_wise", optimizer, {})
     cached, dense = _build(mesh, "row_wise", optimizer, {"cache_fraction": 0.05})
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(11)  # _side_by_side's batches
     batches = [_batches(gen)[rank] for _ in range(steps)]
-    for kjt, target in batches:
-        _step(*plain, kjt, target, False)
+    if device_state is None:
+        plain = _build(mesh, "row_wise", optimizer, {})
+        for kjt, target in batches:
+            _step(*plain, kjt, target, False)
+        device_state = _state(plain[0])
     events: list[str] = []
     threads: set[int] = set()
     offload = cached.sparse._offload
@@ -318,7 +327,7 @@ def _pipelined(mesh, optimizer: str, steps: int) -> dict:
     )
     for _ in pipeline.run(batches):
         pass
-    want, got = _state(plain[0]), _state(cached)
+    want, got = device_state, _state(cached)
     return {
         "differ": _differences(want, got),
         "largest": _largest_difference(want, got),
@@ -431,9 +440,11 @@ def _world(rank: int, world: int, root: str) -> dict:
         "2d": dtrec.init_mesh("cpu", 2),
     }
     out = {}
+    device_states: dict[str, dict] = {o: {} for o in OPTIMIZERS}  # row-wise 2D: the pipelines'
     for name in CONFIGS:
         optimizer, kind, mesh = name.split("/")
-        out[name] = _side_by_side(meshes[mesh], kind, optimizer, SIDE_STEPS)
+        keep = device_states[optimizer] if (kind, mesh) == ("row_wise", "2d") else None
+        out[name] = _side_by_side(meshes[mesh], kind, optimizer, SIDE_STEPS, False, keep)
     for kind in SEQUENCE:
         out[f"sequence/{kind}"] = _side_by_side(meshes["2d"], kind, "adam", SIDE_STEPS, True)
     out["planned"] = _planned(meshes["2d"], SIDE_STEPS)
@@ -443,7 +454,8 @@ def _world(rank: int, world: int, root: str) -> dict:
     out["inference"] = _inference(meshes["2d"], 10)
     for optimizer in OPTIMIZERS:
         out[f"round_trip/{optimizer}"] = _round_trip(Path(root), optimizer)
-        out[f"pipeline/{optimizer}"] = _pipelined(meshes["2d"], optimizer, SIDE_STEPS)
+        pipelined = _pipelined(meshes["2d"], optimizer, SIDE_STEPS, device_states[optimizer])
+        out[f"pipeline/{optimizer}"] = pipelined
     return out
 
 
