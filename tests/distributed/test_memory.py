@@ -24,12 +24,24 @@ def _kib(field: str) -> int:
     raise KeyError(field)
 
 
+def _fixed_mmap_threshold() -> None:
+    """glibc's mmap threshold fixed at 1 MiB, as ``MALLOC_MMAP_THRESHOLD_`` would set it
+    at process start (``mallopt`` also turns the dynamic threshold off): a rank forked
+    from the fork server sets it here instead of being spawned with the variable."""
+    import ctypes
+
+    m_mmap_threshold = -3  # glibc's malloc.h
+    if not ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 1 << 20):
+        raise OSError("mallopt(M_MMAP_THRESHOLD) refused")
+
+
 def _run(rank: int, world: int) -> dict:
     import torch
 
     import dtrec
     from dtrec.placements import RowWise
 
+    _fixed_mmap_threshold()
     torch.manual_seed(0)  # meta tables are initialised from it: the same on every rank
     mesh = dtrec.init_mesh("cpu", world)
 
@@ -69,7 +81,7 @@ def results() -> list[dict]:
     # temporaries of the build in the heap, and the resident peak varies by ~30 MiB from
     # run to run (measured 104-141 MiB); with it, RSS is the live memory, and a full-table
     # temporary (98 MiB) would still show in the peak.
-    return run_world(4, _run, timeout=300, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
+    return run_world(4, _run, timeout=300)
 
 
 def test_peak_memory_is_the_shards_not_the_model(results) -> None:
